@@ -1,0 +1,174 @@
+"""The ipyparallel side: start or connect, the stable rank <-> engine map, liveness.
+
+Ranks never depend on ipyparallel engine ids: an engine that restarts comes back
+with a new id, and ``EngineCluster.engine_ids`` (indexed by rank) is updated to it.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from importlib.metadata import entry_points
+from typing import Any
+
+import ipyparallel as ipp
+import psutil
+
+__all__ = ["EngineCluster", "launcher_names"]
+
+
+def launcher_names() -> list[str]:
+    """Engine launchers ipyparallel knows by name (``local``, ``mpi``, ``slurm``...)."""
+    return sorted({e.name for e in entry_points(group="ipyparallel.engine_launchers")})
+
+
+class EngineCluster:
+    """An ipyparallel client plus, when we started it, the ``ipyparallel.Cluster``."""
+
+    def __init__(self, client: ipp.Client, cluster: ipp.Cluster | None = None):
+        self.client = client
+        self.cluster = cluster
+        self.owns_engines = cluster is not None
+        self.engine_ids: list[int] = sorted(client.ids)
+        self.pids: list[int | None] = [None] * len(self.engine_ids)
+        self.hosts: list[str | None] = [None] * len(self.engine_ids)
+
+    # -- start / connect / stop -------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        n: int,
+        launcher: str,
+        *,
+        timeout: float,
+        environment: dict[str, str] | None = None,
+        **cluster_kwargs: Any,
+    ) -> EngineCluster:
+        """Start a controller and ``n`` engines with ``launcher``; wait for all of them."""
+        if environment:
+            from traitlets.config import Config
+
+            config = cluster_kwargs.pop("config", None) or Config()
+            env = dict(environment)
+            env.update(config.BaseLauncher.get("environment", {}))
+            config.BaseLauncher.environment = env
+            cluster_kwargs["config"] = config
+        cluster_kwargs.setdefault("log_level", 30)
+        cluster = ipp.Cluster(n=n, engines=launcher, **cluster_kwargs)
+        try:
+            cluster.start_cluster_sync()
+            client = cluster.connect_client_sync()
+            client.wait_for_engines(n, timeout=timeout)
+        except BaseException as exc:
+            try:
+                cluster.stop_cluster_sync()
+            except Exception:
+                pass
+            if isinstance(exc, TimeoutError):
+                raise TimeoutError(
+                    f"only {len(getattr(locals().get('client'), 'ids', []))} of {n} engines "
+                    f"registered within {timeout:g} s with launcher {launcher!r}; raise "
+                    "`timeout` or check the launcher's output (cluster_kwargs log_level=10)."
+                ) from exc
+            raise
+        return cls(client, cluster)
+
+    @classmethod
+    def connect(
+        cls,
+        url_file: str | None = None,
+        *,
+        profile: str | None = None,
+        cluster_id: str | None = None,
+        n: int | None = None,
+        timeout: float = 60.0,
+    ) -> EngineCluster:
+        """Attach to a running cluster; we will never stop its engines."""
+        kwargs: dict[str, Any] = {}
+        if profile is not None:
+            kwargs["profile"] = profile
+        if cluster_id is not None:
+            kwargs["cluster_id"] = cluster_id
+        # ipyparallel 9.2 ignores url_file= as a keyword: pass it positionally.
+        client = ipp.Client(url_file, **kwargs) if url_file else ipp.Client(**kwargs)
+        client.wait_for_engines(n or 1, timeout=timeout)
+        return cls(client)
+
+    def stop(self) -> None:
+        """Stop what we started (controller and engines); only close the client otherwise."""
+        try:
+            if self.cluster is not None:
+                self.cluster.stop_cluster_sync()
+        finally:
+            try:
+                self.client.close()
+            except Exception:
+                pass
+
+    # -- ranks -------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return len(self.engine_ids)
+
+    def set_rank_order(self, engine_ids: list[int], pids: list[int], hosts: list[str]) -> None:
+        """Fix which engine serves which rank (index = rank)."""
+        self.engine_ids, self.pids, self.hosts = list(engine_ids), list(pids), list(hosts)
+
+    def view(self, ranks: list[int] | None = None) -> ipp.DirectView:
+        """A blocking-off DirectView whose targets are the given ranks' engines, in rank order."""
+        ranks = list(range(self.world_size)) if ranks is None else ranks
+        v = self.client.direct_view(targets=[self.engine_ids[r] for r in ranks])
+        v.block = False
+        return v
+
+    def rank_of(self, engine_id: int) -> int | None:
+        try:
+            return self.engine_ids.index(engine_id)
+        except ValueError:
+            return None
+
+    # -- liveness ----------------------------------------------------------------
+
+    def dead_ranks(self) -> list[int]:
+        """Ranks whose engine process is gone.
+
+        Engines on this host are checked by pid at once; others by the controller's
+        registry, which notices a dead engine only after its heartbeat times out.
+        """
+        here = socket.gethostname()
+        registered = set(self.client.ids)
+        dead = []
+        for rank, eid in enumerate(self.engine_ids):
+            pid, host = self.pids[rank], self.hosts[rank]
+            if pid is not None and host == here and _local_pid_dead(pid):
+                dead.append(rank)
+            elif eid not in registered:
+                dead.append(rank)
+        return dead
+
+    def owns_pid(self, pid: int) -> bool:
+        """True if ``pid`` is one of the engines this session started on this host."""
+        return self.owns_engines and pid in self.pids
+
+
+def _local_pid_dead(pid: int) -> bool:
+    try:
+        p = psutil.Process(pid)
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.AccessDenied:
+        return False
+
+
+def wait_until(pred, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``pred`` until it is true or ``timeout`` passes; return its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if pred():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)

@@ -1,0 +1,237 @@
+"""Send work to every rank at once and gather it back in rank order.
+
+One ``AsyncResult`` per rank (never a multi-engine one), so a failure, a death or a
+hang is seen per rank while the others are still running. ``gather`` polls instead of
+blocking, which is what lets the notebook stay responsive: it notices dead engines by
+pid within a poll, honours ``timeout``, and hands Ctrl-C and ranks that failed while
+others wait in a collective to the session's failure policy (``FailurePolicy``).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ipyparallel as ipp
+
+from .cluster import EngineCluster
+from .errors import DeadRankError, RankError, RankFailure, RankTimeoutError
+
+__all__ = ["Dispatcher", "FailurePolicy", "Pending"]
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+OUTPUT_LIMIT = 64_000
+"""At most this many characters of one rank's stdout or stderr are echoed per call."""
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text or "")
+
+
+@dataclass
+class Pending:
+    """Work submitted to some ranks: one AsyncResult per rank."""
+
+    what: str
+    """What was asked ("execute", "run(train)"), for messages."""
+    results: dict[int, ipp.AsyncResult]
+    """rank -> its AsyncResult."""
+    started: float = field(default_factory=time.monotonic)
+
+
+class FailurePolicy:
+    """What ``gather`` does when ranks fail while others still run, or on Ctrl-C.
+
+    The base policy only reports; the session installs one that also recovers
+    (``fsdp_nb.recovery``).
+    """
+
+    grace: float = 5.0
+    """Seconds ranks may keep running after another rank failed before we intervene."""
+
+    def on_partial_failure(
+        self, pending: Pending, failures: list[RankFailure], running: list[int]
+    ) -> None:
+        """Some ranks failed, ``running`` have not returned after ``grace``: raise."""
+        raise RankError(pending.what, failures, len(pending.results))
+
+    def on_interrupt(self, pending: Pending, running: list[int]) -> None:
+        """Ctrl-C in the notebook while ``running`` ranks work."""
+
+    def on_dead(self, pending: Pending, dead: list[int]) -> None:
+        """Engines died; the default raises DeadRankError."""
+        raise DeadRankError(dead, f"while running {pending.what}")
+
+    def on_timeout(self, pending: Pending, running: list[int], timeout: float) -> None:
+        raise RankTimeoutError(pending.what, timeout, running)
+
+
+class Dispatcher:
+    """Submit per-rank calls and gather them in rank order."""
+
+    poll: float = 0.02
+    """Seconds between checks of the pending results."""
+    liveness_every: float = 0.5
+    """Seconds between pid checks of the engines while waiting."""
+
+    def __init__(self, cluster: EngineCluster, policy: FailurePolicy | None = None):
+        self.cluster = cluster
+        self.policy = policy or FailurePolicy()
+        self.echo = True
+
+    # -- submit -----------------------------------------------------------------
+
+    def apply(
+        self,
+        what: str,
+        fn: Callable[..., Any],
+        args_by_rank: Sequence[tuple] | None = None,
+        *,
+        ranks: Sequence[int] | None = None,
+        args: tuple = (),
+    ) -> Pending:
+        """Call ``fn(*args)`` on each rank (or ``fn(*args_by_rank[i])`` on ranks[i])."""
+        ranks = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
+        self._check_alive(what, ranks)
+        results = {}
+        for i, r in enumerate(ranks):
+            a = args_by_rank[i] if args_by_rank is not None else args
+            results[r] = self.cluster.client[self.cluster.engine_ids[r]].apply_async(fn, *a)
+        return Pending(what, results)
+
+    def execute(self, code: str, *, ranks: Sequence[int] | None = None) -> Pending:
+        """Run ``code`` in every rank's namespace, as ``%%px`` does."""
+        ranks = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
+        self._check_alive("execute", ranks)
+        results = {
+            r: self.cluster.client[self.cluster.engine_ids[r]].execute(code, block=False, silent=False)
+            for r in ranks
+        }
+        return Pending("execute", results)
+
+    def _check_alive(self, what: str, ranks: Sequence[int]) -> None:
+        dead = [r for r in self.cluster.dead_ranks() if r in ranks]
+        if dead:
+            raise DeadRankError(dead, f"{what} was not sent.")
+
+    # -- gather -----------------------------------------------------------------
+
+    def gather(self, pending: Pending, timeout: float | None = None) -> list[Any]:
+        """Wait for every rank; return results in rank order or raise the failures."""
+        try:
+            return self._gather(pending, timeout)
+        except KeyboardInterrupt:
+            running = [r for r, ar in pending.results.items() if not ar.ready()]
+            self.policy.on_interrupt(pending, running)
+            raise
+
+    def _gather(self, pending: Pending, timeout: float | None) -> list[Any]:
+        client = self.cluster.client
+        echo = _Echo(pending) if self.echo else None
+        first_failure_at: float | None = None
+        next_liveness = time.monotonic() + self.liveness_every
+        while True:
+            running = [r for r, ar in pending.results.items() if not ar.ready()]
+            failures = self._failures(pending)
+            now = time.monotonic()
+            if not running:
+                break
+            if failures and first_failure_at is None:
+                first_failure_at = now
+            if first_failure_at is not None and now - first_failure_at >= self.policy.grace:
+                self.policy.on_partial_failure(pending, failures, running)
+                first_failure_at = None  # policy chose to keep waiting
+            if now >= next_liveness:
+                next_liveness = now + self.liveness_every
+                dead = [r for r in self.cluster.dead_ranks() if r in running]
+                if dead:
+                    self.policy.on_dead(pending, dead)
+            if timeout is not None and now - pending.started > timeout:
+                self.policy.on_timeout(pending, running, timeout)
+            client.wait([pending.results[r] for r in running], timeout=self.poll)
+            if echo:
+                echo.flush()
+        if echo:
+            echo.flush(final=True)
+        failures = self._failures(pending)
+        if failures:
+            raise RankError(pending.what, failures, self.cluster.world_size)
+        return [pending.results[r].get() for r in sorted(pending.results)]
+
+    def _failures(self, pending: Pending) -> list[RankFailure]:
+        """Failed ranks, the first to fail first (by completion time, then rank)."""
+        out = []
+        for r, ar in pending.results.items():
+            if ar.ready() and not ar.successful():
+                out.append((_completed(ar), r, _failure(r, ar)))
+        out.sort(key=lambda t: (t[0], t[1]))
+        return [f for _, _, f in out]
+
+
+class _Echo:
+    """Streams each rank's new stdout / stderr while a call runs, tagged by rank.
+
+    Whole lines only (a partial line waits for its newline or the end), and at most
+    ``OUTPUT_LIMIT`` characters per rank and stream, so a chatty rank cannot flood
+    the notebook.
+    """
+
+    def __init__(self, pending: Pending):
+        self.pending = pending
+        self.offsets: dict[tuple[int, str], int] = {}
+        self.shown: dict[tuple[int, str], int] = {}
+
+    def flush(self, final: bool = False) -> None:
+        for r in sorted(self.pending.results):
+            ar = self.pending.results[r]
+            for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+                text = getattr(ar, name)
+                text = text if isinstance(text, str) else "".join(text or [])
+                key = (r, name)
+                start = self.offsets.get(key, 0)
+                end = len(text) if final else text.rfind("\n", start) + 1
+                if end <= start:
+                    continue
+                self.offsets[key] = end
+                chunk = text[start:end]
+                room = OUTPUT_LIMIT - self.shown.get(key, 0)
+                if room <= 0:
+                    continue
+                if len(chunk) > room:
+                    chunk = chunk[:room] + f"\n... [rank {r} {name} cut at {OUTPUT_LIMIT} characters]\n"
+                self.shown[key] = self.shown.get(key, 0) + len(chunk)
+                stream.write(_tag(r, chunk))
+                stream.flush()
+
+
+def _tag(rank: int, text: str) -> str:
+    lines = text.splitlines()
+    return "".join(f"[rank {rank}] {line}\n" for line in lines)
+
+
+def _completed(ar: ipp.AsyncResult) -> float:
+    try:
+        md = ar._metadata[0] if isinstance(ar._metadata, list) else ar._metadata
+        done = md.get("completed")
+        return done.timestamp() if done is not None else float("inf")
+    except Exception:
+        return float("inf")
+
+
+def _failure(rank: int, ar: ipp.AsyncResult) -> RankFailure:
+    exc = ar._exception if hasattr(ar, "_exception") else None
+    if exc is None:
+        try:
+            ar.get(0)
+        except Exception as e:  # noqa: BLE001 - we only read it
+            exc = e
+    if isinstance(exc, ipp.error.CompositeError) and exc.elist:
+        ename, evalue, tb, _ = exc.elist[0]
+        return RankFailure(rank, ename, evalue, strip_ansi(tb))
+    if isinstance(exc, ipp.error.RemoteError):
+        return RankFailure(rank, exc.ename, exc.evalue, strip_ansi(exc.traceback or ""))
+    return RankFailure(rank, type(exc).__name__, str(exc), "")

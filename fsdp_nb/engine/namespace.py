@@ -1,0 +1,76 @@
+"""The engine's user namespace, and calling notebook functions inside it."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import cloudpickle
+
+from ..shipping import ByValue
+
+
+def user_ns() -> dict[str, Any]:
+    """The namespace ``%%px`` cells run in (the engine kernel's ``user_ns``)."""
+    try:
+        from IPython import get_ipython
+
+        ip = get_ipython()
+    except ImportError:  # pragma: no cover - engines always have IPython
+        ip = None
+    if ip is not None:
+        return ip.user_ns
+    import __main__
+
+    return __main__.__dict__
+
+
+def unship(obj: Any) -> Any:
+    """Undo :func:`fsdp_nb.shipping.by_value`; other objects pass through."""
+    if isinstance(obj, ByValue):
+        rebind = obj.rebind
+        obj = cloudpickle.loads(obj.payload)
+        if rebind and isinstance(obj, types.FunctionType):
+            obj = _rebind(obj)
+    return obj
+
+
+def _rebind(fn: types.FunctionType) -> types.FunctionType:
+    """Let a notebook function also see engine globals (``model``, ``optimizer``...).
+
+    cloudpickle gives the function only the notebook globals it used; names the
+    notebook did not have are looked up in the engine namespace, as in ``%%px``.
+    """
+    g = dict(user_ns())
+    g.update(fn.__globals__)
+    new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update(fn.__dict__)
+    new.__qualname__ = fn.__qualname__
+    return new
+
+
+def call(fn: Any, args: Any, kwargs: Any) -> Any:
+    """Run a shipped function with shipped arguments on this rank."""
+    fn = unship(fn)
+    args = unship(args)
+    kwargs = unship(kwargs)
+    return fn(*args, **kwargs)
+
+
+def assign(mapping: Any) -> None:
+    """Bind names in the engine namespace (``sess.push``)."""
+    user_ns().update(unship(mapping))
+
+
+def get(name: str) -> Any:
+    """Return an engine global (``sess.pull``), with a clear error when it is missing."""
+    ns = user_ns()
+    if name not in ns:
+        raise NameError(f"name {name!r} is not defined on this rank")
+    return ns[name]
+
+
+def delete(name: str) -> None:
+    """Remove an engine global if present."""
+    user_ns().pop(name, None)

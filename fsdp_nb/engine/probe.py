@@ -1,0 +1,88 @@
+"""What an engine knows about itself before it has a rank."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+LAUNCHER_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+"""Environment variables through which MPI or Slurm tell a process its rank."""
+
+
+@dataclass(frozen=True)
+class EngineProbe:
+    """One engine's host, process and devices, read on the engine."""
+
+    host: str
+    """``socket.gethostname()`` on the engine: engines are grouped by it."""
+    pid: int
+    """The engine's process id."""
+    addr: str
+    """The engine's address on the interface that routes to the controller."""
+    ifname: str | None
+    """Name of that interface (for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
+    launcher_rank: int | None
+    """Rank given by the launcher (MPI / Slurm), if any."""
+    launcher_var: str | None
+    """Which variable gave ``launcher_rank``."""
+    cuda_devices: int
+    """CUDA devices visible to the engine (0 when torch has no CUDA)."""
+
+
+def describe(controller_ip: str | None) -> EngineProbe:
+    """Probe this engine: host, pid, routable address, launcher rank, GPU count."""
+    launcher_rank = launcher_var = None
+    for var in LAUNCHER_RANK_VARS:
+        if os.environ.get(var, "").isdigit():
+            launcher_rank, launcher_var = int(os.environ[var]), var
+            break
+    addr = route_address(controller_ip)
+    return EngineProbe(
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        addr=addr,
+        ifname=interface_of(addr),
+        launcher_rank=launcher_rank,
+        launcher_var=launcher_var,
+        cuda_devices=_cuda_count(),
+    )
+
+
+def route_address(target: str | None) -> str:
+    """This host's address on the interface that routes to ``target``.
+
+    ``gethostbyname(gethostname())`` may give 127.0.0.1 or fail inside containers and
+    network namespaces; a UDP socket "connected" to the target (no packet is sent)
+    reports the source address the kernel would use.
+    """
+    if not target or target in ("*", "0.0.0.0", ""):
+        target = "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def interface_of(addr: str) -> str | None:
+    """The network interface holding ``addr``, or None."""
+    try:
+        import psutil
+
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.family == socket.AF_INET and a.address == addr for a in addrs):
+                return name
+    except Exception:
+        pass
+    return None
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0

@@ -1,0 +1,149 @@
+"""Forming the process group: rank order, local ranks, address, port, environment.
+
+Pure functions decide (testable without engines); ``form_group`` runs them against a
+cluster: probe every engine, order them, find rank 0's reachable address and a free
+port on its host, then call ``init_process_group`` on every engine at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cluster import EngineCluster
+from .dispatch import Dispatcher
+from .engine import probe as _probe
+from .engine import process_group as _pg
+from .engine.probe import EngineProbe
+
+__all__ = ["RankInfo", "form_group", "local_ranks", "rank_env", "rank_order"]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where one rank lives."""
+
+    rank: int
+    """Global rank in the process group."""
+    engine_id: int
+    """Current ipyparallel engine id (changes when the engine restarts)."""
+    host: str
+    """Host name of the engine."""
+    pid: int
+    """Engine process id on its host."""
+    device: str
+    """Device the rank computes on: ``"cuda:0"``, ``"cpu"``."""
+    local_rank: int
+    """Rank among the engines on the same host (picks the GPU)."""
+    local_world_size: int
+    """Number of engines on the same host."""
+    addr: str
+    """The engine's address on the interface that routes to the controller."""
+
+
+def rank_order(engine_ids: list[int], probes: list[EngineProbe]) -> list[int]:
+    """Indexes into ``engine_ids`` in rank order.
+
+    Launcher ranks (MPI / Slurm) win when every engine has a distinct one; otherwise
+    engines are ordered by host (in order of each host's first engine) and engine id,
+    so ranks on one host are contiguous.
+    """
+    lr = [p.launcher_rank for p in probes]
+    if all(r is not None for r in lr) and len(set(lr)) == len(lr):
+        return sorted(range(len(probes)), key=lambda i: lr[i])
+    by_id = sorted(range(len(probes)), key=lambda i: engine_ids[i])
+    first_seen: dict[str, int] = {}
+    for i in by_id:
+        first_seen.setdefault(probes[i].host, len(first_seen))
+    return sorted(by_id, key=lambda i: (first_seen[probes[i].host], engine_ids[i]))
+
+
+def local_ranks(hosts: list[str]) -> list[tuple[int, int]]:
+    """(local_rank, local_world_size) for each rank, given each rank's host."""
+    count: dict[str, int] = {}
+    seen: dict[str, int] = {}
+    for h in hosts:
+        count[h] = count.get(h, 0) + 1
+    out = []
+    for h in hosts:
+        out.append((seen.get(h, 0), count[h]))
+        seen[h] = seen.get(h, 0) + 1
+    return out
+
+
+def rank_env(
+    rank: int,
+    world_size: int,
+    local: tuple[int, int],
+    master_addr: str,
+    master_port: int,
+    ifname: str | None = None,
+) -> dict[str, str]:
+    """The torch.distributed environment for one rank."""
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local[0]),
+        "LOCAL_WORLD_SIZE": str(local[1]),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
+    if ifname:
+        env["GLOO_SOCKET_IFNAME"] = ifname
+        env["NCCL_SOCKET_IFNAME"] = ifname
+    return env
+
+
+def controller_ip(cluster: EngineCluster) -> str | None:
+    """The controller's address as written in the client's connection info."""
+    url = getattr(cluster.client, "_config", {}).get("registration", "") or ""
+    if "://" in url:
+        host = url.split("://", 1)[1].rsplit(":", 1)[0]
+        return host if host not in ("*", "0.0.0.0") else None
+    return None
+
+
+def form_group(
+    cluster: EngineCluster,
+    dispatcher: Dispatcher,
+    backend: str,
+    *,
+    pg_timeout: float,
+    threads: int | None,
+) -> list[RankInfo]:
+    """Probe, order and rendezvous every engine; return per-rank info in rank order."""
+    engine_ids = list(cluster.engine_ids)
+    ctrl = controller_ip(cluster)
+    probes: list[EngineProbe] = dispatcher.gather(
+        dispatcher.apply("probe engines", _probe.describe, args=(ctrl,))
+    )
+    order = rank_order(engine_ids, probes)
+    engine_ids = [engine_ids[i] for i in order]
+    probes = [probes[i] for i in order]
+    hosts = [p.host for p in probes]
+    cluster.set_rank_order(engine_ids, [p.pid for p in probes], hosts)
+    if backend == "nccl":
+        short = [p for p in probes if p.cuda_devices < 1]
+        if short:
+            raise RuntimeError(
+                f"backend 'nccl' needs a GPU on every rank, but host(s) "
+                f"{sorted({p.host for p in short})} show none; use backend='gloo'."
+            )
+    multi_host = len(set(hosts)) > 1
+    locals_ = local_ranks(hosts)
+    master_addr = probes[0].addr
+    (port,) = dispatcher.gather(dispatcher.apply("find a free port", _pg.free_port, ranks=[0]))
+    envs = [
+        rank_env(r, len(probes), locals_[r], master_addr, port, p.ifname if multi_host else None)
+        for r, p in enumerate(probes)
+    ]
+    devices = dispatcher.gather(
+        dispatcher.apply(
+            "init_process_group",
+            _pg.init,
+            [(env, backend, pg_timeout, threads) for env in envs],
+        )
+    )
+    return [
+        RankInfo(r, engine_ids[r], p.host, p.pid, devices[r], *locals_[r], p.addr)
+        for r, p in enumerate(probes)
+    ]

@@ -1,0 +1,303 @@
+"""The ``Session`` façade: one object a notebook holds to drive every rank.
+
+It validates input, then delegates: ``cluster`` starts or attaches to engines,
+``rendezvous`` forms the process group, ``dispatch`` sends work and gathers it in
+rank order; later layers (wrap, checkpoints, widgets, recovery) hang off it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import html
+import os
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from . import rendezvous
+from .cluster import EngineCluster, launcher_names
+from .dispatch import Dispatcher, FailurePolicy
+from .engine import namespace as _ns
+from .engine import process_group as _pg
+from .errors import SessionClosedError
+from .rendezvous import RankInfo
+from .shipping import by_value
+
+__all__ = ["BACKENDS", "Session"]
+
+BACKENDS = ("gloo", "nccl")
+"""Process-group backends a session can form."""
+
+_LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def _validate(n: int | None, backend: str | None, launcher: str) -> tuple[int, str]:
+    """Check arguments before any process starts; return (n, backend)."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"n must be a positive int (number of ranks) or None, got {n!r}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
+    names = launcher_names()
+    if launcher not in names:
+        raise ValueError(f"unknown launcher {launcher!r}; allowed: {', '.join(names)}")
+    gpus = _cuda_count() if launcher == "local" else None
+    if backend is None:
+        backend = "nccl" if (gpus if gpus is not None else _cuda_count()) else "gloo"
+    if n is None:
+        n = gpus if (backend == "nccl" and gpus) else 2
+    if backend == "nccl" and gpus is not None and n > gpus:
+        raise ValueError(
+            f"n={n} ranks with backend 'nccl' needs {n} GPUs, but this machine has {gpus}; "
+            f"use n <= {gpus}, or backend='gloo' for CPU ranks"
+        )
+    return n, backend
+
+
+class Session:
+    """An ipyparallel cluster whose engines are the ranks of one process group.
+
+    ``Session(n)`` starts ``n`` engines (default: one per visible GPU, or 2 CPU
+    engines on gloo) and forms the group; use ``Session.connect`` for a cluster
+    started elsewhere (mpiexec, Slurm). A context manager; ``shutdown()`` stops
+    only what this session started.
+    """
+
+    def __init__(
+        self,
+        n: int | None = None,
+        *,
+        backend: str | None = None,
+        launcher: str = "local",
+        timeout: float = 120.0,
+        pg_timeout: float = 1800.0,
+        activate: bool = True,
+        **cluster_kwargs: Any,
+    ):
+        n, backend = _validate(n, backend, launcher)
+        self.backend = backend
+        self.launcher = launcher
+        self.pg_timeout = pg_timeout
+        self._state = "starting"
+        threads = max(1, (os.cpu_count() or 1) // n) if backend == "gloo" else None
+        self._threads = threads
+        env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+        cluster = EngineCluster.start(
+            n, launcher, timeout=timeout, environment=env, **cluster_kwargs
+        )
+        self._setup(cluster, activate)
+
+    @classmethod
+    def connect(
+        cls,
+        url_file: str | None = None,
+        *,
+        profile: str | None = None,
+        cluster_id: str | None = None,
+        n: int | None = None,
+        backend: str | None = None,
+        timeout: float = 60.0,
+        pg_timeout: float = 1800.0,
+        activate: bool = True,
+    ) -> Session:
+        """Attach to a running ipyparallel cluster and form the process group on its engines.
+
+        Arguments are as ``ipyparallel.Client`` takes them (the client connection
+        file, or profile and cluster id); ``n`` waits for that many engines.
+        ``shutdown()`` leaves those engines running.
+        """
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
+        if n is not None and (not isinstance(n, int) or n < 1):
+            raise ValueError(f"n must be a positive int or None, got {n!r}")
+        self = cls.__new__(cls)
+        self.launcher = "connected"
+        self.pg_timeout = pg_timeout
+        self._state = "starting"
+        cluster = EngineCluster.connect(
+            url_file, profile=profile, cluster_id=cluster_id, n=n, timeout=timeout
+        )
+        if n is not None:
+            cluster.engine_ids = cluster.engine_ids[:n]
+        self.backend = backend or "gloo"
+        self._threads = None
+        self._setup(cluster, activate)
+        if backend is None and any(r.device.startswith("cuda") for r in self.ranks):
+            self.backend = "nccl"
+        return self
+
+    def _setup(self, cluster: EngineCluster, activate: bool) -> None:
+        self._cluster = cluster
+        self._policy = FailurePolicy()
+        self._dispatch = Dispatcher(cluster, self._policy)
+        try:
+            self._form_group()
+        except BaseException:
+            self._state = "failed"
+            cluster.stop()
+            raise
+        self._state = "ready"
+        _LIVE.add(self)
+        if activate:
+            from .magics import activate_px
+
+            activate_px(self)
+
+    def _form_group(self) -> None:
+        self._ranks = rendezvous.form_group(
+            self._cluster,
+            self._dispatch,
+            self.backend,
+            pg_timeout=self.pg_timeout,
+            threads=self._threads,
+        )
+
+    # -- what it is ---------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return len(self._ranks)
+
+    @property
+    def ranks(self) -> list[RankInfo]:
+        """Per-rank info in rank order: rank, engine id, host, pid, device, local rank."""
+        return list(self._ranks)
+
+    @property
+    def state(self) -> str:
+        """``ready``, ``closed``, ``failed`` (or ``starting``)."""
+        return self._state
+
+    @property
+    def client(self):
+        """The underlying ``ipyparallel.Client`` (escape hatch)."""
+        return self._cluster.client
+
+    def view(self):
+        """An ``ipyparallel.DirectView`` on all ranks' engines, in rank order."""
+        return self._cluster.view()
+
+    # -- running code -------------------------------------------------------------
+
+    def _live(self) -> Dispatcher:
+        if self._state == "closed":
+            raise SessionClosedError("this session was shut down; start a new fsdp_nb.Session()")
+        return self._dispatch
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank; results in rank order.
+
+        ``fn`` may be defined in the notebook: it is shipped by value with the
+        notebook globals it uses; other names resolve in the engine namespace.
+        """
+        if not callable(fn):
+            raise TypeError(f"run() needs a callable, got {type(fn).__name__}")
+        d = self._live()
+        what = f"run({getattr(fn, '__qualname__', type(fn).__name__)})"
+        payload = (by_value(fn), by_value(args), by_value(kwargs))
+        return d.gather(d.apply(what, _ns.call, args=payload), timeout)
+
+    def execute(self, code: str, *, timeout: float | None = None) -> list[Any]:
+        """Run ``code`` on every rank (as ``%%px`` does); raise the failing ranks' errors."""
+        if not isinstance(code, str):
+            raise TypeError(f"execute() needs source code as str, got {type(code).__name__}")
+        d = self._live()
+        return d.gather(d.execute(code), timeout)
+
+    def push(self, mapping: Mapping[str, Any]) -> None:
+        """Bind ``mapping``'s names on every rank (values shipped by value)."""
+        if not isinstance(mapping, Mapping) or not all(isinstance(k, str) for k in mapping):
+            raise TypeError("push() needs a mapping of str names to values")
+        d = self._live()
+        d.gather(d.apply("push", _ns.assign, args=(by_value(dict(mapping)),)))
+
+    def pull(self, name: str) -> list[Any]:
+        """The value of engine global ``name`` on every rank, in rank order."""
+        if not isinstance(name, str):
+            raise TypeError(f"pull() needs a name (str), got {type(name).__name__}")
+        d = self._live()
+        return d.gather(d.apply(f"pull({name!r})", _ns.get, args=(name,)))
+
+    def all_reduce_check(self) -> float:
+        """Run one collective (sum of ranks) on every rank; return its result."""
+        d = self._live()
+        return d.gather(d.apply("all_reduce", _pg.all_reduce_rank))[0]
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the engines and controller this session started (nothing else)."""
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        _LIVE.discard(self)
+        try:
+            if not self._cluster.owns_engines:
+                try:
+                    self._dispatch.gather(
+                        self._dispatch.apply("destroy_process_group", _pg.destroy), timeout=30
+                    )
+                except Exception:
+                    pass
+        finally:
+            self._cluster.stop()
+            from .magics import deactivate_px
+
+            deactivate_px(self)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def _rows(self) -> list[tuple[str, ...]]:
+        return [
+            (str(r.rank), str(r.engine_id), r.host, str(r.pid), r.device, f"{r.local_rank}/{r.local_world_size}")
+            for r in getattr(self, "_ranks", [])
+        ]
+
+    def __repr__(self) -> str:
+        head = (
+            f"<fsdp_nb.Session {self._state}: {len(getattr(self, '_ranks', []))} ranks, "
+            f"backend={self.backend}, launcher={self.launcher}>"
+        )
+        cols = ("rank", "engine", "host", "pid", "device", "local")
+        rows = [cols, *self._rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+        return head + "\n" + "\n".join("  " + line for line in lines)
+
+    def _repr_html_(self) -> str:
+        cols = ("rank", "engine", "host", "pid", "device", "local rank")
+        th = "".join(f"<th>{c}</th>" for c in cols)
+        trs = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>"
+            for row in self._rows()
+        )
+        return (
+            f"<div><b>fsdp_nb.Session</b> &mdash; state <code>{self._state}</code>, "
+            f"{len(getattr(self, '_ranks', []))} ranks, backend <code>{self.backend}</code>, "
+            f"launcher <code>{html.escape(self.launcher)}</code>"
+            f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table></div>"
+        )
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for sess in list(_LIVE):
+        try:
+            sess.shutdown()
+        except Exception:
+            pass

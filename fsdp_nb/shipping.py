@@ -1,0 +1,87 @@
+"""Ship notebook objects to the engines by value.
+
+ipyparallel's default canning re-creates ``__main__`` classes with ``type()`` on the
+engine, which breaks zero-argument ``super()`` (REFERENCE.md). cloudpickle pickles
+notebook-defined functions, classes and instances by value, with the notebook
+globals they use, so we wrap everything we send in :class:`ByValue` and let the
+engine unpickle it (``fsdp_nb.engine.namespace.unship``).
+"""
+
+from __future__ import annotations
+
+import os
+import site
+import sys
+import sysconfig
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+__all__ = ["ByValue", "by_value"]
+
+
+@dataclass(frozen=True)
+class ByValue:
+    """An object pickled with cloudpickle; ipyparallel carries the bytes untouched."""
+
+    payload: bytes
+    """cloudpickle bytes of the object."""
+    what: str
+    """A short description, for error messages."""
+    rebind: bool = False
+    """A notebook (by-value) function: let it also see the engine's globals."""
+
+
+def by_value(obj: Any) -> ByValue:
+    """Pickle ``obj`` by value, naming it in a clear error when it cannot be shipped."""
+    _register_local_module(obj)
+    try:
+        payload = cloudpickle.dumps(obj)
+    except Exception as exc:
+        raise TypeError(
+            f"cannot ship {_describe(obj)} to the engines: {type(exc).__name__}: {exc}. "
+            "Objects sent to the ranks must be picklable with cloudpickle (open files, "
+            "sockets, locks and live CUDA handles are not); build them on the engines "
+            "with %%px or sess.execute instead."
+        ) from exc
+    module = getattr(obj, "__module__", None)
+    rebind = isinstance(obj, types.FunctionType) and (module == "__main__" or module in _LOCAL)
+    return ByValue(payload, _describe(obj), rebind)
+
+
+def _register_local_module(obj: Any) -> None:
+    """Ship the user's own modules (a script beside the notebook) by value too.
+
+    cloudpickle pickles ``__main__`` by value but other modules by reference, and an
+    engine may not be able to import a module that lives only in the notebook's
+    folder. Modules outside site-packages and the standard library are registered
+    for by-value pickling.
+    """
+    for target in (obj, type(obj)):
+        mod = sys.modules.get(getattr(target, "__module__", None) or "")
+        if mod is None or mod.__name__ in _LOCAL or mod.__name__ == "__main__":
+            continue
+        path = getattr(mod, "__file__", None) or ""
+        if not path or mod.__name__.split(".")[0] in ("fsdp_nb", "torch", "builtins"):
+            continue
+        real = os.path.realpath(path)
+        if any(real.startswith(p) for p in _library_paths()):
+            continue
+        cloudpickle.register_pickle_by_value(mod)
+        _LOCAL.add(mod.__name__)
+
+
+_LOCAL: set[str] = set()
+
+
+def _library_paths() -> list[str]:
+    paths = {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    paths.update(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
+    return [os.path.realpath(p) for p in paths if p]
+
+
+def _describe(obj: Any) -> str:
+    name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    return f"{type(obj).__name__} {name!r}" if name != type(obj).__qualname__ else repr(name)

@@ -1,0 +1,226 @@
+"""The session core: ranks, environment, shipping, errors, magics, lifecycle."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+import fsdp_nb
+from fsdp_nb.errors import RankError
+
+
+def _env():
+    import os
+
+    import torch.distributed as dist
+
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "OMP_NUM_THREADS")
+    return {k: os.environ.get(k) for k in keys} | {"dist_rank": dist.get_rank(), "pid": os.getpid()}
+
+
+def test_rank_order_and_env(sess):
+    envs = sess.run(_env)
+    assert [e["dist_rank"] for e in envs] == [0, 1]
+    assert [e["RANK"] for e in envs] == ["0", "1"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"2"}
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1"]
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+    assert int(envs[0]["MASTER_PORT"]) > 0
+    assert {e["OMP_NUM_THREADS"] for e in envs} == {str(max(1, os.cpu_count() // 2))}
+    assert [e["pid"] for e in envs] == [r.pid for r in sess.ranks]
+    assert [r.rank for r in sess.ranks] == [0, 1]
+    assert sess.world_size == 2 and sess.backend == "gloo"
+    assert all(r.device == "cpu" for r in sess.ranks)
+    assert sess.all_reduce_check() == 1.0
+
+
+def test_run_pull_push_in_rank_order(sess):
+    assert sess.run(lambda x: x + rank, 10) == [10, 11]  # noqa: F821 - engine global
+    sess.push({"pushed": [1, 2, 3]})
+    assert sess.pull("pushed") == [[1, 2, 3], [1, 2, 3]]
+    sess.execute("per_rank = rank * 7")
+    assert sess.pull("per_rank") == [0, 7]
+
+
+def test_repr_shows_ranks_hosts_pids(sess):
+    text = repr(sess)
+    html = sess._repr_html_()
+    for r in sess.ranks:
+        assert str(r.pid) in text and str(r.pid) in html
+        assert r.host in text and r.host in html
+    assert "gloo" in text and "ready" in text and "<table>" in html
+
+
+NOTEBOOK_CELL = '''
+import torch
+from torch import nn
+
+scale = 3
+
+class Block(nn.Module):
+    def __init__(self, dim=4):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.lin(x) * scale
+
+def make_and_run():
+    torch.manual_seed(0)
+    return tuple(Block()(torch.ones(1, 4)).shape)
+
+inst = Block(4)
+'''
+
+
+def test_notebook_defined_objects_reach_engines(sess, shell):
+    shell.run_cell(NOTEBOOK_CELL).raise_error()
+    ns = shell.user_ns
+    assert ns["Block"].__module__ == "__main__"
+    # a function using a notebook class (zero-argument super()) and a notebook global
+    assert sess.run(ns["make_and_run"]) == [(1, 4), (1, 4)]
+    # a lambda, the class itself and an instance with its weights
+    assert sess.run(shell.ev("lambda: scale * 2 + rank")) == [6, 7]
+    sess.push({"Block": ns["Block"], "inst": ns["inst"]})
+    sess.execute("b = Block(8); y = b(torch.ones(2, 8)).shape")
+    assert sess.pull("y") == [(2, 8), (2, 8)]
+    w = ns["inst"].lin.weight.detach()
+    pulled = sess.run(lambda: inst.lin.weight.detach().clone())  # noqa: F821
+    assert all((p == w).all() for p in pulled)
+    # nn.Module subclass instance built on the engine by the shipped class is a real Module
+    assert sess.run(lambda: isinstance(b, torch.nn.Module)) == [True, True]  # noqa: F821
+
+
+def test_px_magic_through_ipython(sess, shell, capsys):
+    from fsdp_nb.magics import activate_px
+
+    activate_px(sess)
+    shell.run_cell_magic("px", "", "px_value = rank + 100\nprint('hello from', rank)")
+    assert sess.pull("px_value") == [100, 101]
+    out = capsys.readouterr().out
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+    assert out.index("[rank 0]") < out.index("[rank 1]")
+    shell.run_cell_magic("px", "", "rank * 2")
+    out = capsys.readouterr().out
+    assert "Out[rank 0]: 0" in out and "Out[rank 1]: 2" in out
+    shell.run_line_magic("px", "line_value = 5")
+    assert sess.pull("line_value") == [5, 5]
+
+
+def test_fsdp_line_magic(sess, shell, capsys):
+    shell.run_line_magic("load_ext", "fsdp_nb")
+    from fsdp_nb.magics import activate_px
+
+    activate_px(sess)
+    assert shell.run_line_magic("fsdp", "status") is sess
+    with pytest.raises(ValueError, match="allowed: start, status, stop"):
+        shell.run_line_magic("fsdp", "explode")
+
+
+def test_error_on_one_rank_names_it_and_session_survives(sess):
+    with pytest.raises(RankError) as ei:
+        sess.execute("if rank == 1:\n    raise ValueError('only rank one breaks')")
+    err = ei.value
+    assert err.ranks == [1]
+    assert err.first.ename == "ValueError" and "only rank one breaks" in err.first.evalue
+    assert "only rank one breaks" in str(err) and "rank 1" in str(err)
+    assert "raise ValueError" in err.first.traceback
+    # still usable: a collective answers
+    assert sess.all_reduce_check() == 1.0
+
+
+def test_error_on_all_ranks_first_failure_first(sess):
+    def fail_late_on_rank0():
+        import time
+
+        if rank == 0:  # noqa: F821
+            time.sleep(0.5)
+        raise KeyError(f"rank {rank}")  # noqa: F821
+
+    with pytest.raises(RankError) as ei:
+        sess.run(fail_late_on_rank0)
+    assert ei.value.ranks == [1, 0]
+    assert sess.run(lambda: 1) == [1, 1]
+
+
+def test_pull_missing_name_is_clear(sess):
+    with pytest.raises(RankError, match="'no_such_thing' is not defined"):
+        sess.pull("no_such_thing")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"n": 0}, "n must be a positive int"),
+        ({"n": -3}, "n must be a positive int"),
+        ({"backend": "mpi"}, "allowed: gloo, nccl"),
+        ({"launcher": "kubernetes"}, "allowed: .*local.*slurm"),
+    ],
+)
+def test_bad_input_before_any_process(kwargs, match):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match=match):
+        fsdp_nb.Session(**kwargs)
+    after = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert after <= before
+
+
+def test_nccl_beyond_gpu_count_is_refused():
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=f"this machine has {gpus}"):
+        fsdp_nb.Session(gpus + 1, backend="nccl")
+
+
+def test_second_session_side_by_side_and_clean_shutdown(sess):
+    ours = {p.pid for p in psutil.Process().children(recursive=True)}
+    with fsdp_nb.Session(2, backend="gloo", activate=False) as other:
+        p1 = sess.run(lambda: __import__("os").environ["MASTER_PORT"])[0]
+        p2 = other.run(lambda: __import__("os").environ["MASTER_PORT"])[0]
+        assert p1 != p2
+        assert other.all_reduce_check() == 1.0 and sess.all_reduce_check() == 1.0
+        pids = [r.pid for r in other.ranks]
+        assert not set(pids) & ours
+        started = {p.pid for p in psutil.Process().children(recursive=True)} - ours
+        assert set(pids) <= started
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in started):
+        time.sleep(0.2)
+    alive = [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert alive == [], f"processes left after shutdown: {alive}"
+    assert other.state == "closed"
+    with pytest.raises(fsdp_nb.SessionClosedError):
+        other.run(lambda: 1)
+    assert sess.all_reduce_check() == 1.0  # the shared session is untouched
+
+
+def test_connect_to_running_cluster_leaves_its_engines(tmp_path):
+    profile_dir = tmp_path / "profile"
+    import ipyparallel as ipp
+
+    cluster = ipp.Cluster(n=2, profile_dir=str(profile_dir), cluster_id="ext", log_level=40)
+    cluster.start_cluster_sync()
+    try:
+        url_file = profile_dir / "security" / "ipcontroller-ext-client.json"
+        deadline = time.monotonic() + 30
+        while not url_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        s = fsdp_nb.Session.connect(str(url_file), n=2, activate=False)
+        assert s.world_size == 2 and s.launcher == "connected"
+        assert s.all_reduce_check() == 1.0
+        pids = [r.pid for r in s.ranks]
+        s.shutdown()
+        time.sleep(1)
+        assert all(psutil.pid_exists(p) for p in pids), "connect+shutdown must not stop engines"
+        # the engines are still usable by a fresh connection
+        s2 = fsdp_nb.Session.connect(str(url_file), n=2, activate=False)
+        assert s2.all_reduce_check() == 1.0
+        s2.shutdown()
+    finally:
+        cluster.stop_cluster_sync()
