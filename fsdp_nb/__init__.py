@@ -13,7 +13,25 @@ from .session import Session
 
 __version__ = "0.1.0"
 
+# Names served lazily from the layers that define them (keeps `import fsdp_nb` light).
+_LAZY = {
+    "ShardedModel": "sharded_model",
+    "WrapOptions": "sharding",
+    "CheckpointInfo": "checkpoint",
+    "inspect": "checkpoint",
+    "consolidate": "checkpoint",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'fsdp_nb' has no attribute {name!r}")
+
 __all__ = [
+    "CheckpointInfo",
     "DeadRankError",
     "RankError",
     "RankFailure",
@@ -21,6 +39,10 @@ __all__ = [
     "RankTimeoutError",
     "Session",
     "SessionClosedError",
+    "ShardedModel",
+    "WrapOptions",
     "__version__",
+    "consolidate",
+    "inspect",
     "load_ipython_extension",
 ]

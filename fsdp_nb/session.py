@@ -12,7 +12,7 @@ import html
 import os
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import rendezvous
 from .cluster import EngineCluster, launcher_names
@@ -22,6 +22,9 @@ from .engine import process_group as _pg
 from .errors import SessionClosedError
 from .rendezvous import RankInfo
 from .shipping import by_value
+
+if TYPE_CHECKING:
+    from .sharded_model import ShardedModel
 
 __all__ = ["BACKENDS", "Session"]
 
@@ -233,6 +236,93 @@ class Session:
         """Run one collective (sum of ranks) on every rank; return its result."""
         d = self._live()
         return d.gather(d.apply("all_reduce", _pg.all_reduce_rank))[0]
+
+    # -- models (fsdp_nb.sharding) -----------------------------------------------
+
+    def wrap(self, model: Any, *args: Any, name: str = "model", **options: Any) -> ShardedModel:
+        """Build (or take) ``model`` on every rank and shard it with FSDP2.
+
+        ``model``: an nn.Module instance (its weights are sharded), a Module class or
+        factory (built on the meta device, then materialized shard by shard), or the
+        name of a module ``%%px`` code built. Binds the FSDP2 module as engine global
+        ``name``. Options: see ``fsdp_nb.sharding.WrapOptions``.
+        """
+        from .sharding import wrap
+
+        self._live()
+        return wrap(self, model, args, name=name, **options)
+
+    # -- checkpoints (fsdp_nb.checkpoint) -------------------------------------------
+
+    def save(
+        self,
+        path: str,
+        model: ShardedModel | str,
+        *,
+        optimizer: str | None = None,
+        extra: dict[str, Any] | None = None,
+        sharded: bool = True,
+        overwrite: bool = False,
+        async_save: bool = False,
+        keep_last: int | None = None,
+    ) -> Any:
+        """Write a checkpoint of ``model`` (and engine global ``optimizer``) atomically."""
+        from .checkpoint import save
+
+        self._live()
+        return save(
+            self, path, model, optimizer=optimizer, extra=extra, sharded=sharded,
+            overwrite=overwrite, async_save=async_save, keep_last=keep_last,
+        )
+
+    def load(
+        self,
+        path: str,
+        model: ShardedModel | str,
+        *,
+        optimizer: str | None = None,
+        strict: bool = True,
+    ) -> dict[str, Any]:
+        """Load a sharded or full checkpoint onto this world size; returns its ``extra``."""
+        from .checkpoint import load
+
+        self._live()
+        return load(self, path, model, optimizer=optimizer, strict=strict)
+
+    # -- failures (fsdp_nb.recovery) ----------------------------------------------
+
+    def status(self) -> Any:
+        """Which rank is busy, idle or dead, and where a busy rank is (its stack)."""
+        from .recovery import status
+
+        return status(self)
+
+    def restart(self, restore: str | None = None) -> Session:
+        """Bring back the same ranks (dead engines replaced), rebuild the group and wraps."""
+        from .recovery import restart
+
+        self._live()
+        return restart(self, restore=restore)
+
+    # -- widgets (fsdp_nb.widgets) -------------------------------------------------
+
+    def memory(self, **kwargs: Any) -> Any:
+        """Live per-rank memory widget (updates while a cell trains)."""
+        from .widgets.memory import memory_widget
+
+        return memory_widget(self, **kwargs)
+
+    def checkpoints(self, root: str, **kwargs: Any) -> Any:
+        """Checkpoint browser widget for a local folder or fsspec URL."""
+        from .widgets.checkpoints import checkpoint_browser
+
+        return checkpoint_browser(self, root, **kwargs)
+
+    def dashboard(self, **kwargs: Any) -> Any:
+        """Status, memory, layouts and checkpoints in one widget."""
+        from .widgets.dashboard import dashboard
+
+        return dashboard(self, **kwargs)
 
     # -- lifecycle ----------------------------------------------------------------
 
