@@ -135,14 +135,16 @@ def _created(fs: Any, p: str) -> float | None:
 def retain_last(fs: Any, target: str, k: int) -> list[str]:
     """Keep the newest ``k`` checkpoints beside ``target`` (itself included); remove the rest.
 
-    Only valid fsdp_nb checkpoints count and are removed; other files are never touched.
-    Returns the removed paths.
+    Only valid fsdp_nb checkpoints of the same kind as ``target`` count (folders for a
+    sharded one, files with the same suffix for a full one) and are removed, oldest
+    first by their recorded time; other files are never touched. Returns the removed paths.
     """
     parent = posixpath.dirname(target.rstrip("/"))
+    suffix = full_suffix(target)
     found = []
     for e in fs.ls(parent, detail=False):
         name = posixpath.basename(e.rstrip("/"))
-        if name.startswith("."):
+        if name.startswith(".") or full_suffix(name) != suffix:
             continue
         t = _created(fs, e.rstrip("/"))
         if t is not None:

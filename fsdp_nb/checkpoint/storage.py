@@ -60,6 +60,9 @@ def url_to_fs(url: str, options: dict[str, Any] | None = None) -> tuple[fsspec.A
         raise TypeError(f"checkpoint path must be a non-empty str (local path or URL), got {url!r}")
     opts = options_for(url) if options is None else options
     fs, path = fsspec.core.url_to_fs(url, **opts)
+    if not is_local(fs):
+        # Other processes (engines, the notebook) write here too: never trust a cached listing.
+        fs.invalidate_cache()
     return fs, path
 
 
