@@ -73,11 +73,18 @@ def commit_sharded(
         return
     had_old = fs.exists(target)
     if had_old:
-        fs.mv(target, old, recursive=True)
-    fs.mv(tmp, target, recursive=True)
+        _move_tree(fs, target, old)
+    _move_tree(fs, tmp, target)
     _write(fs, posixpath.join(target, MARKER), marker)
     if had_old:
         fs.rm(old, recursive=True)
+
+
+def _move_tree(fs: Any, src: str, dst: str) -> None:
+    """Copy every file under ``src`` to ``dst`` (object stores have no rename), then remove ``src``."""
+    for f in fs.find(src):
+        fs.copy(f, posixpath.join(dst, posixpath.relpath(f, src)))
+    fs.rm(src, recursive=True)
 
 
 def commit_full(fs: Any, tmp: str, target: str) -> None:
