@@ -231,7 +231,8 @@ def _save_sharded(spec: dict[str, Any], model: Any, optim: Any, t0: float) -> di
         out["seconds"] = time.perf_counter() - t0
         return out
     group = _ckpt_group() if ws > 1 else None
-    resp = dcp.async_save(sd, storage_writer=writer, process_group=group)
+    t_sd = time.perf_counter() - t0
+    resp = dcp.async_save(sd, storage_writer=writer, process_group=group, async_stager=_stager(sd))
     upload = getattr(resp, "upload_completion", resp)
     staging = getattr(resp, "staging_completion", None)
     if staging is not None:
@@ -250,7 +251,47 @@ def _save_sharded(spec: dict[str, Any], model: Any, optim: Any, t0: float) -> di
         return out
 
     _PENDING[spec["token"]] = _executor().submit(finish)
-    return {"ok": True, "blocked": blocked, "pending": True}
+    return {"ok": True, "blocked": blocked, "state_dict_s": t_sd, "pending": True}
+
+
+class _CloneStager:
+    """Stage CPU state dicts by cloning each tensor (DTensors stay DTensors, local shards copied).
+
+    DCP's DefaultStager walks and rebuilds the state dict object by object; a plain
+    clone per tensor is the same training-safe copy with less overhead on CPU ranks.
+    """
+
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: Any) -> Any:
+        import torch
+        from torch.utils._pytree import tree_map_only
+
+        return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state_dict)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _stager(sd: Any) -> Any:
+    """Our clone stager for CPU tensors; DCP's default (CPU-safe options) for accelerators."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    if all(t.device.type == "cpu" for t in tree_leaves(sd) if isinstance(t, torch.Tensor)):
+        return _CloneStager()
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
 
 
 def _cleanup(fs: Any, path: str) -> None:
