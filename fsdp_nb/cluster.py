@@ -6,6 +6,7 @@ with a new id, and ``EngineCluster.engine_ids`` (indexed by rank) is updated to 
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from importlib.metadata import entry_points
@@ -77,6 +78,25 @@ def split_cluster_kwargs(launcher: str, kwargs: dict[str, Any]) -> dict[str, Any
     return out
 
 
+def _batch_file_in_profile(cluster: ipp.Cluster, launcher: str) -> None:
+    """Write a batch launcher's job script into the profile's log folder.
+
+    ipyparallel writes it relative to the current directory, i.e. into the
+    notebook's folder; a ``batch_file_name`` the user configured is left alone.
+    """
+    from ipyparallel.cluster.launcher import BatchSystemLauncher
+
+    cls = engine_launcher_class(launcher)
+    if not issubclass(cls, BatchSystemLauncher) or "batch_file_name" in cluster.config[cls.__name__]:
+        return
+    log_dir = os.path.join(cluster.profile_dir, "log")
+    os.makedirs(log_dir, exist_ok=True)
+    default = cls.class_traits()["batch_file_name"].default_value
+    cluster.config[cls.__name__].batch_file_name = os.path.join(
+        log_dir, f"{cluster.cluster_id}-{default}"
+    )
+
+
 class EngineCluster:
     """An ipyparallel client plus, when we started it, the ``ipyparallel.Cluster``."""
 
@@ -118,6 +138,7 @@ class EngineCluster:
                 config[lname].environment = {**env, **config[lname].environment}
         cluster_kwargs.setdefault("log_level", 30)
         cluster = ipp.Cluster(n=n, engines=launcher, **cluster_kwargs)
+        _batch_file_in_profile(cluster, launcher)
         try:
             cluster.start_cluster_sync()
             client = cluster.connect_client_sync()

@@ -12,8 +12,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -284,7 +286,8 @@ _slurm_missing = slurm_local.missing_requirements()
 
 @pytest.mark.root
 @pytest.mark.skipif(_slurm_missing is not None, reason=f"Slurm: {_slurm_missing}")
-def test_slurm_launcher_ranks_and_training(monkeypatch):
+def test_slurm_launcher_ranks_and_training(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the notebook's folder: no batch script may land here
     with slurm_local.LocalSlurm() as slurm:
         monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
         try:
@@ -297,5 +300,46 @@ def test_slurm_launcher_ranks_and_training(monkeypatch):
             assert [e["SLURM_PROCID"] for e in envs] == [e["RANK"] for e in envs] == ["0", "1"]
             assert envs[0]["SLURM_JOB_ID"] == slurm.queue()[0]
             train_and_check(sess)
+            assert list(tmp_path.iterdir()) == []
         finally:
             sess.shutdown()
+        assert _wait_empty(slurm), f"shutdown left Slurm jobs {slurm.queue()}"
+
+
+def _wait_empty(slurm: slurm_local.LocalSlurm, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while slurm.queue():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.3)
+    return True
+
+
+@pytest.mark.root
+@pytest.mark.skipif(_slurm_missing is not None, reason=f"Slurm: {_slurm_missing}")
+def test_connect_to_ipcluster_started_with_slurm(monkeypatch, tmp_path):
+    """``ipcluster start --engines=slurm`` from a shell, then ``Session.connect(cluster_id=)``."""
+    monkeypatch.chdir(tmp_path)
+    cid = "fsdpnb-mh"
+    with slurm_local.LocalSlurm() as slurm:
+        env = {**slurm.env, "OMP_NUM_THREADS": "1"}
+        ipcluster = [sys.executable, "-m", "ipyparallel.cluster", ]
+        try:
+            subprocess.run(
+                [*ipcluster, "start", "-n", "2", "--engines=slurm", f"--cluster-id={cid}",
+                 "--daemonize", "--log-level=WARN"],
+                env=env, check=True, timeout=60, capture_output=True,
+            )
+            sess = fsdp_nb.Session.connect(cluster_id=cid, n=2, timeout=120, activate=False)
+            try:
+                assert sess.launcher == "connected"
+                envs = env_of(sess, "SLURM_PROCID", "RANK")
+                assert [e["SLURM_PROCID"] for e in envs] == [e["RANK"] for e in envs]
+                train_and_check(sess)
+            finally:
+                sess.shutdown()
+            assert slurm.queue(), "Session.shutdown must leave engines it did not start"
+        finally:
+            subprocess.run([*ipcluster, "stop", f"--cluster-id={cid}"], env=env,
+                           timeout=60, capture_output=True)
+        assert _wait_empty(slurm), f"ipcluster stop left Slurm jobs {slurm.queue()}"
