@@ -6,6 +6,7 @@ with a new id, and ``EngineCluster.engine_ids`` (indexed by rank) is updated to 
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import time
@@ -87,14 +88,16 @@ def _batch_file_in_profile(cluster: ipp.Cluster, launcher: str) -> None:
     from ipyparallel.cluster.launcher import BatchSystemLauncher
 
     cls = engine_launcher_class(launcher)
-    if not issubclass(cls, BatchSystemLauncher) or "batch_file_name" in cluster.config[cls.__name__]:
+    if not issubclass(cls, BatchSystemLauncher):
+        return
+    if "batch_file_name" in cluster.config.get(cls.__name__, {}):
         return
     log_dir = os.path.join(cluster.profile_dir, "log")
     os.makedirs(log_dir, exist_ok=True)
     default = cls.class_traits()["batch_file_name"].default_value
-    cluster.config[cls.__name__].batch_file_name = os.path.join(
-        log_dir, f"{cluster.cluster_id}-{default}"
-    )
+    config = copy.deepcopy(cluster.config)  # never edit the IPython session's config
+    config[cls.__name__].batch_file_name = os.path.join(log_dir, f"{cluster.cluster_id}-{default}")
+    cluster.config = config
 
 
 class EngineCluster:
@@ -136,6 +139,8 @@ class EngineCluster:
             lname = engine_launcher_class(launcher).__name__
             if "environment" in config[lname]:
                 config[lname].environment = {**env, **config[lname].environment}
+        if not config:  # keep inheriting the IPython session's config as Cluster does
+            del cluster_kwargs["config"]
         cluster_kwargs.setdefault("log_level", 30)
         cluster = ipp.Cluster(n=n, engines=launcher, **cluster_kwargs)
         _batch_file_in_profile(cluster, launcher)
