@@ -348,6 +348,28 @@ def _check_call(spec: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         raise TypeError(f"cannot build {what}{sig} from these arguments: {exc}") from None
 
 
+def _register_user_modules(model: Any, args: tuple, kwargs: dict, opts: WrapOptions) -> None:
+    """Ship the user's own modules by value for every part of the payload.
+
+    ``by_value`` registers only the top-level object's module; the payload is a tuple,
+    and the classes in it (the model's submodules, ``auto_wrap`` classes, callables)
+    may live in a script beside the notebook that the engines cannot import.
+    """
+    import torch
+
+    from .shipping import _register_local_module
+
+    parts: list[Any] = [model, *args, *kwargs.values()]
+    if isinstance(model, torch.nn.Module):
+        parts.extend(type(m) for m in model.modules())
+    for f in dataclasses.fields(opts):
+        v = getattr(opts, f.name)
+        parts.extend(v if isinstance(v, frozenset) else [v])
+    for part in parts:
+        if part is not None:
+            _register_local_module(part)
+
+
 def _meta_clone(model: Any) -> Any:
     """A copy of ``model`` whose parameters are on the meta device (no weight copies).
 
@@ -397,6 +419,7 @@ def wrap(
     plan = plan_mesh(sess, opts)
     import torch
 
+    _register_user_modules(model, args, kwargs, opts)
     seed = int(torch.randint(0, 2**62, ()).item())
     if kind == "instance":
         problem = _ew.check_classes(model, opts)

@@ -282,12 +282,14 @@ def build(name: str, kind: str, payload: Any, plan: Any, seed: int) -> WrapSumma
     full_sd = None
     saved_buffers: dict[str, Any] = {}
     if kind in ("instance", "string"):
+        # rank 0's weights are kept aside (references, no copy) and every rank goes on
+        # with parameters on the meta device, exactly as for a class spec: collectives
+        # inside parallelize / fully_shard then see the same tensors on every rank
         if dist.get_rank() == 0:
-            full_sd = {k: v for k, v in model.state_dict().items()}
+            full_sd = dict(model.state_dict())
         saved_buffers = {k: b for k, b in model.named_buffers() if not b.is_meta}
+        model.to("meta")
     if options.mixed_precision == "bf16-true":
-        if full_sd is not None:
-            full_sd = {k: v.detach().clone() for k, v in full_sd.items()}
         model.to(torch.bfloat16)
     if plan.tp_dim is not None:
         model = options.parallelize(model, mesh)
