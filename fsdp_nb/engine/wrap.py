@@ -21,10 +21,11 @@ How a model is built (every rank runs the same steps, so collectives line up):
   runs under a forked RNG seeded with ``seed + rank`` (shards differ, the user's
   RNG is untouched); afterwards every replicated piece (``Replicate`` placements,
   plain buffers) is broadcast from the first rank of its group so replicas agree.
-- instance spec: rank 0 received the module with its weights, other ranks a copy
-  whose parameters are on the meta device; all shard the same way, ``to_empty``,
-  and rank 0's full state dict is scattered with ``set_model_state_dict(...,
-  full_state_dict=True, broadcast_from_rank0=True)``. Buffers come shipped.
+- instance spec: every rank receives a copy whose parameters are on the meta
+  device (buffers shipped as they are); all shard the same way and ``to_empty``;
+  then the notebook streams the weights to rank 0 in chunks (``load_full_chunk``)
+  and each chunk is scattered with ``set_model_state_dict(..., full_state_dict=True,
+  broadcast_from_rank0=True)``, so rank 0 never holds the whole model.
 - string spec: the engine global module; rank 0's weights win (same broadcast).
 """
 
@@ -46,6 +47,7 @@ __all__ = [
     "check_spec",
     "full_state_dict",
     "get",
+    "load_full_chunk",
     "name_status",
     "resolve",
 ]
@@ -282,10 +284,11 @@ def build(name: str, kind: str, payload: Any, plan: Any, seed: int) -> WrapSumma
     full_sd = None
     saved_buffers: dict[str, Any] = {}
     if kind in ("instance", "string"):
-        # rank 0's weights are kept aside (references, no copy) and every rank goes on
-        # with parameters on the meta device, exactly as for a class spec: collectives
-        # inside parallelize / fully_shard then see the same tensors on every rank
-        if dist.get_rank() == 0:
+        # every rank goes on with parameters on the meta device, exactly as for a class
+        # spec, so collectives inside parallelize / fully_shard see the same tensors on
+        # every rank. A string spec's rank-0 weights are kept aside (references, no
+        # copy); an instance's weights are streamed afterwards (load_full_chunk)
+        if kind == "string" and dist.get_rank() == 0:
             full_sd = dict(model.state_dict())
         saved_buffers = {k: b for k, b in model.named_buffers() if not b.is_meta}
         model.to("meta")
@@ -313,12 +316,13 @@ def build(name: str, kind: str, payload: Any, plan: Any, seed: int) -> WrapSumma
                 if k in saved_buffers:
                     b.copy_(saved_buffers[k])
         saved_buffers.clear()
-        set_model_state_dict(
-            model,
-            full_sd if full_sd is not None else {},
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-        )
-        full_sd = None
+        if kind == "string":
+            set_model_state_dict(
+                model,
+                full_sd if full_sd is not None else {},
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            )
+            full_sd = None
     gc.collect()
     MODELS[name] = Wrapped(model, mesh, options)
     ns[name] = model
@@ -348,6 +352,26 @@ def _summary(model: Any, units: list, checkpointed: tuple[str, ...], mesh: Any) 
         param_dtype=dtype,
         model_class=type(model).__qualname__,
     )
+
+
+def load_full_chunk(name: str, chunk: dict[str, Any] | None) -> int:
+    """Scatter some full tensors from rank 0 into the shards of model ``name``.
+
+    Every rank calls it together; rank 0 passes ``{fqn: full tensor}``, the others
+    ``None``. The notebook streams an instance's weights in chunks this way, so rank
+    0 never holds more than one chunk of full tensors besides its shards.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    module = get(name).module
+    chunk = chunk if dist.get_rank() == 0 and chunk else {}
+    set_model_state_dict(
+        module,
+        chunk,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
+    )
+    return len(chunk)
 
 
 def get(name: str) -> Wrapped:
