@@ -4,7 +4,8 @@ Side by side, in one fresh 2-rank gloo session:
 
 - ``class``: ``sess.wrap(Model, ...)`` — meta-device build, sharded, materialized shard by shard;
 - ``instance``: ``sess.wrap(Model())`` built in the notebook — rank 0 receives the weights;
-- ``string (naive)``: every rank builds the whole model with ``%%px``, then ``sess.wrap("name")``.
+- ``string (naive)``: every rank builds the whole model with ``%%px`` (counted), then
+  ``sess.wrap("name")`` — what the meta-device path avoids.
 
 Per rank: peak RSS above the rank's baseline while wrapping (a sampling thread on the
 engine, every 2 ms), against the bound ``size/N + largest wrapped unit``. On GPU it would
@@ -134,22 +135,19 @@ def main() -> None:
             sess, "class (meta)", lambda: sess.wrap(Model, dim, layers, name="m",
                                                    auto_wrap={Layer}), size, unit
         )
-        inst = Model(dim, layers)
+        holder = [Model(dim, layers)]
         rows += measure(
-            sess, "instance", lambda: sess.wrap(inst, name="m", auto_wrap={Layer}), size, unit
+            sess, "instance", lambda: sess.wrap(holder[0], name="m", auto_wrap={Layer}), size,
+            unit,
         )
-        del inst
+        holder.clear()
         if not a.skip_naive:
-            sess.execute(f"raw = Model({dim}, {layers})")
-            base = sess.run(rss)
-            rows_naive = measure(
-                sess, "string (naive)", lambda: sess.wrap("raw", name="m", auto_wrap={Layer}),
-                size, unit,
-            )
-            # the naive path already held the whole model before wrapping: count it
-            for r, row in enumerate(rows_naive):
-                row["held_before_mb"] = (base[r] - 0) / 2**20
-            rows += rows_naive
+            # baseline taken before every rank builds the whole model: that is the point
+            def naive():
+                sess.execute(f"raw = Model({dim}, {layers})")
+                return sess.wrap("raw", name="m", auto_wrap={Layer})
+
+            rows += measure(sess, "string (naive)", naive, size, unit)
             sess.execute("del raw")
     head = f"{'mode':<16}{'rank':>5}{'peak Δ RSS MiB':>16}{'bound MiB':>11}{'ratio':>7}" \
            f"{'local params MiB':>18}{'wrap s':>8}"

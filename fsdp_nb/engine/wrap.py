@@ -23,9 +23,10 @@ How a model is built (every rank runs the same steps, so collectives line up):
   plain buffers) is broadcast from the first rank of its group so replicas agree.
 - instance spec: every rank receives a copy whose parameters are on the meta
   device (buffers shipped as they are); all shard the same way and ``to_empty``;
-  then the notebook streams the weights to rank 0 in chunks (``load_full_chunk``)
-  and each chunk is scattered with ``set_model_state_dict(..., full_state_dict=True,
-  broadcast_from_rank0=True)``, so rank 0 never holds the whole model.
+  then the notebook streams the weights to rank 0 in chunks (``load_full_chunk``:
+  broadcast one tensor, every rank keeps its piece), so no rank ever holds the whole
+  model (REFERENCE's ``set_model_state_dict(..., broadcast_from_rank0=True)`` does
+  the same per tensor but needs the whole state dict on rank 0).
 - string spec: the engine global module; rank 0's weights win (same broadcast).
 """
 
@@ -359,19 +360,48 @@ def load_full_chunk(name: str, chunk: dict[str, Any] | None) -> int:
 
     Every rank calls it together; rank 0 passes ``{fqn: full tensor}``, the others
     ``None``. The notebook streams an instance's weights in chunks this way, so rank
-    0 never holds more than one chunk of full tensors besides its shards.
+    0 never holds more than one chunk of full tensors besides its shards, and the
+    other ranks one full tensor at a time: each is broadcast, then every rank keeps
+    its own piece (``distribute_tensor`` with ``src_data_rank=None``, no further
+    communication). (``set_model_state_dict`` would also copy every untouched
+    shard onto itself on each call.)
     """
+    import torch
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    module = get(name).module
-    chunk = chunk if dist.get_rank() == 0 and chunk else {}
-    set_model_state_dict(
-        module,
-        chunk,
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
+    entry = get(name)
+    module = entry.module
+    rank0 = dist.get_rank() == 0
+    meta = [(k, tuple(v.shape), v.dtype) for k, v in chunk.items()] if rank0 and chunk else None
+    box = [meta]
+    dist.broadcast_object_list(box, src=0)
+    meta = box[0] or []
+    targets = dict(module.named_parameters(remove_duplicate=False))
+    targets.update(module.named_buffers(remove_duplicate=False))
+    comm_device = torch.device(
+        entry.mesh.device_type if entry.mesh.device_type == "cpu" else torch.cuda.current_device()
     )
-    return len(chunk)
+    with torch.no_grad():
+        for key, shape, dtype in meta:
+            if key not in targets:
+                raise KeyError(f"{key!r} is not a parameter or buffer of {name!r}")
+            target = targets[key]
+            if rank0:
+                full = chunk[key].to(comm_device)
+            else:
+                full = torch.empty(shape, dtype=dtype, device=comm_device)
+            dist.broadcast(full, src=0)
+            if isinstance(target, DTensor):
+                piece = distribute_tensor(
+                    full.to(target.dtype), target.device_mesh, target.placements,
+                    src_data_rank=None,
+                ).to_local()
+                target._local_tensor.copy_(piece)
+            else:
+                target.copy_(full)
+            del full
+    return len(meta)
 
 
 def get(name: str) -> Wrapped:
