@@ -483,12 +483,16 @@ CHUNK_BYTES = 64 * 2**20
 
 def _stream_weights(sess: Session, record: WrapRecord) -> None:
     """Send an instance's weights to rank 0 chunk by chunk; every rank scatters each."""
+    import torch
+
     d = sess._dispatch
     chunk: dict[str, Any] = {}
     size = 0
     items = list(record.weights.items())
     for i, (k, v) in enumerate(items):
-        chunk[k] = v
+        # numpy arrays travel as zero-copy buffers in ipyparallel (~2.5x faster than a
+        # pickled tensor); bfloat16 has no numpy dtype and goes as a tensor
+        chunk[k] = v.numpy() if v.dtype != torch.bfloat16 else v
         size += v.numel() * v.element_size()
         if size >= CHUNK_BYTES or i == len(items) - 1:
             args = [(record.name, chunk)] + [(record.name, None)] * (sess.world_size - 1)

@@ -373,7 +373,11 @@ def load_full_chunk(name: str, chunk: dict[str, Any] | None) -> int:
     entry = get(name)
     module = entry.module
     rank0 = dist.get_rank() == 0
-    meta = [(k, tuple(v.shape), v.dtype) for k, v in chunk.items()] if rank0 and chunk else None
+    meta = (
+        [(k, tuple(v.shape), torch.as_tensor(v[:0] if v.ndim else v).dtype)
+         for k, v in chunk.items()]
+        if rank0 and chunk else None
+    )
     box = [meta]
     dist.broadcast_object_list(box, src=0)
     meta = box[0] or []
@@ -388,7 +392,10 @@ def load_full_chunk(name: str, chunk: dict[str, Any] | None) -> int:
                 raise KeyError(f"{key!r} is not a parameter or buffer of {name!r}")
             target = targets[key]
             if rank0:
-                full = chunk[key].to(comm_device)
+                value = chunk[key]
+                if not isinstance(value, torch.Tensor):  # sent as a numpy array
+                    value = torch.from_numpy(value)
+                full = value.to(comm_device)
             else:
                 full = torch.empty(shape, dtype=dtype, device=comm_device)
             dist.broadcast(full, src=0)
