@@ -352,25 +352,11 @@ def _check_call(spec: Any, args: tuple, kwargs: dict[str, Any]) -> None:
 
 
 def _register_user_modules(model: Any, args: tuple, kwargs: dict, opts: WrapOptions) -> None:
-    """Ship the user's own modules by value for every part of the payload.
+    """Ship the user's own modules by value for every part of the payload (classes in
+    the model, ``auto_wrap`` classes, callables), not only the top-level object's."""
+    from .shipping import register_local_modules
 
-    ``by_value`` registers only the top-level object's module; the payload is a tuple,
-    and the classes in it (the model's submodules, ``auto_wrap`` classes, callables)
-    may live in a script beside the notebook that the engines cannot import.
-    """
-    import torch
-
-    from .shipping import _register_local_module
-
-    parts: list[Any] = [model, *args, *kwargs.values()]
-    if isinstance(model, torch.nn.Module):
-        parts.extend(type(m) for m in model.modules())
-    for f in dataclasses.fields(opts):
-        v = getattr(opts, f.name)
-        parts.extend(v if isinstance(v, frozenset) else [v])
-    for part in parts:
-        if part is not None:
-            _register_local_module(part)
+    register_local_modules((model, args, kwargs, opts))
 
 
 def _meta_clone(model: Any) -> Any:

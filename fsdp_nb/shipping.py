@@ -9,6 +9,7 @@ engine unpickle it (``fsdp_nb.engine.namespace.unship``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import site
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 
 import cloudpickle
 
-__all__ = ["ByValue", "by_value"]
+__all__ = ["ByValue", "by_value", "register_local_modules"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class ByValue:
 
 def by_value(obj: Any) -> ByValue:
     """Pickle ``obj`` by value, naming it in a clear error when it cannot be shipped."""
-    _register_local_module(obj)
+    register_local_modules(obj)
     try:
         payload = cloudpickle.dumps(obj)
     except Exception as exc:
@@ -51,26 +52,44 @@ def by_value(obj: Any) -> ByValue:
     return ByValue(payload, _describe(obj), rebind)
 
 
-def _register_local_module(obj: Any) -> None:
+def register_local_modules(obj: Any, depth: int = 4) -> None:
     """Ship the user's own modules (a script beside the notebook) by value too.
 
     cloudpickle pickles ``__main__`` by value but other modules by reference, and an
     engine may not be able to import a module that lives only in the notebook's
     folder. Modules outside site-packages and the standard library are registered
-    for by-value pickling.
+    for by-value pickling: those of ``obj``, its type, and (a few levels down) what
+    it contains: container items, dataclass fields, an nn.Module's submodule classes.
     """
     for target in (obj, type(obj)):
-        mod = sys.modules.get(getattr(target, "__module__", None) or "")
-        if mod is None or mod.__name__ in _LOCAL or mod.__name__ == "__main__":
-            continue
-        path = getattr(mod, "__file__", None) or ""
-        if not path or mod.__name__.split(".")[0] in ("fsdp_nb", "torch", "builtins"):
-            continue
-        real = os.path.realpath(path)
-        if any(real.startswith(p) for p in _library_paths()):
-            continue
-        cloudpickle.register_pickle_by_value(mod)
-        _LOCAL.add(mod.__name__)
+        _register_module_of(target)
+    if depth <= 0:
+        return
+    children: Any = ()
+    if isinstance(obj, (tuple, list, set, frozenset)):
+        children = obj
+    elif isinstance(obj, dict):
+        children = [*obj.keys(), *obj.values()]
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        children = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    elif hasattr(obj, "modules") and hasattr(obj, "named_parameters") and not isinstance(obj, type):
+        children = {type(m) for m in obj.modules()}
+    for child in children:
+        register_local_modules(child, depth - 1)
+
+
+def _register_module_of(target: Any) -> None:
+    mod = sys.modules.get(getattr(target, "__module__", None) or "")
+    if mod is None or mod.__name__ in _LOCAL or mod.__name__ == "__main__":
+        return
+    path = getattr(mod, "__file__", None) or ""
+    if not path or mod.__name__.split(".")[0] in ("fsdp_nb", "torch", "builtins"):
+        return
+    real = os.path.realpath(path)
+    if any(real.startswith(p) for p in _library_paths()):
+        return
+    cloudpickle.register_pickle_by_value(mod)
+    _LOCAL.add(mod.__name__)
 
 
 _LOCAL: set[str] = set()
