@@ -219,6 +219,14 @@ def test_checkpoint_browser_real_save_load_consolidate(sess, tmp_path):
     b.b_consolidate.click()
     assert b.last_message[0] == "ok", b.last_message
     assert (tmp_path / "ck" / "step5.safetensors").exists()
+    (tmp_path / "ck" / "notes").mkdir()  # a plain folder: not listed
+    b.save_name.value, b.async_save.value, b.extra = "step6", True, {"step": 6}
+    b.b_save.click()  # async: staged, then written in the background
+    assert b.save_handle is not None and b.progress.description == "writing"
+    assert _wait_for(b.check_save, timeout=60)
+    assert b.last_message[0] == "ok", b.last_message
+    assert [e.name for e in b.entries] == ["step5", "step5.safetensors", "step6"]
+    assert b.selected.name == "step6" and b.progress.value == 1.0
 
 
 # -- dashboard -----------------------------------------------------------------------

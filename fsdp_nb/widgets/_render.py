@@ -52,17 +52,26 @@ def html_table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, cls: str
 
 
 def sparkline_svg(values: Sequence[float], *, width: int = 160, height: int = 28,
-                  top: float | None = None, color: str = "#1f77b4") -> str:
-    """An inline SVG line of ``values`` (scaled to ``top`` or their max)."""
+                  color: str = "#1f77b4") -> str:
+    """An inline SVG line of ``values`` between their min and max (flat: mid-height).
+
+    The tooltip gives the range, so a small change still reads as one.
+    """
     if not values:
         return f"<svg width='{width}' height='{height}'></svg>"
-    hi = top if top else max(values) or 1.0
+    lo, hi = min(values), max(values)
+    span = hi - lo
     n = len(values)
+
+    def y(v: float) -> float:
+        frac = 0.5 if span <= 0 else (v - lo) / span
+        return height - 2 - frac * (height - 4)
+
     pts = " ".join(
-        f"{(i / max(n - 1, 1)) * (width - 2) + 1:.1f},{height - 1 - (v / hi) * (height - 2):.1f}"
-        for i, v in enumerate(values)
+        f"{(i / max(n - 1, 1)) * (width - 2) + 1:.1f},{y(v):.1f}" for i, v in enumerate(values)
     )
     return (f"<svg width='{width}' height='{height}' style='background:#f6f6f6'>"
+            f"<title>{fmt_bytes(lo)} .. {fmt_bytes(hi)} over {n} samples</title>"
             f"<polyline fill='none' stroke='{color}' stroke-width='1.5' points='{pts}'/></svg>")
 
 

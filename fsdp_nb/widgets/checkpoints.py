@@ -13,7 +13,6 @@ from __future__ import annotations
 import html
 import json
 import re
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -235,7 +234,10 @@ def scan(root: str, *, inspect: Callable[[str], Any] | None = None,
             info = inspect(c)
         except Exception:
             continue
-        out.append(entry_from_info(str(c), info))
+        entry = entry_from_info(str(c), info)
+        recognisable = entry.tensors or entry.world_size or _get(info, "files")
+        if entry.valid or (c is not root and recognisable):  # a plain folder is no checkpoint
+            out.append(entry)
     out.sort(key=lambda e: (e.step is None, e.step or 0, e.created or 0, e.name))
     return out
 
@@ -287,7 +289,7 @@ class CheckpointBrowser(StaticForm, W.VBox):
         ], **kwargs)
         self.add_class("fsdp-nb-checkpoint-browser")
         self.listing.observe(self._on_select, names="value")
-        self.b_refresh.on_click(lambda _b: self.refresh())
+        self.b_refresh.on_click(lambda _b: (self.check_save(), self.refresh()))
         self.b_save.on_click(lambda _b: self.save_now())
         self.b_load.on_click(lambda _b: self.load_selected())
         self.b_consolidate.on_click(lambda _b: self.consolidate_selected())
@@ -377,25 +379,52 @@ class CheckpointBrowser(StaticForm, W.VBox):
             return None
         if asyn and out is not None and hasattr(out, "done"):
             self.save_handle = out
-            self._progress(0.5, "writing (training may continue)")
-            threading.Thread(target=self._follow, args=(out, target), daemon=True).start()
+            blocked = getattr(out, "blocked_s", None)
+            note = f" (training blocked {blocked:.2f} s)" if isinstance(blocked, float) else ""
+            self._progress(0.5, "writing")
+            self._say(f"staged {target}{note}; writing in the background", "info")
+            self._poll_later()
         else:
             self._finish_save(target)
         return out
 
-    def _follow(self, handle: Any, target: str) -> None:
+    def check_save(self) -> bool:
+        """Look at the async save in flight (on this thread); finish it when written.
+
+        True when no save is in flight any more. Polled from the kernel's event loop
+        between messages (never from another thread: the handle asks the engines).
+        """
+        h = self.save_handle
+        if h is None:
+            return True
         try:
-            while not handle.done():
-                phase = _get(handle, "phase") or _get(handle, "state")
-                self._progress(0.5 if phase in (None, "writing") else 0.25,
-                               str(phase or "writing"))
-                time.sleep(0.2)
-            handle.wait()
+            if not h.done():
+                return False
+            h.wait()
         except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            self.save_handle = None
             self._progress(None)
             self._say(f"async save failed: {type(exc).__name__}: {exc}", "error")
+            return True
+        self.save_handle = None
+        self._finish_save(str(getattr(h, "path", "")))
+        return True
+
+    def _poll_later(self) -> None:
+        import asyncio
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no kernel loop (a script, a test): check_save() by hand
             return
-        self._finish_save(target)
+
+        def tick() -> None:
+            if not self.check_save():
+                loop.call_later(0.5, tick)
+
+        loop.call_later(0.5, tick)
 
     def _finish_save(self, target: str) -> None:
         self._progress(1.0, "saved")
