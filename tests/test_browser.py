@@ -86,6 +86,9 @@ def _wait_http(url: str, timeout: float) -> None:
 @pytest.fixture
 def lab(tmp_path):
     """A JupyterLab server on loopback, empty token, everything in tmp; stopped after."""
+    reason = _missing()
+    if reason:
+        pytest.skip(reason)
     root = tmp_path / "root"
     root.mkdir()
     env = dict(os.environ)
@@ -124,9 +127,6 @@ def lab(tmp_path):
 
 
 def test_widgets_render_in_jupyterlab(lab):
-    reason = _missing()
-    if reason:
-        pytest.skip(reason)
     from playwright.sync_api import sync_playwright
 
     url, root = lab
