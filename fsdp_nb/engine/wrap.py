@@ -21,10 +21,12 @@ How a model is built (every rank runs the same steps, so collectives line up):
   runs under a forked RNG seeded with ``seed + rank`` (shards differ, the user's
   RNG is untouched); afterwards every replicated piece (``Replicate`` placements,
   plain buffers) is broadcast from the first rank of its group so replicas agree.
-- instance spec: rank 0 received the module with its weights, other ranks a copy
-  whose parameters are on the meta device; all shard the same way, ``to_empty``,
-  and rank 0's full state dict is scattered with ``set_model_state_dict(...,
-  full_state_dict=True, broadcast_from_rank0=True)``. Buffers come shipped.
+- instance spec: every rank receives a copy whose parameters are on the meta
+  device (buffers shipped as they are); all shard the same way and ``to_empty``;
+  then the notebook streams the weights to rank 0 in chunks (``load_full_chunk``:
+  broadcast one tensor, every rank keeps its piece), so no rank ever holds the whole
+  model (REFERENCE's ``set_model_state_dict(..., broadcast_from_rank0=True)`` does
+  the same per tensor but needs the whole state dict on rank 0).
 - string spec: the engine global module; rank 0's weights win (same broadcast).
 """
 
@@ -46,6 +48,7 @@ __all__ = [
     "check_spec",
     "full_state_dict",
     "get",
+    "load_full_chunk",
     "name_status",
     "resolve",
 ]
@@ -282,12 +285,15 @@ def build(name: str, kind: str, payload: Any, plan: Any, seed: int) -> WrapSumma
     full_sd = None
     saved_buffers: dict[str, Any] = {}
     if kind in ("instance", "string"):
-        if dist.get_rank() == 0:
-            full_sd = {k: v for k, v in model.state_dict().items()}
+        # every rank goes on with parameters on the meta device, exactly as for a class
+        # spec, so collectives inside parallelize / fully_shard see the same tensors on
+        # every rank. A string spec's rank-0 weights are kept aside (references, no
+        # copy); an instance's weights are streamed afterwards (load_full_chunk)
+        if kind == "string" and dist.get_rank() == 0:
+            full_sd = dict(model.state_dict())
         saved_buffers = {k: b for k, b in model.named_buffers() if not b.is_meta}
+        model.to("meta")
     if options.mixed_precision == "bf16-true":
-        if full_sd is not None:
-            full_sd = {k: v.detach().clone() for k, v in full_sd.items()}
         model.to(torch.bfloat16)
     if plan.tp_dim is not None:
         model = options.parallelize(model, mesh)
@@ -311,12 +317,13 @@ def build(name: str, kind: str, payload: Any, plan: Any, seed: int) -> WrapSumma
                 if k in saved_buffers:
                     b.copy_(saved_buffers[k])
         saved_buffers.clear()
-        set_model_state_dict(
-            model,
-            full_sd if full_sd is not None else {},
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-        )
-        full_sd = None
+        if kind == "string":
+            set_model_state_dict(
+                model,
+                full_sd if full_sd is not None else {},
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            )
+            full_sd = None
     gc.collect()
     MODELS[name] = Wrapped(model, mesh, options)
     ns[name] = model
@@ -346,6 +353,62 @@ def _summary(model: Any, units: list, checkpointed: tuple[str, ...], mesh: Any) 
         param_dtype=dtype,
         model_class=type(model).__qualname__,
     )
+
+
+def load_full_chunk(name: str, chunk: dict[str, Any] | None) -> int:
+    """Scatter some full tensors from rank 0 into the shards of model ``name``.
+
+    Every rank calls it together; rank 0 passes ``{fqn: full tensor}``, the others
+    ``None``. The notebook streams an instance's weights in chunks this way, so rank
+    0 never holds more than one chunk of full tensors besides its shards, and the
+    other ranks one full tensor at a time: each is broadcast, then every rank keeps
+    its own piece (``distribute_tensor`` with ``src_data_rank=None``, no further
+    communication). (``set_model_state_dict`` would also copy every untouched
+    shard onto itself on each call.)
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    entry = get(name)
+    module = entry.module
+    rank0 = dist.get_rank() == 0
+    meta = (
+        [(k, tuple(v.shape), torch.as_tensor(v[:0] if v.ndim else v).dtype)
+         for k, v in chunk.items()]
+        if rank0 and chunk else None
+    )
+    box = [meta]
+    dist.broadcast_object_list(box, src=0)
+    meta = box[0] or []
+    targets = dict(module.named_parameters(remove_duplicate=False))
+    targets.update(module.named_buffers(remove_duplicate=False))
+    comm_device = torch.device(
+        entry.mesh.device_type if entry.mesh.device_type == "cpu" else torch.cuda.current_device()
+    )
+    with torch.no_grad():
+        for key, shape, dtype in meta:
+            if key not in targets:
+                raise KeyError(f"{key!r} is not a parameter or buffer of {name!r}")
+            target = targets[key]
+            if rank0:
+                value = chunk[key]
+                if not isinstance(value, torch.Tensor):  # sent as a numpy array
+                    value = torch.from_numpy(value)
+                full = value.to(comm_device)
+            else:
+                full = torch.empty(shape, dtype=dtype, device=comm_device)
+            dist.broadcast(full, src=0)
+            if isinstance(target, DTensor):
+                piece = distribute_tensor(
+                    full.to(target.dtype), target.device_mesh, target.placements,
+                    src_data_rank=None,
+                ).to_local()
+                target._local_tensor.copy_(piece)
+            else:
+                target.copy_(full)
+            del full
+    return len(meta)
 
 
 def get(name: str) -> Wrapped:
