@@ -1,0 +1,119 @@
+"""Small rendering helpers shared by the widgets: sizes, tables, SVG, PNG."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "StaticForm", "fmt_bytes", "html_table", "png_of", "sparkline_svg", "text_table",
+]
+
+
+def fmt_bytes(n: float | int | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``; None -> ``"-"``."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain, aligned text table."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def html_table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, cls: str = "",
+               raw_cols: Sequence[int] = ()) -> str:
+    """An HTML table; cells are escaped except the columns in ``raw_cols``."""
+    th = "".join(f"<th style='text-align:left;padding:1px 6px'>{html.escape(str(h))}</th>"
+                 for h in header)
+    body = []
+    for r in rows:
+        tds = "".join(
+            f"<td style='padding:1px 6px'>{c if i in raw_cols else html.escape(str(c))}</td>"
+            for i, c in enumerate(r)
+        )
+        body.append(f"<tr>{tds}</tr>")
+    return (f"<table class='fsdp-nb-table {cls}' style='border-collapse:collapse;"
+            f"font-family:monospace;font-size:12px'><thead><tr>{th}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table>")
+
+
+def sparkline_svg(values: Sequence[float], *, width: int = 160, height: int = 28,
+                  color: str = "#1f77b4") -> str:
+    """An inline SVG line of ``values`` between their min and max (flat: mid-height).
+
+    The tooltip gives the range, so a small change still reads as one.
+    """
+    if not values:
+        return f"<svg width='{width}' height='{height}'></svg>"
+    lo, hi = min(values), max(values)
+    span = hi - lo
+    n = len(values)
+
+    def y(v: float) -> float:
+        frac = 0.5 if span <= 0 else (v - lo) / span
+        return height - 2 - frac * (height - 4)
+
+    pts = " ".join(
+        f"{(i / max(n - 1, 1)) * (width - 2) + 1:.1f},{y(v):.1f}" for i, v in enumerate(values)
+    )
+    return (f"<svg width='{width}' height='{height}' style='background:#f6f6f6'>"
+            f"<title>{fmt_bytes(lo)} .. {fmt_bytes(hi)} over {n} samples</title>"
+            f"<polyline fill='none' stroke='{color}' stroke-width='1.5' points='{pts}'/></svg>")
+
+
+def png_of(fig: Any) -> bytes:
+    """PNG bytes of a ``matplotlib.figure.Figure`` (Agg; no pyplot, no backend state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def img_tag(png: bytes, alt: str = "") -> str:
+    return (f"<img alt='{html.escape(alt)}' "
+            f"src='data:image/png;base64,{base64.b64encode(png).decode()}'/>")
+
+
+class StaticForm:
+    """Mixin for widget boxes: readable without a widget front end.
+
+    Subclasses implement ``to_text()`` and ``to_html()``. The MIME bundle carries the
+    widget view (used by JupyterLab) plus ``text/plain`` and ``text/html`` (used by a
+    terminal and by nbconvert when the widget state is missing).
+    """
+
+    def to_text(self) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def to_html(self) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        data: dict[str, Any] = {"text/plain": self.to_text(), "text/html": self.to_html()}
+        if getattr(self, "_view_name", None) is not None:
+            data["application/vnd.jupyter.widget-view+json"] = {
+                "version_major": 2, "version_minor": 0, "model_id": self._model_id,  # type: ignore[attr-defined]
+            }
+        return data
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+    def __repr__(self) -> str:
+        return self.to_text()

@@ -1,0 +1,191 @@
+"""Layer 3: the widgets in a real JupyterLab, driven by headless Chromium.
+
+Needs Debian's chromium (``apt-get install -y chromium``) and the Python playwright
+package (``pip install playwright``; no ``playwright install``: we use /usr/bin/chromium).
+JupyterLab runs on loopback with an empty token and a temporary root, config and
+runtime folder; the notebook starts its own 2-rank session and shuts it down last.
+A screenshot goes to artifacts/widgets_browser.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from widget_data import TABLE_CODE  # noqa: E402
+
+CHROMIUM = "/usr/bin/chromium"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARTIFACTS = os.path.join(REPO, "artifacts")
+
+pytestmark = pytest.mark.browser
+
+CELLS = [
+    "import tempfile, time\nimport fsdp_nb\n" + TABLE_CODE,
+    "sess = fsdp_nb.Session(2, backend='gloo')\nsess",
+    "mem = sess.memory(interval=0.25)\nmem",
+    "from fsdp_nb.widgets.layout import layout_widget\nlayout_widget(hand_table())",
+    "root = tempfile.mkdtemp()\nsess.checkpoints(root)",
+    "sess.execute('import time as _t; _t.sleep(2)')  # a busy cell: memory keeps streaming",
+    "print('renders', mem.renders)\nsess.shutdown()  # ends the samplers and the feed too\n"
+    "time.sleep(0.5); print('SHUTDOWN' + '-DONE', 'feed running:', mem.feed.running)",
+]
+
+
+def _missing() -> str | None:
+    if not os.path.exists(CHROMIUM):
+        return f"{CHROMIUM} missing (apt-get install -y chromium)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright missing (pip install playwright)"
+    if shutil.which("jupyter-lab") is None:
+        return "jupyterlab missing (pip install jupyterlab)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_notebook(path: str) -> None:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in CELLS]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, path)
+
+
+def _wait_http(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                json.loads(r.read())
+                return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A JupyterLab server on loopback, empty token, everything in tmp; stopped after."""
+    reason = _missing()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path / "root"
+    root.mkdir()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_RUNTIME_DIR", "JUPYTERLAB_SETTINGS_DIR",
+                "JUPYTERLAB_WORKSPACES_DIR"):
+        env[var] = str(tmp_path / var.lower())
+    # start the notebook's kernel without the "Select Kernel" dialog; no news pop-up
+    settings = tmp_path / "jupyterlab_settings_dir"
+    (settings / "@jupyterlab/notebook-extension").mkdir(parents=True)
+    (settings / "@jupyterlab/notebook-extension/tracker.jupyterlab-settings").write_text(
+        json.dumps({"autoStartDefaultKernel": True}))
+    (settings / "@jupyterlab/apputils-extension").mkdir(parents=True)
+    (settings / "@jupyterlab/apputils-extension/notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false"}))
+    port = _free_port()
+    log = open(tmp_path / "lab.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--IdentityProvider.token=", "--ServerApp.ip=127.0.0.1", f"--port={port}",
+         f"--ServerApp.root_dir={root}", "--ServerApp.disable_check_xsrf=True",
+         "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+         *(["--allow-root"] if os.geteuid() == 0 else [])],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/api/status", 60)
+        yield f"http://127.0.0.1:{port}", root
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # our own process group: lab and its kernels
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        log.close()
+
+
+def test_widgets_render_in_jupyterlab(lab):
+    from playwright.sync_api import sync_playwright
+
+    url, root = lab
+    _write_notebook(str(root / "widgets.ipynb"))
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    shot = os.path.join(ARTIFACTS, "widgets_browser.png")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 2400})
+            console: list[str] = []
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+            page.goto(f"{url}/lab/tree/widgets.ipynb", wait_until="domcontentloaded")
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            # the kernel is up and idle (accept the kernel dialog should one still come)
+            deadline = time.monotonic() + 90
+            while not page.locator(".jp-StatusBar-TextItem",
+                                   has_text="Python 3 (ipykernel) | Idle").count():
+                dialog = page.locator(".jp-Dialog .jp-mod-accept")
+                if dialog.count():
+                    dialog.first.click()
+                assert time.monotonic() < deadline, "kernel did not become idle"
+                page.wait_for_timeout(250)
+            page.wait_for_timeout(1000)
+            page.locator(".jp-Notebook .jp-Cell").first.click()
+            page.locator(".lm-MenuBar-item", has_text="Run").first.click()
+            page.locator("[data-command='runmenu:run-all']").first.click()
+
+            try:
+                _check(page, shot)
+            finally:
+                with open(os.path.join(ARTIFACTS, "widgets_browser_console.log"), "w") as f:
+                    f.write("\n".join(console))
+        finally:
+            browser.close()
+    assert os.path.getsize(shot) > 10_000
+
+
+def _check(page, shot: str) -> None:
+    """The three widgets render; a screenshot either way (failure: *_failure.png)."""
+    try:
+        mem = page.wait_for_selector(".fsdp-nb-memory-widget", timeout=120_000)
+        assert "rank 1" in mem.inner_text()
+        layout = page.wait_for_selector(".fsdp-nb-layout-widget", timeout=30_000)
+        assert "blocks.0.lin.weight" in layout.inner_text()
+        assert page.locator(".fsdp-nb-layout-widget img").count() >= 1  # the heatmap
+        ck = page.wait_for_selector(".fsdp-nb-checkpoint-browser", timeout=30_000)
+        assert "Checkpoints" in ck.inner_text() and "Save now" in ck.inner_text()
+        done = page.wait_for_selector(".jp-OutputArea-output:has-text('SHUTDOWN-DONE')",
+                                      timeout=90_000)
+        assert "feed running: False" in done.inner_text()
+        # samples streamed into the page: bars with their history lines, for both ranks
+        assert page.locator(".fsdp-nb-memory-widget polyline").count() == 2
+        assert page.locator(".jp-OutputArea .widget-html").count() >= 3
+    except Exception:
+        page.screenshot(path=shot.replace(".png", "_failure.png"), full_page=True)
+        raise
+    page.screenshot(path=shot, full_page=True)
