@@ -141,13 +141,15 @@ class EngineCluster:
                 config[lname].environment = {**env, **config[lname].environment}
         if not config:  # keep inheriting the IPython session's config as Cluster does
             del cluster_kwargs["config"]
-        cluster_kwargs.setdefault("log_level", 30)
+        # ERROR: at WARNING the launcher pastes every engine's log into the notebook
+        # whenever an engine exits non-zero, which stopping it (SIGTERM) counts as
+        cluster_kwargs.setdefault("log_level", 40)
         cluster = ipp.Cluster(n=n, engines=launcher, **cluster_kwargs)
         _batch_file_in_profile(cluster, launcher)
         try:
             cluster.start_cluster_sync()
             client = cluster.connect_client_sync()
-            client.wait_for_engines(n, timeout=timeout)
+            client.wait_for_engines(n, timeout=timeout, interactive=False)
         except BaseException as exc:
             try:
                 cluster.stop_cluster_sync()
@@ -180,19 +182,35 @@ class EngineCluster:
             kwargs["cluster_id"] = cluster_id
         # ipyparallel 9.2 ignores url_file= as a keyword: pass it positionally.
         client = ipp.Client(url_file, **kwargs) if url_file else ipp.Client(**kwargs)
-        client.wait_for_engines(n or 1, timeout=timeout)
+        client.wait_for_engines(n or 1, timeout=timeout, interactive=False)
         return cls(client)
 
     def stop(self) -> None:
         """Stop what we started (controller and engines); only close the client otherwise."""
         try:
             if self.cluster is not None:
+                self._ask_engines_to_exit()
                 self.cluster.stop_cluster_sync()
         finally:
             try:
                 self.client.close()
             except Exception:
                 pass
+
+    def _ask_engines_to_exit(self, wait: float = 5.0) -> None:
+        """Shut our engines down through their control channel first.
+
+        They then exit with status 0 and the launcher stays quiet, instead of printing
+        every engine's log into the notebook as it does for engines it had to kill.
+        """
+        try:
+            self.client.shutdown(targets=list(self.client.ids), block=False)
+        except Exception:
+            return
+        deadline = time.monotonic() + wait
+        local = [p for p, h in zip(self.pids, self.hosts) if p and h == socket.gethostname()]
+        while time.monotonic() < deadline and not all(_local_pid_dead(p) for p in local):
+            time.sleep(0.05)
 
     # -- ranks -------------------------------------------------------------------
 

@@ -249,13 +249,33 @@ def _init(model: Any, options: Any, seed: int, plan: Any) -> None:
         warnings.filterwarnings("ignore", message="DTensor random operators")
         torch.manual_seed(seed + dist.get_rank())
         with torch.no_grad():
+            # poison first, so a parameter no initialiser touched is caught below
+            # instead of training on uninitialised memory
+            for p in model.parameters():
+                if p.is_floating_point():
+                    _local(p).fill_(float("nan"))
             if options.init_fn is not None:
                 model.apply(options.init_fn)
             else:
                 for m in model.modules():
-                    if callable(getattr(m, "reset_parameters", None)):
-                        m.reset_parameters()
+                    # nn.MultiheadAttention initialises in the private _reset_parameters
+                    reset = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
+                    if callable(reset):
+                        reset()
+    missing = [n for n, p in model.named_parameters() if p.is_floating_point() and _local(p).isnan().any()]
+    if missing:
+        how = "init_fn" if options.init_fn is not None else "reset_parameters()"
+        raise RuntimeError(
+            f"parameter(s) {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} were not "
+            f"initialised by {how} after the meta-device build; give their modules a "
+            "reset_parameters() or pass init_fn=fn(module) to sess.wrap"
+        )
     _sync_replicas(model, plan)
+
+
+def _local(t: Any) -> Any:
+    """The tensor this rank holds of ``t`` (a DTensor's local shard, else ``t``)."""
+    return getattr(t, "_local_tensor", t)
 
 
 def _forget(name: str) -> None:
