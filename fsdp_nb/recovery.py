@@ -356,12 +356,16 @@ class RecoveringPolicy(FailurePolicy):
             self._kill(wedged)
         sess._state = "degraded"
         self.last = {"cause": "dead rank", "dead": all_dead, "recover_s": time.monotonic() - t0}
-        raise DeadRankError(
+        others = [f for f in sess._dispatch._failures(pending) if f.rank not in all_dead]
+        err = DeadRankError(
             sorted(set(all_dead) | set(wedged)),
             f"while running {pending.what}. The other ranks were stopped and left the "
             "process group (their state is kept); sess.restart() replaces the dead "
             "engine(s) under the same rank(s) and re-forms the group.",
         )
+        if others:
+            err.add_note("Other ranks failed as a consequence:\n" + "\n".join(map(str, others)))
+        raise err
 
     def on_timeout(self, pending: Pending, running: list[int], timeout: float) -> None:
         found = stacks(self.sess, running)
@@ -516,7 +520,9 @@ def reform(sess: Session) -> None:
                 [(env, sess.backend, sess.pg_timeout, sess._threads) for env in envs]),
         120,
     )
-    d.gather(d.apply("rebind meshes", _health.rebind_groups), 120)
+    parts = d.gather(d.apply("list mesh groups", _health.mesh_partitions), 60)
+    union = sorted({rows for ps in parts for rows in ps})
+    d.gather(d.apply("rebind meshes", _health.rebind_groups, args=(union,)), 120)
     sess._ranks = [
         rendezvous.RankInfo(r, c.engine_ids[r], p.host, p.pid, devices[r], *locals_[r], p.addr)
         for r, p in enumerate(probes)

@@ -26,6 +26,7 @@ __all__ = [
     "endpoints",
     "install",
     "leave_group",
+    "mesh_partitions",
     "rebind_groups",
     "stack_file",
     "whoami",
@@ -176,16 +177,34 @@ def _rows(mesh: Any, dim: int) -> list[tuple[int, ...]]:
     return [tuple(int(x) for x in row) for row in moved.tolist()]
 
 
-def rebind_groups() -> dict[str, int]:
+def mesh_partitions() -> list[tuple[tuple[int, ...], ...]]:
+    """Every distinct rank partition this rank's DeviceMeshes use (one per mesh dim),
+    except the whole world (the default group); sorted."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else None
+    found: set[tuple[tuple[int, ...], ...]] = set()
+    for m in _meshes():
+        if not hasattr(m, "_dim_group_names"):
+            continue
+        for d in range(m.mesh.ndim):
+            rows = tuple(_rows(m, d))
+            if world is None or rows != (tuple(range(world)),):
+                found.add(rows)
+    return sorted(found)
+
+
+def rebind_groups(partitions: list[tuple[tuple[int, ...], ...]] | None = None) -> dict[str, int]:
     """After a fresh ``init_process_group``: make every DeviceMesh and FSDP2 module usable.
 
     Meshes refer to their process groups by name. A 1-D mesh over the whole world
     names the default group, whose name the new group reuses. Sub-groups of 2-D
     meshes (and flattened / sliced meshes) were destroyed with the old group: they
-    are re-created here with ``new_group`` (every rank calls it for every group, in
-    one sorted order, as ``new_group`` requires) and the meshes' group names are
-    re-pointed. FSDP2 keeps ProcessGroup objects in its mesh infos: those are
-    refreshed from the meshes. Returns counts of what was rebuilt.
+    are re-created here with ``new_group`` and the meshes' group names re-pointed.
+    ``new_group`` must be called by every rank for every group in one order, so the
+    notebook passes the union of all ranks' ``mesh_partitions()`` (a replaced rank
+    has no meshes but must still take part). FSDP2 keeps ProcessGroup objects in its
+    mesh infos: those are refreshed from the meshes. Returns counts of what was done.
     """
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_group
@@ -193,18 +212,14 @@ def rebind_groups() -> dict[str, int]:
     world = dist.get_world_size()
     default_name = _get_default_group().group_name
     meshes = [m for m in _meshes() if hasattr(m, "_dim_group_names")]
-    # every distinct rank partition any mesh dimension uses, in one global order
-    partitions: dict[tuple[tuple[int, ...], ...], None] = {}
-    for m in meshes:
-        for d in range(m.mesh.ndim):
-            rows = tuple(_rows(m, d))
-            if rows != (tuple(range(world)),):
-                partitions.setdefault(rows, None)
+    if partitions is None:
+        partitions = mesh_partitions()
+    partitions = sorted({tuple(tuple(int(x) for x in row) for row in rows) for rows in partitions})
     me = dist.get_rank()
     mine: dict[tuple[int, ...], str] = {tuple(range(world)): default_name}
     done = {tuple(range(world))}
     created = 0
-    for rows in sorted(partitions):
+    for rows in partitions:
         for row in rows:
             if row in done:  # the same on every rank, so new_group calls stay in step
                 continue
