@@ -28,6 +28,30 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def inspect_cmd(args: argparse.Namespace) -> int:
+    """Describe a checkpoint offline; exit status 2 when it is not valid."""
+    from .checkpoint import inspect
+
+    info = inspect(args.path, verify=args.verify)
+    if args.json:
+        import dataclasses
+        import json
+
+        print(json.dumps(dataclasses.asdict(info), indent=1, default=str))
+    else:
+        print(info.summary())
+    return 0 if info.valid else 2
+
+
+def consolidate_cmd(args: argparse.Namespace) -> int:
+    """Convert sharded -> one .pt/.safetensors file, or full -> sharded folder."""
+    from .checkpoint import consolidate
+
+    info = consolidate(args.path, args.out, overwrite=args.overwrite)
+    print(repr(info))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-nb", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -35,6 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", type=int, default=None, help="number of ranks (default: GPUs or 2)")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     p.set_defaults(func=demo)
+    p = sub.add_parser("inspect", help="describe a checkpoint offline (no cluster)")
+    p.add_argument("path", help="checkpoint folder, .pt / .safetensors file, or fsspec URL")
+    p.add_argument("--verify", action="store_true", help="also check every file's CRC-32")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=inspect_cmd)
+    p = sub.add_parser("consolidate", help="sharded checkpoint -> one file, or full -> sharded")
+    p.add_argument("path", help="source checkpoint")
+    p.add_argument("out", help="a .pt / .safetensors file (from sharded) or a folder (from full)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=consolidate_cmd)
     args = parser.parse_args(argv)
     return args.func(args)
 

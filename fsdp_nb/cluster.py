@@ -6,6 +6,8 @@ with a new id, and ``EngineCluster.engine_ids`` (indexed by rank) is updated to 
 
 from __future__ import annotations
 
+import copy
+import os
 import socket
 import time
 from importlib.metadata import entry_points
@@ -14,12 +16,88 @@ from typing import Any
 import ipyparallel as ipp
 import psutil
 
-__all__ = ["EngineCluster", "launcher_names"]
+__all__ = ["EngineCluster", "engine_launcher_class", "launcher_names", "split_cluster_kwargs"]
+
+_RESERVED = {"n", "engines", "engine_launcher_class"}
+"""Cluster arguments that Session sets itself (from ``n`` and ``launcher``)."""
 
 
 def launcher_names() -> list[str]:
     """Engine launchers ipyparallel knows by name (``local``, ``mpi``, ``slurm``...)."""
     return sorted({e.name for e in entry_points(group="ipyparallel.engine_launchers")})
+
+
+def engine_launcher_class(launcher: str) -> type:
+    """The ipyparallel engine-set launcher class named ``launcher`` (``"mpi"``, ``"slurm"``...)."""
+    from ipyparallel.cluster.launcher import find_launcher_class
+
+    return find_launcher_class(launcher, "engine")
+
+
+def split_cluster_kwargs(launcher: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Sort ``Session(**cluster_kwargs)`` into ``ipyparallel.Cluster`` arguments.
+
+    ``Cluster`` takes its own traits (``controller_ip``, ``controller_args``,
+    ``profile``, ``cluster_id``, ``delay``, ``config``...) as keywords, but an engine
+    launcher's settings (``mpi_args``, ``mpi_cmd``, ``batch_template``, ``queue``,
+    ``account``, ``timelimit``, ``options``, ``engine_args``, ``ssh_args``...) only as
+    config traits (``c.MPIEngineSetLauncher.mpi_args``): those are moved into a
+    traitlets ``Config`` under the launcher's class name. Anything else is a
+    ``ValueError`` naming what each side accepts, raised before anything starts.
+    """
+    from traitlets.config import Config
+
+    out = dict(kwargs)
+    bad = sorted(_RESERVED & set(out))
+    if bad:
+        raise ValueError(
+            f"{', '.join(bad)} cannot be given as cluster settings: use Session(n, launcher=...)"
+        )
+    config = out.pop("config", None)
+    config = Config(config) if config is not None else Config()
+    cls = engine_launcher_class(launcher)
+    cluster_traits = set(ipp.Cluster.class_trait_names()) | {"controller", "parent"}
+    launcher_traits = set(cls.class_traits(config=True))
+    unknown = []
+    for key in list(out):
+        if key in cluster_traits:
+            continue
+        if key in launcher_traits:
+            config[cls.__name__][key] = out.pop(key)
+        else:
+            unknown.append(key)
+    if unknown:
+        cluster_side = sorted(
+            k for k, t in ipp.Cluster.class_traits(config=True).items() if not k.startswith("_")
+        )
+        raise ValueError(
+            f"unknown setting(s) {', '.join(sorted(unknown))} for launcher {launcher!r}. "
+            f"Cluster settings: {', '.join(cluster_side)}; {cls.__name__} settings: "
+            f"{', '.join(sorted(launcher_traits))}"
+        )
+    out["config"] = config
+    return out
+
+
+def _batch_file_in_profile(cluster: ipp.Cluster, launcher: str) -> None:
+    """Write a batch launcher's job script into the profile's log folder.
+
+    ipyparallel writes it relative to the current directory, i.e. into the
+    notebook's folder; a ``batch_file_name`` the user configured is left alone.
+    """
+    from ipyparallel.cluster.launcher import BatchSystemLauncher
+
+    cls = engine_launcher_class(launcher)
+    if not issubclass(cls, BatchSystemLauncher):
+        return
+    if "batch_file_name" in cluster.config.get(cls.__name__, {}):
+        return
+    log_dir = os.path.join(cluster.profile_dir, "log")
+    os.makedirs(log_dir, exist_ok=True)
+    default = cls.class_traits()["batch_file_name"].default_value
+    config = copy.deepcopy(cluster.config)  # never edit the IPython session's config
+    config[cls.__name__].batch_file_name = os.path.join(log_dir, f"{cluster.cluster_id}-{default}")
+    cluster.config = config
 
 
 class EngineCluster:
@@ -45,17 +123,27 @@ class EngineCluster:
         environment: dict[str, str] | None = None,
         **cluster_kwargs: Any,
     ) -> EngineCluster:
-        """Start a controller and ``n`` engines with ``launcher``; wait for all of them."""
-        if environment:
-            from traitlets.config import Config
+        """Start a controller and ``n`` engines with ``launcher``; wait for all of them.
 
-            config = cluster_kwargs.pop("config", None) or Config()
+        ``cluster_kwargs`` go through :func:`split_cluster_kwargs`: ``Cluster`` traits
+        as keywords, engine-launcher settings (``mpi_args``, ``batch_template``...)
+        as config. ``environment`` is added to every launcher's environment; values
+        the user configured win.
+        """
+        cluster_kwargs = split_cluster_kwargs(launcher, cluster_kwargs)
+        config = cluster_kwargs["config"]
+        if environment:
             env = dict(environment)
             env.update(config.BaseLauncher.get("environment", {}))
             config.BaseLauncher.environment = env
-            cluster_kwargs["config"] = config
+            lname = engine_launcher_class(launcher).__name__
+            if "environment" in config[lname]:
+                config[lname].environment = {**env, **config[lname].environment}
+        if not config:  # keep inheriting the IPython session's config as Cluster does
+            del cluster_kwargs["config"]
         cluster_kwargs.setdefault("log_level", 30)
         cluster = ipp.Cluster(n=n, engines=launcher, **cluster_kwargs)
+        _batch_file_in_profile(cluster, launcher)
         try:
             cluster.start_cluster_sync()
             client = cluster.connect_client_sync()

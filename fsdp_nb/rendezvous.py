@@ -77,8 +77,14 @@ def rank_env(
     master_addr: str,
     master_port: int,
     ifname: str | None = None,
+    preset: tuple[tuple[str, str], ...] | dict[str, str] = (),
 ) -> dict[str, str]:
-    """The torch.distributed environment for one rank."""
+    """The torch.distributed environment for one rank.
+
+    ``ifname`` (given when ranks span hosts) becomes GLOO_SOCKET_IFNAME and
+    NCCL_SOCKET_IFNAME, except for those already set on the engine (``preset``):
+    the user's choice wins.
+    """
     env = {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
@@ -88,13 +94,21 @@ def rank_env(
         "MASTER_PORT": str(master_port),
     }
     if ifname:
-        env["GLOO_SOCKET_IFNAME"] = ifname
-        env["NCCL_SOCKET_IFNAME"] = ifname
+        keep = dict(preset)
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if var not in keep:
+                env[var] = ifname
     return env
 
 
 def controller_ip(cluster: EngineCluster) -> str | None:
-    """The controller's address as written in the client's connection info."""
+    """The controller's address as the notebook's client reached it.
+
+    Only a fallback for the route probe: for a controller listening on 0.0.0.0 on
+    this host the client writes 127.0.0.1, which engines on other hosts cannot
+    use; each engine's own registration url (``probe.registered_controller``) is
+    tried first.
+    """
     url = getattr(cluster.client, "_config", {}).get("registration", "") or ""
     if "://" in url:
         host = url.split("://", 1)[1].rsplit(":", 1)[0]
@@ -133,7 +147,10 @@ def form_group(
     master_addr = probes[0].addr
     (port,) = dispatcher.gather(dispatcher.apply("find a free port", _pg.free_port, ranks=[0]))
     envs = [
-        rank_env(r, len(probes), locals_[r], master_addr, port, p.ifname if multi_host else None)
+        rank_env(
+            r, len(probes), locals_[r], master_addr, port,
+            p.ifname if multi_host else None, p.preset_env,
+        )
         for r, p in enumerate(probes)
     ]
     devices = dispatcher.gather(

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 LAUNCHER_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 """Environment variables through which MPI or Slurm tell a process its rank."""
 
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""Variables naming the network interface gloo / NCCL bind to; never overridden if set."""
+
 
 @dataclass(frozen=True)
 class EngineProbe:
@@ -28,16 +31,26 @@ class EngineProbe:
     """Which variable gave ``launcher_rank``."""
     cuda_devices: int
     """CUDA devices visible to the engine (0 when torch has no CUDA)."""
+    controller: str | None = None
+    """The controller address this engine registered with (the route target)."""
+    preset_env: tuple[tuple[str, str], ...] = ()
+    """Socket-interface variables already set in the engine's environment."""
 
 
 def describe(controller_ip: str | None) -> EngineProbe:
-    """Probe this engine: host, pid, routable address, launcher rank, GPU count."""
+    """Probe this engine: host, pid, routable address, launcher rank, GPU count.
+
+    The address is the one on the interface that routes to the controller as this
+    engine reached it (its registration url); ``controller_ip`` (the notebook
+    client's view) is the fallback for engines not started by ``ipengine``.
+    """
     launcher_rank = launcher_var = None
     for var in LAUNCHER_RANK_VARS:
         if os.environ.get(var, "").isdigit():
             launcher_rank, launcher_var = int(os.environ[var]), var
             break
-    addr = route_address(controller_ip)
+    target = registered_controller() or controller_ip
+    addr = route_address(target)
     return EngineProbe(
         host=socket.gethostname(),
         pid=os.getpid(),
@@ -46,7 +59,25 @@ def describe(controller_ip: str | None) -> EngineProbe:
         launcher_rank=launcher_rank,
         launcher_var=launcher_var,
         cuda_devices=_cuda_count(),
+        controller=target,
+        preset_env=tuple((v, os.environ[v]) for v in SOCKET_IFNAME_VARS if os.environ.get(v)),
     )
+
+
+def registered_controller() -> str | None:
+    """The controller's ip as this engine connected to it, or None outside ``ipengine``."""
+    try:
+        from ipyparallel.engine.app import IPEngine
+
+        if not IPEngine.initialized():
+            return None
+        url = IPEngine.instance().registration_url or ""
+    except Exception:
+        return None
+    if "://" not in url:
+        return None
+    host = url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+    return None if host in ("*", "0.0.0.0", "") else host
 
 
 def route_address(target: str | None) -> str:

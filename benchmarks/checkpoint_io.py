@@ -1,0 +1,158 @@
+"""Checkpoint throughput: sharded, full and async saves and loads on 2 and 4 ranks,
+side by side with the disk's own sequential write and read speed, in one run.
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/checkpoint_io.py [--mb 256] [--ranks 2 4]
+
+Disk: ``dd`` of the same number of bytes with ``conv=fsync`` (plus ``oflag=direct``
+where the filesystem allows) for writing, and ``iflag=direct`` (or after dropping
+the page cache, when permitted) for reading. Loads run after dropping the page
+cache when that is permitted, else they read warm pages (the JSON says which).
+Async: the time ``sess.save(..., async_save=True)`` blocks the notebook (and
+training) vs the synchronous sharded save. Prints a table and writes
+benchmarks/out/checkpoint_io.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+
+import fsdp_nb
+
+BUILD = """
+import torch
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+torch.manual_seed(0)
+_mesh = init_device_mesh("cpu", (world_size,))
+bench = torch.nn.Sequential(*[torch.nn.Linear({dim}, {dim}, bias=False) for _ in range({layers})])
+for _l in bench:
+    fully_shard(_l, mesh=_mesh)
+fully_shard(bench, mesh=_mesh)
+"""
+
+
+def drop_caches() -> bool:
+    """Drop the page cache if this process may (root, writable /proc/sys/vm/drop_caches)."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _dd(args: list[str]) -> float | None:
+    """Seconds dd took (from its own report), or None if it failed."""
+    out = subprocess.run(["dd", *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
+    m = re.search(r"copied, ([0-9.e+-]+) s", out.stderr)
+    return float(m.group(1)) if m else None
+
+
+def disk_speed(folder: str, mb: int) -> dict:
+    """Sequential write (fsync) and read speed of ``folder``'s disk in GB/s."""
+    path = os.path.join(folder, "dd.bin")
+    res: dict = {"bytes": mb << 20}
+    t = _dd(["if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fsync", "oflag=direct"])
+    res["write_mode"] = "conv=fsync oflag=direct"
+    if t is None:
+        t = _dd(["if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fsync"])
+        res["write_mode"] = "conv=fsync"
+    res["write_GBps"] = (mb << 20) / t / 1e9 if t else None
+    t = _dd([f"if={path}", "of=/dev/null", "bs=1M", "iflag=direct"])
+    res["read_mode"] = "iflag=direct"
+    if t is None:
+        res["read_mode"] = "after drop_caches" if drop_caches() else "page cache (warm)"
+        t = _dd([f"if={path}", "of=/dev/null", "bs=1M"])
+    res["read_GBps"] = (mb << 20) / t / 1e9 if t else None
+    os.remove(path)
+    return res
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def bench_ranks(n: int, folder: str, mb: int, cold: bool) -> dict:
+    dim = 2048
+    layers = max(1, (mb << 20) // (dim * dim * 4))
+    sess = fsdp_nb.Session(n, backend="gloo", activate=False)
+    try:
+        sess.execute(BUILD.format(dim=dim, layers=layers))
+        nbytes = layers * dim * dim * 4
+        res: dict = {"ranks": n, "bytes": nbytes}
+        sharded, full = os.path.join(folder, f"s{n}"), os.path.join(folder, f"f{n}.pt")
+        sess.save(os.path.join(folder, f"warmup{n}"), "bench")  # plans, imports, first-touch
+        # the first async save also creates its gloo group and writer thread
+        sess.save(os.path.join(folder, f"warmupa{n}"), "bench", async_save=True).wait()
+        t, _ = timed(lambda: sess.save(sharded, "bench"))
+        res["save_sharded_s"] = t
+        t, _ = timed(lambda: sess.save(full, "bench", sharded=False))
+        res["save_full_s"] = t
+        t_block, h = timed(lambda: sess.save(os.path.join(folder, f"a{n}"), "bench", async_save=True))
+        t_wait, _ = timed(h.wait)
+        res["async_blocked_s"] = t_block
+        res["async_blocked_on_ranks_s"] = h.blocked_s
+        res["async_total_s"] = t_block + t_wait
+        res["async_blocked_vs_sync"] = t_block / res["save_sharded_s"]
+        if cold:
+            drop_caches()
+        t, _ = timed(lambda: sess.load(sharded, "bench"))
+        res["load_sharded_s"] = t
+        if cold:
+            drop_caches()
+        t, _ = timed(lambda: sess.load(full, "bench"))
+        res["load_full_s"] = t
+        for k in ("save_sharded", "save_full", "load_sharded", "load_full"):
+            res[k + "_GBps"] = nbytes / res[k + "_s"] / 1e9
+        res["async_effective_GBps"] = nbytes / res["async_total_s"] / 1e9
+        return res
+    finally:
+        sess.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--mb", type=int, default=256, help="model size in MiB (float32)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: a temp dir)")
+    args = ap.parse_args()
+    folder = tempfile.mkdtemp(prefix="fsdp_nb_ckbench_", dir=args.dir)
+    try:
+        cold = drop_caches()
+        disk = disk_speed(folder, args.mb)
+        rows = [bench_ranks(n, folder, args.mb, cold) for n in args.ranks]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    out = {"disk": disk, "cold_loads": cold, "model_MiB": args.mb, "runs": rows,
+           "note": "2 CPU cores shared with other jobs; gloo; local disk"}
+    print(f"disk: write {disk['write_GBps']:.3f} GB/s ({disk['write_mode']}), "
+          f"read {disk['read_GBps']:.3f} GB/s ({disk['read_mode']}); loads "
+          f"{'cold (page cache dropped)' if cold else 'warm (cannot drop the page cache)'}")
+    head = f"{'ranks':>5} {'MB':>6} | {'save shard':>10} {'save full':>10} {'async blk':>10} {'async tot':>10} | {'load shard':>10} {'load full':>10} | blocked/sync"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['ranks']:>5} {r['bytes'] / 1e6:>6.0f} | {r['save_sharded_GBps']:>7.3f}GB/s {r['save_full_GBps']:>7.3f}GB/s "
+              f"{r['async_blocked_s']:>9.3f}s {r['async_total_s']:>9.3f}s | {r['load_sharded_GBps']:>7.3f}GB/s "
+              f"{r['load_full_GBps']:>7.3f}GB/s | {100 * r['async_blocked_vs_sync']:.1f}%")
+    os.makedirs(os.path.join(os.path.dirname(__file__), "out"), exist_ok=True)
+    dest = os.path.join(os.path.dirname(__file__), "out", "checkpoint_io.json")
+    with open(dest, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {dest}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Checkpoints: sharded (DCP, one file per rank) or full (one .pt / .safetensors), atomic,
+async, reshardable, inspectable offline, on local paths or fsspec URLs.
+
+``sess.save`` / ``sess.load`` call ``save`` / ``load`` here; ``fsdp_nb.inspect`` and
+``fsdp_nb.consolidate`` work in one process with no process group.
+"""
+
+from __future__ import annotations
+
+from .consolidate import consolidate
+from .info import CheckpointError, CheckpointInfo, ChunkInfo, CorruptCheckpointError, TensorInfo
+from .inspect import inspect
+from .load import load
+from .save import AsyncCheckpoint, save
+from .storage import set_storage_options
+
+__all__ = [
+    "AsyncCheckpoint",
+    "CheckpointError",
+    "CheckpointInfo",
+    "ChunkInfo",
+    "CorruptCheckpointError",
+    "TensorInfo",
+    "consolidate",
+    "inspect",
+    "load",
+    "save",
+    "set_storage_options",
+]

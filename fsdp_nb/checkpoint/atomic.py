@@ -1,0 +1,167 @@
+"""Atomic commit, validity and retention of checkpoints.
+
+Every save writes into a hidden sibling (``.<name>.tmp-<token>``) and commits
+only after every rank finished:
+
+- sharded (a folder): ``fsdp_nb.json`` then the marker ``.fsdp_nb_complete``
+  (each file's size and CRC-32) are written last. On a local filesystem the
+  marker goes into the temporary folder, which is then renamed over the target
+  (the old one moved aside first and removed after): the target is always either
+  the old or the new complete checkpoint. On object stores (no rename) the folder
+  is copied, and the marker is written at the target last: a folder without it
+  never passes as valid.
+- full (one file): written to a temporary sibling file, fsynced, renamed.
+
+A folder without the marker, or whose files do not have the recorded sizes, is
+invalid: ``inspect`` says so and ``load`` refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from typing import Any
+
+from .fullfile import full_suffix
+from .metadata import MARKER, META_FILE, dumps
+from .storage import is_local, sibling
+
+__all__ = ["commit_full", "commit_sharded", "read_marker", "retain_last", "validate_files"]
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write(fs: Any, path: str, data: bytes) -> None:
+    if is_local(fs):
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    else:
+        fs.pipe_file(path, data)
+
+
+def commit_sharded(
+    fs: Any, tmp: str, target: str, meta: dict, files: dict[str, dict[str, int]], token: str
+) -> None:
+    """Write metadata and marker, then make ``tmp`` the checkpoint at ``target``."""
+    _write(fs, posixpath.join(tmp, META_FILE), dumps(meta))
+    marker = dumps({"format": meta["format"], "token": token, "files": files})
+    old = sibling(target, "old", token)
+    if is_local(fs):
+        _write(fs, posixpath.join(tmp, MARKER), marker)
+        _fsync_dir(tmp)
+        had_old = os.path.exists(target)
+        if had_old:
+            os.replace(target, old)
+        os.replace(tmp, target)
+        _fsync_dir(os.path.dirname(target) or ".")
+        if had_old:
+            fs.rm(old, recursive=True)
+        return
+    had_old = fs.exists(target)
+    if had_old:
+        _move_tree(fs, target, old)
+    _move_tree(fs, tmp, target)
+    _write(fs, posixpath.join(target, MARKER), marker)
+    if had_old:
+        fs.rm(old, recursive=True)
+
+
+def _move_tree(fs: Any, src: str, dst: str) -> None:
+    """Copy every file under ``src`` to ``dst`` (object stores have no rename), then remove ``src``."""
+    for f in fs.find(src):
+        fs.copy(f, posixpath.join(dst, posixpath.relpath(f, src)))
+    fs.rm(src, recursive=True)
+
+
+def commit_full(fs: Any, tmp: str, target: str) -> None:
+    """Rename a fully written temporary file over ``target``."""
+    if is_local(fs):
+        os.replace(tmp, target)
+        _fsync_dir(os.path.dirname(target) or ".")
+    else:
+        fs.mv(tmp, target)
+
+
+def read_marker(fs: Any, path: str) -> dict | None:
+    """The marker of a sharded checkpoint folder, or None if it has none (not committed)."""
+    try:
+        return json.loads(fs.cat_file(posixpath.join(path, MARKER)))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None
+
+
+def validate_files(fs: Any, path: str, marker: dict) -> str | None:
+    """None if every recorded file exists with its size; else what is wrong (naming the file)."""
+    try:
+        listing = {posixpath.basename(e["name"].rstrip("/")): e for e in fs.ls(path, detail=True)}
+    except FileNotFoundError:
+        return f"folder {path!r} is missing"
+    for name, rec in marker.get("files", {}).items():
+        e = listing.get(name)
+        if e is None:
+            return f"file {name!r} is missing"
+        if int(e.get("size") or 0) != int(rec["size"]):
+            return f"file {name!r} has {e.get('size')} bytes, {rec['size']} were written (truncated or changed)"
+    return None
+
+
+def _created(fs: Any, p: str) -> float | None:
+    """Creation time of a valid checkpoint at ``p``, or None when ``p`` is not one."""
+    try:
+        if fs.isdir(p):
+            if read_marker(fs, p) is None:
+                return None
+            return float(json.loads(fs.cat_file(posixpath.join(p, META_FILE))).get("created", 0))
+        if full_suffix(p):
+            from .fullfile import read_full_meta
+
+            meta, _ = read_full_meta(fs, p)
+            if meta.get("format", "").startswith("fsdp_nb"):
+                return float(meta.get("created", 0))
+    except Exception:
+        return None
+    return None
+
+
+def retain_last(fs: Any, target: str, k: int) -> list[str]:
+    """Keep the newest ``k`` checkpoints beside ``target`` (itself included); remove the rest.
+
+    Only valid fsdp_nb checkpoints of the same kind as ``target`` count (folders for a
+    sharded one, files with the same suffix for a full one) and are removed, oldest
+    first by their recorded time; other files are never touched. Returns the removed paths.
+    """
+    parent = posixpath.dirname(target.rstrip("/"))
+    suffix = full_suffix(target)
+    found = []
+    for e in fs.ls(parent, detail=False):
+        name = posixpath.basename(e.rstrip("/"))
+        if name.startswith(".") or full_suffix(name) != suffix:
+            continue
+        t = _created(fs, e.rstrip("/"))
+        if t is not None:
+            found.append((t, name, e.rstrip("/")))
+    found.sort()
+    keep = {p for _, _, p in found[-k:]}
+    keep.add(target.rstrip("/"))
+    removed = []
+    for _, _, p in found:
+        if p not in keep and posixpath.basename(p) != posixpath.basename(target.rstrip("/")):
+            fs.rm(p, recursive=True)
+            removed.append(p)
+    return removed

@@ -1,0 +1,142 @@
+"""``fsdp_nb.consolidate``: sharded <-> full conversion in one process, no process group.
+
+- sharded folder -> one ``.pt`` / ``.safetensors`` file: DCP reads every chunk
+  (``no_dist``) into full tensors (the whole model must fit in this process's memory).
+- full file -> sharded folder (world size 1 as stored; ``sess.load`` reshards it
+  onto any world size).
+
+The output is written to a temporary sibling and committed like a save.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import time
+import uuid
+from typing import Any
+
+from .atomic import commit_full, commit_sharded, read_marker
+from .fullfile import full_suffix, read_full, write_full
+from .info import CheckpointError, CheckpointInfo
+from .inspect import inspect, read_dcp_metadata, verify_checksums
+from .metadata import FORMAT, META_FILE
+from .restricted import safe_reader
+from .storage import crc32_of, sibling, url_to_fs
+
+__all__ = ["consolidate", "read_sharded"]
+
+
+def read_sharded(path: str, storage_options: dict | None = None) -> tuple[dict, dict | None, dict]:
+    """(model state dict, optimizer state dict or None, metadata) of a sharded checkpoint, in full."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    fs, p = url_to_fs(path, storage_options)
+    p = p.rstrip("/")
+    marker = read_marker(fs, p)
+    if marker is None:
+        raise CheckpointError(f"checkpoint {path!r} is incomplete (no completion marker); refusing to read it")
+    verify_checksums(fs, p, path, marker)
+    read_dcp_metadata(fs, p, path)
+    sd: dict[str, Any] = {}
+    # dcp.load only fills keys already in ``sd``; the private loader with the empty
+    # planner rebuilds the whole nested state dict from the metadata (as dcp_to_torch_save).
+    _load_state_dict(sd, storage_reader=safe_reader(fs, p, storage_options or {}),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    try:
+        meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
+    except FileNotFoundError:
+        meta = {}
+    optim = sd.get("optim")
+    if optim is not None:
+        optim = _lists(optim)
+    return sd.get("model", {}), optim, meta
+
+
+def _lists(osd: dict) -> dict:
+    """param_groups may come back as {"0": {...}}: turn it back into a list."""
+    pg = osd.get("param_groups")
+    if isinstance(pg, dict):
+        osd["param_groups"] = [pg[k] for k in sorted(pg, key=int)]
+    return osd
+
+
+def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options: dict | None = None) -> CheckpointInfo:
+    """Convert the checkpoint at ``path`` into ``out`` and return ``out``'s CheckpointInfo.
+
+    A sharded folder becomes one file (``out`` ends in ``.pt`` or ``.safetensors``);
+    a full file becomes a sharded folder (``out`` without those suffixes).
+    """
+    import warnings
+
+    fs, p = url_to_fs(path, storage_options)
+    ofs, o = url_to_fs(out, storage_options)
+    p, o = p.rstrip("/"), o.rstrip("/")
+    if not fs.exists(p):
+        raise FileNotFoundError(f"no checkpoint at {path!r}")
+    if ofs.exists(o) and not overwrite:
+        raise FileExistsError(f"{out!r} already exists; pass overwrite=True to replace it")
+    token = uuid.uuid4().hex[:12]
+    src_sharded = fs.isdir(p)
+    if src_sharded:
+        if not full_suffix(o):
+            raise ValueError(f"consolidating a sharded checkpoint gives one file: {out!r} must end in .pt or .safetensors")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model_sd, optim_sd, meta = read_sharded(path, storage_options)
+        meta = dict(meta, kind="full", consolidated_from=path, consolidated=time.time())
+        tmp = sibling(o, "tmp", token) + (full_suffix(o) or "")
+        ofs.makedirs(posixpath.dirname(o) or ".", exist_ok=True)
+        try:
+            write_full(ofs, tmp, model_sd, optim_sd, meta)
+            commit_full(ofs, tmp, o)
+        except BaseException:
+            if ofs.exists(tmp):
+                ofs.rm(tmp)
+            raise
+        return inspect(out, storage_options=storage_options)
+    if not full_suffix(p):
+        raise ValueError(f"{path!r} is neither a checkpoint folder nor a .pt / .safetensors file")
+    if full_suffix(o):
+        raise ValueError(f"converting a full checkpoint gives a sharded folder: {out!r} must not end in {full_suffix(o)}")
+    return _to_sharded(fs, p, path, ofs, o, out, token)
+
+
+def _to_sharded(fs: Any, p: str, url: str, ofs: Any, o: str, out: str, token: str) -> CheckpointInfo:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    model_sd, optim_sd, meta = read_full(fs, p, url)
+    sd: dict[str, Any] = {"model": model_sd}
+    if optim_sd:
+        sd["optim"] = optim_sd
+    tmp = sibling(o, "tmp", token)
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from .storage import is_local, to_url
+
+    if is_local(ofs):
+        writer: Any = FileSystemWriter(tmp)
+    else:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        writer = FsspecWriter(to_url(ofs, tmp))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(sd, storage_writer=writer, no_dist=True)
+        files = {}
+        for e in ofs.ls(tmp, detail=False):
+            n = posixpath.basename(e.rstrip("/"))
+            files[n] = {"size": int(ofs.size(e)), "crc32": crc32_of(ofs, e)}
+        meta = dict(meta or {}, kind="sharded", converted_from=url, converted=time.time())
+        meta.setdefault("format", FORMAT)
+        meta["world_size"] = 1
+        commit_sharded(ofs, tmp, o, meta, files, token)
+    except BaseException:
+        if ofs.exists(tmp):
+            ofs.rm(tmp, recursive=True)
+        raise
+    return inspect(out)

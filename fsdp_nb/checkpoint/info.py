@@ -1,0 +1,111 @@
+"""What a checkpoint holds, as plain data: ``CheckpointInfo`` and its parts.
+
+Filled offline by ``fsdp_nb.inspect`` (no process group) and returned by
+``sess.save``; rendered by the checkpoint browser widget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CheckpointError", "CheckpointInfo", "ChunkInfo", "CorruptCheckpointError", "TensorInfo"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used: incomplete, wrong keys or shapes, unknown format."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file is truncated, corrupt or missing; the message names the file."""
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """One stored piece of a tensor."""
+
+    offsets: tuple[int, ...]
+    """Where the piece starts in the global tensor, per dimension."""
+    sizes: tuple[int, ...]
+    """The piece's shape."""
+    file: str
+    """The file holding it, relative to the checkpoint (``__0_0.distcp``, or the full file)."""
+    file_offset: int | None = None
+    """Byte offset of the piece inside ``file`` (None when unknown)."""
+    length: int | None = None
+    """Bytes the piece occupies in ``file`` (None when unknown)."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a checkpoint (a model parameter, buffer or optimizer state)."""
+
+    name: str
+    """Key, prefixed ``model.`` or ``optim.`` (e.g. ``model.layers.0.weight``)."""
+    shape: tuple[int, ...]
+    """Global shape."""
+    dtype: str
+    """torch dtype name, e.g. ``"float32"``."""
+    bytes: int
+    """Size of the whole tensor in bytes."""
+    chunks: tuple[ChunkInfo, ...] = ()
+    """The stored pieces and the file holding each."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A checkpoint described without loading it."""
+
+    path: str
+    """Where it is (local path or fsspec URL)."""
+    kind: str
+    """``"sharded"`` (a DCP folder, one file per rank) or ``"full"`` (one .pt/.safetensors file)."""
+    valid: bool
+    """True when the checkpoint was committed completely (marker present, files of the recorded sizes)."""
+    problem: str | None = None
+    """Why it is not valid (None when valid)."""
+    world_size: int | None = None
+    """Ranks that wrote it."""
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    """Key -> tensor description."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The user's ``extra`` (JSON values)."""
+    versions: dict[str, str] = field(default_factory=dict)
+    """``torch`` and ``fsdp_nb`` versions that wrote it."""
+    total_bytes: int = 0
+    """Sum of the tensors' sizes."""
+    created: float | None = None
+    """Unix time it was written."""
+    model_class: str | None = None
+    """Qualified class name of the model."""
+    param_count: int | None = None
+    """Number of model parameters (elements)."""
+    mesh: dict[str, Any] = field(default_factory=dict)
+    """The device mesh it was saved from (shape, dim names, device type)."""
+    files: dict[str, int] = field(default_factory=dict)
+    """File name -> size in bytes, as recorded at commit."""
+    has_optimizer: bool = False
+    """Whether optimizer state is included."""
+
+    @property
+    def model_keys(self) -> list[str]:
+        """Model state-dict keys (without the ``model.`` prefix)."""
+        return [k[6:] for k in self.tensors if k.startswith("model.")]
+
+    def __repr__(self) -> str:
+        state = "valid" if self.valid else f"INVALID ({self.problem})"
+        return (
+            f"<CheckpointInfo {self.kind} {self.path!r}: {state}, world_size={self.world_size}, "
+            f"{len(self.tensors)} tensors, {self.total_bytes / 1e6:.1f} MB, extra={self.extra}>"
+        )
+
+    def summary(self) -> str:
+        """A multi-line text table: header, then one line per tensor."""
+        lines = [repr(self)]
+        for t in self.tensors.values():
+            files = sorted({c.file for c in t.chunks})
+            lines.append(
+                f"  {t.name:50s} {str(list(t.shape)):18s} {t.dtype:9s} {t.bytes:>12d} B  "
+                f"{len(t.chunks)} chunk(s) in {', '.join(files)}"
+            )
+        return "\n".join(lines)

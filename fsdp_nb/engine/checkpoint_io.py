@@ -1,0 +1,572 @@
+"""Checkpoint I/O on the ranks: save and load FSDP2 models and optimizers.
+
+Called by ``fsdp_nb.checkpoint.save`` / ``load`` on every rank at once. Functions
+return plain dicts: ``{"ok": True, ...}`` or ``{"ok": False, "error": class name,
+"message": ...}`` for expected failures (a missing file, a key mismatch), so the
+notebook raises one clear error instead of a wall of per-rank tracebacks; the
+outcome of every check is agreed by all ranks before anything is written or any
+model tensor is touched.
+
+- sharded: ``torch.distributed.checkpoint`` (one ``__{rank}_0.distcp`` per rank)
+  into a temporary sibling, then every rank's file sizes and CRC-32s are gathered
+  and rank 0 commits (``fsdp_nb.checkpoint.atomic``).
+- full: ``get_state_dict(full_state_dict=True, cpu_offload=True)`` gathers to rank
+  0 only (the others hold nothing), which writes one ``.pt`` / ``.safetensors``.
+- async: staging (a CPU copy of this rank's shards) happens in the call; the
+  write and the commit run in a background thread on a separate gloo group, so
+  training collectives on the default group do not interleave with them.
+- load: files verified (size, CRC-32; each rank checks a share), keys and shapes
+  checked, data read into fresh tensors, and only then copied into the model.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..checkpoint.atomic import commit_full, commit_sharded, read_marker, retain_last
+from ..checkpoint.fullfile import full_suffix, read_full, write_full
+from ..checkpoint.info import CorruptCheckpointError
+from ..checkpoint.inspect import inspect, read_dcp_metadata, verify_checksums
+from ..checkpoint.restricted import safe_reader
+from ..checkpoint.storage import crc32_of, is_local, sibling, to_url, url_to_fs
+from .namespace import user_ns
+
+__all__ = ["async_done", "async_wait", "load", "preflight", "save"]
+
+_EXEC: ThreadPoolExecutor | None = None
+_PENDING: dict[str, Future] = {}
+_GROUP: tuple[Any, Any] | None = None
+
+
+def _fail(exc: BaseException | str, cls: str | None = None) -> dict[str, Any]:
+    if isinstance(exc, BaseException):
+        return {"ok": False, "error": cls or type(exc).__name__, "message": str(exc)}
+    return {"ok": False, "error": cls or "CheckpointError", "message": exc}
+
+
+def _objects(model_name: str, optim_name: str | None) -> tuple[Any, Any]:
+    import torch
+
+    ns = user_ns()
+    if model_name not in ns:
+        raise NameError(f"no model named {model_name!r} on this rank (wrap it with sess.wrap first)")
+    model = ns[model_name]
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"engine global {model_name!r} is a {type(model).__name__}, not an nn.Module")
+    optim = None
+    if optim_name is not None:
+        if optim_name not in ns:
+            raise NameError(f"no optimizer named {optim_name!r} on this rank")
+        optim = ns[optim_name]
+        if not isinstance(optim, torch.optim.Optimizer):
+            raise TypeError(f"engine global {optim_name!r} is a {type(optim).__name__}, not a torch.optim.Optimizer")
+    return model, optim
+
+
+def _rank_ws() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _drain() -> None:
+    """Finish (and commit) any async save still running on this rank."""
+    for token, fut in list(_PENDING.items()):
+        try:
+            fut.result()
+        except BaseException:
+            pass
+        _PENDING.pop(token, None)
+
+
+def preflight(spec: dict[str, Any]) -> dict[str, Any]:
+    """Check names and the target before anything is written."""
+    try:
+        _objects(spec["model"], spec.get("optimizer"))
+    except (NameError, TypeError) as exc:
+        return _fail(exc)
+    _drain()
+    rank, _ = _rank_ws()
+    if rank == 0 and spec.get("check_exists"):
+        fs, p = url_to_fs(spec["url"], spec["so"])
+        if fs.exists(p.rstrip("/")):
+            return {"ok": True, "exists": True}
+    return {"ok": True, "exists": False}
+
+
+def _ckpt_group() -> Any:
+    """A gloo group of all ranks for background checkpoint collectives (made once per world)."""
+    global _GROUP
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if _GROUP is None or _GROUP[0] is not world:
+        _GROUP = (world, dist.new_group(backend="gloo"))
+    return _GROUP[1]
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _EXEC
+    if _EXEC is None:
+        _EXEC = ThreadPoolExecutor(1, thread_name_prefix="fsdp_nb-ckpt")
+    return _EXEC
+
+
+def _model_meta(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    meta = dict(spec["meta"])
+    _, ws = _rank_ws()
+    mesh: dict[str, Any] = {}
+    for prm in model.parameters():
+        dm = getattr(prm, "device_mesh", None)
+        if dm is not None:
+            mesh = {
+                "shape": list(dm.shape),
+                "dim_names": list(dm.mesh_dim_names or ()),
+                "device_type": dm.device_type,
+            }
+            break
+    inner = model
+    cls = type(inner)
+    meta.update(
+        world_size=ws,
+        mesh=mesh,
+        model=spec["model"],
+        optimizer=spec.get("optimizer"),
+        model_class=f"{cls.__module__}.{cls.__qualname__}",
+        param_count=int(sum(p.numel() for p in model.parameters())),
+    )
+    return meta
+
+
+def _writer(fs: Any, path: str, so: dict[str, Any]) -> Any:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    if is_local(fs):
+        return FileSystemWriter(path, sync_files=True)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(to_url(fs, path), sync_files=False, **so)
+
+
+# -- save -------------------------------------------------------------------------
+
+
+def save(spec: dict[str, Any]) -> dict[str, Any]:
+    """Save the model (and optimizer) on every rank; returns timings and, on rank 0, the info."""
+    try:
+        model, optim = _objects(spec["model"], spec.get("optimizer"))
+    except (NameError, TypeError) as exc:
+        return _fail(exc)
+    _drain()
+    t0 = time.perf_counter()
+    try:
+        if spec["sharded"]:
+            return _save_sharded(spec, model, optim, t0)
+        return _save_full(spec, model, optim, t0)
+    except BaseException as exc:  # CheckpointException derives from BaseException
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return _fail(f"saving {spec['url']!r} failed: {type(exc).__name__}: {exc}")
+
+
+def _finish_sharded(spec: dict[str, Any], model_meta: dict[str, Any], group: Any) -> dict[str, Any]:
+    """After this rank's files are written: gather sizes/CRCs, rank 0 commits."""
+    import torch.distributed as dist
+
+    fs, target = url_to_fs(spec["url"], spec["so"])
+    target = target.rstrip("/")
+    tmp = sibling(target, "tmp", spec["token"])
+    rank, ws = _rank_ws()
+    mine: dict[str, dict[str, int]] = {}
+    names = [".metadata"] if rank == 0 else []
+    for e in fs.ls(tmp, detail=False):
+        n = posixpath.basename(e.rstrip("/"))
+        if n.startswith(f"__{rank}_") and n.endswith(".distcp"):
+            names.append(n)
+    for n in names:
+        fp = posixpath.join(tmp, n)
+        mine[n] = {"size": int(fs.size(fp)), "crc32": crc32_of(fs, fp)}
+    parts: list[Any] = [None] * ws
+    if ws > 1:
+        dist.all_gather_object(parts, mine, group=group)
+    else:
+        parts = [mine]
+    if rank != 0:
+        return {"ok": True}
+    files: dict[str, dict[str, int]] = {}
+    for part in parts:
+        files.update(part)
+    commit_sharded(fs, tmp, target, model_meta, files, spec["token"])
+    removed = retain_last(fs, target, spec["keep_last"]) if spec.get("keep_last") else []
+    return {"ok": True, "info": inspect(spec["url"], storage_options=spec["so"]), "removed": removed}
+
+
+def _save_sharded(spec: dict[str, Any], model: Any, optim: Any, t0: float) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    fs, target = url_to_fs(spec["url"], spec["so"])
+    tmp = sibling(target.rstrip("/"), "tmp", spec["token"])
+    msd, osd = get_state_dict(model, [optim] if optim is not None else [])
+    sd: dict[str, Any] = {"model": msd}
+    if optim is not None:
+        sd["optim"] = osd
+    meta = _model_meta(model, spec)
+    writer = _writer(fs, tmp, spec["so"])
+    rank, ws = _rank_ws()
+    if not spec["async"]:
+        try:
+            dcp.save(sd, storage_writer=writer)
+        except BaseException:
+            if rank == 0:
+                _cleanup(fs, tmp)
+            raise
+        out = _finish_sharded(spec, meta, dist.group.WORLD if ws > 1 else None)
+        out["seconds"] = time.perf_counter() - t0
+        return out
+    group = _ckpt_group() if ws > 1 else None
+    t_sd = time.perf_counter() - t0
+    resp = dcp.async_save(sd, storage_writer=writer, process_group=group, async_stager=_stager(sd))
+    upload = getattr(resp, "upload_completion", resp)
+    staging = getattr(resp, "staging_completion", None)
+    if staging is not None:
+        staging.result()
+    blocked = time.perf_counter() - t0
+
+    def finish() -> dict[str, Any]:
+        try:
+            upload.result()
+        except BaseException as exc:
+            if rank == 0:
+                _cleanup(fs, tmp)
+            return _fail(f"async save of {spec['url']!r} failed: {type(exc).__name__}: {exc}")
+        out = _finish_sharded(spec, meta, group)
+        out["seconds"] = time.perf_counter() - t0
+        return out
+
+    _PENDING[spec["token"]] = _executor().submit(finish)
+    return {"ok": True, "blocked": blocked, "state_dict_s": t_sd, "pending": True}
+
+
+class _CloneStager:
+    """Stage CPU state dicts by cloning each tensor (DTensors stay DTensors, local shards copied).
+
+    DCP's DefaultStager walks and rebuilds the state dict object by object; a plain
+    clone per tensor is the same training-safe copy with less overhead on CPU ranks.
+    """
+
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: Any) -> Any:
+        import torch
+        from torch.utils._pytree import tree_map_only
+
+        return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state_dict)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _stager(sd: Any) -> Any:
+    """Our clone stager for CPU tensors; DCP's default (CPU-safe options) for accelerators."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    if all(t.device.type == "cpu" for t in tree_leaves(sd) if isinstance(t, torch.Tensor)):
+        return _CloneStager()
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=cuda))
+
+
+def _cleanup(fs: Any, path: str) -> None:
+    try:
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    except Exception:
+        pass
+
+
+def _save_full(spec: dict[str, Any], model: Any, optim: Any, t0: float) -> dict[str, Any]:
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(model, [optim] if optim is not None else [], options=opts)
+    meta = _model_meta(model, spec)
+    rank, _ = _rank_ws()
+    if rank != 0:
+        return {"ok": True, "blocked": time.perf_counter() - t0, "seconds": time.perf_counter() - t0}
+    fs, target = url_to_fs(spec["url"], spec["so"])
+    tmp = sibling(target, "tmp", spec["token"]) + (full_suffix(target) or "")
+    if spec["async"]:
+        # The background write must not see training's in-place updates: copy
+        # anything that still shares storage with the live model or optimizer.
+        live = {p.data_ptr() for p in model.parameters()} | {b.data_ptr() for b in model.buffers()}
+        msd = {k: (v.clone() if isinstance(v, torch.Tensor) and v.data_ptr() in live else v) for k, v in msd.items()}
+        if optim is not None:
+            osd = {
+                "state": {f: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for f, s in osd["state"].items()},
+                "param_groups": osd["param_groups"],
+            }
+
+    def write() -> dict[str, Any]:
+        try:
+            write_full(fs, tmp, msd, osd if optim is not None else None, meta)
+            commit_full(fs, tmp, target)
+        except BaseException as exc:
+            _cleanup(fs, tmp)
+            return _fail(f"saving {spec['url']!r} failed: {type(exc).__name__}: {exc}")
+        removed = retain_last(fs, target, spec["keep_last"]) if spec.get("keep_last") else []
+        return {
+            "ok": True, "info": inspect(spec["url"], storage_options=spec["so"]),
+            "removed": removed, "seconds": time.perf_counter() - t0,
+        }
+
+    if spec["async"]:
+        blocked = time.perf_counter() - t0
+        _PENDING[spec["token"]] = _executor().submit(write)
+        return {"ok": True, "blocked": blocked, "pending": True}
+    out = write()
+    out["blocked"] = out.get("seconds", 0.0)
+    return out
+
+
+def async_done(token: str) -> bool:
+    """Whether this rank's part of async save ``token`` has finished (committed on rank 0)."""
+    fut = _PENDING.get(token)
+    return fut is None or fut.done()
+
+
+def async_wait(token: str) -> dict[str, Any]:
+    """Block until this rank's part of async save ``token`` finished; its outcome."""
+    fut = _PENDING.get(token)
+    if fut is None:
+        return {"ok": True}
+    out = fut.result()
+    _PENDING.pop(token, None)
+    return out
+
+
+# -- load -------------------------------------------------------------------------
+
+
+def _agree(problem: str | None, cls: str = "CheckpointError") -> dict[str, Any] | None:
+    """All ranks learn every rank's problem; the same failure outcome (or None) on each."""
+    import torch.distributed as dist
+
+    rank, ws = _rank_ws()
+    parts: list[Any] = [(problem, cls)]
+    if ws > 1:
+        parts = [None] * ws
+        dist.all_gather_object(parts, (problem, cls))
+    for p, c in parts:
+        if p:
+            return _fail(p, c)
+    return None
+
+
+def _flat_optim(osd: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for fqn, st in osd.get("state", {}).items():
+        for k, v in st.items():
+            out[f"optim.state.{fqn}.{k}"] = v
+    return out
+
+
+def _shape_problems(
+    url: str, expected: dict[str, tuple], found: dict[str, tuple], what: str, strict: bool
+) -> tuple[str | None, set[str]]:
+    """(message or None, keys to load) comparing expected and stored shapes."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    mism = sorted(k for k in set(expected) & set(found) if expected[k] != found[k])
+    usable = {k for k in set(expected) & set(found) if expected[k] == found[k]}
+    if not strict and not mism:
+        return None, usable
+    if not (missing or unexpected or mism):
+        return None, usable
+    lines = [f"checkpoint {url!r} does not match the {what}:"]
+    if missing:
+        lines.append(f"  missing keys ({len(missing)}): {', '.join(missing[:20])}")
+    if unexpected:
+        lines.append(f"  unexpected keys ({len(unexpected)}): {', '.join(unexpected[:20])}")
+    for k in mism[:20]:
+        lines.append(f"  shape mismatch {k}: checkpoint {list(found[k])}, model {list(expected[k])}")
+    if strict and not mism:
+        lines.append("  load with strict=False to load the keys both have.")
+    return "\n".join(lines), usable
+
+
+def load(spec: dict[str, Any]) -> dict[str, Any]:
+    """Load a sharded or full checkpoint into the model (and optimizer) on every rank."""
+    try:
+        model, optim = _objects(spec["model"], spec.get("optimizer"))
+    except (NameError, TypeError) as exc:
+        return _fail(exc)
+    _drain()
+    fs, p = url_to_fs(spec["url"], spec["so"])
+    p = p.rstrip("/")
+    try:
+        exists = fs.exists(p)
+        isdir = exists and fs.isdir(p)
+    except Exception as exc:
+        return _fail(f"cannot reach {spec['url']!r}: {type(exc).__name__}: {exc}", "FileNotFoundError")
+    if not exists:
+        return _fail(f"no checkpoint at {spec['url']!r}", "FileNotFoundError")
+    t0 = time.perf_counter()
+    try:
+        if isdir:
+            out = _load_sharded(spec, fs, p, model, optim)
+        elif full_suffix(p):
+            out = _load_full(spec, fs, p, model, optim)
+        else:
+            return _fail(f"{spec['url']!r} is neither a checkpoint folder nor a .pt / .safetensors file")
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return _fail(f"loading {spec['url']!r} failed: {type(exc).__name__}: {exc}")
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _load_sharded(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any) -> dict[str, Any]:
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+    from torch.utils._pytree import tree_map_only
+
+    url, strict = spec["url"], spec["strict"]
+    rank, ws = _rank_ws()
+    marker = read_marker(fs, p)
+    if marker is None:
+        bad = _agree(
+            f"checkpoint {url!r} is incomplete: it has no completion marker "
+            "(an interrupted or unfinished save); refusing to load it"
+        )
+        return bad or {"ok": False}
+    problem = None
+    try:
+        names = sorted(marker.get("files", {}))
+        verify_checksums(fs, p, url, marker, names=names[rank::ws])
+        md = read_dcp_metadata(fs, p, url)
+    except CorruptCheckpointError as exc:
+        problem = str(exc)
+    bad = _agree(problem, "CorruptCheckpointError")
+    if bad:
+        return bad
+    stored = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+    msd, osd = get_state_dict(model, [optim] if optim is not None else [])
+    expected = {f"model.{k}": tuple(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
+    found = {k: s for k, s in stored.items() if k.startswith("model.")}
+    problem, usable = _shape_problems(url, expected, found, "model", strict)
+    if problem is None and optim is not None:
+        exp_o = {k: tuple(v.shape) for k, v in _flat_optim(osd).items() if isinstance(v, torch.Tensor)}
+        found_o = {k: s for k, s in stored.items() if k.startswith("optim.state.")}
+        if not found_o and not any(k.startswith("optim.") for k in md.state_dict_metadata):
+            problem = f"checkpoint {url!r} has no optimizer state (it was saved without optimizer=)"
+        else:
+            problem, _ = _shape_problems(url, exp_o, found_o, "optimizer", True)
+    bad = _agree(problem)
+    if bad:
+        return bad
+    # Read into fresh tensors; the model is touched only after every rank read everything.
+    fresh_m = {k: torch.empty_like(v) for k, v in msd.items() if f"model.{k}" in usable}
+    sd: dict[str, Any] = {"model": fresh_m}
+    fresh_o = None
+    if optim is not None:
+        fresh_o = tree_map_only(torch.Tensor, torch.empty_like, osd)
+        sd["optim"] = fresh_o
+    reader = safe_reader(fs, p, spec["so"])
+    dcp.load(sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    bad = _agree(None)
+    if bad:
+        return bad
+    set_state_dict(
+        model, [optim] if optim is not None else [],
+        model_state_dict=fresh_m,
+        optim_state_dict=fresh_o if optim is not None else {},
+        options=StateDictOptions(strict=strict),
+    )
+    meta = json.loads(fs.cat_file(posixpath.join(p, "fsdp_nb.json")))
+    return {"ok": True, "extra": meta.get("extra", {}), "world_size": meta.get("world_size")}
+
+
+def _load_full(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    url, strict = spec["url"], spec["strict"]
+    rank, ws = _rank_ws()
+    msd_local = get_model_state_dict(model)
+    expected = {k: tuple(v.shape) for k, v in msd_local.items() if isinstance(v, torch.Tensor)}
+    problem, cls = None, "CheckpointError"
+    full_m: dict[str, Any] = {}
+    full_o: dict[str, Any] | None = None
+    meta: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            full_m, full_o, meta = read_full(fs, p, url)
+            found = {k: tuple(v.shape) for k, v in full_m.items() if isinstance(v, torch.Tensor)}
+            problem, usable = _shape_problems(url, expected, found, "model", strict)
+            if problem is None:
+                full_m = {k: v for k, v in full_m.items() if k in usable}
+                if set(usable) != set(expected):
+                    problem = _partial_full_problem(url, expected, usable)
+            if problem is None and optim is not None and not full_o:
+                problem = f"checkpoint {url!r} has no optimizer state (it was saved without optimizer=)"
+        except CorruptCheckpointError as exc:
+            problem, cls = str(exc), "CorruptCheckpointError"
+    bad = _agree(problem, cls)
+    if bad:
+        return bad
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    set_model_state_dict(model, full_m if rank == 0 else {}, options=opts)
+    if optim is not None:
+        set_optimizer_state_dict(model, optim, full_o if rank == 0 else {}, options=opts)
+    box = [meta.get("extra", {}), meta.get("world_size")]
+    if ws > 1:
+        dist.broadcast_object_list(box, src=0)
+    return {"ok": True, "extra": box[0], "world_size": box[1]}
+
+
+def _partial_full_problem(url: str, expected: dict, usable: set) -> str | None:
+    """Full checkpoints are broadcast from rank 0 key by key: a partial load is not supported."""
+    missing = sorted(set(expected) - usable)
+    return (
+        f"checkpoint {url!r} lacks {len(missing)} of the model's keys ({', '.join(missing[:10])}); "
+        "a full (.pt / .safetensors) checkpoint must hold every model key even with strict=False"
+    )
+
+
+def wait_all() -> None:
+    """Finish every pending async save on this rank (used before shutdown)."""
+    _drain()

@@ -1,0 +1,82 @@
+"""Engine side of ``ShardedModel.shards()``: this rank's piece of every parameter.
+
+Read from the DTensor itself: ``placements``, ``device_mesh`` and
+``compute_local_shape_and_global_offset`` (what DTensor says this rank owns,
+uneven shards as they are — FSDP2's padding is not counted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .wrap import get
+
+__all__ = ["LocalShard", "local_shards"]
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """One parameter as seen from one rank."""
+
+    name: str
+    """FQN in the unwrapped model."""
+    global_shape: tuple[int, ...]
+    """Shape of the whole tensor."""
+    dtype: str
+    """dtype name without ``torch.``."""
+    placements: tuple[str, ...]
+    """DTensor placements, ``()`` for a plain tensor."""
+    mesh_shape: tuple[int, ...]
+    """Shape of its mesh (``(world,)`` for a plain tensor)."""
+    mesh_dims: tuple[str, ...]
+    """Mesh dimension names."""
+    local_shape: tuple[int, ...]
+    """This rank's piece."""
+    local_offset: tuple[int, ...]
+    """Where the piece starts in the global tensor."""
+    local_bytes: int
+    """Bytes of the piece."""
+
+
+def local_shards(name: str) -> list[LocalShard]:
+    """This rank's row for every parameter of the model wrapped as ``name``."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    entry = get(name)
+    rows = []
+    for fqn, p in entry.module.named_parameters():
+        dtype = str(p.dtype).removeprefix("torch.")
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            shape, offset = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
+            numel = 1
+            for d in shape:
+                numel *= d
+            rows.append(
+                LocalShard(
+                    fqn, tuple(p.shape), dtype, tuple(_placement(pl) for pl in p.placements),
+                    tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()),
+                    tuple(shape), tuple(offset), numel * p.element_size(),
+                )
+            )
+        else:
+            rows.append(
+                LocalShard(
+                    fqn, tuple(p.shape), dtype, (), (dist.get_world_size(),), (),
+                    tuple(p.shape), (0,) * p.dim(), p.numel() * p.element_size(),
+                )
+            )
+    return rows
+
+
+def _placement(pl: object) -> str:
+    """``"Shard(0)"``, ``"Replicate()"``, ``"Partial()"``; others as DTensor prints them."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if type(pl) is Shard:
+        return f"Shard({pl.dim})"
+    if isinstance(pl, Replicate):
+        return "Replicate()"
+    return str(pl)

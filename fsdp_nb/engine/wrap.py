@@ -1,0 +1,453 @@
+"""Engine side of ``sess.wrap``: build, shard and bind a model on this rank.
+
+Registry for other layers (checkpoints, layout, recovery)::
+
+    MODELS[name] -> Wrapped(module, mesh, options)
+
+``module`` is the FSDP2 module (also the engine global ``name``), ``mesh`` the
+``DeviceMesh`` it was sharded on (the full mesh: ``("dp",)``, ``("dp_replicate",
+"dp_shard")`` or ``("dp", "tp")``), ``options`` the ``fsdp_nb.sharding.WrapOptions``.
+
+How a model is built (every rank runs the same steps, so collectives line up):
+
+- class / factory spec: constructed under ``torch.device("meta")`` (no memory),
+  tensor parallelism (``parallelize``), activation checkpointing, ``fully_shard``
+  on each auto-wrap unit (innermost first) then the root, ``to_empty`` onto the
+  rank's device — now each rank holds only its shards — then ``reset_parameters()``
+  on every submodule that has one, or ``init_fn`` on every submodule. Buffers are
+  allocated empty by ``to_empty``: modules must (re)compute them in
+  ``reset_parameters`` (as ``nn.BatchNorm`` does) or ``init_fn`` must; e.g. a RoPE
+  table registered with ``persistent=False`` is recomputed there. Initialisation
+  runs under a forked RNG seeded with ``seed + rank`` (shards differ, the user's
+  RNG is untouched); afterwards every replicated piece (``Replicate`` placements,
+  plain buffers) is broadcast from the first rank of its group so replicas agree.
+- instance spec: every rank receives a copy whose parameters are on the meta
+  device (buffers shipped as they are); all shard the same way and ``to_empty``;
+  then the notebook streams the weights to rank 0 in chunks (``load_full_chunk``:
+  broadcast one tensor, every rank keeps its piece), so no rank ever holds the whole
+  model (REFERENCE's ``set_model_state_dict(..., broadcast_from_rank0=True)`` does
+  the same per tensor but needs the whole state dict on rank 0).
+- string spec: the engine global module; rank 0's weights win (same broadcast).
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from .namespace import unship, user_ns
+
+__all__ = [
+    "MODELS",
+    "WrapSummary",
+    "Wrapped",
+    "build",
+    "check_classes",
+    "check_spec",
+    "full_state_dict",
+    "get",
+    "load_full_chunk",
+    "name_status",
+    "resolve",
+]
+
+
+class Wrapped(NamedTuple):
+    """One wrapped model on this rank."""
+
+    module: Any
+    """The FSDP2 module."""
+    mesh: Any
+    """Its ``DeviceMesh``."""
+    options: Any
+    """The ``WrapOptions`` it was wrapped with."""
+
+
+MODELS: dict[str, Wrapped] = {}
+"""Engine global name -> the wrapped model on this rank."""
+
+
+@dataclass(frozen=True)
+class WrapSummary:
+    """What a build did, returned to the notebook (plain data)."""
+
+    num_params: int
+    """Parameters of the whole (unsharded) model."""
+    total_bytes: int
+    """Bytes of all parameters, unsharded."""
+    local_bytes: int
+    """Bytes of parameters this rank holds after sharding."""
+    units: tuple[str, ...]
+    """FQNs given their own ``fully_shard`` (``""`` is the root)."""
+    checkpointed: tuple[str, ...]
+    """FQNs with activation checkpointing."""
+    mesh_shape: tuple[int, ...]
+    """Shape of the device mesh."""
+    mesh_dims: tuple[str, ...]
+    """Its dimension names."""
+    param_dtype: str
+    """dtype of the sharded parameters (first parameter)."""
+    model_class: str
+    """Qualified class name of the model."""
+
+
+def _key(cls: type) -> tuple[str, str]:
+    return (getattr(cls, "__module__", ""), getattr(cls, "__qualname__", cls.__name__))
+
+
+def matches(module: Any, classes: frozenset[type]) -> bool:
+    """``isinstance``, or the same module + qualified name in its MRO.
+
+    A notebook class reaches the engines once per shipment (and once more when
+    ``%%px`` defined it), so identity alone would miss equal classes.
+    """
+    if isinstance(module, tuple(classes)):
+        return True
+    keys = {_key(c) for c in classes}
+    return any(_key(c) in keys for c in type(module).__mro__)
+
+
+def check_classes(model: Any, options: Any) -> str | None:
+    """A message if an ``auto_wrap`` / ``activation_checkpointing`` class is absent."""
+    present = {_key(c) for m in model.modules() for c in type(m).__mro__}
+    for opt in ("auto_wrap", "activation_checkpointing"):
+        classes = getattr(options, opt)
+        if not isinstance(classes, frozenset):
+            continue
+        missing = sorted(c.__qualname__ for c in classes if _key(c) not in present)
+        if missing:
+            found = sorted({type(m).__qualname__ for m in model.modules()})
+            return (
+                f"{opt} class(es) {', '.join(missing)} do not occur in the model "
+                f"{type(model).__qualname__}; its module classes are: {', '.join(found)}"
+            )
+    return None
+
+
+def name_status(name: str) -> str | None:
+    """None if ``name`` is free (or holds a model ``sess.wrap`` bound), else what it is."""
+    ns = user_ns()
+    if name in MODELS or name not in ns:
+        return None
+    return f"holds a {type(ns[name]).__name__}"
+
+
+def _construct(kind: str, spec: Any, args: tuple, kwargs: dict) -> Any:
+    import torch
+
+    if kind in ("class", "factory"):
+        with torch.device("meta"):
+            model = spec(*args, **kwargs)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"the factory {getattr(spec, '__qualname__', spec)!r} returned a "
+                f"{type(model).__name__}, not a torch.nn.Module"
+            )
+        return model
+    if kind == "string":
+        ns = user_ns()
+        if spec not in ns:
+            raise NameError(f"no engine global named {spec!r} (build it with %%px first)")
+        model = ns[spec]
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            raise ValueError(
+                f"engine global {spec!r} is already an FSDP module; wrap an unwrapped module"
+            )
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"engine global {spec!r} is a {type(model).__name__}, not an nn.Module")
+        return model
+    return spec
+
+
+def check_spec(kind: str, payload: Any) -> str | None:
+    """Build a class/factory spec on the meta device (or look up a string spec) and
+    check it; returns a problem message or None. Binds nothing."""
+    spec, args, kwargs, options = unship(payload)
+    try:
+        model = _construct(kind, spec, args, kwargs)
+    except (NameError, TypeError, ValueError) as exc:
+        return str(exc)
+    return check_classes(model, options)
+
+
+def _mesh(plan: Any) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(plan.device_type, plan.shape, mesh_dim_names=plan.dim_names)
+
+
+def _policies(options: Any, device_type: str) -> dict[str, Any]:
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    kw: dict[str, Any] = {"reshard_after_forward": options.sharding != "grad_op"}
+    mp = options.mixed_precision
+    if isinstance(mp, MixedPrecisionPolicy):
+        kw["mp_policy"] = mp
+    elif mp == "bf16-mixed":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif mp == "16-mixed":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    off = options.cpu_offload
+    if off is True:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type != "cpu")
+    elif isinstance(off, CPUOffloadPolicy):
+        kw["offload_policy"] = off
+    return kw
+
+
+def _checkpoint(model: Any, classes: frozenset[type]) -> tuple[str, ...]:
+    """Activation checkpointing on matching submodules (composable API: FQNs unchanged)."""
+    from torch.distributed._composable import checkpoint
+
+    done = []
+    for fqn, m in list(model.named_modules()):
+        if matches(m, classes):
+            checkpoint(m)
+            done.append(fqn)
+    return tuple(done)
+
+
+def _units(model: Any, auto_wrap: Any) -> list[tuple[str, Any]]:
+    if auto_wrap is None:
+        return []
+    pick = (lambda m: matches(m, auto_wrap)) if isinstance(auto_wrap, frozenset) else auto_wrap
+    chosen = [(fqn, m) for fqn, m in model.named_modules() if fqn and pick(m)]
+    return list(reversed(chosen))  # innermost first
+
+
+def _sync_replicas(model: Any, plan: Any) -> None:
+    """Make replicated pieces equal across ranks: broadcast from each group's first rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if isinstance(t, DTensor):
+                local = t._local_tensor
+                for dim, pl in enumerate(t.placements):
+                    if isinstance(pl, Replicate) and t.device_mesh.size(dim) > 1 and local.numel():
+                        g = t.device_mesh.get_group(dim)
+                        dist.broadcast(local, group=g, group_src=0)
+            elif t.numel():
+                dist.broadcast(t.data, src=0)
+
+
+def _init(model: Any, options: Any, seed: int, plan: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    devices = [torch.cuda.current_device()] if plan.device_type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+        # DTensor warns that its random ops are local on a CPU mesh: that is what we
+        # want (each shard from its own seeded stream; replicas synced below)
+        warnings.filterwarnings("ignore", message="DTensor random operators")
+        torch.manual_seed(seed + dist.get_rank())
+        with torch.no_grad():
+            if options.init_fn is not None:
+                model.apply(options.init_fn)
+            else:
+                for m in model.modules():
+                    if callable(getattr(m, "reset_parameters", None)):
+                        m.reset_parameters()
+    _sync_replicas(model, plan)
+
+
+def _forget(name: str) -> None:
+    old = MODELS.pop(name, None)
+    ns = user_ns()
+    if old is not None and ns.get(name) is old.module:
+        del ns[name]
+    del old
+    gc.collect()
+
+
+def build(name: str, kind: str, payload: Any, plan: Any, seed: int) -> WrapSummary:
+    """Build, shard and bind one model on this rank (every rank calls it together)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    _forget(name)
+    spec, args, kwargs, options = unship(payload)
+    del payload
+    model = _construct(kind, spec, args, kwargs)
+    del spec
+    ns = user_ns()
+    device = torch.device(ns.get("device", "cpu"))
+    mesh = _mesh(plan)
+    full_sd = None
+    saved_buffers: dict[str, Any] = {}
+    if kind in ("instance", "string"):
+        # every rank goes on with parameters on the meta device, exactly as for a class
+        # spec, so collectives inside parallelize / fully_shard see the same tensors on
+        # every rank. A string spec's rank-0 weights are kept aside (references, no
+        # copy); an instance's weights are streamed afterwards (load_full_chunk)
+        if kind == "string" and dist.get_rank() == 0:
+            full_sd = dict(model.state_dict())
+        saved_buffers = {k: b for k, b in model.named_buffers() if not b.is_meta}
+        model.to("meta")
+    if options.mixed_precision == "bf16-true":
+        model.to(torch.bfloat16)
+    if plan.tp_dim is not None:
+        model = options.parallelize(model, mesh)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError("parallelize(model, device_mesh) must return the nn.Module")
+    fsdp_mesh = mesh[plan.fsdp_dims[0]] if len(plan.fsdp_dims) == 1 and mesh.ndim > 1 else mesh
+    checkpointed: tuple[str, ...] = ()
+    if options.activation_checkpointing:
+        checkpointed = _checkpoint(model, options.activation_checkpointing)
+    kw = _policies(options, plan.device_type)
+    units = _units(model, options.auto_wrap)
+    for _fqn, m in units:
+        fully_shard(m, mesh=fsdp_mesh, **kw)
+    fully_shard(model, mesh=fsdp_mesh, **kw)
+    model.to_empty(device=device if not kw.get("offload_policy") else "cpu")
+    if kind in ("class", "factory"):
+        _init(model, options, seed, plan)
+    else:
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                if k in saved_buffers:
+                    b.copy_(saved_buffers[k])
+        saved_buffers.clear()
+        if kind == "string":
+            set_model_state_dict(
+                model,
+                full_sd if full_sd is not None else {},
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            )
+            full_sd = None
+    gc.collect()
+    MODELS[name] = Wrapped(model, mesh, options)
+    ns[name] = model
+    return _summary(model, units, checkpointed, mesh)
+
+
+def _summary(model: Any, units: list, checkpointed: tuple[str, ...], mesh: Any) -> WrapSummary:
+    from torch.distributed.tensor import DTensor
+
+    num = total = local = 0
+    dtype = "float32"
+    for i, p in enumerate(model.parameters()):
+        num += p.numel()
+        total += p.numel() * p.element_size()
+        lt = p._local_tensor if isinstance(p, DTensor) else p
+        local += lt.numel() * lt.element_size()
+        if i == 0:
+            dtype = str(p.dtype).removeprefix("torch.")
+    return WrapSummary(
+        num_params=num,
+        total_bytes=total,
+        local_bytes=local,
+        units=tuple(f for f, _ in reversed(units)) + ("",),
+        checkpointed=checkpointed,
+        mesh_shape=tuple(mesh.shape),
+        mesh_dims=tuple(mesh.mesh_dim_names or ()),
+        param_dtype=dtype,
+        model_class=type(model).__qualname__,
+    )
+
+
+def load_full_chunk(name: str, chunk: dict[str, Any] | None) -> int:
+    """Scatter some full tensors from rank 0 into the shards of model ``name``.
+
+    Every rank calls it together; rank 0 passes ``{fqn: full tensor}``, the others
+    ``None``. The notebook streams an instance's weights in chunks this way, so rank
+    0 never holds more than one chunk of full tensors besides its shards, and the
+    other ranks one full tensor at a time: each is broadcast, then every rank keeps
+    its own piece (``distribute_tensor`` with ``src_data_rank=None``, no further
+    communication). (``set_model_state_dict`` would also copy every untouched
+    shard onto itself on each call.)
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    entry = get(name)
+    module = entry.module
+    rank0 = dist.get_rank() == 0
+    meta = (
+        [(k, tuple(v.shape), torch.as_tensor(v[:0] if v.ndim else v).dtype)
+         for k, v in chunk.items()]
+        if rank0 and chunk else None
+    )
+    box = [meta]
+    dist.broadcast_object_list(box, src=0)
+    meta = box[0] or []
+    targets = dict(module.named_parameters(remove_duplicate=False))
+    targets.update(module.named_buffers(remove_duplicate=False))
+    comm_device = torch.device(
+        entry.mesh.device_type if entry.mesh.device_type == "cpu" else torch.cuda.current_device()
+    )
+    with torch.no_grad():
+        for key, shape, dtype in meta:
+            if key not in targets:
+                raise KeyError(f"{key!r} is not a parameter or buffer of {name!r}")
+            target = targets[key]
+            if rank0:
+                value = chunk[key]
+                if not isinstance(value, torch.Tensor):  # sent as a numpy array
+                    value = torch.from_numpy(value)
+                full = value.to(comm_device)
+            else:
+                full = torch.empty(shape, dtype=dtype, device=comm_device)
+            dist.broadcast(full, src=0)
+            if isinstance(target, DTensor):
+                piece = distribute_tensor(
+                    full.to(target.dtype), target.device_mesh, target.placements,
+                    src_data_rank=None,
+                ).to_local()
+                target._local_tensor.copy_(piece)
+            else:
+                target.copy_(full)
+            del full
+    return len(meta)
+
+
+def get(name: str) -> Wrapped:
+    """The registry entry for ``name``, with a clear error when it was not wrapped here."""
+    if name not in MODELS:
+        wrapped = ", ".join(sorted(MODELS)) or "none"
+        raise NameError(
+            f"no model wrapped as {name!r} on this rank (wrapped: {wrapped}); use sess.wrap first"
+        )
+    return MODELS[name]
+
+
+def resolve(name: str) -> Any:
+    """The FSDP module wrapped as ``name`` (what a shipped ``ShardedModel`` becomes)."""
+    return get(name).module
+
+
+def full_state_dict(name: str) -> dict[str, Any] | None:
+    """The full state dict on rank 0 (CPU tensors), None on the other ranks.
+
+    Gathers one tensor at a time (``DTensor.full_tensor``), so no rank ever holds
+    more than its shards plus one full tensor.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    entry = get(name)
+    rank0 = dist.get_rank() == 0
+    out: dict[str, Any] | None = {} if rank0 else None
+    with torch.no_grad():
+        for k, v in entry.module.state_dict().items():
+            if isinstance(v, DTensor):
+                if v.device.type != entry.mesh.device_type:
+                    v = v.to(entry.mesh.device_type)
+                full = v.full_tensor()
+            else:
+                full = v
+            if out is not None:
+                out[k] = full.detach().to("cpu", copy=True)
+            del full
+    return out

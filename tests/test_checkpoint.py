@@ -1,0 +1,461 @@
+"""Checkpoints on real engines: sharded/full save and load, resharding, atomicity,
+corruption, async, retention, offline inspect/consolidate (API and CLI), and S3
+through a real S3 API on loopback (moto's server).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import fsdp_nb
+from fsdp_nb.checkpoint import CheckpointError, CorruptCheckpointError, inspect, set_storage_options
+
+BUILD = """
+import torch
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+
+class CkNet(torch.nn.Module):
+    def __init__(self, dim, layers=2, extra=False):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, 3)
+        if extra:
+            self.tail = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        x = self.head(x)
+        return self.tail(x) if hasattr(self, "tail") else x
+
+def ck_build(name, dim=16, seed=0, layers=2, extra=False):
+    torch.manual_seed(seed)
+    mesh = init_device_mesh("cpu", (world_size,))
+    m = CkNet(dim, layers, extra)
+    for b in m.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    globals()[name] = m
+    globals()[name + "_opt"] = torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+def ck_step(name, dim=16):
+    m, opt = globals()[name], globals()[name + "_opt"]
+    torch.manual_seed(100 + rank)
+    m(torch.randn(4, dim)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+def ck_full(name):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    m, opt = globals()[name], globals()[name + "_opt"]
+    msd, osd = get_state_dict(m, [opt], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return msd, {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in osd.get("state", {}).items()}
+"""
+
+
+def build(sess, name, **kw):
+    args = ", ".join(f"{k}={v!r}" for k, v in kw.items())
+    sess.execute(BUILD + f"\nck_build({name!r}{', ' + args if args else ''})\n")
+
+
+def step(sess, name, dim=16):
+    sess.execute(f"ck_step({name!r}, {dim})")
+
+
+def snapshot(sess, name):
+    """(model, optimizer state) as full CPU tensors, from rank 0."""
+    sess.execute(f"_ck_snap = ck_full({name!r})")
+    return sess.pull("_ck_snap")[0]
+
+
+def same(a, b) -> bool:
+    """Bit-for-bit equality of two (model, optim) snapshots (or of two model dicts)."""
+    if isinstance(a, tuple):
+        return same(a[0], b[0]) and same(a[1], b[1])
+    if set(a) != set(b):
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict):
+            if not same(x, y):
+                return False
+        elif not (x.dtype == y.dtype and x.shape == y.shape and torch.equal(_bits(x), _bits(y))):
+            return False
+    return True
+
+
+def _bits(t):
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def test_sharded_roundtrip_bit_exact_then_train(sess, tmp_path):
+    build(sess, "ck_a")
+    step(sess, "ck_a")
+    s0 = snapshot(sess, "ck_a")
+    path = str(tmp_path / "step1")
+    info = sess.save(path, "ck_a", optimizer="ck_a_opt", extra={"step": 1, "note": "x"})
+    assert info.valid and info.kind == "sharded" and info.world_size == 2
+    assert info.extra == {"step": 1, "note": "x"} and info.has_optimizer
+    assert info.mesh["shape"] == [2] and info.model_class.endswith("CkNet")
+    assert info.param_count == 2 * (16 * 16 + 16) + 16 * 3 + 3
+    assert {c.file for c in info.tensors["model.blocks.0.weight"].chunks} == {"__0_0.distcp", "__1_0.distcp"}
+    step(sess, "ck_a")
+    s1 = snapshot(sess, "ck_a")
+    assert not same(s0, s1)
+    assert sess.load(path, "ck_a", optimizer="ck_a_opt") == {"step": 1, "note": "x"}
+    assert same(snapshot(sess, "ck_a"), s0)
+    step(sess, "ck_a")  # training after load repeats the same step exactly (optimizer state restored)
+    assert same(snapshot(sess, "ck_a"), s1)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_full_file_roundtrip_and_convert(sess, tmp_path, suffix):
+    build(sess, "ck_f")
+    step(sess, "ck_f")
+    s0 = snapshot(sess, "ck_f")
+    path = str(tmp_path / f"full{suffix}")
+    info = sess.save(path, "ck_f", optimizer="ck_f_opt", sharded=False, extra={"k": [1, 2]})
+    assert info.kind == "full" and info.valid and info.extra == {"k": [1, 2]}
+    assert os.listdir(tmp_path) == [f"full{suffix}"]  # no temporary left behind
+    step(sess, "ck_f")
+    assert sess.load(path, "ck_f", optimizer="ck_f_opt") == {"k": [1, 2]}
+    assert same(snapshot(sess, "ck_f"), s0)
+    # full -> sharded (offline), then load the sharded one onto the session
+    back = str(tmp_path / "back")
+    binfo = fsdp_nb.consolidate(path, back)
+    assert binfo.kind == "sharded" and binfo.valid and binfo.world_size == 1
+    step(sess, "ck_f")
+    sess.load(back, "ck_f", optimizer="ck_f_opt")
+    assert same(snapshot(sess, "ck_f"), s0)
+
+
+def test_refusals_write_nothing(sess, tmp_path):
+    build(sess, "ck_r")
+    path = tmp_path / "c"
+    with pytest.raises(TypeError, match=r"extra\['bad'\].*not a JSON value"):
+        sess.save(str(path), "ck_r", extra={"bad": object()})
+    with pytest.raises(TypeError, match="JSON keys must be str"):
+        sess.save(str(path), "ck_r", extra={1: 2})
+    with pytest.raises(ValueError, match="must end in .pt or .safetensors"):
+        sess.save(str(path), "ck_r", sharded=False)
+    with pytest.raises(NameError, match="no model named 'nope'"):
+        sess.save(str(path), "nope")
+    with pytest.raises(NameError, match="no optimizer named 'nope'"):
+        sess.save(str(path), "ck_r", optimizer="nope")
+    assert os.listdir(tmp_path) == []
+    sess.save(str(path), "ck_r", extra={"v": 1})
+    before = {f: os.stat(path / f).st_mtime_ns for f in os.listdir(path)}
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        sess.save(str(path), "ck_r", extra={"v": 2})
+    assert {f: os.stat(path / f).st_mtime_ns for f in os.listdir(path)} == before
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+    assert sess.save(str(path), "ck_r", extra={"v": 3}, overwrite=True).extra == {"v": 3}
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+    sess.all_reduce_check()  # the session is still usable
+
+
+def test_corrupt_or_truncated_file_named_model_unchanged(sess, tmp_path):
+    build(sess, "ck_c")
+    path = tmp_path / "c"
+    sess.save(str(path), "ck_c", optimizer="ck_c_opt")
+    full = tmp_path / "c.safetensors"
+    sess.save(str(full), "ck_c", sharded=False)
+    step(sess, "ck_c")
+    s1 = snapshot(sess, "ck_c")
+    # truncated rank file
+    f1 = path / "__1_0.distcp"
+    data = f1.read_bytes()
+    f1.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptCheckpointError, match=r"(?s)c'.*'__1_0.distcp'.*truncated"):
+        sess.load(str(path), "ck_c", optimizer="ck_c_opt")
+    assert same(snapshot(sess, "ck_c"), s1)
+    assert not inspect(str(path)).valid
+    # same size, flipped bytes: caught by the CRC-32
+    f1.write_bytes(data[:100] + bytes(b ^ 0xFF for b in data[100:200]) + data[200:])
+    with pytest.raises(CorruptCheckpointError, match=r"'__1_0.distcp' is corrupt"):
+        sess.load(str(path), "ck_c", optimizer="ck_c_opt")
+    assert same(snapshot(sess, "ck_c"), s1)
+    assert not inspect(str(path), verify=True).valid
+    # truncated full file
+    fd = full.read_bytes()
+    full.write_bytes(fd[: len(fd) - 50])
+    with pytest.raises(CorruptCheckpointError, match=r"c.safetensors"):
+        sess.load(str(full), "ck_c")
+    assert same(snapshot(sess, "ck_c"), s1)
+    with pytest.raises(FileNotFoundError):
+        sess.load(str(tmp_path / "missing"), "ck_c")
+
+
+def test_strict_keys_and_shapes(sess, tmp_path):
+    build(sess, "ck_s")
+    path = str(tmp_path / "c")
+    sess.save(path, "ck_s")
+    build(sess, "ck_s8", dim=8)
+    with pytest.raises(CheckpointError, match=r"(?s)shape mismatch model.blocks.0.weight: checkpoint \[16, 16\], model \[8, 8\]"):
+        sess.load(path, "ck_s8")
+    build(sess, "ck_sx", seed=1, extra=True)
+    before = snapshot(sess, "ck_sx")
+    with pytest.raises(CheckpointError, match=r"(?s)missing keys \(2\): model.tail.bias, model.tail.weight"):
+        sess.load(path, "ck_sx")
+    assert same(snapshot(sess, "ck_sx"), before)
+    with pytest.raises(CheckpointError, match="no optimizer state"):
+        sess.load(path, "ck_s", optimizer="ck_s_opt")
+    sess.load(path, "ck_sx", strict=False)  # loads what both have, keeps the rest
+    after = snapshot(sess, "ck_sx")[0]
+    ref = snapshot(sess, "ck_s")[0]
+    assert all(torch.equal(after[k], ref[k]) for k in ref)
+    assert torch.equal(after["tail.weight"], before[0]["tail.weight"])
+
+
+def test_async_save_commits_staged_state(sess, tmp_path):
+    build(sess, "ck_y")
+    step(sess, "ck_y")
+    s0 = snapshot(sess, "ck_y")
+    path = str(tmp_path / "a")
+    h = sess.save(path, "ck_y", optimizer="ck_y_opt", async_save=True, extra={"step": 7})
+    step(sess, "ck_y")  # training goes on while the write runs
+    info = h.wait()
+    assert h.done() and info.valid and info.extra == {"step": 7}
+    assert inspect(path).valid
+    sess.load(path, "ck_y", optimizer="ck_y_opt")
+    assert same(snapshot(sess, "ck_y"), s0)  # the state at save time, not after the step
+    # next session call commits a pending one without wait()
+    h2 = sess.save(str(tmp_path / "b.pt"), "ck_y", sharded=False, async_save=True)
+    sess.load(path, "ck_y")
+    assert h2.done() and inspect(str(tmp_path / "b.pt")).valid
+
+
+def test_keep_last(sess, tmp_path):
+    build(sess, "ck_k")
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    for i in range(1, 5):
+        step(sess, "ck_k")
+        sess.save(str(tmp_path / f"step{i}"), "ck_k", extra={"step": i}, keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "step3", "step4"]
+    assert inspect(str(tmp_path / "step4")).extra == {"step": 4}
+
+
+def _cli(*args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, "-m", "fsdp_nb.cli", *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_inspect_consolidate_offline_and_cli(sess, tmp_path):
+    build(sess, "ck_i")
+    step(sess, "ck_i")
+    s0 = snapshot(sess, "ck_i")
+    path = str(tmp_path / "c")
+    sess.save(path, "ck_i", optimizer="ck_i_opt", extra={"step": 3})
+    info = inspect(path, verify=True)
+    t = info.tensors["model.head.weight"]
+    assert t.shape == (3, 16) and t.dtype == "float32" and t.bytes == 3 * 16 * 4
+    assert sorted(c.offsets for c in t.chunks) == [(0, 0), (2, 0)]
+    assert info.versions["torch"] == torch.__version__ and info.created <= time.time()
+    assert info.total_bytes >= sum(x.bytes for k, x in info.tensors.items() if k.startswith("model."))
+    out = _cli("inspect", path)
+    assert out.returncode == 0, out.stderr
+    assert "model.blocks.1.weight" in out.stdout and "__1_0.distcp" in out.stdout
+    st = str(tmp_path / "one.safetensors")
+    out = _cli("consolidate", path, st)
+    assert out.returncode == 0, out.stderr
+    from safetensors.torch import load_file
+
+    flat = load_file(st)
+    assert same({k[6:]: v for k, v in flat.items() if k.startswith("model.")}, s0[0])
+    pt = fsdp_nb.consolidate(path, str(tmp_path / "one.pt"))
+    assert pt.kind == "full" and pt.extra == {"step": 3}
+    with pytest.raises(FileExistsError):
+        fsdp_nb.consolidate(path, st)
+    # a folder without the completion marker is never valid
+    half = tmp_path / "half"
+    half.mkdir()
+    for f in os.listdir(path):
+        if f != ".fsdp_nb_complete":
+            (half / f).write_bytes((tmp_path / "c" / f).read_bytes())
+    assert not inspect(str(half)).valid
+    assert _cli("inspect", str(half)).returncode == 2
+    with pytest.raises(CheckpointError, match="incomplete"):
+        sess.load(str(half), "ck_i")
+
+
+def test_metadata_is_not_unpickled_freely(tmp_path):
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    flag = tmp_path / "pwned"
+    (evil / ".metadata").write_bytes(pickle.dumps(_Evil(str(flag))))
+    (evil / ".fsdp_nb_complete").write_text(json.dumps({"files": {}}))
+    info = inspect(str(evil))
+    assert not info.valid and "refusing to unpickle" in info.problem
+    assert not flag.exists()
+
+
+class _Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+@pytest.fixture(scope="module")
+def sess3():
+    s = fsdp_nb.Session(3, backend="gloo", activate=False)
+    yield s
+    s.shutdown()
+
+
+def test_reshard_2_to_3_and_train(sess, sess3, tmp_path):
+    build(sess, "ck_3")
+    step(sess, "ck_3")
+    s0 = snapshot(sess, "ck_3")
+    sharded, full = str(tmp_path / "c"), str(tmp_path / "c.pt")
+    sess.save(sharded, "ck_3", optimizer="ck_3_opt", extra={"n": 2})
+    sess.save(full, "ck_3", optimizer="ck_3_opt", sharded=False)
+    build(sess3, "ck_3", seed=5)
+    assert sess3.load(sharded, "ck_3", optimizer="ck_3_opt") == {"n": 2}
+    assert same(snapshot(sess3, "ck_3"), s0)
+    step(sess3, "ck_3")
+    build(sess3, "ck_3", seed=6)
+    sess3.load(full, "ck_3", optimizer="ck_3_opt")
+    assert same(snapshot(sess3, "ck_3"), s0)
+    # and back: 3 ranks -> 2 ranks
+    path3 = str(tmp_path / "c3")
+    assert sess3.save(path3, "ck_3", optimizer="ck_3_opt").world_size == 3
+    step(sess, "ck_3")
+    sess.load(path3, "ck_3", optimizer="ck_3_opt")
+    assert same(snapshot(sess, "ck_3"), s0)
+
+
+def test_reshard_2_to_1(sess, tmp_path):
+    build(sess, "ck_1")
+    step(sess, "ck_1")
+    s0 = snapshot(sess, "ck_1")
+    sess.save(str(tmp_path / "c"), "ck_1", optimizer="ck_1_opt")
+    sess.save(str(tmp_path / "c.safetensors"), "ck_1", optimizer="ck_1_opt", sharded=False)
+    with fsdp_nb.Session(1, backend="gloo", activate=False) as s1:
+        build(s1, "ck_1", seed=9)
+        s1.load(str(tmp_path / "c"), "ck_1", optimizer="ck_1_opt")
+        assert same(snapshot(s1, "ck_1"), s0)
+        build(s1, "ck_1", seed=9)
+        s1.load(str(tmp_path / "c.safetensors"), "ck_1", optimizer="ck_1_opt")
+        assert same(snapshot(s1, "ck_1"), s0)
+        step(s1, "ck_1")
+
+
+def test_kill_engine_mid_save_keeps_previous(sess, tmp_path):
+    """kill -9 a rank while it writes: the old checkpoint stays, the half one is never valid."""
+    dim, layers = 2048, 6  # ~25M parameters, ~100 MB per save
+    path = tmp_path / "ck"
+    s = fsdp_nb.Session(2, backend="gloo", activate=False)
+    try:
+        build(s, "big", dim=dim, layers=layers)
+        s.save(str(path), "big", extra={"gen": 1})
+        s.execute("for _p in big.parameters(): _p.data.add_(1.0)")
+        victim = s.ranks[0].pid  # rank 0 commits (and would clean up a failed save): kill it
+        errors = []
+
+        def run():
+            try:
+                s.save(str(path), "big", extra={"gen": 2}, overwrite=True)
+            except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
+                errors.append(exc)
+
+        t = threading.Thread(target=run)
+        t.start()
+        killed = False
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and t.is_alive():
+            tmps = [d for d in os.listdir(tmp_path) if d.startswith(".ck.tmp-")]
+            if tmps and any(f.endswith(".distcp") for f in os.listdir(tmp_path / tmps[0])):
+                os.kill(victim, signal.SIGKILL)
+                killed = True
+                break
+            time.sleep(0.002)
+        t.join(120)
+        assert killed and not t.is_alive()
+        # the session layer reports the death (DeadRankError, or RankError: EngineError "died")
+        assert errors and isinstance(errors[0], (fsdp_nb.DeadRankError, fsdp_nb.RankError))
+        assert "died" in str(errors[0])
+    finally:
+        s.shutdown()
+    info = inspect(str(path), verify=True)
+    assert info.valid and info.extra == {"gen": 1}
+    halves = [d for d in os.listdir(tmp_path) if d.startswith(".ck.tmp-")]
+    assert halves and not inspect(str(tmp_path / halves[0])).valid
+    # the previous checkpoint loads on another session; the half one is refused
+    build(sess, "big", dim=dim, layers=layers, seed=3)
+    assert sess.load(str(path), "big") == {"gen": 1}
+    w = sess.run(lambda: big.blocks[0].weight.full_tensor()[0, :4].clone())[0]  # noqa: F821
+    sess.execute("import torch; torch.manual_seed(0); _w = torch.nn.Linear(2048, 2048).weight[0, :4].clone()")
+    assert torch.equal(w, sess.pull("_w")[0])
+    with pytest.raises(CheckpointError, match="incomplete"):
+        sess.load(str(tmp_path / halves[0]), "big")
+    sess.execute("del big, big_opt")
+
+
+def _free_port() -> int:
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        return so.getsockname()[1]
+
+
+@pytest.fixture
+def s3_bucket():
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        opts = {"key": "testing", "secret": "testing", "endpoint_url": endpoint,
+                "client_kwargs": {"region_name": "us-east-1"}}
+        set_storage_options("s3", **opts)
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
+                     aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="ckpts")
+        yield "s3://ckpts"
+    finally:
+        set_storage_options("s3")
+        server.stop()
+
+
+def test_s3_through_moto_server(sess, s3_bucket):
+    build(sess, "ck_s3")
+    step(sess, "ck_s3")
+    s0 = snapshot(sess, "ck_s3")
+    url = f"{s3_bucket}/run/step1"
+    info = sess.save(url, "ck_s3", optimizer="ck_s3_opt", extra={"step": 1})
+    assert info.valid and info.world_size == 2
+    with pytest.raises(FileExistsError):
+        sess.save(url, "ck_s3")
+    off = inspect(url, verify=True)  # offline, from this process
+    assert off.valid and off.extra == {"step": 1} and "__1_0.distcp" in off.files
+    full = f"{s3_bucket}/run/full.safetensors"
+    sess.save(full, "ck_s3", optimizer="ck_s3_opt", sharded=False)
+    step(sess, "ck_s3")
+    assert sess.load(url, "ck_s3", optimizer="ck_s3_opt") == {"step": 1}
+    assert same(snapshot(sess, "ck_s3"), s0)
+    step(sess, "ck_s3")
+    sess.load(full, "ck_s3", optimizer="ck_s3_opt")
+    assert same(snapshot(sess, "ck_s3"), s0)
+    h = sess.save(f"{s3_bucket}/run/step2", "ck_s3", async_save=True, keep_last=1)
+    assert h.wait().valid
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **fsdp_nb.checkpoint.storage.options_for(url))
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("ckpts/run")) == ["full.safetensors", "step2"]
+    assert json.loads(fs.cat_file("ckpts/run/step2/fsdp_nb.json"))["world_size"] == 2
