@@ -101,6 +101,18 @@ def test_rank_raising_before_collective_raises_root_cause_and_recovers(quick):
     _assert_recovered(quick, before)
 
 
+def test_px_cell_with_failing_rank_does_not_hang(quick, shell):
+    from fsdp_nb.magics import activate_px
+
+    activate_px(quick)
+    before = _weights(quick)
+    code = "if rank == 0:\n    raise KeyError('px boom')\n" + BLOCKED
+    with pytest.raises(RankError) as info:
+        shell.run_cell_magic("px", "", code)
+    assert info.value.first.rank == 0 and "px boom" in str(info.value)
+    _assert_recovered(quick, before)
+
+
 def test_ctrl_c_during_collective_stops_every_rank_and_keeps_state(quick):
     before = _weights(quick)
     code = "if rank == 1:\n    time.sleep(30)\n" + BLOCKED
@@ -245,3 +257,34 @@ def test_restart_of_healthy_session_keeps_state(fragile):
     s.restart()
     assert [r.pid for r in s.ranks] == pids
     _assert_recovered(s, before)
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.a = torch.nn.Linear(dim, dim)
+        self.b = torch.nn.Linear(dim, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _train_tiny():
+    import torch as t
+
+    model = globals()["fail_tiny"]
+    loss = model(t.ones(3, 8)).pow(2).mean()
+    loss.backward()
+    return float(loss.detach())
+
+
+def test_restart_after_death_replays_wraps(fragile):
+    s = fragile
+    s.wrap(Tiny, 8, name="fail_tiny")
+    first = s.run(_train_tiny)
+    os.kill(s.ranks[1].pid, signal.SIGKILL)
+    with pytest.raises(DeadRankError):
+        s.all_reduce_check()
+    s.restart()
+    assert s.run(lambda: "fail_tiny" in globals()) == [True, True]
+    assert s.run(_train_tiny) == first  # rebuilt from the same seed: same weights
