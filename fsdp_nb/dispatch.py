@@ -10,7 +10,9 @@ others wait in a collective to the session's failure policy (``FailurePolicy``).
 from __future__ import annotations
 
 import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -122,19 +124,21 @@ class Dispatcher:
 
     def gather(self, pending: Pending, timeout: float | None = None) -> list[Any]:
         """Wait for every rank; return results in rank order or raise the failures."""
-        try:
-            return self._gather(pending, timeout)
-        except KeyboardInterrupt:
-            running = [r for r, ar in pending.results.items() if not ar.ready()]
-            self.policy.on_interrupt(pending, running)
-            raise
+        with _CtrlC() as ctrl_c:
+            try:
+                return self._gather(pending, timeout, ctrl_c)
+            except KeyboardInterrupt:
+                running = [r for r, ar in pending.results.items() if not ar.ready()]
+                self.policy.on_interrupt(pending, running)
+                raise
 
-    def _gather(self, pending: Pending, timeout: float | None) -> list[Any]:
+    def _gather(self, pending: Pending, timeout: float | None, ctrl_c: _CtrlC) -> list[Any]:
         client = self.cluster.client
         echo = _Echo(pending) if self.echo else None
         first_failure_at: float | None = None
         next_liveness = time.monotonic() + self.liveness_every
         while True:
+            ctrl_c.check()
             running = [r for r, ar in pending.results.items() if not ar.ready()]
             failures = self._failures(pending)
             now = time.monotonic()
@@ -156,9 +160,16 @@ class Dispatcher:
             if echo:
                 echo.flush()
         if echo:
+            deadline = time.monotonic() + 5.0  # results may come before the last output
+            for ar in pending.results.values():
+                ar.wait_for_output(max(0.01, deadline - time.monotonic()))
             echo.flush(final=True)
+        ctrl_c.check()
         failures = self._failures(pending)
         if failures:
+            dead = [r for r in self.cluster.dead_ranks() if r in pending.results]
+            if dead:  # the controller reported the death before our pid check did
+                self.policy.on_dead(pending, dead)
             raise RankError(pending.what, failures, self.cluster.world_size)
         return [pending.results[r].get() for r in sorted(pending.results)]
 
@@ -170,6 +181,41 @@ class Dispatcher:
                 out.append((_completed(ar), r, _failure(r, ar)))
         out.sort(key=lambda t: (t[0], t[1]))
         return [f for _, _, f in out]
+
+
+class _CtrlC:
+    """While gathering, Ctrl-C sets a flag that the poll loop turns into KeyboardInterrupt.
+
+    A KeyboardInterrupt raised at an arbitrary point can land inside a destructor
+    (zmq frames) and be swallowed, leaving the notebook waiting; checking a flag at
+    the top of each poll makes the interrupt reliable. A second Ctrl-C raises at once.
+    Only active in the main thread and when SIGINT has Python's default handler.
+    """
+
+    def __init__(self) -> None:
+        self.hit = False
+        self._old: Any = None
+
+    def __enter__(self) -> _CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.hit:
+            raise KeyboardInterrupt
+        self.hit = True
+
+    def check(self) -> None:
+        if self.hit:
+            self.hit = False
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
 
 
 class _Echo:

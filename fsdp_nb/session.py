@@ -65,6 +65,11 @@ def _validate(n: int | None, backend: str | None, launcher: str) -> tuple[int, s
     return n, backend
 
 
+def _check_grace(grace: float) -> None:
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+        raise ValueError(f"grace must be a number of seconds >= 0, got {grace!r}")
+
+
 class Session:
     """An ipyparallel cluster whose engines are the ranks of one process group.
 
@@ -83,9 +88,11 @@ class Session:
         timeout: float = 120.0,
         pg_timeout: float = 1800.0,
         activate: bool = True,
+        grace: float = 3.0,
         **cluster_kwargs: Any,
     ):
         n, backend = _validate(n, backend, launcher)
+        _check_grace(grace)
         self.backend = backend
         self.launcher = launcher
         self.pg_timeout = pg_timeout
@@ -96,7 +103,7 @@ class Session:
         cluster = EngineCluster.start(
             n, launcher, timeout=timeout, environment=env, **cluster_kwargs
         )
-        self._setup(cluster, activate)
+        self._setup(cluster, activate, grace)
 
     @classmethod
     def connect(
@@ -110,6 +117,7 @@ class Session:
         timeout: float = 60.0,
         pg_timeout: float = 1800.0,
         activate: bool = True,
+        grace: float = 3.0,
     ) -> Session:
         """Attach to a running ipyparallel cluster and form the process group on its engines.
 
@@ -121,6 +129,7 @@ class Session:
             raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
         if n is not None and (not isinstance(n, int) or n < 1):
             raise ValueError(f"n must be a positive int or None, got {n!r}")
+        _check_grace(grace)
         self = cls.__new__(cls)
         self.launcher = "connected"
         self.pg_timeout = pg_timeout
@@ -132,17 +141,20 @@ class Session:
             cluster.engine_ids = cluster.engine_ids[:n]
         self.backend = backend or "gloo"
         self._threads = None
-        self._setup(cluster, activate)
+        self._setup(cluster, activate, grace)
         if backend is None and any(r.device.startswith("cuda") for r in self.ranks):
             self.backend = "nccl"
         return self
 
-    def _setup(self, cluster: EngineCluster, activate: bool) -> None:
+    def _setup(self, cluster: EngineCluster, activate: bool, grace: float = 3.0) -> None:
+        from .recovery import RecoveringPolicy, install_health
+
         self._cluster = cluster
-        self._policy = FailurePolicy()
+        self._policy: FailurePolicy = RecoveringPolicy(self, grace=grace)
         self._dispatch = Dispatcher(cluster, self._policy)
         try:
             self._form_group()
+            install_health(self)
         except BaseException:
             self._state = "failed"
             cluster.stop()
@@ -177,8 +189,19 @@ class Session:
 
     @property
     def state(self) -> str:
-        """``ready``, ``closed``, ``failed`` (or ``starting``)."""
+        """``ready``, ``degraded`` (a rank died: ``restart()``), ``closed``, ``failed`` (or ``starting``)."""
         return self._state
+
+    @property
+    def grace(self) -> float:
+        """Seconds other ranks may keep running after one rank failed before the session
+        stops them, raises the failure and recovers (``fsdp_nb.recovery``)."""
+        return self._policy.grace
+
+    @grace.setter
+    def grace(self, seconds: float) -> None:
+        _check_grace(seconds)
+        self._policy.grace = float(seconds)
 
     @property
     def client(self):

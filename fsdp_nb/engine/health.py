@@ -1,0 +1,272 @@
+"""Engine-side health and recovery: stack dumps on a signal, leaving and re-forming groups.
+
+Everything here runs inside an engine. The notebook never asks a busy engine for its
+stack through the task queue (a request waits behind the running cell); instead
+``install`` registers ``faulthandler`` on SIGUSR1, which writes every thread's Python
+stack to a per-engine file from C, even while the main thread is blocked inside a
+gloo / NCCL collective. The notebook truncates the file, signals the pid and reads it.
+
+The recovery steps (``leave_group``, ``rebind_groups``) run on engines between the
+notebook's destroy / re-init dance; see ``fsdp_nb.recovery``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import gc
+import os
+import signal
+import types
+import warnings
+from typing import Any
+
+__all__ = [
+    "STACK_SIGNAL",
+    "close_connections_to",
+    "endpoints",
+    "install",
+    "leave_group",
+    "mesh_partitions",
+    "rebind_groups",
+    "stack_file",
+    "whoami",
+]
+
+STACK_SIGNAL = signal.SIGUSR1
+"""The signal that makes an engine dump every thread's stack to its stack file."""
+
+_state: dict[str, Any] = {}
+
+
+def stack_file(folder: str, pid: int) -> str:
+    """Where engine ``pid`` writes its stacks (one file per engine process)."""
+    return os.path.join(folder, f"stack-{pid}.txt")
+
+
+def install(folder: str) -> str:
+    """Dump all threads' stacks to ``stack_file(folder, pid)`` on SIGUSR1; return its path.
+
+    The file is opened for appending, so the notebook can truncate it before each
+    request and read only the new dump.
+    """
+    os.makedirs(folder, exist_ok=True)
+    path = stack_file(folder, os.getpid())
+    old = _state.get("file")
+    if old is not None and _state.get("path") == path:
+        return path
+    f = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the engine
+    faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
+    _state["file"], _state["path"] = f, path
+    if old is not None:
+        old.close()
+    return path
+
+
+def whoami() -> tuple[int, str]:
+    """(pid, host) of this engine."""
+    import socket
+
+    return os.getpid(), socket.gethostname()
+
+
+def leave_group(peer_endpoints: list[tuple[str, int]] | None = None) -> bool:
+    """Destroy this rank's process group (all of its groups); True if there was one.
+
+    Ranks still blocked in a collective with this one must see their peer's
+    connections close to return to Python. Gloo closes a group's sockets only when
+    the group is freed, and FSDP2, DeviceMeshes and C++ state keep it alive (measured:
+    ``destroy_process_group`` and ``abort`` then leave the peer blocked). So after the
+    destroy, this rank shuts down its TCP connections to ``peer_endpoints`` (the other
+    engines' socket addresses, read from their pids by the notebook): the blocked
+    peer's gloo read fails with "Connection closed by peer" and returns.
+    References to the old groups held in dicts, lists and attributes are dropped too.
+    """
+    import torch.distributed as dist
+
+    had = dist.is_available() and dist.is_initialized()
+    if had:
+        from torch.distributed import distributed_c10d as c10d
+
+        groups = list(c10d._world.pg_map.keys())
+        dist.destroy_process_group()
+        _drop_references(groups)
+        del groups
+        gc.collect()
+    if peer_endpoints:
+        close_connections_to(peer_endpoints)
+    return bool(had)
+
+
+def endpoints() -> list[tuple[str, int]]:
+    """This process's TCP socket addresses (listening and connected)."""
+    import psutil
+
+    return sorted({(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("tcp") if c.laddr})
+
+
+def close_connections_to(peer_endpoints: list[tuple[str, int]]) -> int:
+    """``shutdown`` this process's TCP connections whose remote end is in ``peer_endpoints``."""
+    import socket
+
+    import psutil
+
+    peers = {(ip, int(port)) for ip, port in peer_endpoints}
+    n = 0
+    for c in psutil.Process().net_connections("tcp"):
+        if c.raddr and (c.raddr.ip, c.raddr.port) in peers and c.fd not in (-1, None):
+            try:
+                s = socket.socket(fileno=os.dup(c.fd))
+            except OSError:
+                continue
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                n += 1
+            except OSError:
+                pass
+            finally:
+                s.close()
+    return n
+
+
+def _drop_references(groups: list[Any]) -> int:
+    """Replace references to ``groups`` held in dicts, lists and instances by None."""
+    ids = {id(g) for g in groups}
+    skip = {id(groups)}
+    n = 0
+    for ref in gc.get_referrers(*groups):
+        if id(ref) in skip or isinstance(ref, types.FrameType):
+            continue
+        if isinstance(ref, dict):
+            for k, v in list(ref.items()):
+                if id(v) in ids:
+                    ref[k] = None
+                    n += 1
+        elif isinstance(ref, list):
+            for i, v in enumerate(ref):
+                if id(v) in ids:
+                    ref[i] = None
+                    n += 1
+        elif hasattr(ref, "__dict__") and not isinstance(ref, (type, types.ModuleType)):
+            for k, v in list(vars(ref).items()):
+                if id(v) in ids:
+                    try:
+                        setattr(ref, k, None)
+                        n += 1
+                    except Exception:  # noqa: BLE001 - read-only attribute: leave it
+                        pass
+    return n
+
+
+def _meshes() -> list[Any]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return _instances(DeviceMesh)
+
+
+def _instances(cls: type) -> list[Any]:
+    """Live objects of ``cls`` (by MRO, so no ``__instancecheck__`` hook runs)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if cls in type(o).__mro__]
+
+
+def _rows(mesh: Any, dim: int) -> list[tuple[int, ...]]:
+    """The rank groups of mesh dimension ``dim`` (one per slice), as rank tuples."""
+    t = mesh.mesh
+    moved = t.movedim(dim, -1).reshape(-1, t.size(dim))
+    return [tuple(int(x) for x in row) for row in moved.tolist()]
+
+
+def mesh_partitions() -> list[tuple[tuple[int, ...], ...]]:
+    """Every distinct rank partition this rank's DeviceMeshes use (one per mesh dim),
+    except the whole world (the default group); sorted."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else None
+    found: set[tuple[tuple[int, ...], ...]] = set()
+    for m in _meshes():
+        if not hasattr(m, "_dim_group_names"):
+            continue
+        for d in range(m.mesh.ndim):
+            rows = tuple(_rows(m, d))
+            if world is None or rows != (tuple(range(world)),):
+                found.add(rows)
+    return sorted(found)
+
+
+def rebind_groups(partitions: list[tuple[tuple[int, ...], ...]] | None = None) -> dict[str, int]:
+    """After a fresh ``init_process_group``: make every DeviceMesh and FSDP2 module usable.
+
+    Meshes refer to their process groups by name. A 1-D mesh over the whole world
+    names the default group, whose name the new group reuses. Sub-groups of 2-D
+    meshes (and flattened / sliced meshes) were destroyed with the old group: they
+    are re-created here with ``new_group`` and the meshes' group names re-pointed.
+    ``new_group`` must be called by every rank for every group in one order, so the
+    notebook passes the union of all ranks' ``mesh_partitions()`` (a replaced rank
+    has no meshes but must still take part). FSDP2 keeps ProcessGroup objects in its
+    mesh infos: those are refreshed from the meshes. Returns counts of what was done.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    world = dist.get_world_size()
+    default_name = _get_default_group().group_name
+    meshes = [m for m in _meshes() if hasattr(m, "_dim_group_names")]
+    if partitions is None:
+        partitions = mesh_partitions()
+    partitions = sorted({tuple(tuple(int(x) for x in row) for row in rows) for rows in partitions})
+    me = dist.get_rank()
+    mine: dict[tuple[int, ...], str] = {tuple(range(world)): default_name}
+    done = {tuple(range(world))}
+    created = 0
+    for rows in partitions:
+        for row in rows:
+            if row in done:  # the same on every rank, so new_group calls stay in step
+                continue
+            done.add(row)
+            pg = dist.new_group(list(row))
+            created += 1
+            if me in row:
+                mine[row] = pg.group_name
+    rebound = 0
+    for m in meshes:
+        names = list(m._dim_group_names)
+        for d in range(min(len(names), m.mesh.ndim)):
+            row = next((r for r in _rows(m, d) if me in r), None)
+            if row is not None and row in mine and names[d] != mine[row]:
+                names[d] = mine[row]
+                rebound += 1
+        m._dim_group_names = names
+        registry = getattr(m, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+            for n in names:
+                try:
+                    registry[n] = dist.distributed_c10d._resolve_process_group(n)
+                except Exception:
+                    pass
+    fsdp = _refresh_fsdp()
+    return {"meshes": len(meshes), "groups_created": created, "names_rebound": rebound,
+            "fsdp_groups": fsdp}
+
+
+def _refresh_fsdp() -> int:
+    """Point FSDP2 mesh infos at the live process groups of their meshes."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import (
+            DDPMeshInfo,
+            FSDPMeshInfo,
+        )
+    except ImportError:  # pragma: no cover - older torch
+        return 0
+    n = 0
+    for o in _instances(FSDPMeshInfo) + _instances(DDPMeshInfo):
+        if isinstance(o, FSDPMeshInfo):
+            o.shard_process_group = o.mesh.get_group(o.shard_mesh_dim)
+            if getattr(o, "reduce_scatter_process_group", None) is not None:
+                o.reduce_scatter_process_group = None
+            n += 1
+        if isinstance(o, DDPMeshInfo):
+            o.replicate_process_group = o.mesh.get_group(o.replicate_mesh_dim)
+            n += 1
+    return n

@@ -1,0 +1,290 @@
+"""Failures never freeze the notebook: fault injection with real engines and gloo groups.
+
+Non-destructive cases (a rank raising before a collective, Ctrl-C, a timeout, status,
+a flood of output) run on the shared ``sess`` and leave it usable; an FSDP2 model
+trained before each fault must keep its weights and keep training. Cases that kill
+engines share their own 2-rank session (``fragile``).
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import fsdp_nb
+from fsdp_nb.dispatch import OUTPUT_LIMIT
+from fsdp_nb.errors import DeadRankError, RankError, RankTimeoutError
+from fsdp_nb.recovery import SessionStatus
+
+MODEL = """
+import time
+import torch
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+
+torch.manual_seed(0)
+fail_mesh = init_device_mesh("cpu", {shape}, mesh_dim_names={names})
+fail_net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+for _m in fail_net:
+    if isinstance(_m, torch.nn.Linear):
+        fully_shard(_m, mesh=fail_mesh)
+fully_shard(fail_net, mesh=fail_mesh)
+fail_opt = torch.optim.SGD(fail_net.parameters(), lr=0.1)
+
+def fail_step():
+    g = torch.Generator().manual_seed(rank)
+    loss = fail_net(torch.randn(4, 8, generator=g)).pow(2).mean()
+    loss.backward()
+    fail_opt.step()
+    fail_opt.zero_grad()
+    return float(loss.detach())
+
+def fail_local():
+    return {{k: v.to_local().clone() for k, v in fail_net.state_dict().items()}}
+"""
+
+BLOCKED = "t = torch.ones(1)\ndist.all_reduce(t)\n"
+"""A collective the other rank never joins: the rank running it blocks."""
+
+
+def _build(s, shape="(2,)", names='("dp",)'):
+    s.execute(MODEL.format(shape=shape, names=names))
+    s.execute("fail_step()")
+
+
+def _weights(s):
+    return s.run(lambda: fail_local())  # noqa: F821 - engine global
+
+
+def _same(a, b):
+    return all(torch.equal(a[r][k], b[r][k]) for r in range(len(a)) for k in a[r])
+
+
+def _assert_recovered(s, before):
+    """State kept, a collective answers, the model trains on (weights change)."""
+    assert _same(before, _weights(s))
+    assert s.all_reduce_check() == float(sum(range(s.world_size)))
+    losses = s.run(lambda: fail_step())  # noqa: F821 - engine global
+    assert all(loss == loss for loss in losses)
+    assert not _same(before, _weights(s))
+
+
+@pytest.fixture
+def quick(sess):
+    """The shared session with a short grace, an FSDP2 model trained one step."""
+    old = sess.grace
+    sess.grace = 1.0
+    _build(sess)
+    try:
+        yield sess
+    finally:
+        sess.grace = old
+        sess.execute("for _n in [n for n in list(globals()) if n.startswith('fail_')]: del globals()[_n]")
+
+
+def test_rank_raising_before_collective_raises_root_cause_and_recovers(quick):
+    before = _weights(quick)
+    code = "if rank == 1:\n    raise ValueError('boom before the collective')\n" + BLOCKED
+    with pytest.raises(RankError) as info:
+        quick.execute(code)
+    err = info.value
+    assert err.first.rank == 1 and err.first.ename == "ValueError"
+    assert "boom before the collective" in str(err)
+    assert err.ranks[1:] == [0] and err.collateral == [0]  # rank 0 unblocked: collateral
+    assert any("recovered" in n for n in err.__notes__)
+    _assert_recovered(quick, before)
+
+
+def test_px_cell_with_failing_rank_does_not_hang(quick, shell):
+    from fsdp_nb.magics import activate_px
+
+    activate_px(quick)
+    before = _weights(quick)
+    code = "if rank == 0:\n    raise KeyError('px boom')\n" + BLOCKED
+    with pytest.raises(RankError) as info:
+        shell.run_cell_magic("px", "", code)
+    assert info.value.first.rank == 0 and "px boom" in str(info.value)
+    _assert_recovered(quick, before)
+
+
+def test_ctrl_c_during_collective_stops_every_rank_and_keeps_state(quick):
+    before = _weights(quick)
+    code = "if rank == 1:\n    time.sleep(30)\n" + BLOCKED
+    timer = threading.Timer(1.5, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            quick.execute(code)
+    finally:
+        timer.cancel()
+    assert quick.status().busy == []
+    _assert_recovered(quick, before)
+
+
+def test_timeout_names_pending_ranks_with_stacks_and_recovers(quick):
+    before = _weights(quick)
+    code = "if rank == 0:\n    time.sleep(30)\n" + BLOCKED
+    with pytest.raises(RankTimeoutError) as info:
+        quick.execute(code, timeout=2)
+    err = info.value
+    assert err.pending == [0, 1]
+    assert set(err.stacks) == {0, 1}
+    assert all("File " in s for s in err.stacks.values())
+    assert "rank 0 was at" in str(err)
+    _assert_recovered(quick, before)
+
+
+def test_run_timeout_on_plain_python_loop(sess):
+    def spin():
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30:
+            pass
+
+    with pytest.raises(RankTimeoutError) as info:
+        sess.run(spin, timeout=1.5)
+    assert info.value.pending == [0, 1]
+    assert sess.all_reduce_check() == 1.0
+
+
+def test_status_answers_while_a_cell_runs_and_shows_where(sess):
+    d = sess._dispatch
+    pending = d.execute("import time\ndef fail_wait_here():\n    time.sleep(4)\nfail_wait_here()")
+    try:
+        time.sleep(0.5)
+        st = sess.status()
+        assert isinstance(st, SessionStatus)
+        assert st.busy == [0, 1] and st.dead == []
+        assert all("fail_wait_here" in r.stack for r in st.ranks)
+        assert "busy" in repr(st) and "fail_wait_here" in st._repr_html_()
+    finally:
+        d.gather(pending, 30)
+    st = sess.status()
+    assert st.idle == [0, 1] and all(r.stack is None for r in st.ranks)
+
+
+def test_flood_of_stderr_is_bounded_and_does_not_deadlock(sess, capsys):
+    code = (
+        "import sys\n"
+        "for i in range(25_000):\n"  # tqdm style: carriage returns, no newline
+        "    sys.stderr.write(f'\\r{i:>8} ' + 'x' * 90)\n"
+        "sys.stderr.write('\\n')\n"
+        "for i in range(25_000):\n"  # logging style: 2.5 MB of lines
+        "    sys.stderr.write(f'{i:>8} ' + 'y' * 90 + '\\n')\n"
+        "print('done', rank)\n"
+    )
+    sess.execute(code)
+    out, err = capsys.readouterr()
+    assert "[rank 0] done 0" in out and "[rank 1] done 1" in out
+    assert len(err) < 2 * (OUTPUT_LIMIT + 2_000) + 2 * 50_000 * 10  # cut, not 5 MB per rank
+    assert f"cut at {OUTPUT_LIMIT}" in err
+    assert sess.all_reduce_check() == 1.0
+
+
+def test_grace_is_validated(sess):
+    with pytest.raises(ValueError, match="grace"):
+        sess.grace = -1
+    with pytest.raises(ValueError, match="grace"):
+        fsdp_nb.Session(2, grace="soon")
+
+
+# -- destructive: engines die -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fragile():
+    """A 2-rank session of its own, for tests that kill engines."""
+    s = fsdp_nb.Session(2, backend="gloo", grace=1.0, activate=False)
+    try:
+        yield s
+    finally:
+        s.shutdown()
+
+
+def test_engine_killed_while_peer_waits_in_collective(fragile):
+    s = fragile
+    s.execute("fail_kept = 41 + rank")
+    victim = s.ranks[1].pid
+    assert s._cluster.owns_pid(victim)
+    timer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
+    timer.start()
+    try:
+        with pytest.raises(DeadRankError) as info:
+            s.execute("if rank == 1:\n    import time; time.sleep(30)\n" + BLOCKED)
+    finally:
+        timer.cancel()
+    assert info.value.dead_ranks == [1]
+    st = s.status()
+    assert st.dead == [1] and st.idle == [0]  # the survivor is not left in the collective
+    with pytest.raises(DeadRankError, match="rank\\(s\\) 1"):
+        s.all_reduce_check()
+    s.restart()
+    assert s.state == "ready" and [r.rank for r in s.ranks] == [0, 1]
+    assert s.ranks[1].pid != victim
+    assert s.all_reduce_check() == 1.0
+    # the survivor kept its state; the replacement engine starts empty
+    assert s.run(lambda: globals().get("fail_kept")) == [41, None]
+
+
+def test_kill_9_idle_engine_then_restart_brings_same_ranks_back(fragile):
+    s = fragile
+    _build(s, shape="(2, 1)", names='("dp", "shard")')  # 2-D mesh (HSDP) on the survivor
+    before = _weights(s)
+    victim = s.ranks[0].pid
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(DeadRankError) as info:
+        s.all_reduce_check()
+    assert info.value.dead_ranks == [0]
+    s.restart()
+    assert s.ranks[0].pid != victim and s.ranks[1].pid == s._cluster.pids[1]
+    assert s.all_reduce_check() == 1.0
+    assert s.pull("rank") == [0, 1]
+    # the new rank 0 has no model; rank 1 kept its shards
+    assert s.run(lambda: "fail_net" in globals()) == [False, True]
+    assert _same([before[1]], [s.run(lambda: fail_local() if rank == 1 else None)[1]])  # noqa: F821
+
+
+def test_restart_of_healthy_session_keeps_state(fragile):
+    s = fragile
+    _build(s)
+    before = _weights(s)
+    pids = [r.pid for r in s.ranks]
+    s.restart()
+    assert [r.pid for r in s.ranks] == pids
+    _assert_recovered(s, before)
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, dim=8):
+        super().__init__()
+        self.a = torch.nn.Linear(dim, dim)
+        self.b = torch.nn.Linear(dim, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _train_tiny():
+    import torch as t
+
+    model = globals()["fail_tiny"]
+    loss = model(t.ones(3, 8)).pow(2).mean()
+    loss.backward()
+    return float(loss.detach())
+
+
+def test_restart_after_death_replays_wraps(fragile):
+    s = fragile
+    s.wrap(Tiny, 8, name="fail_tiny")
+    first = s.run(_train_tiny)
+    os.kill(s.ranks[1].pid, signal.SIGKILL)
+    with pytest.raises(DeadRankError):
+        s.all_reduce_check()
+    s.restart()
+    assert s.run(lambda: "fail_tiny" in globals()) == [True, True]
+    assert s.run(_train_tiny) == first  # rebuilt from the same seed: same weights
