@@ -10,13 +10,18 @@ __all__ = ["main"]
 
 
 def demo(args: argparse.Namespace) -> int:
-    """Start a session, show who is where, run a collective, shut down."""
+    """Start a session, show who is where, run a collective, wrap and train a small
+    model with FSDP2, save a sharded checkpoint, inspect it offline, shut down."""
+    import tempfile
+
+    import torch
+
+    from .checkpoint import inspect
     from .session import Session
 
     t0 = time.perf_counter()
     with Session(args.n, backend=args.backend, activate=False) as sess:
-        ready = time.perf_counter() - t0
-        print(f"session ready in {ready:.1f} s")
+        print(f"session ready in {time.perf_counter() - t0:.1f} s")
         print(sess)
         total = sess.all_reduce_check()
         expect = sum(range(sess.world_size))
@@ -24,8 +29,43 @@ def demo(args: argparse.Namespace) -> int:
         if total != expect:
             print("collective gave a wrong answer", file=sys.stderr)
             return 1
+        model = sess.wrap(
+            torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)),
+            name="model",
+        )
+        print(model)
+        losses = sess.run(_demo_train, args.steps)
+        print(f"trained {args.steps} steps: loss {losses[0][0]:.4f} -> {losses[0][-1]:.4f}")
+        with tempfile.TemporaryDirectory(prefix="fsdp_nb_demo_") as tmp:
+            path = f"{tmp}/step{args.steps}"
+            sess.save(path, model, optimizer="optimizer", extra={"step": args.steps})
+            info = inspect(path)
+            print(f"saved and inspected offline: {info}")
     print("session shut down cleanly")
     return 0
+
+
+def _demo_train(steps: int) -> list[float]:
+    """Runs on every rank: train the bound ``model`` on a fixed regression task."""
+    import torch
+    import torch.distributed as dist
+
+    from .engine.namespace import user_ns
+
+    ns = user_ns()
+    model = ns["model"]
+    ns["optimizer"] = opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(dist.get_rank())
+    x = torch.randn(32, 64, device=ns.get("device", "cpu"))
+    y = x.roll(1, dims=1)
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def inspect_cmd(args: argparse.Namespace) -> int:
@@ -55,9 +95,10 @@ def consolidate_cmd(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-nb", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("demo", help="start a session, run a collective, shut down")
+    p = sub.add_parser("demo", help="start a session, run a collective, wrap, train, checkpoint, shut down")
     p.add_argument("-n", type=int, default=None, help="number of ranks (default: GPUs or 2)")
     p.add_argument("--backend", choices=["gloo", "nccl"], default=None)
+    p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     p.set_defaults(func=demo)
     p = sub.add_parser("inspect", help="describe a checkpoint offline (no cluster)")
     p.add_argument("path", help="checkpoint folder, .pt / .safetensors file, or fsspec URL")
