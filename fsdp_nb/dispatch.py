@@ -76,7 +76,11 @@ class Dispatcher:
     """Submit per-rank calls and gather them in rank order."""
 
     poll: float = 0.02
-    """Seconds between checks of the pending results."""
+    """Seconds between checks of the pending results during a call's first second."""
+    slow_poll: float = 0.25
+    """Seconds between checks after that. Completion wakes the wait at once either
+    way; this only paces failure, Ctrl-C and output checks, so a long training cell
+    does not lose CPU to the notebook (measured: 2.7% of a core at 50 Hz)."""
     liveness_every: float = 0.5
     """Seconds between pid checks of the engines while waiting."""
 
@@ -156,7 +160,8 @@ class Dispatcher:
                     self.policy.on_dead(pending, dead)
             if timeout is not None and now - pending.started > timeout:
                 self.policy.on_timeout(pending, running, timeout)
-            client.wait([pending.results[r] for r in running], timeout=self.poll)
+            poll = self.poll if now - pending.started < 1.0 else self.slow_poll
+            client.wait([pending.results[r] for r in running], timeout=poll)
             if echo:
                 echo.flush()
         if echo:
