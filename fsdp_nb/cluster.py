@@ -229,12 +229,6 @@ class EngineCluster:
         v.block = False
         return v
 
-    def rank_of(self, engine_id: int) -> int | None:
-        try:
-            return self.engine_ids.index(engine_id)
-        except ValueError:
-            return None
-
     # -- liveness ----------------------------------------------------------------
 
     def dead_ranks(self) -> list[int]:
