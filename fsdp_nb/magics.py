@@ -84,12 +84,12 @@ class PxMagics(Magics):
     def px(self, line: str, cell: str) -> None:
         """Run the cell on every rank in rank order. ``%%px --timeout S`` bounds it."""
         timeout = _timeout(line)
-        _show_results(self._session().execute(cell, timeout=timeout))
+        _show_results(self._session()._execute(cell, timeout))
 
     @line_magic("px")
     def px_line(self, line: str) -> None:
         """Run one line on every rank."""
-        _show_results(self._session().execute(line))
+        _show_results(self._session()._execute(line, None))
 
     @line_magic
     def fsdp(self, line: str) -> Any:

@@ -234,8 +234,15 @@ class Session:
         payload = (by_value(fn), by_value(args), by_value(kwargs))
         return d.gather(d.apply(what, _ns.call, args=payload), timeout)
 
-    def execute(self, code: str, *, timeout: float | None = None) -> list[Any]:
-        """Run ``code`` on every rank (as ``%%px`` does); raise the failing ranks' errors."""
+    def execute(self, code: str, *, timeout: float | None = None) -> None:
+        """Run ``code`` on every rank (as ``%%px`` does); raise the failing ranks' errors.
+
+        Output streams rank-tagged; use ``pull`` or ``run`` to get values back.
+        """
+        self._execute(code, timeout)
+
+    def _execute(self, code: str, timeout: float | None) -> list[Any]:
+        """``execute`` returning each rank's ExecuteReply (its ``Out`` value), for ``%%px``."""
         if not isinstance(code, str):
             raise TypeError(f"execute() needs source code as str, got {type(code).__name__}")
         d = self._live()
