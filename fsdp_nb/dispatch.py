@@ -2,8 +2,9 @@
 
 One ``AsyncResult`` per rank (never a multi-engine one), so a failure, a death or a
 hang is seen per rank while the others are still running. ``gather`` polls instead of
-blocking, which is what lets the notebook stay responsive: it notices dead engines by
-pid within a poll, honours ``timeout``, and hands Ctrl-C and ranks that failed while
+blocking, which is what lets the notebook stay responsive: it notices dead engines on
+this host by pid within ``liveness_every`` (others when the controller drops them),
+honours ``timeout``, and hands Ctrl-C and ranks that failed while
 others wait in a collective to the session's failure policy (``FailurePolicy``).
 """
 
@@ -144,14 +145,13 @@ class Dispatcher:
         while True:
             ctrl_c.check()
             running = [r for r, ar in pending.results.items() if not ar.ready()]
-            failures = self._failures(pending)
-            now = time.monotonic()
             if not running:
                 break
-            if failures and first_failure_at is None:
+            now = time.monotonic()
+            if first_failure_at is None and _any_failed(pending):
                 first_failure_at = now
             if first_failure_at is not None and now - first_failure_at >= self.policy.grace:
-                self.policy.on_partial_failure(pending, failures, running)
+                self.policy.on_partial_failure(pending, self._failures(pending), running)
                 first_failure_at = None  # policy chose to keep waiting
             if now >= next_liveness:
                 next_liveness = now + self.liveness_every
@@ -257,6 +257,11 @@ class _Echo:
                 self.shown[key] = self.shown.get(key, 0) + len(chunk)
                 stream.write(_tag(r, chunk))
                 stream.flush()
+
+
+def _any_failed(pending: Pending) -> bool:
+    """Cheap check for the poll loop: has any rank finished with an error?"""
+    return any(ar.ready() and not ar.successful() for ar in pending.results.values())
 
 
 def _tag(rank: int, text: str) -> str:

@@ -29,13 +29,11 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import rendezvous
 from .dispatch import Dispatcher, FailurePolicy, Pending
 from .engine import health as _health
-from .engine import probe as _probe
-from .engine import process_group as _pg
 from .errors import DeadRankError, RankError, RankFailure, RankTimeoutError
 
 if TYPE_CHECKING:
@@ -269,11 +267,11 @@ def status(sess: Session, *, with_stacks: bool = True) -> SessionStatus:
         queues = c.client.queue_status(targets=list(c.engine_ids), verbose=False)
     except Exception:  # noqa: BLE001 - a dead engine id may be refused
         queues = {}
-    states = []
+    queued, states = [], []
     for r, eid in enumerate(c.engine_ids):
         q = queues.get(eid, {}) if isinstance(queues, dict) else {}
-        n = int(q.get("queue", 0)) if isinstance(q, dict) else 0
-        states.append("dead" if r in dead else ("busy" if n > 0 else "idle"))
+        queued.append(int(q.get("queue", 0)) if isinstance(q, dict) else 0)
+        states.append("dead" if r in dead else ("busy" if queued[r] > 0 else "idle"))
     busy = [r for r, s in enumerate(states) if s == "busy"]
     found = stacks(sess, busy) if (with_stacks and busy) else {}
     ranks = [
@@ -283,7 +281,7 @@ def status(sess: Session, *, with_stacks: bool = True) -> SessionStatus:
             host=c.hosts[r] or "?",
             pid=c.pids[r],
             state=states[r],
-            queued=int((queues.get(eid) or {}).get("queue", 0)) if isinstance(queues, dict) else 0,
+            queued=queued[r],
             stack=found.get(r),
         )
         for r, eid in enumerate(c.engine_ids)
@@ -323,8 +321,6 @@ class RecoveringPolicy(FailurePolicy):
         """Seconds after leaving the group before still-running ranks get SIGINT."""
         self.wedge_timeout = wedge_timeout
         """Seconds to wait for stopped ranks to return before they count as wedged."""
-        self.last: dict[str, Any] = {}
-        """Timings and outcome of the last recovery (for benchmarks and status)."""
 
     # hooks -------------------------------------------------------------------------
 
@@ -348,14 +344,12 @@ class RecoveringPolicy(FailurePolicy):
 
     def on_dead(self, pending: Pending, dead: list[int]) -> None:
         sess = self.sess
-        t0 = time.monotonic()
         all_dead = sorted(set(dead) | set(sess._cluster.dead_ranks()))
         running = [r for r, ar in pending.results.items() if not ar.ready() and r not in all_dead]
         wedged = self._unblock(pending, running, interrupt=bool(running), skip=set(all_dead))
         if wedged:
             self._kill(wedged)
         sess._state = "degraded"
-        self.last = {"cause": "dead rank", "dead": all_dead, "recover_s": time.monotonic() - t0}
         others = [f for f in sess._dispatch._failures(pending) if f.rank not in all_dead]
         err = DeadRankError(
             sorted(set(all_dead) | set(wedged)),
@@ -394,10 +388,8 @@ class RecoveringPolicy(FailurePolicy):
         self, pending: Pending, running: list[int], *, interrupt: bool, cause: str
     ) -> str:
         sess = self.sess
-        t0 = time.monotonic()
         dead = set(sess._cluster.dead_ranks())
         wedged = self._unblock(pending, running, interrupt=interrupt, skip=dead)
-        t_unblocked = time.monotonic()
         if wedged or dead:
             self._kill(wedged)
             restart(sess)
@@ -413,13 +405,6 @@ class RecoveringPolicy(FailurePolicy):
                 f"fsdp_nb recovered the session ({cause}): every rank returned and joined a "
                 "new process group; variables, models and optimizers are kept."
             )
-        t1 = time.monotonic()
-        self.last = {
-            "cause": cause,
-            "unblock_s": t_unblocked - t0,
-            "recover_s": t1 - t0,
-            "wedged": sorted(wedged),
-        }
         return note
 
     def _unblock(
@@ -500,33 +485,16 @@ class RecoveringPolicy(FailurePolicy):
 def reform(sess: Session) -> None:
     """Every rank joins a new process group on a fresh port, keeping the rank order,
     then DeviceMeshes and FSDP2 modules on the ranks are re-pointed at the new groups."""
-    c = sess._cluster
     d = _plain(sess)
-    probes = d.gather(
-        d.apply("probe engines", _probe.describe, args=(rendezvous.controller_ip(c),)), 60
-    )
-    hosts = [p.host for p in probes]
-    c.set_rank_order(list(c.engine_ids), [p.pid for p in probes], hosts)
-    locals_ = rendezvous.local_ranks(hosts)
-    multi_host = len(set(hosts)) > 1
-    (port,) = d.gather(d.apply("find a free port", _pg.free_port, ranks=[0]), 30)
-    envs = [
-        rendezvous.rank_env(r, len(probes), locals_[r], probes[0].addr, port,
-                            p.ifname if multi_host else None)
-        for r, p in enumerate(probes)
-    ]
-    devices = d.gather(
-        d.apply("init_process_group", _pg.init,
-                [(env, sess.backend, sess.pg_timeout, sess._threads) for env in envs]),
-        120,
+    probes = rendezvous.probe_engines(sess._cluster, d, timeout=60)
+    ranks = rendezvous.join_group(
+        sess._cluster, d, probes, sess.backend,
+        pg_timeout=sess.pg_timeout, threads=sess._threads, timeout=120,
     )
     parts = d.gather(d.apply("list mesh groups", _health.mesh_partitions), 60)
     union = sorted({rows for ps in parts for rows in ps})
     d.gather(d.apply("rebind meshes", _health.rebind_groups, args=(union,)), 120)
-    sess._ranks = [
-        rendezvous.RankInfo(r, c.engine_ids[r], p.host, p.pid, devices[r], *locals_[r], p.addr)
-        for r, p in enumerate(probes)
-    ]
+    sess._ranks = ranks
 
 
 def _replace_dead(sess: Session, dead: list[int], timeout: float = 120.0) -> None:
@@ -561,22 +529,6 @@ def _replace_dead(sess: Session, dead: list[int], timeout: float = 120.0) -> Non
     install_health(sess, dead)
 
 
-def _wrap_names(sess: Session) -> list[str]:
-    names = []
-    for w in getattr(sess, "_wraps", None) or []:
-        name = getattr(w, "name", None)
-        if name is None and isinstance(w, dict):
-            name = w.get("name")
-        if name is None and isinstance(w, str):
-            name = w
-        if name is not None:
-            names.append(name)
-    wraps = getattr(sess, "_wraps", None)
-    if isinstance(wraps, dict) and not names:
-        names = list(wraps)
-    return names
-
-
 def restart(sess: Session, restore: str | None = None) -> Session:
     """Bring back the same ranks and rebuild the session.
 
@@ -590,13 +542,13 @@ def restart(sess: Session, restore: str | None = None) -> Session:
     if dead:
         _replace_dead(sess, dead)
     reform(sess)
-    if dead and getattr(sess, "_wraps", None):
+    if dead and sess._wraps:
         from .sharding import replay_wraps
 
         replay_wraps(sess)
     sess._state = "ready"
     if restore is not None:
-        names = _wrap_names(sess)
+        names = list(sess._wraps)
         if not names:
             raise ValueError(
                 f"restart(restore={restore!r}) needs a model to load into, but this session "

@@ -95,7 +95,7 @@ def rank_env(
     }
     if ifname:
         keep = dict(preset)
-        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        for var in _probe.SOCKET_IFNAME_VARS:
             if var not in keep:
                 env[var] = ifname
     return env
@@ -116,36 +116,37 @@ def controller_ip(cluster: EngineCluster) -> str | None:
     return None
 
 
-def form_group(
+def probe_engines(
+    cluster: EngineCluster, dispatcher: Dispatcher, timeout: float | None = None
+) -> list[EngineProbe]:
+    """Every engine's probe, in ``cluster.engine_ids`` order."""
+    ctrl = controller_ip(cluster)
+    return dispatcher.gather(dispatcher.apply("probe engines", _probe.describe, args=(ctrl,)), timeout)
+
+
+def join_group(
     cluster: EngineCluster,
     dispatcher: Dispatcher,
+    probes: list[EngineProbe],
     backend: str,
     *,
     pg_timeout: float,
     threads: int | None,
+    timeout: float | None = None,
 ) -> list[RankInfo]:
-    """Probe, order and rendezvous every engine; return per-rank info in rank order."""
+    """Form the group on a fresh port; ``cluster.engine_ids`` and ``probes`` in rank order.
+
+    Used to form a session's group and to re-form it after a recovery or restart.
+    """
     engine_ids = list(cluster.engine_ids)
-    ctrl = controller_ip(cluster)
-    probes: list[EngineProbe] = dispatcher.gather(
-        dispatcher.apply("probe engines", _probe.describe, args=(ctrl,))
-    )
-    order = rank_order(engine_ids, probes)
-    engine_ids = [engine_ids[i] for i in order]
-    probes = [probes[i] for i in order]
     hosts = [p.host for p in probes]
     cluster.set_rank_order(engine_ids, [p.pid for p in probes], hosts)
-    if backend == "nccl":
-        short = [p for p in probes if p.cuda_devices < 1]
-        if short:
-            raise RuntimeError(
-                f"backend 'nccl' needs a GPU on every rank, but host(s) "
-                f"{sorted({p.host for p in short})} show none; use backend='gloo'."
-            )
     multi_host = len(set(hosts)) > 1
     locals_ = local_ranks(hosts)
     master_addr = probes[0].addr
-    (port,) = dispatcher.gather(dispatcher.apply("find a free port", _pg.free_port, ranks=[0]))
+    (port,) = dispatcher.gather(
+        dispatcher.apply("find a free port", _pg.free_port, ranks=[0]), timeout
+    )
     envs = [
         rank_env(
             r, len(probes), locals_[r], master_addr, port,
@@ -158,9 +159,35 @@ def form_group(
             "init_process_group",
             _pg.init,
             [(env, backend, pg_timeout, threads) for env in envs],
-        )
+        ),
+        timeout,
     )
     return [
         RankInfo(r, engine_ids[r], p.host, p.pid, devices[r], *locals_[r], p.addr)
         for r, p in enumerate(probes)
     ]
+
+
+def form_group(
+    cluster: EngineCluster,
+    dispatcher: Dispatcher,
+    backend: str,
+    *,
+    pg_timeout: float,
+    threads: int | None,
+) -> list[RankInfo]:
+    """Probe, order and rendezvous every engine; return per-rank info in rank order."""
+    probes = probe_engines(cluster, dispatcher)
+    order = rank_order(cluster.engine_ids, probes)
+    cluster.engine_ids = [cluster.engine_ids[i] for i in order]
+    probes = [probes[i] for i in order]
+    if backend == "nccl":
+        short = [p for p in probes if p.cuda_devices < 1]
+        if short:
+            raise RuntimeError(
+                f"backend 'nccl' needs a GPU on every rank, but host(s) "
+                f"{sorted({p.host for p in short})} show none; use backend='gloo'."
+            )
+    return join_group(
+        cluster, dispatcher, probes, backend, pg_timeout=pg_timeout, threads=threads
+    )

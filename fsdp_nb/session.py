@@ -10,6 +10,8 @@ from __future__ import annotations
 import atexit
 import html
 import os
+import sys
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -19,6 +21,7 @@ from .cluster import EngineCluster, launcher_names
 from .dispatch import Dispatcher, FailurePolicy
 from .engine import namespace as _ns
 from .engine import process_group as _pg
+from .engine.probe import _cuda_count
 from .errors import SessionClosedError
 from .rendezvous import RankInfo
 from .shipping import by_value
@@ -34,21 +37,17 @@ BACKENDS = ("gloo", "nccl")
 _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
 
 
-def _cuda_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        return 0
-
-
-def _validate(n: int | None, backend: str | None, launcher: str) -> tuple[int, str]:
-    """Check arguments before any process starts; return (n, backend)."""
+def _check_n_backend(n: int | None, backend: str | None) -> None:
+    """The checks ``Session()`` and ``Session.connect()`` share."""
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ValueError(f"n must be a positive int (number of ranks) or None, got {n!r}")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
+
+
+def _validate(n: int | None, backend: str | None, launcher: str) -> tuple[int, str]:
+    """Check arguments before any process starts; return (n, backend)."""
+    _check_n_backend(n, backend)
     names = launcher_names()
     if launcher not in names:
         raise ValueError(f"unknown launcher {launcher!r}; allowed: {', '.join(names)}")
@@ -125,10 +124,7 @@ class Session:
         file, or profile and cluster id); ``n`` waits for that many engines.
         ``shutdown()`` leaves those engines running.
         """
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
-        if n is not None and (not isinstance(n, int) or n < 1):
-            raise ValueError(f"n must be a positive int or None, got {n!r}")
+        _check_n_backend(n, backend)
         _check_grace(grace)
         self = cls.__new__(cls)
         self.launcher = "connected"
@@ -150,6 +146,7 @@ class Session:
         from .recovery import RecoveringPolicy, install_health
 
         self._cluster = cluster
+        self._wraps: dict[str, Any] = {}  # name -> sharding.WrapRecord, replayed by restart()
         self._policy: FailurePolicy = RecoveringPolicy(self, grace=grace)
         self._dispatch = Dispatcher(cluster, self._policy)
         try:
@@ -357,9 +354,18 @@ class Session:
     # -- lifecycle ----------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Stop the engines and controller this session started (nothing else)."""
+        """Stop the engines and controller this session started (nothing else).
+
+        Async saves still writing are finished and committed first, so none is lost.
+        """
         if self._state == "closed":
             return
+        saving = sys.modules.get(f"{__package__}.checkpoint.save")  # loaded only if used
+        if saving is not None and self._state == "ready":
+            try:
+                saving.wait_pending(self)
+            except Exception as exc:  # noqa: BLE001 - shutting down regardless
+                warnings.warn(f"an async checkpoint did not finish: {exc}", stacklevel=2)
         self._state = "closed"
         _LIVE.discard(self)
         try:

@@ -10,6 +10,7 @@ engine unpickle it (``fsdp_nb.engine.namespace.unship``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import site
 import sys
@@ -86,7 +87,7 @@ def _register_module_of(target: Any) -> None:
     if not path or mod.__name__.split(".")[0] in ("fsdp_nb", "torch", "builtins"):
         return
     real = os.path.realpath(path)
-    if any(real.startswith(p) for p in _library_paths()):
+    if real.startswith(_library_paths()):
         return
     cloudpickle.register_pickle_by_value(mod)
     _LOCAL.add(mod.__name__)
@@ -95,10 +96,12 @@ def _register_module_of(target: Any) -> None:
 _LOCAL: set[str] = set()
 
 
-def _library_paths() -> list[str]:
+@functools.cache
+def _library_paths() -> tuple[str, ...]:
+    """Where installed and standard-library modules live (computed once)."""
     paths = {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     paths.update(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
-    return [os.path.realpath(p) for p in paths if p]
+    return tuple(os.path.realpath(p) for p in paths if p)
 
 
 def _describe(obj: Any) -> str:

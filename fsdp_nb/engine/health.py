@@ -23,7 +23,6 @@ from typing import Any
 __all__ = [
     "STACK_SIGNAL",
     "close_connections_to",
-    "endpoints",
     "install",
     "leave_group",
     "mesh_partitions",
@@ -97,13 +96,6 @@ def leave_group(peer_endpoints: list[tuple[str, int]] | None = None) -> bool:
     return bool(had)
 
 
-def endpoints() -> list[tuple[str, int]]:
-    """This process's TCP socket addresses (listening and connected)."""
-    import psutil
-
-    return sorted({(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("tcp") if c.laddr})
-
-
 def close_connections_to(peer_endpoints: list[tuple[str, int]]) -> int:
     """``shutdown`` this process's TCP connections whose remote end is in ``peer_endpoints``."""
     import socket
@@ -163,11 +155,13 @@ def _meshes() -> list[Any]:
     return _instances(DeviceMesh)
 
 
-def _instances(cls: type) -> list[Any]:
-    """Live objects of ``cls`` (by MRO, so no ``__instancecheck__`` hook runs)."""
+def _instances(*classes: type) -> list[Any]:
+    """Live objects of any of ``classes``, each once, in one heap scan (by MRO, so no
+    ``__instancecheck__`` hook runs)."""
+    wanted = set(classes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return [o for o in gc.get_objects() if cls in type(o).__mro__]
+        return [o for o in gc.get_objects() if wanted.intersection(type(o).__mro__)]
 
 
 def _rows(mesh: Any, dim: int) -> list[tuple[int, ...]]:
@@ -260,13 +254,12 @@ def _refresh_fsdp() -> int:
     except ImportError:  # pragma: no cover - older torch
         return 0
     n = 0
-    for o in _instances(FSDPMeshInfo) + _instances(DDPMeshInfo):
+    for o in _instances(FSDPMeshInfo, DDPMeshInfo):  # HSDP infos are both
         if isinstance(o, FSDPMeshInfo):
             o.shard_process_group = o.mesh.get_group(o.shard_mesh_dim)
             if getattr(o, "reduce_scatter_process_group", None) is not None:
                 o.reduce_scatter_process_group = None
-            n += 1
         if isinstance(o, DDPMeshInfo):
             o.replicate_process_group = o.mesh.get_group(o.replicate_mesh_dim)
-            n += 1
+        n += 1
     return n

@@ -69,8 +69,3 @@ def get(name: str) -> Any:
     if name not in ns:
         raise NameError(f"name {name!r} is not defined on this rank")
     return ns[name]
-
-
-def delete(name: str) -> None:
-    """Remove an engine global if present."""
-    user_ns().pop(name, None)
