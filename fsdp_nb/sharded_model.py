@@ -8,11 +8,12 @@ function given to ``sess.run``) it turns into that rank's FSDP module.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from .engine import shards as _es
 from .engine import wrap as _ew
-from .shard_table import ParamShard, ShardTable
+from .shard_table import ShardTable
 
 if TYPE_CHECKING:
     from .session import Session
@@ -51,22 +52,15 @@ class ShardedModel:
         """Per-parameter shard table: global shape, placements, each rank's piece."""
         d = self._sess._live()
         per_rank = d.gather(d.apply(f"shards({self.name!r})", _es.local_shards, args=(self.name,)))
-        rows = []
-        for i, first in enumerate(per_rank[0]):
-            mine = [r[i] for r in per_rank]
-            rows.append(
-                ParamShard(
-                    name=first.name,
-                    global_shape=first.global_shape,
-                    dtype=first.dtype,
-                    placements=first.placements,
-                    mesh_shape=first.mesh_shape,
-                    mesh_dims=first.mesh_dims,
-                    local_shapes=tuple(m.local_shape for m in mine),
-                    local_offsets=tuple(m.local_offset for m in mine),
-                    local_bytes=tuple(m.local_bytes for m in mine),
-                )
+        rows = [
+            dataclasses.replace(
+                first,
+                local_shapes=tuple(r[i].local_shapes[0] for r in per_rank),
+                local_offsets=tuple(r[i].local_offsets[0] for r in per_rank),
+                local_bytes=tuple(r[i].local_bytes[0] for r in per_rank),
             )
+            for i, first in enumerate(per_rank[0])
+        ]
         return ShardTable(
             model=self.name,
             world_size=len(per_rank),

@@ -30,12 +30,11 @@ import copy
 import dataclasses
 import keyword
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .engine import wrap as _ew
-from .errors import RankError
-from .shipping import ByValue, by_value
+from .shipping import ByValue, by_value, register_local_modules
 
 if TYPE_CHECKING:
     from .session import Session
@@ -273,9 +272,9 @@ class WrapRecord:
     """Engine global name."""
     kind: str
     """``"instance"``, ``"class"``, ``"factory"`` or ``"string"``."""
-    payloads: list[ByValue]
-    """Per rank: the shipped ``(spec, args, kwargs, options)``; for an instance, a copy
-    whose parameters are on the meta device."""
+    payload: ByValue
+    """The shipped ``(spec, args, kwargs, options)``, the same for every rank; for an
+    instance, a copy whose parameters are on the meta device."""
     options: WrapOptions
     """The validated options."""
     plan: MeshPlan
@@ -285,8 +284,6 @@ class WrapRecord:
     weights: dict[str, Any] | None = None
     """An instance's state dict as it was when wrapped (CPU copies): streamed to the
     ranks after sharding, and again by a replay."""
-    summary: Any = field(default=None)
-    """The engine's ``WrapSummary`` of the latest build."""
 
 
 # -- the entry point ---------------------------------------------------------------------
@@ -351,14 +348,6 @@ def _check_call(spec: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         raise TypeError(f"cannot build {what}{sig} from these arguments: {exc}") from None
 
 
-def _register_user_modules(model: Any, args: tuple, kwargs: dict, opts: WrapOptions) -> None:
-    """Ship the user's own modules by value for every part of the payload (classes in
-    the model, ``auto_wrap`` classes, callables), not only the top-level object's."""
-    from .shipping import register_local_modules
-
-    register_local_modules((model, args, kwargs, opts))
-
-
 def _meta_clone(model: Any) -> Any:
     """A copy of ``model`` whose parameters are on the meta device (no weight copies).
 
@@ -408,17 +397,19 @@ def wrap(
     plan = plan_mesh(sess, opts)
     import torch
 
-    _register_user_modules(model, args, kwargs, opts)
+    # classes in the model, auto_wrap classes and callables may live in a user's
+    # module the engines cannot import: ship those by value too
+    register_local_modules((model, args, kwargs, opts))
     seed = int(torch.randint(0, 2**62, ()).item())
     if kind == "instance":
         problem = _ew.check_classes(model, opts)
         _raise_problem(problem)
-        payloads = [by_value((_meta_clone(model), (), kwargs, opts))] * sess.world_size
+        payload = by_value((_meta_clone(model), (), kwargs, opts))
         weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     else:
-        payloads = [by_value((model, tuple(args), kwargs, opts))] * sess.world_size
+        payload = by_value((model, tuple(args), kwargs, opts))
         weights = None
-    record = WrapRecord(name, kind, payloads, opts, plan, seed, weights)
+    record = WrapRecord(name, kind, payload, opts, plan, seed, weights)
     d = sess._dispatch
     clashes = d.gather(d.apply(f"check name {name!r}", _ew.name_status, args=(name,)))
     bad = [(r, c) for r, c in enumerate(clashes) if c]
@@ -431,8 +422,7 @@ def wrap(
     if kind != "instance":
         ranks = list(range(sess.world_size)) if kind == "string" else [0]
         problems = d.gather(
-            d.apply(f"check model for {name!r}", _ew.check_spec, [(kind, payloads[r]) for r in ranks],
-                    ranks=ranks)
+            d.apply(f"check model for {name!r}", _ew.check_spec, args=(kind, payload), ranks=ranks)
         )
         for p in problems:
             _raise_problem(p)
@@ -447,19 +437,12 @@ def _build(sess: Session, record: WrapRecord) -> ShardedModel:
         d.apply(
             f"wrap({record.name!r})",
             _ew.build,
-            [
-                (record.name, record.kind, record.payloads[r], record.plan, record.seed)
-                for r in range(sess.world_size)
-            ],
+            args=(record.name, record.kind, record.payload, record.plan, record.seed),
         )
     )
     if record.weights:
         _stream_weights(sess, record)
-    record.summary = summaries[0]
-    wraps = getattr(sess, "_wraps", None)
-    if wraps is None:
-        wraps = sess._wraps = {}
-    wraps[record.name] = record
+    sess._wraps[record.name] = record
     return ShardedModel(sess, record.name, record.options, summaries[0])
 
 
@@ -493,10 +476,4 @@ def replay_wraps(sess: Session) -> dict[str, ShardedModel]:
     weights); instance specs get their originally shipped weights back; string specs
     need the module to exist again on the engines. Returns name -> ShardedModel.
     """
-    out = {}
-    for record in list(getattr(sess, "_wraps", {}).values()):
-        try:
-            out[record.name] = _build(sess, record)
-        except RankError:
-            raise
-    return out
+    return {record.name: _build(sess, record) for record in list(sess._wraps.values())}

@@ -22,7 +22,7 @@ from .info import CheckpointError, CheckpointInfo
 from .inspect import inspect, read_dcp_metadata, verify_checksums
 from .metadata import FORMAT, META_FILE
 from .restricted import safe_reader
-from .storage import crc32_of, sibling, url_to_fs
+from .storage import dcp_writer, file_record, options_for, sibling, url_to_fs
 
 __all__ = ["consolidate", "read_sharded"]
 
@@ -32,7 +32,8 @@ def read_sharded(path: str, storage_options: dict | None = None) -> tuple[dict, 
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    fs, p = url_to_fs(path, storage_options)
+    so = options_for(path) if storage_options is None else storage_options
+    fs, p = url_to_fs(path, so)
     p = p.rstrip("/")
     marker = read_marker(fs, p)
     if marker is None:
@@ -42,7 +43,7 @@ def read_sharded(path: str, storage_options: dict | None = None) -> tuple[dict, 
     sd: dict[str, Any] = {}
     # dcp.load only fills keys already in ``sd``; the private loader with the empty
     # planner rebuilds the whole nested state dict from the metadata (as dcp_to_torch_save).
-    _load_state_dict(sd, storage_reader=safe_reader(fs, p, storage_options or {}),
+    _load_state_dict(sd, storage_reader=safe_reader(fs, p, so),
                      planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     try:
         meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
@@ -70,8 +71,11 @@ def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options
     """
     import warnings
 
-    fs, p = url_to_fs(path, storage_options)
-    ofs, o = url_to_fs(out, storage_options)
+    # resolve the options once, so every reader and writer below uses the same ones
+    so_in = options_for(path) if storage_options is None else storage_options
+    so_out = options_for(out) if storage_options is None else storage_options
+    fs, p = url_to_fs(path, so_in)
+    ofs, o = url_to_fs(out, so_out)
     p, o = p.rstrip("/"), o.rstrip("/")
     if not fs.exists(p):
         raise FileNotFoundError(f"no checkpoint at {path!r}")
@@ -84,7 +88,7 @@ def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options
             raise ValueError(f"consolidating a sharded checkpoint gives one file: {out!r} must end in .pt or .safetensors")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model_sd, optim_sd, meta = read_sharded(path, storage_options)
+            model_sd, optim_sd, meta = read_sharded(path, so_in)
         meta = dict(meta, kind="full", consolidated_from=path, consolidated=time.time())
         tmp = sibling(o, "tmp", token) + (full_suffix(o) or "")
         ofs.makedirs(posixpath.dirname(o) or ".", exist_ok=True)
@@ -95,15 +99,17 @@ def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options
             if ofs.exists(tmp):
                 ofs.rm(tmp)
             raise
-        return inspect(out, storage_options=storage_options)
+        return inspect(out, storage_options=so_out)
     if not full_suffix(p):
         raise ValueError(f"{path!r} is neither a checkpoint folder nor a .pt / .safetensors file")
     if full_suffix(o):
         raise ValueError(f"converting a full checkpoint gives a sharded folder: {out!r} must not end in {full_suffix(o)}")
-    return _to_sharded(fs, p, path, ofs, o, out, token)
+    return _to_sharded(fs, p, path, ofs, o, out, token, so_out)
 
 
-def _to_sharded(fs: Any, p: str, url: str, ofs: Any, o: str, out: str, token: str) -> CheckpointInfo:
+def _to_sharded(
+    fs: Any, p: str, url: str, ofs: Any, o: str, out: str, token: str, so_out: dict[str, Any]
+) -> CheckpointInfo:
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -113,24 +119,15 @@ def _to_sharded(fs: Any, p: str, url: str, ofs: Any, o: str, out: str, token: st
     if optim_sd:
         sd["optim"] = optim_sd
     tmp = sibling(o, "tmp", token)
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    from .storage import is_local, to_url
-
-    if is_local(ofs):
-        writer: Any = FileSystemWriter(tmp)
-    else:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        writer = FsspecWriter(to_url(ofs, tmp))
+    writer = dcp_writer(ofs, tmp, so_out)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.save(sd, storage_writer=writer, no_dist=True)
-        files = {}
-        for e in ofs.ls(tmp, detail=False):
-            n = posixpath.basename(e.rstrip("/"))
-            files[n] = {"size": int(ofs.size(e)), "crc32": crc32_of(ofs, e)}
+        files = {
+            posixpath.basename(e.rstrip("/")): file_record(ofs, e)
+            for e in ofs.ls(tmp, detail=False)
+        }
         meta = dict(meta or {}, kind="sharded", converted_from=url, converted=time.time())
         meta.setdefault("format", FORMAT)
         meta["world_size"] = 1
@@ -139,4 +136,4 @@ def _to_sharded(fs: Any, p: str, url: str, ofs: Any, o: str, out: str, token: st
         if ofs.exists(tmp):
             ofs.rm(tmp, recursive=True)
         raise
-    return inspect(out)
+    return inspect(out, storage_options=so_out)

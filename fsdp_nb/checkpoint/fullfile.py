@@ -172,8 +172,6 @@ def read_full_meta(fs: Any, path: str) -> tuple[dict, dict[str, tuple[tuple[int,
         js = _safetensors_json(fs, path)
         header = js.pop("__metadata__", {}) or {}
         meta = json.loads(header.get("fsdp_nb", "{}"))
-        base = 8 + len(json.dumps(js))  # not exact; offsets below are relative to data start
-        del base
         out = {}
         for k, v in js.items():
             start, end = v["data_offsets"]

@@ -94,3 +94,19 @@ def crc32_of(fs: fsspec.AbstractFileSystem, path: str, block: int = 8 << 20) -> 
             if not b:
                 return crc
             crc = zlib.crc32(b, crc)
+
+
+def file_record(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, int]:
+    """What the completion marker keeps of one file: its size and CRC-32."""
+    return {"size": int(fs.size(path)), "crc32": crc32_of(fs, path)}
+
+
+def dcp_writer(fs: fsspec.AbstractFileSystem, path: str, options: dict[str, Any]) -> Any:
+    """A torch.distributed.checkpoint writer for folder ``path`` on ``fs``."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    if is_local(fs):
+        return FileSystemWriter(path, sync_files=True)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(to_url(fs, path), sync_files=False, **options)

@@ -31,7 +31,7 @@ from ..checkpoint.fullfile import full_suffix, read_full, write_full
 from ..checkpoint.info import CorruptCheckpointError
 from ..checkpoint.inspect import inspect, read_dcp_metadata, verify_checksums
 from ..checkpoint.restricted import safe_reader
-from ..checkpoint.storage import crc32_of, is_local, sibling, to_url, url_to_fs
+from ..checkpoint.storage import dcp_writer, file_record, sibling, url_to_fs
 from .namespace import user_ns
 
 __all__ = ["async_done", "async_wait", "load", "preflight", "save"]
@@ -143,16 +143,6 @@ def _model_meta(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
-def _writer(fs: Any, path: str, so: dict[str, Any]) -> Any:
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    if is_local(fs):
-        return FileSystemWriter(path, sync_files=True)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(to_url(fs, path), sync_files=False, **so)
-
-
 # -- save -------------------------------------------------------------------------
 
 
@@ -190,7 +180,7 @@ def _finish_sharded(spec: dict[str, Any], model_meta: dict[str, Any], group: Any
             names.append(n)
     for n in names:
         fp = posixpath.join(tmp, n)
-        mine[n] = {"size": int(fs.size(fp)), "crc32": crc32_of(fs, fp)}
+        mine[n] = file_record(fs, fp)
     parts: list[Any] = [None] * ws
     if ws > 1:
         dist.all_gather_object(parts, mine, group=group)
@@ -218,7 +208,7 @@ def _save_sharded(spec: dict[str, Any], model: Any, optim: Any, t0: float) -> di
     if optim is not None:
         sd["optim"] = osd
     meta = _model_meta(model, spec)
-    writer = _writer(fs, tmp, spec["so"])
+    writer = dcp_writer(fs, tmp, spec["so"])
     rank, ws = _rank_ws()
     if not spec["async"]:
         try:
@@ -500,10 +490,8 @@ def _load_sharded(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any)
         fresh_o = tree_map_only(torch.Tensor, torch.empty_like, osd)
         sd["optim"] = fresh_o
     reader = safe_reader(fs, p, spec["so"])
+    # dcp.load ends in a collective that raises on every rank if any rank failed
     dcp.load(sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=not strict))
-    bad = _agree(None)
-    if bad:
-        return bad
     set_state_dict(
         model, [optim] if optim is not None else [],
         model_state_dict=fresh_m,
@@ -565,8 +553,3 @@ def _partial_full_problem(url: str, expected: dict, usable: set) -> str | None:
         f"checkpoint {url!r} lacks {len(missing)} of the model's keys ({', '.join(missing[:10])}); "
         "a full (.pt / .safetensors) checkpoint must hold every model key even with strict=False"
     )
-
-
-def wait_all() -> None:
-    """Finish every pending async save on this rank (used before shutdown)."""
-    _drain()

@@ -7,39 +7,18 @@ uneven shards as they are — FSDP2's padding is not counted).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
+from ..shard_table import ParamShard
 from .wrap import get
 
-__all__ = ["LocalShard", "local_shards"]
+__all__ = ["local_shards"]
 
 
-@dataclass(frozen=True)
-class LocalShard:
-    """One parameter as seen from one rank."""
-
-    name: str
-    """FQN in the unwrapped model."""
-    global_shape: tuple[int, ...]
-    """Shape of the whole tensor."""
-    dtype: str
-    """dtype name without ``torch.``."""
-    placements: tuple[str, ...]
-    """DTensor placements, ``()`` for a plain tensor."""
-    mesh_shape: tuple[int, ...]
-    """Shape of its mesh (``(world,)`` for a plain tensor)."""
-    mesh_dims: tuple[str, ...]
-    """Mesh dimension names."""
-    local_shape: tuple[int, ...]
-    """This rank's piece."""
-    local_offset: tuple[int, ...]
-    """Where the piece starts in the global tensor."""
-    local_bytes: int
-    """Bytes of the piece."""
-
-
-def local_shards(name: str) -> list[LocalShard]:
-    """This rank's row for every parameter of the model wrapped as ``name``."""
+def local_shards(name: str) -> list[ParamShard]:
+    """This rank's row for every parameter of the model wrapped as ``name``: a
+    ``ParamShard`` whose per-rank fields hold this rank's piece only (one entry);
+    ``ShardedModel.shards()`` joins the ranks' rows."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -51,21 +30,18 @@ def local_shards(name: str) -> list[LocalShard]:
         if isinstance(p, DTensor):
             mesh = p.device_mesh
             shape, offset = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
-            numel = 1
-            for d in shape:
-                numel *= d
             rows.append(
-                LocalShard(
+                ParamShard(
                     fqn, tuple(p.shape), dtype, tuple(_placement(pl) for pl in p.placements),
                     tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()),
-                    tuple(shape), tuple(offset), numel * p.element_size(),
+                    (tuple(shape),), (tuple(offset),), (math.prod(shape) * p.element_size(),),
                 )
             )
         else:
             rows.append(
-                LocalShard(
+                ParamShard(
                     fqn, tuple(p.shape), dtype, (), (dist.get_world_size(),), (),
-                    tuple(p.shape), (0,) * p.dim(), p.numel() * p.element_size(),
+                    (tuple(p.shape),), ((0,) * p.dim(),), (p.numel() * p.element_size(),),
                 )
             )
     return rows
