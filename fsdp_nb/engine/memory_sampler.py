@@ -4,7 +4,7 @@ A request sent through the engines' task queue waits behind the cell that is run
 (2.6 s measured), so live memory cannot be polled that way while ``%%px`` trains.
 Instead ``start`` (called once through the task queue) binds a zmq XPUB socket on the
 engine's routable address and starts a daemon thread that publishes one JSON sample
-per interval. The thread stops on ``stop(token)``, when its last subscriber goes away
+per interval. The thread stops when its last subscriber goes away
 (XPUB sees the unsubscribe when the notebook closes its SUB socket or dies), or when
 nobody subscribed within ``wait_subscriber`` seconds: it never outlives its widget.
 """
@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["running", "sample", "start", "stop"]
+__all__ = ["running", "sample", "start"]
 
 _LOCK = threading.Lock()
 _SAMPLERS: dict[str, _Sampler] = {}
@@ -91,7 +91,6 @@ class _Sampler(threading.Thread):
         self.error: BaseException | None = None
         self.samples_sent = 0
         self._bound = threading.Event()
-        self._stop = threading.Event()
 
     def run(self) -> None:
         import psutil
@@ -116,7 +115,7 @@ class _Sampler(threading.Thread):
         started = time.monotonic()
         next_tick = time.monotonic()
         try:
-            while not self._stop.is_set():
+            while True:
                 wait_ms = max(0, int((next_tick - time.monotonic()) * 1000))
                 if sock.poll(wait_ms, zmq.POLLIN):
                     msg = sock.recv()
@@ -168,17 +167,6 @@ def start(token: str, rank: int, addr: str, device: str = "cpu", interval: float
             _SAMPLERS.pop(token, None)
         raise RuntimeError(f"memory sampler could not bind on {addr}: {s.error!r}")
     return s.endpoint
-
-
-def stop(token: str, timeout: float = 5.0) -> bool:
-    """Stop sampler ``token`` if it runs here; True if one was stopped."""
-    with _LOCK:
-        s = _SAMPLERS.pop(token, None)
-    if s is None:
-        return False
-    s._stop.set()
-    s.join(timeout)
-    return True
 
 
 def running() -> list[str]:

@@ -196,16 +196,6 @@ def entry_from_info(path: str, info: Any) -> CheckpointEntry:
     )
 
 
-def _default_inspect() -> Callable[..., Any] | None:
-    try:
-        from .. import checkpoint
-    except ImportError:
-        return None
-    fn = getattr(checkpoint, "inspect", None)
-    fn = getattr(fn, "inspect", fn)  # the submodule, if the package did not re-export it
-    return fn if callable(fn) else None
-
-
 def scan(root: str, *, inspect: Callable[[str], Any] | None = None,
          storage_options: dict | None = None) -> list[CheckpointEntry]:
     """Checkpoints directly under ``root`` (and ``root`` itself if it is one), by step/time.
@@ -213,12 +203,13 @@ def scan(root: str, *, inspect: Callable[[str], Any] | None = None,
     ``inspect(path)`` describes one checkpoint (default ``fsdp_nb.inspect``); entries it
     rejects are not checkpoints and are skipped. A missing root lists nothing.
     """
-    import fsspec
+    from ..checkpoint import inspect as inspect_checkpoint
+    from ..checkpoint.storage import url_to_fs
 
-    inspect = inspect or _default_inspect()
     if inspect is None:
-        return []
-    fs, base = fsspec.core.url_to_fs(root, **(storage_options or {}))
+        def inspect(path: str) -> Any:
+            return inspect_checkpoint(path, storage_options=storage_options)
+    fs, base = url_to_fs(root, storage_options)
     if not fs.exists(base):
         return []
     candidates = [root]
@@ -254,7 +245,8 @@ class CheckpointBrowser(StaticForm, W.VBox):
         self.sess, self.root, self.model, self.optimizer = sess, root.rstrip("/"), model, optimizer
         self.extra = extra
         self._inspect = inspect
-        self.storage_options = storage_options or {}
+        self.storage_options = storage_options
+        """fsspec options for ``root``; None takes fsdp_nb's (``set_storage_options``)."""
         self.entries: list[CheckpointEntry] = []
         self.save_handle: Any = None
 
@@ -302,11 +294,8 @@ class CheckpointBrowser(StaticForm, W.VBox):
 
     def refresh(self) -> None:
         """Re-scan ``root``."""
-        inspect = self._inspect or _default_inspect()
-        if inspect is None:
-            self._say("fsdp_nb.checkpoint is not available in this installation", "warn")
         try:
-            self.entries = scan(self.root, inspect=inspect, storage_options=self.storage_options)
+            self.entries = scan(self.root, inspect=self._inspect, storage_options=self.storage_options)
         except Exception as exc:  # a bad URL or credentials: show, do not raise in a callback
             self.entries = []
             self._say(f"cannot list {self.root}: {type(exc).__name__}: {exc}", "error")
@@ -477,7 +466,7 @@ class CheckpointBrowser(StaticForm, W.VBox):
         try:
             from ..checkpoint import consolidate
 
-            consolidate(e.path, out)
+            consolidate(e.path, out, storage_options=self.storage_options)
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
                 raise
@@ -504,14 +493,14 @@ class CheckpointBrowser(StaticForm, W.VBox):
 
     def confirm_delete(self) -> bool:
         """Second step: delete the checkpoint the confirmation named."""
-        import fsspec
+        from ..checkpoint.storage import url_to_fs
 
         path, self.pending_delete = self.pending_delete, None
         self.confirm.layout.display = "none"
         if path is None:
             return False
         try:
-            fs, p = fsspec.core.url_to_fs(path, **self.storage_options)
+            fs, p = url_to_fs(path, self.storage_options)
             fs.rm(p, recursive=fs.isdir(p))
         except Exception as exc:
             self._say(f"delete failed: {type(exc).__name__}: {exc}", "error")

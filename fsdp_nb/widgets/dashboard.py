@@ -1,9 +1,9 @@
 """One dashboard: session status, live memory, shard layouts and checkpoints.
 
 ``sess.dashboard()`` returns a :class:`Dashboard` (tabs). The status table renders from
-:class:`SessionStatus`, filled by :func:`session_status`: ``sess.status()`` when the
-recovery layer provides it, otherwise the controller's queue status (busy / idle; it
-answers while engines run a cell) and the cluster's dead-rank check.
+:class:`SessionStatus`, filled by :func:`session_status` from the recovery layer's
+status (the controller's queue status and the engines' pids: it answers while
+engines run a cell).
 """
 
 from __future__ import annotations
@@ -74,39 +74,19 @@ class SessionStatus:
 
 
 def session_status(sess: Any) -> SessionStatus:
-    """Busy / idle / dead per rank: ``sess.status()`` if available, else the controller."""
-    try:
-        from .. import recovery  # noqa: F401  (present once the failures layer lands)
+    """Busy / idle / dead per rank, from ``fsdp_nb.recovery.status``.
 
-        st = sess.status()
-        return _from_recovery(sess, st)
-    except (ImportError, AttributeError, NotImplementedError, TypeError):
-        pass
-    dead = set(sess._cluster.dead_ranks()) if sess.state != "closed" else set(range(sess.world_size))
-    try:
-        queues = sess._cluster.client.queue_status() if sess.state != "closed" else {}
-    except Exception:
-        queues = {}
-    rows = []
-    for r in sess.ranks:
-        q = queues.get(r.engine_id, {}) if isinstance(queues, dict) else {}
-        queued = int(q.get("queue", 0) or 0) if isinstance(q, dict) else 0
-        state = "dead" if r.rank in dead else "busy" if queued else "idle"
-        rows.append(RankStatus(r.rank, r.engine_id, r.host, r.pid, r.device, state, queued))
-    return SessionStatus(sess.state, sess.backend, tuple(rows), time.time())
+    Without stacks: the dashboard does not show them, and taking them signals every
+    busy rank.
+    """
+    from ..recovery import status
 
-
-def _from_recovery(sess: Any, st: Any) -> SessionStatus:
-    """Adapt the recovery layer's status object (per-rank ``state`` by rank)."""
-    per = getattr(st, "ranks", None) or st
-    rows = []
-    for r, info in zip(sess.ranks, per):
-        state = getattr(info, "state", None) or (info.get("state") if isinstance(info, dict) else None)
-        if not isinstance(state, str):
-            raise TypeError("unrecognised status")
-        rows.append(RankStatus(r.rank, r.engine_id, r.host, r.pid, r.device, state,
-                               int(getattr(info, "queued", 0) or 0)))
-    return SessionStatus(sess.state, sess.backend, tuple(rows), time.time())
+    st = status(sess, with_stacks=False)
+    rows = tuple(
+        RankStatus(s.rank, s.engine_id, s.host, s.pid, info.device, s.state, s.queued)
+        for s, info in zip(st.ranks, sess.ranks)
+    )
+    return SessionStatus(sess.state, sess.backend, rows, time.time())
 
 
 class Dashboard(StaticForm, W.VBox):
