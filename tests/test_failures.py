@@ -235,13 +235,13 @@ def test_kill_9_idle_engine_then_restart_brings_same_ranks_back(fragile):
     s = fragile
     _build(s, shape="(2, 1)", names='("dp", "shard")')  # 2-D mesh (HSDP) on the survivor
     before = _weights(s)
-    victim = s.ranks[0].pid
+    victim, survivor = s.ranks[0].pid, s.ranks[1].pid
     os.kill(victim, signal.SIGKILL)
     with pytest.raises(DeadRankError) as info:
         s.all_reduce_check()
     assert info.value.dead_ranks == [0]
     s.restart()
-    assert s.ranks[0].pid != victim and s.ranks[1].pid == s._cluster.pids[1]
+    assert s.ranks[0].pid != victim and s.ranks[1].pid == survivor  # only the dead rank replaced
     assert s.all_reduce_check() == 1.0
     assert s.pull("rank") == [0, 1]
     # the new rank 0 has no model; rank 1 kept its shards
@@ -288,3 +288,16 @@ def test_restart_after_death_replays_wraps(fragile):
     s.restart()
     assert s.run(lambda: "fail_tiny" in globals()) == [True, True]
     assert s.run(_train_tiny) == first  # rebuilt from the same seed: same weights
+
+
+def test_restart_restore_loads_a_checkpoint(fragile, tmp_path):
+    s = fragile
+    model = s.wrap(Tiny, 8, name="fail_restore")  # restore= loads into the latest wrap
+    saved = model.state_dict()
+    s.save(str(tmp_path / "ckpt"), model)
+    s.execute("import torch\nwith torch.no_grad():\n    [p.zero_() for p in fail_restore.parameters()]")
+    assert all((v == 0).all() for v in model.state_dict().values())
+    s.restart(restore=str(tmp_path / "ckpt"))
+    after = model.state_dict()
+    assert all(torch.equal(saved[k], after[k]) for k in saved)
+    assert s.all_reduce_check() == 1.0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import psutil
@@ -112,6 +114,10 @@ def test_px_magic_through_ipython(sess, shell, capsys):
     assert out.index("Out[rank 0]") < out.index("Out[rank 1]")
     shell.run_line_magic("px", "line_value = 5")
     assert sess.pull("line_value") == [5, 5]
+    # %%px --timeout: the cell is stopped on every rank and the session stays usable
+    with pytest.raises(fsdp_nb.RankTimeoutError):
+        shell.run_cell_magic("px", "--timeout 1", "import time\ntime.sleep(60)")
+    assert sess.all_reduce_check() == 1.0
 
 
 def test_fsdp_line_magic(sess, shell, capsys):
@@ -226,3 +232,17 @@ def test_connect_to_running_cluster_leaves_its_engines(tmp_path):
         s2.shutdown()
     finally:
         cluster.stop_cluster_sync()
+
+
+def test_demo_command_runs_end_to_end():
+    """`fsdp-nb demo` (the README's first command) in a fresh process."""
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_nb.cli", "demo", "--steps", "3"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for expected in ("all_reduce(sum of ranks) = 1 (expected 1)", "trained 3 steps",
+                     "saved and inspected offline", "valid, world_size=2",
+                     "session shut down cleanly"):
+        assert expected in out.stdout

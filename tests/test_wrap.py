@@ -160,9 +160,9 @@ def test_two_ranks_train_like_one_process(sess, case):
         from torch.distributed._composable.checkpoint_activation import checkpoint
 
         applied = sess.run(
-            lambda: [type(checkpoint.state(b)).__name__ for b in model.blocks]  # noqa: F821
+            lambda: [checkpoint.state(b) is not None for b in model.blocks]  # noqa: F821
         )
-        assert all(a and None not in a for a in applied)
+        assert applied == [[True, True], [True, True]]
     if case == "auto_wrap_set":
         assert sm.summary.units == ("blocks.0", "blocks.1", "")
     if case == "auto_wrap_callable":
