@@ -529,23 +529,28 @@ def _replace_dead(sess: Session, dead: list[int], timeout: float = 120.0) -> Non
     install_health(sess, dead)
 
 
-def restart(sess: Session, restore: str | None = None) -> Session:
+def restart(sess: Session, restore: str | None = None, drop: tuple[str, ...] = ()) -> Session:
     """Bring back the same ranks and rebuild the session.
 
     Dead engines are replaced (new engine, same rank), every rank joins a new process
     group, and models wrapped with ``sess.wrap`` are wrapped again on every rank
     (``fsdp_nb.sharding.replay_wraps``). On a healthy session this only re-forms the
     group, keeping every rank's state. ``restore``: a checkpoint loaded into the
-    last wrapped model afterwards (``sess.load``).
+    last wrapped model afterwards (``sess.load``). A model wrapped from a notebook
+    instance can only come back through ``restore`` (no copy of its weights is kept);
+    ``drop`` names wraps to forget instead of replaying them. A replay that cannot be
+    done is refused before anything changes (``sharding.check_replayable``).
     """
+    from .sharding import check_replayable, replay_wraps
+
+    drop = tuple(drop)
     dead = sess._cluster.dead_ranks()
+    check_replayable(sess, restore, drop, replaying=bool(dead))
     if dead:
         _replace_dead(sess, dead)
     reform(sess)
     if dead and sess._wraps:
-        from .sharding import replay_wraps
-
-        replay_wraps(sess)
+        replay_wraps(sess, drop)
     sess._state = "ready"
     if restore is not None:
         names = list(sess._wraps)

@@ -15,7 +15,15 @@ from .engine import probe as _probe
 from .engine import process_group as _pg
 from .engine.probe import EngineProbe
 
-__all__ = ["RankInfo", "form_group", "local_ranks", "rank_env", "rank_order"]
+__all__ = [
+    "RankInfo",
+    "choose_backend",
+    "form_group",
+    "gpu_indexes",
+    "local_ranks",
+    "rank_env",
+    "rank_order",
+]
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,57 @@ def local_ranks(hosts: list[str]) -> list[tuple[int, int]]:
         out.append((seen.get(h, 0), count[h]))
         seen[h] = seen.get(h, 0) + 1
     return out
+
+
+def gpu_indexes(probes: list[EngineProbe]) -> list[int] | None:
+    """The CUDA device index each rank (``probes`` in rank order) would pin, or None
+    when some rank has no GPU of its own.
+
+    On a host whose engines see every GPU, local rank ``i`` takes ``cuda:i`` (it needs
+    ``i`` < the devices it sees). Engines that each see one GPU through distinct
+    ``CUDA_VISIBLE_DEVICES`` (a launcher giving each task its GPU) all take ``cuda:0``.
+    """
+    if not probes:
+        return None
+    locals_ = local_ranks([p.host for p in probes])
+    visible: dict[str, list[str | None]] = {}
+    for p in probes:
+        visible.setdefault(p.host, []).append(p.visible_devices)
+    out = []
+    for p, (local, _) in zip(probes, locals_):
+        if p.cuda_devices > local:
+            out.append(local)
+            continue
+        own = visible[p.host]
+        if p.cuda_devices == 1 and None not in own and len(set(own)) == len(own):
+            out.append(0)
+            continue
+        return None
+    return out
+
+
+def choose_backend(requested: str | None, probes: list[EngineProbe]) -> str:
+    """The backend for these engines (``probes`` in rank order).
+
+    ``requested`` wins when given (``"nccl"`` is refused if a rank has no GPU of its
+    own); otherwise ``"nccl"`` when every rank has one (``gpu_indexes``), else
+    ``"gloo"``: a cluster attached with ``Session.connect`` trains on its GPUs without
+    the user naming the backend.
+    """
+    if requested == "gloo":
+        return "gloo"
+    if gpu_indexes(probes) is not None:
+        return "nccl"
+    if requested == "nccl":
+        short = sorted(
+            {f"{p.host} ({p.cuda_devices} GPU(s))" for p in probes}
+        )
+        raise RuntimeError(
+            f"backend 'nccl' needs a GPU of its own for every rank, but the engines on "
+            f"{', '.join(short)} do not have one each; use backend='gloo', or start one "
+            "engine per GPU"
+        )
+    return "gloo"
 
 
 def rank_env(
@@ -154,11 +213,15 @@ def join_group(
         )
         for r, p in enumerate(probes)
     ]
+    gpus = gpu_indexes(probes) if backend == "nccl" else None
     devices = dispatcher.gather(
         dispatcher.apply(
             "init_process_group",
             _pg.init,
-            [(env, backend, pg_timeout, threads) for env in envs],
+            [
+                (env, backend, pg_timeout, threads, gpus[r] if gpus else None)
+                for r, env in enumerate(envs)
+            ],
         ),
         timeout,
     )
@@ -171,23 +234,20 @@ def join_group(
 def form_group(
     cluster: EngineCluster,
     dispatcher: Dispatcher,
-    backend: str,
+    backend: str | None,
     *,
     pg_timeout: float,
     threads: int | None,
-) -> list[RankInfo]:
-    """Probe, order and rendezvous every engine; return per-rank info in rank order."""
+) -> tuple[str, list[RankInfo]]:
+    """Probe, order and rendezvous every engine; return the backend (``backend``, or
+    the one the probes call for when None: ``choose_backend``) and per-rank info in
+    rank order. The backend is decided before any rank joins a group."""
     probes = probe_engines(cluster, dispatcher)
     order = rank_order(cluster.engine_ids, probes)
     cluster.engine_ids = [cluster.engine_ids[i] for i in order]
     probes = [probes[i] for i in order]
-    if backend == "nccl":
-        short = [p for p in probes if p.cuda_devices < 1]
-        if short:
-            raise RuntimeError(
-                f"backend 'nccl' needs a GPU on every rank, but host(s) "
-                f"{sorted({p.host for p in short})} show none; use backend='gloo'."
-            )
-    return join_group(
+    backend = choose_backend(backend, probes)
+    ranks = join_group(
         cluster, dispatcher, probes, backend, pg_timeout=pg_timeout, threads=threads
     )
+    return backend, ranks

@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import rendezvous
@@ -122,6 +122,8 @@ class Session:
 
         Arguments are as ``ipyparallel.Client`` takes them (the client connection
         file, or profile and cluster id); ``n`` waits for that many engines.
+        ``backend=None`` picks nccl when every engine has a GPU of its own, else gloo
+        (decided from the engines' probes before the group forms).
         ``shutdown()`` leaves those engines running.
         """
         _check_n_backend(n, backend)
@@ -135,11 +137,9 @@ class Session:
         )
         if n is not None:
             cluster.engine_ids = cluster.engine_ids[:n]
-        self.backend = backend or "gloo"
+        self.backend = backend  # None: decided from the engines' probes (nccl if GPUs)
         self._threads = None
         self._setup(cluster, activate, grace)
-        if backend is None and any(r.device.startswith("cuda") for r in self.ranks):
-            self.backend = "nccl"
         return self
 
     def _setup(self, cluster: EngineCluster, activate: bool, grace: float = 3.0) -> None:
@@ -164,7 +164,7 @@ class Session:
             activate_px(self)
 
     def _form_group(self) -> None:
-        self._ranks = rendezvous.form_group(
+        self.backend, self._ranks = rendezvous.form_group(
             self._cluster,
             self._dispatch,
             self.backend,
@@ -324,12 +324,19 @@ class Session:
 
         return status(self)
 
-    def restart(self, restore: str | None = None) -> Session:
-        """Bring back the same ranks (dead engines replaced), rebuild the group and wraps."""
+    def restart(self, restore: str | None = None, *, drop: Sequence[str] = ()) -> Session:
+        """Bring back the same ranks (dead engines replaced), rebuild the group and wraps.
+
+        ``restore``: a checkpoint loaded into the last wrapped model afterwards (needed
+        to bring back a model wrapped from a notebook instance, whose weights are not
+        kept); ``drop``: names of wrapped models not to rebuild.
+        """
         from .recovery import restart
 
+        if isinstance(drop, str) or not all(isinstance(n, str) for n in drop):
+            raise TypeError(f"drop must be a list of wrapped model names, got {drop!r}")
         self._live()
-        return restart(self, restore=restore)
+        return restart(self, restore=restore, drop=tuple(drop))
 
     # -- widgets (fsdp_nb.widgets) -------------------------------------------------
 

@@ -17,7 +17,10 @@
    parallelism, as Lightning's ModelParallelStrategy;
 3. builds on every rank (``fsdp_nb.engine.wrap.build``), binds the FSDP2 module as
    engine global ``name`` and records the wrap on the session (``sess._wraps``) so
-   :func:`replay_wraps` can rebuild it after ``sess.restart()``.
+   :func:`replay_wraps` can rebuild it after ``sess.restart()``. An instance's
+   weights are streamed from the notebook's module as it is; the record keeps no
+   copy (it would pin the whole model in the notebook), so replaying an instance
+   wrap needs a checkpoint (``restart(restore=...)``).
 
 Re-wrapping an existing ``name`` that holds a wrapped model replaces it (the old
 module is dropped on every rank first, freeing its memory); a ``name`` that holds
@@ -46,6 +49,7 @@ __all__ = [
     "MeshPlan",
     "WrapOptions",
     "WrapRecord",
+    "check_replayable",
     "make_options",
     "plan_mesh",
     "replay_wraps",
@@ -281,9 +285,6 @@ class WrapRecord:
     """The mesh."""
     seed: int
     """Base seed for initialising class-built models (rank r uses seed + r)."""
-    weights: dict[str, Any] | None = None
-    """An instance's state dict as it was when wrapped (CPU copies): streamed to the
-    ranks after sharding, and again by a replay."""
 
 
 # -- the entry point ---------------------------------------------------------------------
@@ -405,11 +406,9 @@ def wrap(
         problem = _ew.check_classes(model, opts)
         _raise_problem(problem)
         payload = by_value((_meta_clone(model), (), kwargs, opts))
-        weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     else:
         payload = by_value((model, tuple(args), kwargs, opts))
-        weights = None
-    record = WrapRecord(name, kind, payload, opts, plan, seed, weights)
+    record = WrapRecord(name, kind, payload, opts, plan, seed)
     d = sess._dispatch
     clashes = d.gather(d.apply(f"check name {name!r}", _ew.name_status, args=(name,)))
     bad = [(r, c) for r, c in enumerate(clashes) if c]
@@ -426,10 +425,12 @@ def wrap(
         )
         for p in problems:
             _raise_problem(p)
-    return _build(sess, record)
+    return _build(sess, record, model if kind == "instance" else None)
 
 
-def _build(sess: Session, record: WrapRecord) -> ShardedModel:
+def _build(sess: Session, record: WrapRecord, source: Any = None) -> ShardedModel:
+    """Build ``record`` on every rank; an instance's weights come from ``source`` (the
+    notebook's module), or are left for a checkpoint load when it is None (replay)."""
     from .sharded_model import ShardedModel
 
     d = sess._dispatch
@@ -440,8 +441,8 @@ def _build(sess: Session, record: WrapRecord) -> ShardedModel:
             args=(record.name, record.kind, record.payload, record.plan, record.seed),
         )
     )
-    if record.weights:
-        _stream_weights(sess, record)
+    if source is not None:
+        _stream_weights(sess, record.name, source.state_dict())
     sess._wraps[record.name] = record
     return ShardedModel(sess, record.name, record.options, summaries[0])
 
@@ -450,30 +451,75 @@ CHUNK_BYTES = 64 * 2**20
 """Weights of an instance spec go to rank 0 in chunks of about this many bytes."""
 
 
-def _stream_weights(sess: Session, record: WrapRecord) -> None:
-    """Send an instance's weights to rank 0 chunk by chunk; every rank scatters each."""
+def _stream_weights(sess: Session, name: str, state: dict[str, Any]) -> None:
+    """Send a notebook module's state dict to rank 0 chunk by chunk; every rank scatters
+    each. CPU tensors go as they are (no copy); others are copied one at a time."""
     import torch
 
     d = sess._dispatch
     chunk: dict[str, Any] = {}
     size = 0
-    items = list(record.weights.items())
+    items = list(state.items())
     for i, (k, v) in enumerate(items):
+        v = v.detach().cpu()
         # numpy arrays travel as zero-copy buffers in ipyparallel (~2.5x faster than a
         # pickled tensor); bfloat16 has no numpy dtype and goes as a tensor
         chunk[k] = v.numpy() if v.dtype != torch.bfloat16 else v
         size += v.numel() * v.element_size()
         if size >= CHUNK_BYTES or i == len(items) - 1:
-            args = [(record.name, chunk)] + [(record.name, None)] * (sess.world_size - 1)
-            d.gather(d.apply(f"load weights of {record.name!r}", _ew.load_full_chunk, args))
+            args = [(name, chunk)] + [(name, None)] * (sess.world_size - 1)
+            d.gather(d.apply(f"load weights of {name!r}", _ew.load_full_chunk, args))
             chunk, size = {}, 0
 
 
-def replay_wraps(sess: Session) -> dict[str, ShardedModel]:
+def check_replayable(
+    sess: Session, restore: str | None, drop: tuple[str, ...], *, replaying: bool
+) -> None:
+    """Refuse, before any work, ``drop`` names that are not wraps and (``replaying``:
+    engines are being replaced) a replay that would have to rebuild an instance wrap
+    without a checkpoint for it.
+
+    fsdp_nb keeps no copy of a notebook instance's weights, so after engines were
+    replaced such a model comes back only as the target of ``restore=`` (the last
+    wrap), or not at all if the user lets it go (``drop=``).
+    """
+    names = list(sess._wraps)
+    unknown = sorted(set(drop) - set(names))
+    if unknown:
+        raise ValueError(
+            f"drop={list(drop)!r} names model(s) {unknown} that this session did not wrap; "
+            f"wrapped: {names or 'none'}"
+        )
+    if not replaying:
+        return
+    target = names[-1] if (restore is not None and names) else None
+    lost = [
+        n for n, r in sess._wraps.items()
+        if r.kind == "instance" and n != target and n not in drop
+    ]
+    if lost:
+        raise ValueError(
+            f"sess.restart() must rebuild model(s) {', '.join(map(repr, lost))} on the new "
+            "engine(s), but they were wrapped from a notebook instance and fsdp_nb keeps no "
+            "copy of its weights (a copy would hold the whole model in the notebook). Pass "
+            "restore='path/to/checkpoint' (loaded into the last wrapped model, "
+            f"{names[-1]!r}), or drop=[...] to let them go and wrap them again. Nothing "
+            "was changed."
+        )
+
+
+def replay_wraps(sess: Session, drop: tuple[str, ...] = ()) -> dict[str, ShardedModel]:
     """Rebuild every wrap recorded on ``sess`` (after ``sess.restart()`` replaced engines).
 
     Class and factory specs are built and initialised afresh (same seed: same
-    weights); instance specs get their originally shipped weights back; string specs
-    need the module to exist again on the engines. Returns name -> ShardedModel.
+    weights); string specs need the module to exist again on the engines; instance
+    specs are built with uninitialised weights, for ``restore=`` to load (see
+    :func:`check_replayable`). Wraps named in ``drop`` are forgotten on every rank
+    and on the session. Returns name -> ShardedModel.
     """
+    if drop:
+        d = sess._dispatch
+        d.gather(d.apply(f"drop {', '.join(drop)}", _ew.forget_all, args=(tuple(drop),)))
+        for name in drop:
+            sess._wraps.pop(name, None)
     return {record.name: _build(sess, record) for record in list(sess._wraps.values())}

@@ -190,7 +190,7 @@ def test_grace_is_validated(sess):
     with pytest.raises(ValueError, match="grace"):
         sess.grace = -1
     with pytest.raises(ValueError, match="grace"):
-        fsdp_nb.Session(2, grace="soon")
+        fsdp_nb.Session(2, backend="gloo", grace="soon")
 
 
 # -- destructive: engines die -------------------------------------------------------
@@ -301,3 +301,53 @@ def test_restart_restore_loads_a_checkpoint(fragile, tmp_path):
     after = model.state_dict()
     assert all(torch.equal(saved[k], after[k]) for k in saved)
     assert s.all_reduce_check() == 1.0
+
+
+def _kill_and_see(s, rank):
+    victim = s.ranks[rank].pid
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(DeadRankError):
+        s.all_reduce_check()
+    return victim
+
+
+def test_restart_rebuilds_an_instance_wrap_only_from_a_checkpoint(fragile, tmp_path):
+    """No copy of an instance's weights is kept: replaying it needs restore=."""
+    s = fragile
+    torch.manual_seed(5)
+    model = s.wrap(Tiny(8), name="fail_inst")  # the last wrap: restore= loads into it
+    saved = model.state_dict()
+    s.save(str(tmp_path / "inst"), model)
+    victim = _kill_and_see(s, 1)
+    with pytest.raises(ValueError, match=r"'fail_inst'.*notebook instance.*restore=.*Nothing was changed"):
+        s.restart()
+    assert s.status().dead == [1] and s.ranks[1].pid == victim  # refused before any work
+    with pytest.raises(ValueError, match=r"drop=\['nope'\].*did not wrap"):
+        s.restart(drop=["nope"])
+    s.restart(restore=str(tmp_path / "inst"))
+    assert s.ranks[1].pid != victim and s.state == "ready"
+    after = model.state_dict()
+    assert all(torch.equal(saved[k], after[k]) for k in saved)
+    out = s.run(lambda: float(fail_inst(torch.ones(2, 8)).sum()))  # noqa: F821
+    with torch.no_grad():
+        ref = float(_loaded(Tiny(8), saved)(torch.ones(2, 8)).sum())
+    assert out == [pytest.approx(ref)] * 2
+
+
+def _loaded(module, state):
+    module.load_state_dict(state)
+    return module
+
+
+def test_restart_drop_lets_instance_wraps_go(fragile):
+    s = fragile
+    s.wrap(Tiny(8), name="fail_gone")
+    _kill_and_see(s, 0)
+    with pytest.raises(ValueError, match="'fail_inst', 'fail_gone'"):
+        s.restart()  # both instance wraps would need a checkpoint
+    s.restart(drop=["fail_inst", "fail_gone"])
+    assert s.state == "ready" and s.all_reduce_check() == 1.0
+    assert not {"fail_inst", "fail_gone"} & set(s._wraps)
+    assert s.run(lambda: [n in globals() for n in ("fail_inst", "fail_gone", "fail_tiny")]) == [
+        [False, False, True]
+    ] * 2  # class wraps were replayed, the dropped ones are gone on every rank

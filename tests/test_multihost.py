@@ -133,7 +133,7 @@ def test_launcher_settings_become_config():
 
 def test_unknown_launcher_setting_fails_before_start():
     with pytest.raises(ValueError, match=r"mpi_argz.*MPIEngineSetLauncher settings:.*mpi_args"):
-        fsdp_nb.Session(2, launcher="mpi", mpi_argz=["--oversubscribe"])
+        fsdp_nb.Session(2, backend="gloo", launcher="mpi", mpi_argz=["--oversubscribe"])
     with pytest.raises(ValueError, match="batch_template"):  # a Slurm setting, wrong launcher
         split_cluster_kwargs("mpi", {"batch_template": "x"})
     with pytest.raises(ValueError, match="use Session"):
@@ -162,7 +162,9 @@ def netns_session():
             env = {"NCCL_SOCKET_IFNAME": "user-choice"} if host is b else None
             pids[hosts.start_engine(host, engine_file, env)] = host
         try:
-            sess = fsdp_nb.Session.connect(str(client_file), n=4, timeout=120, activate=False)
+            sess = fsdp_nb.Session.connect(
+                str(client_file), n=4, backend="gloo", timeout=120, activate=False
+            )
         except Exception as exc:
             raise RuntimeError(f"{exc}\n{hosts.logs()}") from exc
         yield sess, hosts, pids
@@ -267,7 +269,7 @@ def _mpi_missing() -> str | None:
 @pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
 def test_mpi_launcher_ranks_and_training():
     sess = fsdp_nb.Session(
-        2, launcher="mpi", mpi_args=["--allow-run-as-root", "--oversubscribe"],
+        2, backend="gloo", launcher="mpi", mpi_args=["--allow-run-as-root", "--oversubscribe"],
         timeout=120, activate=False,
     )
     try:
@@ -291,7 +293,9 @@ def test_slurm_launcher_ranks_and_training(monkeypatch, tmp_path):
     with slurm_local.LocalSlurm() as slurm:
         monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
         try:
-            sess = fsdp_nb.Session(2, launcher="slurm", timelimit="10", timeout=120, activate=False)
+            sess = fsdp_nb.Session(
+                2, backend="gloo", launcher="slurm", timelimit="10", timeout=120, activate=False
+            )
         except Exception as exc:
             raise RuntimeError(f"{exc}\n{slurm.logs()}") from exc
         try:
@@ -330,7 +334,9 @@ def test_connect_to_ipcluster_started_with_slurm(monkeypatch, tmp_path):
                  "--daemonize", "--log-level=WARN"],
                 env=env, check=True, timeout=60, capture_output=True,
             )
-            sess = fsdp_nb.Session.connect(cluster_id=cid, n=2, timeout=120, activate=False)
+            sess = fsdp_nb.Session.connect(
+                cluster_id=cid, n=2, backend="gloo", timeout=120, activate=False
+            )
             try:
                 assert sess.launcher == "connected"
                 envs = env_of(sess, "SLURM_PROCID", "RANK")

@@ -219,7 +219,7 @@ def test_connect_to_running_cluster_leaves_its_engines(tmp_path):
         deadline = time.monotonic() + 30
         while not url_file.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        s = fsdp_nb.Session.connect(str(url_file), n=2, activate=False)
+        s = fsdp_nb.Session.connect(str(url_file), n=2, backend="gloo", activate=False)
         assert s.world_size == 2 and s.launcher == "connected"
         assert s.all_reduce_check() == 1.0
         pids = [r.pid for r in s.ranks]
@@ -227,7 +227,7 @@ def test_connect_to_running_cluster_leaves_its_engines(tmp_path):
         time.sleep(1)
         assert all(psutil.pid_exists(p) for p in pids), "connect+shutdown must not stop engines"
         # the engines are still usable by a fresh connection
-        s2 = fsdp_nb.Session.connect(str(url_file), n=2, activate=False)
+        s2 = fsdp_nb.Session.connect(str(url_file), n=2, backend="gloo", activate=False)
         assert s2.all_reduce_check() == 1.0
         s2.shutdown()
     finally:
@@ -237,11 +237,13 @@ def test_connect_to_running_cluster_leaves_its_engines(tmp_path):
 def test_demo_command_runs_end_to_end():
     """`fsdp-nb demo` (the README's first command) in a fresh process."""
     out = subprocess.run(
-        [sys.executable, "-m", "fsdp_nb.cli", "demo", "--steps", "3"],
+        [sys.executable, "-m", "fsdp_nb.cli", "demo", "-n", "2", "--backend", "gloo", "--steps", "3"],
         capture_output=True, text=True, timeout=300,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    # the first thing a new user reads: no warnings (the engines' stderr is relayed)
+    assert "Warning" not in out.stderr and "Warning" not in out.stdout, out.stderr[-3000:]
     for expected in ("all_reduce(sum of ranks) = 1 (expected 1)", "trained 3 steps",
                      "saved and inspected offline", "valid, world_size=2",
                      "session shut down cleanly"):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
 from torch import nn
 
 import fsdp_nb
-from fsdp_nb.sharding import replay_wraps
+from fsdp_nb.engine.wrap import forget_all
 
 STEPS = 3
 BATCH = 12  # divisible by 2, 3 and 4
@@ -376,16 +377,32 @@ def test_string_spec_takes_rank0_weights_and_rewrap_replaces(sess):
     sess.execute("del raw")
 
 
-def test_replay_restores_shipped_weights(sess):
-    start = _start(7)
-    sm = sess.wrap(start, name="replayed")
-    sess.execute("with torch.no_grad():\n    [p.zero_() for p in replayed.parameters()]")
-    assert all((v == 0).all() for v in sm.state_dict().values())
-    again = replay_wraps(sess)["replayed"]
-    sd = again.state_dict()
-    for k, v in start.state_dict().items():
-        assert torch.equal(sd[k], v)
-    assert "replayed" in sess._wraps and sess._wraps["replayed"].kind == "instance"
+def _live_cpu_tensor_bytes() -> int:
+    """Bytes of every CPU tensor storage alive in this process (the notebook's side)."""
+    gc.collect()
+    seen: dict[int, int] = {}
+    for o in gc.get_objects():
+        if torch.Tensor in type(o).__mro__ and o.device.type == "cpu":
+            st = o.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def test_instance_wrap_keeps_no_copy_in_the_notebook(sess):
+    """The notebook must not pin a wrapped instance's weights (a 7B model: 28 GB)."""
+    torch.manual_seed(3)
+    big = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 512))
+    size = sum(p.numel() * p.element_size() for p in big.parameters())
+    expected = {k: v.clone() for k, v in big.state_dict().items()}
+    held = _live_cpu_tensor_bytes()
+    sm = sess.wrap(big, name="nocopy")
+    del big
+    grown = _live_cpu_tensor_bytes() - held
+    assert grown < size / 10, f"the notebook holds {grown} more bytes after wrap (model: {size})"
+    got = sm.state_dict()  # and the ranks got the weights
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    sess.run(forget_all, ("nocopy",))
+    del sess._wraps["nocopy"]
 
 
 # -- bad input: clear errors before any work, the session stays usable -----------------------

@@ -13,8 +13,11 @@ model tensor is touched.
 - full: ``get_state_dict(full_state_dict=True, cpu_offload=True)`` gathers to rank
   0 only (the others hold nothing), which writes one ``.pt`` / ``.safetensors``.
 - async: staging (a CPU copy of this rank's shards) happens in the call; the
-  write and the commit run in a background thread on a separate gloo group, so
-  training collectives on the default group do not interleave with them.
+  write and the commit run in a background thread.
+- checkpoint collectives (DCP's planning, the commit's gather, load's agreement) run
+  on a dedicated gloo group (``_ckpt_group``), as torchtitan's do: it has the CPU
+  backend DCP's async save requires on NCCL worlds, and background writes never
+  interleave with training collectives on the default group.
 - load: files verified (size, CRC-32; each rank checks a share), keys and shapes
   checked, data read into fresh tensors, and only then copied into the model.
 """
@@ -100,10 +103,18 @@ def preflight(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _ckpt_group() -> Any:
-    """A gloo group of all ranks for background checkpoint collectives (made once per world)."""
+    """A gloo group of all ranks for checkpoint collectives (made once per world).
+
+    Saves run their collectives here, as torchtitan's checkpointer does: DCP's async
+    save refuses a group without a CPU backend (a plain NCCL world), and the
+    background write and commit must not interleave with training collectives on
+    the default group. Also for one rank: that world may be NCCL too.
+    """
     global _GROUP
     import torch.distributed as dist
 
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
     world = dist.group.WORLD
     if _GROUP is None or _GROUP[0] is not world:
         _GROUP = (world, dist.new_group(backend="gloo"))
@@ -197,7 +208,6 @@ def _finish_sharded(spec: dict[str, Any], model_meta: dict[str, Any], group: Any
 
 
 def _save_sharded(spec: dict[str, Any], model: Any, optim: Any, t0: float) -> dict[str, Any]:
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -209,18 +219,18 @@ def _save_sharded(spec: dict[str, Any], model: Any, optim: Any, t0: float) -> di
         sd["optim"] = osd
     meta = _model_meta(model, spec)
     writer = dcp_writer(fs, tmp, spec["so"])
-    rank, ws = _rank_ws()
+    rank, _ = _rank_ws()
+    group = _ckpt_group()
     if not spec["async"]:
         try:
-            dcp.save(sd, storage_writer=writer)
+            dcp.save(sd, storage_writer=writer, process_group=group)
         except BaseException:
             if rank == 0:
                 _cleanup(fs, tmp)
             raise
-        out = _finish_sharded(spec, meta, dist.group.WORLD if ws > 1 else None)
+        out = _finish_sharded(spec, meta, group)
         out["seconds"] = time.perf_counter() - t0
         return out
-    group = _ckpt_group() if ws > 1 else None
     t_sd = time.perf_counter() - t0
     resp = dcp.async_save(sd, storage_writer=writer, process_group=group, async_stager=_stager(sd))
     upload = getattr(resp, "upload_completion", resp)
@@ -364,7 +374,7 @@ def _agree(problem: str | None, cls: str = "CheckpointError") -> dict[str, Any] 
     parts: list[Any] = [(problem, cls)]
     if ws > 1:
         parts = [None] * ws
-        dist.all_gather_object(parts, (problem, cls))
+        dist.all_gather_object(parts, (problem, cls), group=_ckpt_group())
     for p, c in parts:
         if p:
             return _fail(p, c)
@@ -491,7 +501,10 @@ def _load_sharded(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any)
         sd["optim"] = fresh_o
     reader = safe_reader(fs, p, spec["so"])
     # dcp.load ends in a collective that raises on every rank if any rank failed
-    dcp.load(sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    dcp.load(
+        sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=not strict),
+        process_group=_ckpt_group(),
+    )
     set_state_dict(
         model, [optim] if optim is not None else [],
         model_state_dict=fresh_m,

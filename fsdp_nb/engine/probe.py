@@ -35,6 +35,9 @@ class EngineProbe:
     """The controller address this engine registered with (the route target)."""
     preset_env: tuple[tuple[str, str], ...] = ()
     """Socket-interface variables already set in the engine's environment."""
+    visible_devices: str | None = None
+    """``CUDA_VISIBLE_DEVICES`` as the engine sees it (None when unset): engines that
+    each see one different GPU (Slurm's ``--gpus-per-task=1``) all use ``cuda:0``."""
 
 
 def describe(controller_ip: str | None) -> EngineProbe:
@@ -61,6 +64,7 @@ def describe(controller_ip: str | None) -> EngineProbe:
         cuda_devices=_cuda_count(),
         controller=target,
         preset_env=tuple((v, os.environ[v]) for v in SOCKET_IFNAME_VARS if os.environ.get(v)),
+        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
 
 

@@ -1,4 +1,10 @@
-"""Forming and tearing down the torch.distributed process group on an engine."""
+"""Forming and tearing down the torch.distributed process group on an engine.
+
+An NCCL group is formed as ``"cpu:gloo,cuda:nccl"``: CUDA tensors go through NCCL,
+CPU tensors (DCP's async save, object collectives, CPU-offloaded state) through
+gloo in the same group. Every group a session forms (``Session``, ``connect``,
+recovery's re-form, ``restart``) comes through ``init``.
+"""
 
 from __future__ import annotations
 
@@ -16,12 +22,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init(env: dict[str, str], backend: str, timeout_s: float, threads: int | None) -> str:
+NCCL_ERROR_HANDLING = "2"
+"""``TORCH_NCCL_ASYNC_ERROR_HANDLING`` for NCCL ranks unless the user set it: on a
+failed or timed-out collective the watchdog aborts the communicators and the
+waiting call raises (CleanUpOnly) instead of tearing the engine down (3, the
+default), so a rank keeps its variables and the session can re-form the group."""
+
+
+def init_backend(backend: str) -> str:
+    """The backend string ``init_process_group`` gets for a session backend.
+
+    ``"nccl"`` becomes ``"cpu:gloo,cuda:nccl"``: DCP's async save needs a CPU
+    backend in the group it runs on, and object collectives on CPU tensors work.
+    """
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def init(
+    env: dict[str, str],
+    backend: str,
+    timeout_s: float,
+    threads: int | None,
+    gpu: int | None = None,
+) -> str:
     """Set the rank's environment, pin its device and join the process group.
 
-    Returns the device string this rank computes on (``"cuda:0"``, ``"cpu"``).
+    ``gpu``: the CUDA device index an NCCL rank pins (``rendezvous.gpu_indexes``;
+    default its local rank). Returns the device string this rank computes on
+    (``"cuda:0"``, ``"cpu"``).
     """
     os.environ.update(env)
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ERROR_HANDLING)
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
@@ -34,12 +66,12 @@ def init(env: dict[str, str], backend: str, timeout_s: float, threads: int | Non
     device = "cpu"
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
-        local_rank = int(env["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        device = f"cuda:{local_rank}"
+        index = int(env["LOCAL_RANK"]) if gpu is None else gpu
+        torch.cuda.set_device(index)
+        device = f"cuda:{index}"
         kwargs["device_id"] = torch.device(device)
     dist.init_process_group(
-        backend=backend,
+        backend=init_backend(backend),
         init_method="env://",
         rank=int(env["RANK"]),
         world_size=int(env["WORLD_SIZE"]),
@@ -68,7 +100,10 @@ def all_reduce_rank() -> float:
     import torch
     import torch.distributed as dist
 
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([float(dist.get_rank())], device=device)
+    from .namespace import user_ns
+
+    # the rank's compute device, as init pinned it (get_backend() gives the whole
+    # "cpu:gloo,cuda:nccl" string for an NCCL group)
+    t = torch.tensor([float(dist.get_rank())], device=user_ns().get("device", "cpu"))
     dist.all_reduce(t)
     return float(t.item())

@@ -46,6 +46,7 @@ __all__ = [
     "build",
     "check_classes",
     "check_spec",
+    "forget_all",
     "full_state_dict",
     "get",
     "load_full_chunk",
@@ -287,6 +288,12 @@ def _forget(name: str) -> None:
     gc.collect()
 
 
+def forget_all(names: tuple[str, ...]) -> None:
+    """Drop wrapped models ``names`` from this rank (registry and engine global)."""
+    for name in names:
+        _forget(name)
+
+
 def build(name: str, kind: str, payload: Any, plan: Any, seed: int) -> WrapSummary:
     """Build, shard and bind one model on this rank (every rank calls it together)."""
     import torch
@@ -393,11 +400,9 @@ def load_full_chunk(name: str, chunk: dict[str, Any] | None) -> int:
     entry = get(name)
     module = entry.module
     rank0 = dist.get_rank() == 0
-    meta = (
-        [(k, tuple(v.shape), torch.as_tensor(v[:0] if v.ndim else v).dtype)
-         for k, v in chunk.items()]
-        if rank0 and chunk else None
-    )
+    if rank0 and chunk:  # numpy arrays arrive as read-only zero-copy buffers
+        chunk = {k: v if isinstance(v, torch.Tensor) else _from_readonly(v) for k, v in chunk.items()}
+    meta = [(k, tuple(v.shape), v.dtype) for k, v in chunk.items()] if rank0 and chunk else None
     box = [meta]
     dist.broadcast_object_list(box, src=0)
     meta = box[0] or []
@@ -412,10 +417,7 @@ def load_full_chunk(name: str, chunk: dict[str, Any] | None) -> int:
                 raise KeyError(f"{key!r} is not a parameter or buffer of {name!r}")
             target = targets[key]
             if rank0:
-                value = chunk[key]
-                if not isinstance(value, torch.Tensor):  # sent as a numpy array
-                    value = torch.from_numpy(value)
-                full = value.to(comm_device)
+                full = chunk[key].to(comm_device)
             else:
                 full = torch.empty(shape, dtype=dtype, device=comm_device)
             dist.broadcast(full, src=0)
@@ -429,6 +431,21 @@ def load_full_chunk(name: str, chunk: dict[str, Any] | None) -> int:
                 target.copy_(full)
             del full
     return len(meta)
+
+
+def _from_readonly(array: Any) -> Any:
+    """A tensor on a numpy array that arrived as a read-only zero-copy buffer.
+
+    The tensor is only read (broadcast from this rank, sliced into its shard), so no
+    copy is made; torch's warning about non-writable arrays is silenced for that call.
+    """
+    import torch
+
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
 
 
 def get(name: str) -> Wrapped:
