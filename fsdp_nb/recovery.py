@@ -10,6 +10,9 @@ relies on (measured, REFERENCE.md): when the ranks that are not blocked call
 2. ranks still running after ``nudge`` seconds get SIGINT (for Python code that is
    not in a collective); after ``wedge_timeout`` they count as wedged: killed (only
    engines this session started, by pid) and replaced as for a dead engine;
+   On NCCL, a rank blocked in a kernel is freed by aborting its communicators from
+   its listener thread (``fsdp_nb.engine.nccl_abort``; one GPU shows abort and
+   re-form, several GPUs blocking each other have not been run);
 3. every rank joins a new group on a fresh port (``reform``) and every DeviceMesh /
    FSDP2 module on the ranks is re-pointed at the new groups
    (``fsdp_nb.engine.health.rebind_groups``): trained weights and optimizers stay.
@@ -23,6 +26,7 @@ replays recorded wraps.
 from __future__ import annotations
 
 import html
+import logging
 import os
 import signal
 import socket
@@ -34,15 +38,19 @@ from typing import TYPE_CHECKING
 from . import rendezvous
 from .dispatch import Dispatcher, FailurePolicy, Pending
 from .engine import health as _health
+from .engine import nccl_abort as _nccl
 from .errors import DeadRankError, RankError, RankFailure, RankTimeoutError
 
 if TYPE_CHECKING:
     from .session import Session
 
+log = logging.getLogger("fsdp_nb")
+
 __all__ = [
     "RankStatus",
     "RecoveringPolicy",
     "SessionStatus",
+    "abort_collectives",
     "install_health",
     "reform",
     "restart",
@@ -55,13 +63,36 @@ __all__ = [
 
 
 def install_health(sess: Session, ranks: list[int] | None = None) -> None:
-    """Make the given ranks' engines dump their stacks on SIGUSR1 into the session's folder."""
+    """Make the given ranks' engines dump their stacks on SIGUSR1 into the session's
+    folder; on NCCL sessions also start their abort listeners (``engine.nccl_abort``)."""
     folder = getattr(sess, "_stack_dir", None)
     if folder is None:
         folder = tempfile.mkdtemp(prefix="fsdp_nb_stacks_")
         sess._stack_dir = folder
     d = _plain(sess)
     d.gather(d.apply("install health", _health.install, ranks=ranks, args=(folder,)), 30)
+    if sess.backend == "nccl":
+        who = list(range(sess.world_size)) if ranks is None else list(ranks)
+        endpoints = d.gather(d.apply("start NCCL abort listener", _nccl.start, ranks=who), 30)
+        sess._policy.abort_endpoints.update(zip(who, endpoints))
+
+
+def abort_collectives(endpoints: list[str], timeout: float = 2.0) -> None:
+    """Ask engines (their abort listeners' endpoints) to abort their NCCL communicators."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    for ep in endpoints:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, int(timeout * 1000))
+        sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
+        try:
+            sock.connect(ep)
+            sock.send(b"abort")
+        except zmq.ZMQError as exc:
+            log.warning("fsdp_nb: could not ask %s to abort NCCL: %s", ep, exc)
+        finally:
+            sock.close()
 
 
 def _signal(sess: Session, ranks: list[int], sig: int) -> None:
@@ -321,6 +352,8 @@ class RecoveringPolicy(FailurePolicy):
         """Seconds after leaving the group before still-running ranks get SIGINT."""
         self.wedge_timeout = wedge_timeout
         """Seconds to wait for stopped ranks to return before they count as wedged."""
+        self.abort_endpoints: dict[int, str] = {}
+        """NCCL sessions: rank -> its engine's abort listener (``engine.nccl_abort``)."""
 
     # hooks -------------------------------------------------------------------------
 
@@ -432,6 +465,10 @@ class RecoveringPolicy(FailurePolicy):
                 pass
 
         leave([r for r in range(c.world_size) if r not in running])
+        if sess.backend == "nccl" and running:
+            # a rank blocked in an NCCL kernel returns only when its own communicators
+            # are aborted (from its listener thread): closing peers' sockets is not enough
+            abort_collectives([self.abort_endpoints[r] for r in running if r in self.abort_endpoints])
         start = time.monotonic()
         nudged = interrupt
         next_liveness = start + 0.5

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -117,3 +118,24 @@ def test_async_save_on_a_world_whose_default_group_has_no_cpu_backend(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "committed True" in out.stdout
+
+
+def test_abort_channel_reaches_every_engine_and_spares_gloo(sess):
+    """The NCCL abort listener's round trip, on CPU engines: each engine's listener
+    thread gets the request while nothing runs through its task queue, finds no NCCL
+    communicator to abort, and the gloo group still answers."""
+    from fsdp_nb.engine import nccl_abort
+    from fsdp_nb.recovery import abort_collectives
+
+    endpoints = sess.run(nccl_abort.start)
+    assert sess.run(nccl_abort.start) == endpoints  # once per engine
+    before = sess.run(nccl_abort.received)
+    abort_collectives(endpoints)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # wait for the listeners' marker, not a timer
+        got = sess.run(nccl_abort.received)
+        if all(g[0] > b[0] for g, b in zip(got, before)):
+            break
+    assert [g[0] - b[0] for g, b in zip(got, before)] == [1, 1]
+    assert [g[1] - b[1] for g, b in zip(got, before)] == [0, 0]
+    assert sess.all_reduce_check() == 1.0

@@ -254,44 +254,28 @@ def _save_sharded(spec: dict[str, Any], model: Any, optim: Any, t0: float) -> di
     return {"ok": True, "blocked": blocked, "state_dict_s": t_sd, "pending": True}
 
 
-class _CloneStager:
-    """Stage CPU state dicts by cloning each tensor (DTensors stay DTensors, local shards copied).
-
-    DCP's DefaultStager walks and rebuilds the state dict object by object; a plain
-    clone per tensor is the same training-safe copy with less overhead on CPU ranks.
-    """
-
-    _synchronize_after_execute = False
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return False
-
-    def stage(self, state_dict: Any) -> Any:
-        import torch
-        from torch.utils._pytree import tree_map_only
-
-        return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state_dict)
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+_STAGER: Any = None
 
 
 def _stager(sd: Any) -> Any:
-    """Our clone stager for CPU tensors; DCP's default (CPU-safe options) for accelerators."""
-    import torch
-    from torch.utils._pytree import tree_leaves
+    """This engine's stager, one for its lifetime, so staging buffers are reused.
 
-    if all(t.device.type == "cpu" for t in tree_leaves(sd) if isinstance(t, torch.Tensor)):
-        return _CloneStager()
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    DCP's ``DefaultStager`` keeps a CPU copy per source storage and refreshes it with
+    ``copy_`` on later saves (FSDP2 shards and optimizer state keep their storages
+    between steps): the first async save allocates, the next ones only copy. On CUDA
+    the copies are pinned and made with non-blocking copies.
+    """
+    global _STAGER
+    if _STAGER is None:
+        import torch
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    cuda = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=cuda))
+        cuda = torch.cuda.is_available()
+        _STAGER = DefaultStager(StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False,
+            use_async_staging=False, use_non_blocking_copy=cuda,
+        ))
+    return _STAGER
 
 
 def _cleanup(fs: Any, path: str) -> None:

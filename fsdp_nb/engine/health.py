@@ -7,7 +7,8 @@ stack to a per-engine file from C, even while the main thread is blocked inside 
 gloo / NCCL collective. The notebook truncates the file, signals the pid and reads it.
 
 The recovery steps (``leave_group``, ``rebind_groups``) run on engines between the
-notebook's destroy / re-init dance; see ``fsdp_nb.recovery``.
+notebook's destroy / re-init dance; see ``fsdp_nb.recovery``. Ranks blocked in NCCL
+are freed through ``fsdp_nb.engine.nccl_abort``.
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ def leave_group(peer_endpoints: list[tuple[str, int]] | None = None) -> bool:
     if had:
         from torch.distributed import distributed_c10d as c10d
 
+        from .nccl_abort import abort_nccl
+
+        # an NCCL communicator's destroy may wait for peers that will never come:
+        # abort it first (gloo groups are unaffected)
+        abort_nccl()
         groups = list(c10d._world.pg_map.keys())
         dist.destroy_process_group()
         _drop_references(groups)

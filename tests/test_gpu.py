@@ -1,0 +1,281 @@
+"""The GPU path: NCCL sessions on CUDA engines (``-m gpu``; skipped without CUDA).
+
+Run on a GPU machine (see ../shared/gpu/README.md): one engine per GPU, an NCCL group
+formed as ``cpu:gloo,cuda:nccl``; wrap with bf16-mixed, auto_wrap, activation
+checkpointing and CPU offload on CUDA; training against one process; sync and async
+saves and loads; the memory feed's CUDA fields; an error cell, Ctrl-C in a GPU loop,
+kill -9 then ``restart(restore=)``; ``connect()`` choosing nccl; consolidate; the NCCL
+abort-and-re-form path that one GPU can show.
+"""
+
+from __future__ import annotations
+
+import _thread
+import copy
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fsdp_nb
+from fsdp_nb.errors import DeadRankError, RankError
+
+pytestmark = pytest.mark.gpu
+
+DIM = 64
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = DIM):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, 4, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        h = self.norm(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(x)
+
+
+class Net(nn.Module):
+    def __init__(self, dim: int = DIM, depth: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 8, DIM, generator=g)
+    return x, x.roll(1, dims=-1)
+
+
+def _train_on_ranks(name: str, x, y, steps: int = 3) -> list[float]:
+    import torch as t
+
+    model = globals()[name]
+    dev = globals()["device"]
+    opt = t.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(steps):
+        loss = t.nn.functional.mse_loss(model(x.to(dev)).float(), y.to(dev))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _train_local(model, x, y, steps: int = 3) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(steps):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def gsess():
+    s = fsdp_nb.Session(activate=False, grace=1.0)  # the default: one engine per GPU, nccl
+    try:
+        yield s
+    finally:
+        s.shutdown()
+
+
+def test_session_picks_nccl_one_engine_per_gpu(gsess):
+    assert gsess.backend == "nccl"
+    assert gsess.world_size == torch.cuda.device_count()
+    assert [r.device for r in gsess.ranks] == [f"cuda:{r.local_rank}" for r in gsess.ranks]
+    assert gsess.all_reduce_check() == float(sum(range(gsess.world_size)))
+    backends = gsess.run(lambda: str(__import__("torch.distributed").distributed.get_backend()))
+    assert set(backends) == {"cpu:gloo,cuda:nccl"}
+
+
+def test_class_wrap_on_meta_with_bf16_autowrap_checkpointing(gsess):
+    sm = gsess.wrap(Net, name="gnet", auto_wrap={Block}, mixed_precision="bf16-mixed",
+                    activation_checkpointing={Block})
+    assert sm.summary.param_dtype == "float32" and len(sm.summary.checkpointed) == 2
+    x, y = _batch()
+    losses = gsess.run(_train_on_ranks, "gnet", x, y)
+    assert all(ls[-1] < ls[0] for ls in losses)
+    on = gsess.run(lambda: {p.device.type for p in globals()["gnet"].parameters()})
+    assert on == [{"cuda"}] * gsess.world_size
+
+
+def test_cpu_offload_on_cuda(gsess):
+    sm = gsess.wrap(Net, name="goff", cpu_offload=True, mixed_precision="bf16-mixed")
+    x, y = _batch()
+    losses = gsess.run(_train_on_ranks, "goff", x, y)
+    assert all(ls[-1] < ls[0] for ls in losses)
+    assert gsess.run(lambda: {p.device.type for p in globals()["goff"].parameters()}) == [
+        {"cpu"}
+    ] * gsess.world_size
+    assert sm.summary.num_params > 0
+
+
+def test_training_equals_one_process_within_bf16_tolerance(gsess):
+    torch.manual_seed(0)
+    start = Net()
+    sm = gsess.wrap(start, name="geq", mixed_precision="bf16-mixed", auto_wrap={Block})
+    x, y = _batch()
+    ref = copy.deepcopy(start)
+    _train_local(ref, x, y)
+    gsess.run(_train_on_ranks, "geq", x, y)  # every rank the whole batch: the same mean
+    got = sm.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, atol=5e-2, rtol=0)
+
+
+@pytest.mark.parametrize("sharded, async_save", [(True, False), (True, True), (False, False), (False, True)])
+def test_save_and_load_on_nccl(gsess, tmp_path, sharded, async_save):
+    sm = gsess.wrap(Net, name="gck")
+    gsess.execute("gck_opt = torch.optim.AdamW(gck.parameters(), lr=1e-3)")
+    x, y = _batch()
+    gsess.run(_train_on_ranks, "gck", x, y, 1)
+    saved = sm.state_dict()
+    path = str(tmp_path / ("ck" if sharded else "ck.safetensors"))
+    out = gsess.save(path, sm, optimizer="gck_opt", sharded=sharded, async_save=async_save,
+                     extra={"step": 1})
+    info = out.wait() if async_save else out
+    assert info.valid and info.extra == {"step": 1}
+    gsess.execute("with torch.no_grad():\n    [p.zero_() for p in gck.parameters()]")
+    assert gsess.load(path, sm, optimizer="gck_opt") == {"step": 1}
+    after = sm.state_dict()
+    assert all(torch.equal(saved[k], after[k]) for k in saved)
+
+
+def test_memory_feed_has_cuda_fields(gsess):
+    from fsdp_nb.engine.memory_sampler import sample
+
+    samples = gsess.run(lambda: sample(rank, device))  # noqa: F821 - engine globals
+    for s in samples:
+        assert s["device"].startswith("cuda")
+        assert s["cuda_allocated"] > 0 and s["cuda_total"] > s["cuda_reserved"] > 0
+
+
+def test_error_cell_then_usable(gsess):
+    with pytest.raises(RankError, match="gpu boom"):
+        gsess.execute("t = torch.ones(1, device=device)\nraise ValueError('gpu boom')")
+    assert gsess.all_reduce_check() == float(sum(range(gsess.world_size)))
+
+
+def test_ctrl_c_during_gpu_loop(gsess, tmp_path):
+    marker = tmp_path / "looping"
+    code = (
+        "x = torch.ones(256, 256, device=device)\n"
+        f"open({str(marker)!r}, 'w').close()\n"
+        "while True:\n    x = (x @ x).clamp_(-1, 1)\n    torch.cuda.synchronize()\n"
+    )
+
+    def interrupt_when_looping():
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_when_looping, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        gsess.execute(code)
+    assert gsess.status().busy == []
+    assert gsess.all_reduce_check() == float(sum(range(gsess.world_size)))
+
+
+def test_nccl_abort_then_reform_trains_on(gsess):
+    """What one GPU can show of the NCCL recovery: the rank's communicators are aborted
+    from its listener thread, the group is re-formed, the model trains on."""
+    from fsdp_nb.engine import nccl_abort
+    from fsdp_nb.recovery import abort_collectives
+
+    gsess.wrap(Net, name="gab")
+    x, y = _batch()
+    gsess.run(_train_on_ranks, "gab", x, y, 1)
+    before = gsess.run(nccl_abort.received)
+    abort_collectives(gsess.run(nccl_abort.start))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        got = gsess.run(nccl_abort.received)
+        if all(g[0] > b[0] for g, b in zip(got, before)):
+            break
+    assert all(g[1] > b[1] for g, b in zip(got, before)), "no NCCL communicator was aborted"
+    gsess.restart()  # healthy session: re-form the group and re-point meshes
+    assert gsess.all_reduce_check() == float(sum(range(gsess.world_size)))
+    losses = gsess.run(_train_on_ranks, "gab", x, y, 2)
+    assert all(ls[-1] == ls[-1] for ls in losses)
+
+
+def test_consolidate_a_gpu_trained_checkpoint(gsess, tmp_path):
+    sm = gsess.wrap(Net, name="gcon")
+    gsess.save(str(tmp_path / "ck"), sm)
+    info = fsdp_nb.consolidate(str(tmp_path / "ck"), str(tmp_path / "full.pt"))
+    assert info.valid
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    got = sm.state_dict()
+    model_sd = full.get("model", full)
+    for k, v in got.items():
+        key = k if k in model_sd else f"model.{k}"
+        assert torch.equal(model_sd[key], v)
+
+
+def test_kill_9_then_restart_restore(tmp_path):
+    s = fsdp_nb.Session(activate=False, grace=1.0)
+    try:
+        sm = s.wrap(Net, name="gkill")
+        saved = sm.state_dict()
+        s.save(str(tmp_path / "ck"), sm)
+        os.kill(s.ranks[0].pid, signal.SIGKILL)
+        with pytest.raises(DeadRankError):
+            s.all_reduce_check()
+        s.restart(restore=str(tmp_path / "ck"))
+        assert s.backend == "nccl" and s.ranks[0].device.startswith("cuda")
+        after = sm.state_dict()
+        assert all(torch.equal(saved[k], after[k]) for k in saved)
+    finally:
+        s.shutdown()
+
+
+def test_connect_to_gpu_engines_picks_nccl(tmp_path):
+    import ipyparallel as ipp
+
+    n = torch.cuda.device_count()
+    cluster = ipp.Cluster(n=n, profile_dir=str(tmp_path / "profile"), cluster_id="gpu", log_level=40)
+    cluster.start_cluster_sync()
+    try:
+        url = tmp_path / "profile" / "security" / "ipcontroller-gpu-client.json"
+        deadline = time.monotonic() + 60
+        while not url.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        s = fsdp_nb.Session.connect(str(url), n=n, activate=False)
+        try:
+            assert s.backend == "nccl"
+            assert all(r.device.startswith("cuda") for r in s.ranks)
+            assert s.all_reduce_check() == float(sum(range(n)))
+        finally:
+            s.shutdown()
+    finally:
+        cluster.stop_cluster_sync()
+
+
+def test_demo_runs_on_the_gpu():
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_nb.cli", "demo", "--steps", "3"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "backend=nccl" in out.stdout and "Warning" not in out.stderr
