@@ -45,15 +45,20 @@ def _check_n_backend(n: int | None, backend: str | None) -> None:
         raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
 
 
-def _validate(n: int | None, backend: str | None, launcher: str) -> tuple[int, str]:
-    """Check arguments before any process starts; return (n, backend)."""
+def _validate(n: int | None, backend: str | None, launcher: str) -> tuple[int, str | None]:
+    """Check arguments before any process starts; return (n, backend).
+
+    Local engines share this machine's GPUs, so the backend is decided here; engines
+    a launcher starts elsewhere (mpi, slurm...) are probed first (backend None:
+    ``rendezvous.choose_backend``), since the notebook's host may have no GPU.
+    """
     _check_n_backend(n, backend)
     names = launcher_names()
     if launcher not in names:
         raise ValueError(f"unknown launcher {launcher!r}; allowed: {', '.join(names)}")
     gpus = _cuda_count() if launcher == "local" else None
-    if backend is None:
-        backend = "nccl" if (gpus if gpus is not None else _cuda_count()) else "gloo"
+    if backend is None and gpus is not None:
+        backend = "nccl" if gpus else "gloo"
     if n is None:
         n = gpus if (backend == "nccl" and gpus) else 2
     if backend == "nccl" and gpus is not None and n > gpus:

@@ -139,3 +139,14 @@ def test_abort_channel_reaches_every_engine_and_spares_gloo(sess):
     assert [g[0] - b[0] for g, b in zip(got, before)] == [1, 1]
     assert [g[1] - b[1] for g, b in zip(got, before)] == [0, 0]
     assert sess.all_reduce_check() == 1.0
+
+
+def test_launched_engines_are_probed_before_the_backend_is_chosen():
+    """mpi / slurm engines run elsewhere: the notebook's own GPU count decides nothing."""
+    from fsdp_nb.session import _validate
+
+    assert _validate(None, None, "mpi") == (2, None)
+    assert _validate(4, None, "slurm") == (4, None)
+    assert _validate(2, "gloo", "mpi") == (2, "gloo")
+    local = _validate(None, None, "local")
+    assert local[1] in ("gloo", "nccl")  # local engines share this machine's GPUs
