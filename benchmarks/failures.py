@@ -126,12 +126,12 @@ def killed(s) -> dict:
 
 
 def status_latency(s) -> dict:
-    p = s._dispatch.execute("time.sleep(3)")
+    p = s.dispatcher.execute("time.sleep(3)")
     time.sleep(0.3)
     t0 = time.monotonic()
     st = s.status()
     dt = time.monotonic() - t0
-    s._dispatch.gather(p, 30)
+    s.dispatcher.gather(p, 30)
     return {"status_busy_s": dt, "busy": st.busy}
 
 

@@ -70,7 +70,7 @@ def main() -> None:
                         samples += sum(len(w.feed.samples(r)) for r in range(sess.world_size))
                         w.close()
                 (on if side == "on" else off).append(dt / args.steps)
-        d = sess._dispatch
+        d = sess.dispatcher
         cost = max(d.gather(d.apply("sample cost", sample_cost, args=(500,))))
     finally:
         sess.shutdown()

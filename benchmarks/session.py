@@ -53,7 +53,7 @@ def bench_size(n: int, repeats: int, steps: int) -> dict:
     sess = fsdp_nb.Session(n, backend="gloo", activate=False)
     ready = time.perf_counter() - t0
     try:
-        sess._dispatch.echo = False
+        sess.dispatcher.echo = False
         rt, raw = [], []
         view = sess.view()
         for _ in range(repeats):

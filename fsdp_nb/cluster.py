@@ -1,13 +1,18 @@
-"""The ipyparallel side: start or connect, the stable rank <-> engine map, liveness.
+"""The ipyparallel side: start or connect, the stable rank <-> engine map, liveness,
+and process control (signal, kill, replace, wait).
 
 Ranks never depend on ipyparallel engine ids: an engine that restarts comes back
 with a new id, and ``EngineCluster.engine_ids`` (indexed by rank) is updated to it.
+Processes are only signalled or killed by pid when this session started them on this
+host; other engines are reached through the controller.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import os
+import signal
 import socket
 import time
 from importlib.metadata import entry_points
@@ -15,6 +20,8 @@ from typing import Any
 
 import ipyparallel as ipp
 import psutil
+
+log = logging.getLogger("fsdp_nb")
 
 __all__ = ["EngineCluster", "engine_launcher_class", "launcher_names", "split_cluster_kwargs"]
 
@@ -110,6 +117,8 @@ class EngineCluster:
         self.engine_ids: list[int] = sorted(client.ids)
         self.pids: list[int | None] = [None] * len(self.engine_ids)
         self.hosts: list[str | None] = [None] * len(self.engine_ids)
+        self.ranks: list[Any] = []
+        """Per-rank ``rendezvous.RankInfo`` of the group last formed (``join_group``)."""
 
     # -- start / connect / stop -------------------------------------------------
 
@@ -153,8 +162,8 @@ class EngineCluster:
         except BaseException as exc:
             try:
                 cluster.stop_cluster_sync()
-            except Exception:
-                pass
+            except Exception as exc:
+                log.warning("stopping the cluster after a failed start failed too: %s", exc)
             if isinstance(exc, TimeoutError):
                 raise TimeoutError(
                     f"only {len(getattr(locals().get('client'), 'ids', []))} of {n} engines "
@@ -194,8 +203,8 @@ class EngineCluster:
         finally:
             try:
                 self.client.close()
-            except Exception:
-                pass
+            except Exception as exc:
+                log.debug("closing the ipyparallel client: %s", exc)
 
     def _ask_engines_to_exit(self, wait: float = 5.0) -> None:
         """Shut our engines down through their control channel first.
@@ -251,6 +260,98 @@ class EngineCluster:
     def owns_pid(self, pid: int) -> bool:
         """True if ``pid`` is one of the engines this session started on this host."""
         return self.owns_engines and pid in self.pids
+
+    def _local_owned(self, rank: int) -> int | None:
+        """The pid of ``rank``'s engine if this session started it on this host."""
+        pid = self.pids[rank]
+        if pid is not None and self.hosts[rank] == socket.gethostname() and self.owns_pid(pid):
+            return pid
+        return None
+
+    # -- process control -----------------------------------------------------------
+
+    def signal(self, ranks: list[int], sig: int) -> None:
+        """Send ``sig`` to the engines of ``ranks``: by pid for engines this session
+        started on this host, otherwise through the controller (``send_signal``)."""
+        remote = []
+        for r in ranks:
+            pid = self._local_owned(r)
+            if pid is None:
+                remote.append(self.engine_ids[r])
+                continue
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError as exc:
+                log.debug("engine of rank %d already gone when signalled: %s", r, exc)
+        if remote:
+            try:
+                self.client.send_signal(sig, targets=remote, block=False)
+            except Exception as exc:  # noqa: BLE001 - no nanny, old controller
+                log.warning("could not signal engines %s through the controller: %s", remote, exc)
+
+    def kill(self, ranks: list[int], wait: float = 10.0) -> None:
+        """SIGKILL the engines of ``ranks`` and wait until they count as dead. Only
+        engines this session started are killed; any other raises, naming it."""
+        for r in ranks:
+            pid = self._local_owned(r)
+            if pid is None:
+                raise RuntimeError(
+                    f"rank {r} (engine {self.engine_ids[r]}, pid {self.pids[r]} on "
+                    f"{self.hosts[r]}) is wedged and is not an engine this session started, "
+                    "so fsdp_nb will not kill it; restart it with the launcher that started "
+                    "it, then call sess.restart()."
+                )
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError as exc:
+                log.debug("wedged engine of rank %d already gone: %s", r, exc)
+        if ranks:
+            wait_until(lambda: set(ranks) <= set(self.dead_ranks()), wait)
+
+    def replace(self, dead: list[int], timeout: float = 120.0) -> None:
+        """Start one engine per rank in ``dead`` and map it to that rank (its pid and
+        host read from the new engine)."""
+        if self.cluster is None:
+            raise RuntimeError(
+                f"rank(s) {dead} died, and this session attached to a running cluster "
+                "(Session.connect), so it cannot start engines: restart them with the "
+                "cluster's launcher, then call sess.restart()."
+            )
+        known = set(self.client.ids) | set(self.engine_ids)
+        self.cluster.start_engines_sync(n=len(dead))
+        if not wait_until(lambda: len(set(self.client.ids) - known) >= len(dead), timeout, 0.1):
+            raise TimeoutError(
+                f"replacement engine(s) for rank(s) {dead} did not register within {timeout:g} s"
+            )
+        new = sorted(set(self.client.ids) - known)
+        for r, eid in zip(dead, new):
+            pid, host = self.client[eid].apply_sync(_whoami)
+            self.engine_ids[r], self.pids[r], self.hosts[r] = eid, pid, host
+
+    def tcp_endpoints(self) -> dict[int, list[tuple[str, int]]]:
+        """Each local engine's TCP socket addresses, read from its pid (no engine round
+        trip, so it answers while ranks are blocked)."""
+        here = socket.gethostname()
+        out: dict[int, list[tuple[str, int]]] = {}
+        for r in range(self.world_size):
+            pid = self.pids[r]
+            if pid is None or self.hosts[r] != here:
+                continue
+            try:
+                conns = psutil.Process(pid).net_connections("tcp")
+            except (psutil.Error, OSError) as exc:
+                log.debug("no sockets read for rank %d: %s", r, exc)
+                continue
+            out[r] = sorted({(x.laddr.ip, x.laddr.port) for x in conns if x.laddr})
+        return out
+
+
+def _whoami() -> tuple[int, str]:
+    """(pid, host) of the engine it runs on."""
+    import os
+    import socket
+
+    return os.getpid(), socket.gethostname()
 
 
 def _local_pid_dead(pid: int) -> bool:

@@ -151,7 +151,7 @@ class Dispatcher:
             if first_failure_at is None and _any_failed(pending):
                 first_failure_at = now
             if first_failure_at is not None and now - first_failure_at >= self.policy.grace:
-                self.policy.on_partial_failure(pending, self._failures(pending), running)
+                self.policy.on_partial_failure(pending, self.failures(pending), running)
                 first_failure_at = None  # policy chose to keep waiting
             if now >= next_liveness:
                 next_liveness = now + self.liveness_every
@@ -170,7 +170,7 @@ class Dispatcher:
                 ar.wait_for_output(max(0.01, deadline - time.monotonic()))
             echo.flush(final=True)
         ctrl_c.check()
-        failures = self._failures(pending)
+        failures = self.failures(pending)
         if failures:
             dead = [r for r in self.cluster.dead_ranks() if r in pending.results]
             if dead:  # the controller reported the death before our pid check did
@@ -178,7 +178,7 @@ class Dispatcher:
             raise RankError(pending.what, failures, self.cluster.world_size)
         return [pending.results[r].get() for r in sorted(pending.results)]
 
-    def _failures(self, pending: Pending) -> list[RankFailure]:
+    def failures(self, pending: Pending) -> list[RankFailure]:
         """Failed ranks, the first to fail first (by completion time, then rank)."""
         out = []
         for r, ar in pending.results.items():

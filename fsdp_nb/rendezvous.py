@@ -168,11 +168,7 @@ def controller_ip(cluster: EngineCluster) -> str | None:
     use; each engine's own registration url (``probe.registered_controller``) is
     tried first.
     """
-    url = getattr(cluster.client, "_config", {}).get("registration", "") or ""
-    if "://" in url:
-        host = url.split("://", 1)[1].rsplit(":", 1)[0]
-        return host if host not in ("*", "0.0.0.0") else None
-    return None
+    return _probe.url_host(getattr(cluster.client, "_config", {}).get("registration", "") or "")
 
 
 def probe_engines(
@@ -195,7 +191,8 @@ def join_group(
 ) -> list[RankInfo]:
     """Form the group on a fresh port; ``cluster.engine_ids`` and ``probes`` in rank order.
 
-    Used to form a session's group and to re-form it after a recovery or restart.
+    Used to form a session's group and to re-form it after a recovery or restart;
+    the new per-rank info is also kept as ``cluster.ranks``.
     """
     engine_ids = list(cluster.engine_ids)
     hosts = [p.host for p in probes]
@@ -225,10 +222,11 @@ def join_group(
         ),
         timeout,
     )
-    return [
+    cluster.ranks = [
         RankInfo(r, engine_ids[r], p.host, p.pid, devices[r], *locals_[r], p.addr)
         for r, p in enumerate(probes)
     ]
+    return list(cluster.ranks)
 
 
 def form_group(

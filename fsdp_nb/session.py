@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import html
+import logging
 import os
 import sys
 import warnings
@@ -25,6 +26,8 @@ from .engine.probe import _cuda_count
 from .errors import SessionClosedError
 from .rendezvous import RankInfo
 from .shipping import by_value
+
+log = logging.getLogger("fsdp_nb")
 
 if TYPE_CHECKING:
     from .sharded_model import ShardedModel
@@ -69,6 +72,33 @@ def _validate(n: int | None, backend: str | None, launcher: str) -> tuple[int, s
     return n, backend
 
 
+class Lifecycle:
+    """A session's state and the moves allowed between states.
+
+    ``starting`` -> ``ready`` (group formed) or ``failed``; ``ready`` <-> ``degraded``
+    (a rank died or recovery failed; ``restart()`` brings it back); any -> ``closed``.
+    Recovery and restart move the state through ``to``, which refuses other moves.
+    """
+
+    MOVES = {
+        "starting": {"ready", "failed", "closed"},
+        "ready": {"ready", "degraded", "closed"},
+        "degraded": {"ready", "degraded", "closed"},
+        "failed": {"closed"},
+        "closed": set(),
+    }
+
+    def __init__(self) -> None:
+        self.state = "starting"
+        """The current state."""
+
+    def to(self, new: str) -> None:
+        """Move to ``new``; RuntimeError if that move is not allowed."""
+        if new not in self.MOVES[self.state]:
+            raise RuntimeError(f"a session cannot go from {self.state!r} to {new!r}")
+        self.state = new
+
+
 def _check_grace(grace: float) -> None:
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
         raise ValueError(f"grace must be a number of seconds >= 0, got {grace!r}")
@@ -97,17 +127,12 @@ class Session:
     ):
         n, backend = _validate(n, backend, launcher)
         _check_grace(grace)
-        self.backend = backend
-        self.launcher = launcher
-        self.pg_timeout = pg_timeout
-        self._state = "starting"
         threads = max(1, (os.cpu_count() or 1) // n) if backend == "gloo" else None
-        self._threads = threads
         env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
         cluster = EngineCluster.start(
             n, launcher, timeout=timeout, environment=env, **cluster_kwargs
         )
-        self._setup(cluster, activate, grace)
+        self._adopt(cluster, backend, launcher, threads, pg_timeout, activate, grace)
 
     @classmethod
     def connect(
@@ -133,66 +158,104 @@ class Session:
         """
         _check_n_backend(n, backend)
         _check_grace(grace)
-        self = cls.__new__(cls)
-        self.launcher = "connected"
-        self.pg_timeout = pg_timeout
-        self._state = "starting"
         cluster = EngineCluster.connect(
             url_file, profile=profile, cluster_id=cluster_id, n=n, timeout=timeout
         )
         if n is not None:
             cluster.engine_ids = cluster.engine_ids[:n]
-        self.backend = backend  # None: decided from the engines' probes (nccl if GPUs)
-        self._threads = None
-        self._setup(cluster, activate, grace)
+        self = cls.__new__(cls)
+        # backend None: decided from the engines' probes (nccl if every rank has a GPU)
+        self._adopt(cluster, backend, "connected", None, pg_timeout, activate, grace)
         return self
 
-    def _setup(self, cluster: EngineCluster, activate: bool, grace: float = 3.0) -> None:
-        from .recovery import RecoveringPolicy, install_health
+    def _adopt(
+        self,
+        cluster: EngineCluster,
+        backend: str | None,
+        launcher: str,
+        threads: int | None,
+        pg_timeout: float,
+        activate: bool,
+        grace: float,
+    ) -> None:
+        """Declare every attribute (``__init__`` and ``connect`` both come here), then
+        form the process group on ``cluster``'s engines and install the health hooks."""
+        from .failure_policy import RecoveringPolicy
+        from .health import RankHealth
 
+        self.backend: str | None = backend
+        """Process-group backend (``gloo``, ``nccl``); decided from probes when None."""
+        self.launcher = launcher
+        """The ipyparallel launcher that started the engines, or ``"connected"``."""
+        self.pg_timeout = pg_timeout
+        """Seconds a collective may wait before torch.distributed gives up."""
+        self.omp_threads = threads
+        """``OMP_NUM_THREADS`` given to CPU ranks (None: not set by fsdp_nb)."""
+        self.lifecycle = Lifecycle()
+        """The session's state machine (``state`` reads it)."""
+        self.wraps: dict[str, Any] = {}
+        """Engine global name -> ``sharding.WrapRecord``, replayed by ``restart()``."""
+        self.health = RankHealth(cluster)
+        """The engines' health hooks: stack dumps, NCCL abort listeners."""
         self._cluster = cluster
-        self._wraps: dict[str, Any] = {}  # name -> sharding.WrapRecord, replayed by restart()
-        self._policy: FailurePolicy = RecoveringPolicy(self, grace=grace)
+        self._policy = RecoveringPolicy(self, grace=grace)
         self._dispatch = Dispatcher(cluster, self._policy)
+        self._plain = Dispatcher(cluster, FailurePolicy())
+        self._plain.echo = False
         try:
-            self._form_group()
-            install_health(self)
+            self.backend, _ = rendezvous.form_group(
+                cluster, self._dispatch, backend, pg_timeout=pg_timeout, threads=threads
+            )
+            self.health.install(self._plain, nccl=self.backend == "nccl")
         except BaseException:
-            self._state = "failed"
+            self.lifecycle.to("failed")
             cluster.stop()
             raise
-        self._state = "ready"
+        self.lifecycle.to("ready")
         _LIVE.add(self)
         if activate:
             from .magics import activate_px
 
             activate_px(self)
 
-    def _form_group(self) -> None:
-        self.backend, self._ranks = rendezvous.form_group(
-            self._cluster,
-            self._dispatch,
-            self.backend,
-            pg_timeout=self.pg_timeout,
-            threads=self._threads,
-        )
-
     # -- what it is ---------------------------------------------------------------
 
     @property
     def world_size(self) -> int:
         """Number of ranks."""
-        return len(self._ranks)
+        return len(self._cluster.ranks)
 
     @property
     def ranks(self) -> list[RankInfo]:
         """Per-rank info in rank order: rank, engine id, host, pid, device, local rank."""
-        return list(self._ranks)
+        return list(self._cluster.ranks)
 
     @property
     def state(self) -> str:
         """``ready``, ``degraded`` (a rank died: ``restart()``), ``closed``, ``failed`` (or ``starting``)."""
-        return self._state
+        return self.lifecycle.state
+
+    @property
+    def cluster(self) -> EngineCluster:
+        """The engines: rank <-> engine map, liveness, process control."""
+        return self._cluster
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """Sends work to the ranks and gathers it; failures go to the recovering policy.
+        SessionClosedError after ``shutdown()``."""
+        self._check_open()
+        return self._dispatch
+
+    def _check_open(self) -> None:
+        if self.state == "closed":
+            raise SessionClosedError("this session was shut down; start a new fsdp_nb.Session()")
+
+    @property
+    def plain_dispatcher(self) -> Dispatcher:
+        """A dispatcher on the same engines that only reports failures (no recovery, no
+        echo): what recovery's own calls use, so they never recurse into recovery."""
+        return self._plain
 
     @property
     def grace(self) -> float:
@@ -216,11 +279,6 @@ class Session:
 
     # -- running code -------------------------------------------------------------
 
-    def _live(self) -> Dispatcher:
-        if self._state == "closed":
-            raise SessionClosedError("this session was shut down; start a new fsdp_nb.Session()")
-        return self._dispatch
-
     def run(
         self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> list[Any]:
@@ -231,7 +289,7 @@ class Session:
         """
         if not callable(fn):
             raise TypeError(f"run() needs a callable, got {type(fn).__name__}")
-        d = self._live()
+        d = self.dispatcher
         what = f"run({getattr(fn, '__qualname__', type(fn).__name__)})"
         payload = (by_value(fn), by_value(args), by_value(kwargs))
         return d.gather(d.apply(what, _ns.call, args=payload), timeout)
@@ -247,26 +305,26 @@ class Session:
         """``execute`` returning each rank's ExecuteReply (its ``Out`` value), for ``%%px``."""
         if not isinstance(code, str):
             raise TypeError(f"execute() needs source code as str, got {type(code).__name__}")
-        d = self._live()
+        d = self.dispatcher
         return d.gather(d.execute(code), timeout)
 
     def push(self, mapping: Mapping[str, Any]) -> None:
         """Bind ``mapping``'s names on every rank (values shipped by value)."""
         if not isinstance(mapping, Mapping) or not all(isinstance(k, str) for k in mapping):
             raise TypeError("push() needs a mapping of str names to values")
-        d = self._live()
+        d = self.dispatcher
         d.gather(d.apply("push", _ns.assign, args=(by_value(dict(mapping)),)))
 
     def pull(self, name: str) -> list[Any]:
         """The value of engine global ``name`` on every rank, in rank order."""
         if not isinstance(name, str):
             raise TypeError(f"pull() needs a name (str), got {type(name).__name__}")
-        d = self._live()
+        d = self.dispatcher
         return d.gather(d.apply(f"pull({name!r})", _ns.get, args=(name,)))
 
     def all_reduce_check(self) -> float:
         """Run one collective (sum of ranks) on every rank; return its result."""
-        d = self._live()
+        d = self.dispatcher
         return d.gather(d.apply("all_reduce", _pg.all_reduce_rank))[0]
 
     # -- models (fsdp_nb.sharding) -----------------------------------------------
@@ -281,7 +339,7 @@ class Session:
         """
         from .sharding import wrap
 
-        self._live()
+        self._check_open()
         return wrap(self, model, args, name=name, **options)
 
     # -- checkpoints (fsdp_nb.checkpoint) -------------------------------------------
@@ -301,7 +359,7 @@ class Session:
         """Write a checkpoint of ``model`` (and engine global ``optimizer``) atomically."""
         from .checkpoint import save
 
-        self._live()
+        self._check_open()
         return save(
             self, path, model, optimizer=optimizer, extra=extra, sharded=sharded,
             overwrite=overwrite, async_save=async_save, keep_last=keep_last,
@@ -318,16 +376,16 @@ class Session:
         """Load a sharded or full checkpoint onto this world size; returns its ``extra``."""
         from .checkpoint import load
 
-        self._live()
+        self._check_open()
         return load(self, path, model, optimizer=optimizer, strict=strict)
 
     # -- failures (fsdp_nb.recovery) ----------------------------------------------
 
     def status(self) -> Any:
         """Which rank is busy, idle or dead, and where a busy rank is (its stack)."""
-        from .recovery import status
+        from .status import read_status
 
-        return status(self)
+        return read_status(self)
 
     def restart(self, restore: str | None = None, *, drop: Sequence[str] = ()) -> Session:
         """Bring back the same ranks (dead engines replaced), rebuild the group and wraps.
@@ -340,7 +398,7 @@ class Session:
 
         if isinstance(drop, str) or not all(isinstance(n, str) for n in drop):
             raise TypeError(f"drop must be a list of wrapped model names, got {drop!r}")
-        self._live()
+        self._check_open()
         return restart(self, restore=restore, drop=tuple(drop))
 
     # -- widgets (fsdp_nb.widgets) -------------------------------------------------
@@ -370,15 +428,15 @@ class Session:
 
         Async saves still writing are finished and committed first, so none is lost.
         """
-        if self._state == "closed":
+        if self.state == "closed":
             return
         saving = sys.modules.get(f"{__package__}.checkpoint.save")  # loaded only if used
-        if saving is not None and self._state == "ready":
+        if saving is not None and self.state == "ready":
             try:
                 saving.wait_pending(self)
             except Exception as exc:  # noqa: BLE001 - shutting down regardless
                 warnings.warn(f"an async checkpoint did not finish: {exc}", stacklevel=2)
-        self._state = "closed"
+        self.lifecycle.to("closed")
         _LIVE.discard(self)
         try:
             if not self._cluster.owns_engines:
@@ -386,8 +444,8 @@ class Session:
                     self._dispatch.gather(
                         self._dispatch.apply("destroy_process_group", _pg.destroy), timeout=30
                     )
-                except Exception:
-                    pass
+                except Exception as exc:
+                    log.warning("could not leave the process group on the connected engines: %s", exc)
         finally:
             self._cluster.stop()
             from .magics import deactivate_px
@@ -403,12 +461,12 @@ class Session:
     def _rows(self) -> list[tuple[str, ...]]:
         return [
             (str(r.rank), str(r.engine_id), r.host, str(r.pid), r.device, f"{r.local_rank}/{r.local_world_size}")
-            for r in getattr(self, "_ranks", [])
+            for r in self.ranks
         ]
 
     def __repr__(self) -> str:
         head = (
-            f"<fsdp_nb.Session {self._state}: {len(getattr(self, '_ranks', []))} ranks, "
+            f"<fsdp_nb.Session {self.state}: {self.world_size} ranks, "
             f"backend={self.backend}, launcher={self.launcher}>"
         )
         cols = ("rank", "engine", "host", "pid", "device", "local")
@@ -425,8 +483,8 @@ class Session:
             for row in self._rows()
         )
         return (
-            f"<div><b>fsdp_nb.Session</b> &mdash; state <code>{self._state}</code>, "
-            f"{len(getattr(self, '_ranks', []))} ranks, backend <code>{self.backend}</code>, "
+            f"<div><b>fsdp_nb.Session</b> &mdash; state <code>{self.state}</code>, "
+            f"{self.world_size} ranks, backend <code>{self.backend}</code>, "
             f"launcher <code>{html.escape(self.launcher)}</code>"
             f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table></div>"
         )
@@ -437,5 +495,5 @@ def _shutdown_all() -> None:
     for sess in list(_LIVE):
         try:
             sess.shutdown()
-        except Exception:
-            pass
+        except Exception as exc:
+            log.warning("shutting down a session at exit failed: %s", exc)

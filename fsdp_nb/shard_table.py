@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .dtypes import itemsize
+
 __all__ = ["ParamShard", "ShardTable"]
 
 
@@ -64,10 +66,4 @@ class ShardTable:
     @property
     def total_bytes(self) -> int:
         """Bytes of the whole (unsharded) model at its stored dtypes."""
-        return sum(p.numel * _itemsize(p.dtype) for p in self.params)
-
-
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        return sum(p.numel * itemsize(p.dtype) for p in self.params)

@@ -44,13 +44,13 @@ class ShardedModel:
 
         Gathered one tensor at a time to rank 0, so no rank holds a full copy.
         """
-        d = self._sess._live()
+        d = self._sess.dispatcher
         got = d.gather(d.apply(f"state_dict({self.name!r})", _ew.full_state_dict, args=(self.name,)))
         return got[0]
 
     def shards(self) -> ShardTable:
         """Per-parameter shard table: global shape, placements, each rank's piece."""
-        d = self._sess._live()
+        d = self._sess.dispatcher
         per_rank = d.gather(d.apply(f"shards({self.name!r})", _es.local_shards, args=(self.name,)))
         rows = [
             dataclasses.replace(

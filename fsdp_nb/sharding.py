@@ -16,7 +16,7 @@
    plain data parallelism with FSDP2's hooks); ``("dp", "tp")`` with tensor
    parallelism, as Lightning's ModelParallelStrategy;
 3. builds on every rank (``fsdp_nb.engine.wrap.build``), binds the FSDP2 module as
-   engine global ``name`` and records the wrap on the session (``sess._wraps``) so
+   engine global ``name`` and records the wrap on the session (``sess.wraps``) so
    :func:`replay_wraps` can rebuild it after ``sess.restart()``. An instance's
    weights are streamed from the notebook's module as it is; the record keeps no
    copy (it would pin the whole model in the notebook), so replaying an instance
@@ -40,6 +40,7 @@ from .engine import wrap as _ew
 from .shipping import ByValue, by_value, register_local_modules
 
 if TYPE_CHECKING:
+    from .dispatch import Dispatcher
     from .session import Session
     from .sharded_model import ShardedModel
 
@@ -100,6 +101,62 @@ class WrapOptions:
     (``model.apply(init_fn)``) instead of ``reset_parameters``; it must also
     (re)compute buffers that are not in the state dict."""
 
+    def __post_init__(self) -> None:
+        """Check every option and normalise class sets, so an invalid ``WrapOptions``
+        cannot exist: ``TypeError`` for wrong types, ``ValueError`` for values outside
+        the allowed ones, each naming what is allowed."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        sharding = self.sharding
+        if sharding not in SHARDING:
+            raise ValueError(f"sharding={sharding!r} is not allowed; allowed: {', '.join(SHARDING)}")
+        put("auto_wrap", _class_set("auto_wrap", self.auto_wrap, allow_callable=True))
+        put("activation_checkpointing", _class_set(
+            "activation_checkpointing", self.activation_checkpointing, allow_callable=False))
+        mp = self.mixed_precision
+        if not (isinstance(mp, MixedPrecisionPolicy) or (isinstance(mp, str) and mp in MIXED_PRECISION)):
+            raise ValueError(
+                f"mixed_precision={mp!r} is not allowed; allowed: "
+                f"{', '.join(MIXED_PRECISION)} or a torch.distributed.fsdp.MixedPrecisionPolicy"
+            )
+        if not isinstance(self.cpu_offload, (bool, CPUOffloadPolicy)):
+            raise TypeError(
+                f"cpu_offload must be True, False or a CPUOffloadPolicy, got {self.cpu_offload!r}"
+            )
+        for fn_opt in ("parallelize", "init_fn"):
+            if getattr(self, fn_opt) is not None and not callable(getattr(self, fn_opt)):
+                raise TypeError(f"{fn_opt} must be a callable, got {getattr(self, fn_opt)!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
+        if tp > 1 and self.parallelize is None:
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs parallelize=fn(model, device_mesh) that applies "
+                "tensor parallelism on device_mesh['tp']"
+            )
+        if tp > 1 and sharding not in ("full", "grad_op"):
+            raise ValueError(
+                f"tensor parallelism combines with sharding 'full' or 'grad_op', not {sharding!r}"
+            )
+        dp = self.data_parallel_size
+        if dp is None:
+            return
+        if sharding == "hybrid":
+            ok = (
+                isinstance(dp, tuple) and len(dp) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in dp)
+            )
+            if not ok:
+                raise ValueError(
+                    f"with sharding='hybrid', data_parallel_size is a (replicate, shard) pair of "
+                    f"positive ints, got {dp!r}"
+                )
+        elif isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"data_parallel_size must be a positive int, got {dp!r}")
+
     def describe(self) -> dict[str, str]:
         """Options that differ from the defaults, as short strings (for reprs)."""
         out = {}
@@ -143,10 +200,9 @@ def _class_set(option: str, value: Any, *, allow_callable: bool) -> Any:
 
 
 def make_options(**options: Any) -> WrapOptions:
-    """Validate ``sess.wrap`` keyword options into a :class:`WrapOptions`.
+    """``sess.wrap`` keyword options as a :class:`WrapOptions` (which checks the values).
 
-    Raises ``TypeError`` for unknown names or wrong types and ``ValueError`` for
-    values outside the allowed ones, naming what is allowed.
+    Raises ``TypeError`` for unknown names, naming the allowed ones.
     """
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
@@ -154,57 +210,7 @@ def make_options(**options: Any) -> WrapOptions:
             f"unknown wrap option(s) {', '.join(map(repr, unknown))}; "
             f"allowed: {', '.join(OPTION_NAMES)}"
         )
-    o = dict(options)
-    sharding = o.get("sharding", "full")
-    if sharding not in SHARDING:
-        raise ValueError(f"sharding={sharding!r} is not allowed; allowed: {', '.join(SHARDING)}")
-    o["auto_wrap"] = _class_set("auto_wrap", o.get("auto_wrap"), allow_callable=True)
-    o["activation_checkpointing"] = _class_set(
-        "activation_checkpointing", o.get("activation_checkpointing"), allow_callable=False
-    )
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-
-    mp = o.get("mixed_precision", "32-true")
-    if not (isinstance(mp, MixedPrecisionPolicy) or (isinstance(mp, str) and mp in MIXED_PRECISION)):
-        raise ValueError(
-            f"mixed_precision={mp!r} is not allowed; allowed: "
-            f"{', '.join(MIXED_PRECISION)} or a torch.distributed.fsdp.MixedPrecisionPolicy"
-        )
-    off = o.get("cpu_offload", False)
-    if not isinstance(off, (bool, CPUOffloadPolicy)):
-        raise TypeError(
-            f"cpu_offload must be True, False or a CPUOffloadPolicy, got {off!r}"
-        )
-    for fn_opt in ("parallelize", "init_fn"):
-        if o.get(fn_opt) is not None and not callable(o[fn_opt]):
-            raise TypeError(f"{fn_opt} must be a callable, got {o[fn_opt]!r}")
-    tp = o.get("tensor_parallel_size", 1)
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
-    if tp > 1 and o.get("parallelize") is None:
-        raise ValueError(
-            f"tensor_parallel_size={tp} needs parallelize=fn(model, device_mesh) that applies "
-            "tensor parallelism on device_mesh['tp']"
-        )
-    if tp > 1 and sharding not in ("full", "grad_op"):
-        raise ValueError(
-            f"tensor parallelism combines with sharding 'full' or 'grad_op', not {sharding!r}"
-        )
-    dp = o.get("data_parallel_size")
-    if dp is not None:
-        if sharding == "hybrid":
-            ok = (
-                isinstance(dp, tuple) and len(dp) == 2
-                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in dp)
-            )
-            if not ok:
-                raise ValueError(
-                    f"with sharding='hybrid', data_parallel_size is a (replicate, shard) pair of "
-                    f"positive ints, got {dp!r}"
-                )
-        elif isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-            raise ValueError(f"data_parallel_size must be a positive int, got {dp!r}")
-    return WrapOptions(**o)
+    return WrapOptions(**options)
 
 
 # -- the mesh --------------------------------------------------------------------------
@@ -226,10 +232,10 @@ class MeshPlan:
     """The tensor-parallel dimension, if any."""
 
 
-def plan_mesh(sess: Session, options: WrapOptions) -> MeshPlan:
-    """Choose the mesh for ``options`` on ``sess``'s ranks (ValueError if sizes do not fit)."""
-    world = sess.world_size
-    device_type = "cuda" if sess.backend == "nccl" else "cpu"
+def plan_mesh(world: int, backend: str, hosts: list[str], options: WrapOptions) -> MeshPlan:
+    """The mesh for ``options`` on ``world`` ranks of ``backend`` whose hosts (in rank
+    order) are ``hosts``; ValueError if the sizes do not fit. A pure function."""
+    device_type = "cuda" if backend == "nccl" else "cpu"
     tp = options.tensor_parallel_size
     if world % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the world size {world}")
@@ -238,7 +244,7 @@ def plan_mesh(sess: Session, options: WrapOptions) -> MeshPlan:
         if options.data_parallel_size is not None:
             rep, shard = options.data_parallel_size
         else:
-            shard = min(r.local_world_size for r in sess.ranks)
+            shard = min(hosts.count(h) for h in set(hosts))
             rep = world // shard if world % shard == 0 else None
             if rep is None:
                 raise ValueError(
@@ -395,7 +401,7 @@ def wrap(
         )
     if kind in ("class", "factory"):
         _check_call(model, args, kwargs)
-    plan = plan_mesh(sess, opts)
+    plan = plan_mesh(sess.world_size, sess.backend, [r.host for r in sess.ranks], opts)
     import torch
 
     # classes in the model, auto_wrap classes and callables may live in a user's
@@ -409,7 +415,7 @@ def wrap(
     else:
         payload = by_value((model, tuple(args), kwargs, opts))
     record = WrapRecord(name, kind, payload, opts, plan, seed)
-    d = sess._dispatch
+    d = sess.dispatcher
     clashes = d.gather(d.apply(f"check name {name!r}", _ew.name_status, args=(name,)))
     bad = [(r, c) for r, c in enumerate(clashes) if c]
     if bad:
@@ -428,12 +434,15 @@ def wrap(
     return _build(sess, record, model if kind == "instance" else None)
 
 
-def _build(sess: Session, record: WrapRecord, source: Any = None) -> ShardedModel:
-    """Build ``record`` on every rank; an instance's weights come from ``source`` (the
-    notebook's module), or are left for a checkpoint load when it is None (replay)."""
+def _build(
+    sess: Session, record: WrapRecord, source: Any = None, dispatcher: Dispatcher | None = None
+) -> ShardedModel:
+    """Build ``record`` on every rank through ``dispatcher`` (the session's by default);
+    an instance's weights come from ``source`` (the notebook's module), or are left for
+    a checkpoint load when it is None (replay)."""
     from .sharded_model import ShardedModel
 
-    d = sess._dispatch
+    d = dispatcher or sess.dispatcher
     summaries = d.gather(
         d.apply(
             f"wrap({record.name!r})",
@@ -442,8 +451,8 @@ def _build(sess: Session, record: WrapRecord, source: Any = None) -> ShardedMode
         )
     )
     if source is not None:
-        _stream_weights(sess, record.name, source.state_dict())
-    sess._wraps[record.name] = record
+        _stream_weights(d, sess.world_size, record.name, source.state_dict())
+    sess.wraps[record.name] = record
     return ShardedModel(sess, record.name, record.options, summaries[0])
 
 
@@ -451,12 +460,11 @@ CHUNK_BYTES = 64 * 2**20
 """Weights of an instance spec go to rank 0 in chunks of about this many bytes."""
 
 
-def _stream_weights(sess: Session, name: str, state: dict[str, Any]) -> None:
+def _stream_weights(d: Dispatcher, world_size: int, name: str, state: dict[str, Any]) -> None:
     """Send a notebook module's state dict to rank 0 chunk by chunk; every rank scatters
     each. CPU tensors go as they are (no copy); others are copied one at a time."""
     import torch
 
-    d = sess._dispatch
     chunk: dict[str, Any] = {}
     size = 0
     items = list(state.items())
@@ -467,7 +475,7 @@ def _stream_weights(sess: Session, name: str, state: dict[str, Any]) -> None:
         chunk[k] = v.numpy() if v.dtype != torch.bfloat16 else v
         size += v.numel() * v.element_size()
         if size >= CHUNK_BYTES or i == len(items) - 1:
-            args = [(name, chunk)] + [(name, None)] * (sess.world_size - 1)
+            args = [(name, chunk)] + [(name, None)] * (world_size - 1)
             d.gather(d.apply(f"load weights of {name!r}", _ew.load_full_chunk, args))
             chunk, size = {}, 0
 
@@ -483,7 +491,7 @@ def check_replayable(
     replaced such a model comes back only as the target of ``restore=`` (the last
     wrap), or not at all if the user lets it go (``drop=``).
     """
-    names = list(sess._wraps)
+    names = list(sess.wraps)
     unknown = sorted(set(drop) - set(names))
     if unknown:
         raise ValueError(
@@ -494,7 +502,7 @@ def check_replayable(
         return
     target = names[-1] if (restore is not None and names) else None
     lost = [
-        n for n, r in sess._wraps.items()
+        n for n, r in sess.wraps.items()
         if r.kind == "instance" and n != target and n not in drop
     ]
     if lost:
@@ -508,18 +516,21 @@ def check_replayable(
         )
 
 
-def replay_wraps(sess: Session, drop: tuple[str, ...] = ()) -> dict[str, ShardedModel]:
+def replay_wraps(
+    sess: Session, drop: tuple[str, ...] = (), dispatcher: Dispatcher | None = None
+) -> dict[str, ShardedModel]:
     """Rebuild every wrap recorded on ``sess`` (after ``sess.restart()`` replaced engines).
 
     Class and factory specs are built and initialised afresh (same seed: same
     weights); string specs need the module to exist again on the engines; instance
     specs are built with uninitialised weights, for ``restore=`` to load (see
     :func:`check_replayable`). Wraps named in ``drop`` are forgotten on every rank
-    and on the session. Returns name -> ShardedModel.
+    and on the session. ``dispatcher``: recovery passes its plain one. Returns name ->
+    ShardedModel.
     """
+    d = dispatcher or sess.dispatcher
     if drop:
-        d = sess._dispatch
         d.gather(d.apply(f"drop {', '.join(drop)}", _ew.forget_all, args=(tuple(drop),)))
         for name in drop:
-            sess._wraps.pop(name, None)
-    return {record.name: _build(sess, record) for record in list(sess._wraps.values())}
+            sess.wraps.pop(name, None)
+    return {r.name: _build(sess, r, dispatcher=d) for r in list(sess.wraps.values())}

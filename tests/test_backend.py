@@ -71,7 +71,7 @@ def test_connect_without_backend_forms_gloo_on_cpu_engines(sess):
     ``connect()`` on GPU engines is covered by ``tests/test_gpu.py``)."""
     from fsdp_nb import rendezvous
 
-    probes = rendezvous.probe_engines(sess._cluster, sess._dispatch)
+    probes = rendezvous.probe_engines(sess.cluster, sess.dispatcher)
     assert all(p.cuda_devices == 0 for p in probes)
     assert choose_backend(None, probes) == sess.backend == "gloo"
 
@@ -125,7 +125,7 @@ def test_abort_channel_reaches_every_engine_and_spares_gloo(sess):
     thread gets the request while nothing runs through its task queue, finds no NCCL
     communicator to abort, and the gloo group still answers."""
     from fsdp_nb.engine import nccl_abort
-    from fsdp_nb.recovery import abort_collectives
+    from fsdp_nb.health import abort_collectives
 
     endpoints = sess.run(nccl_abort.start)
     assert sess.run(nccl_abort.start) == endpoints  # once per engine
@@ -150,3 +150,26 @@ def test_launched_engines_are_probed_before_the_backend_is_chosen():
     assert _validate(2, "gloo", "mpi") == (2, "gloo")
     local = _validate(None, None, "local")
     assert local[1] in ("gloo", "nccl")  # local engines share this machine's GPUs
+
+
+@pytest.mark.parametrize(
+    "url, host",
+    [("tcp://10.0.0.5:4242", "10.0.0.5"), ("tcp://[::1]:4242", "::1"), ("tcp://*:4242", None),
+     ("tcp://0.0.0.0:1", None), ("", None), ("10.0.0.5:1", None)],
+)
+def test_controller_urls_parse_one_way(url, host):
+    from fsdp_nb.engine.probe import url_host
+
+    assert url_host(url) == host
+
+
+def test_dtype_table_matches_torch():
+    import torch
+
+    from fsdp_nb.dtypes import from_safetensors, itemsize
+
+    for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                 "uint8", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"):
+        assert itemsize(name) == torch.empty((), dtype=getattr(torch, name)).element_size(), name
+    assert [from_safetensors(c) for c in ("F32", "BF16", "F8_E4M3", "BOOL")] == [
+        "float32", "bfloat16", "float8_e4m3fn", "bool"]

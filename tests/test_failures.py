@@ -20,7 +20,7 @@ import torch
 import fsdp_nb
 from fsdp_nb.dispatch import OUTPUT_LIMIT
 from fsdp_nb.errors import DeadRankError, RankError, RankTimeoutError
-from fsdp_nb.recovery import SessionStatus
+from fsdp_nb.status import SessionStatus
 
 MODEL = """
 import time
@@ -51,6 +51,26 @@ def fail_local():
 
 BLOCKED = "t = torch.ones(1)\ndist.all_reduce(t)\n"
 """A collective the other rank never joins: the rank running it blocks."""
+
+
+def _on_marker(path, action, timeout: float = 60.0) -> threading.Thread:
+    """Run ``action`` in a thread once ``path`` exists: a marker the engine writes when
+    it has reached the point where the fault should hit (never a timer)."""
+
+    def wait() -> None:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        action()
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    return t
+
+
+def _mark(path) -> str:
+    """Engine code that writes the marker ``path``."""
+    return f"open({str(path)!r}, 'w').close()\n"
 
 
 def _build(s, shape="(2,)", names='("dp",)'):
@@ -113,16 +133,13 @@ def test_px_cell_with_failing_rank_does_not_hang(quick, shell):
     _assert_recovered(quick, before)
 
 
-def test_ctrl_c_during_collective_stops_every_rank_and_keeps_state(quick):
+def test_ctrl_c_during_collective_stops_every_rank_and_keeps_state(quick, tmp_path):
     before = _weights(quick)
-    code = "if rank == 1:\n    time.sleep(30)\n" + BLOCKED
-    timer = threading.Timer(1.5, _thread.interrupt_main)
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            quick.execute(code)
-    finally:
-        timer.cancel()
+    marker = tmp_path / "sleeping"
+    code = "if rank == 1:\n    " + _mark(marker) + "    time.sleep(30)\n" + BLOCKED
+    _on_marker(marker, _thread.interrupt_main)
+    with pytest.raises(KeyboardInterrupt):
+        quick.execute(code)
     assert quick.status().busy == []
     _assert_recovered(quick, before)
 
@@ -152,11 +169,18 @@ def test_run_timeout_on_plain_python_loop(sess):
     assert sess.all_reduce_check() == 1.0
 
 
-def test_status_answers_while_a_cell_runs_and_shows_where(sess):
-    d = sess._dispatch
-    pending = d.execute("import time\ndef fail_wait_here():\n    time.sleep(4)\nfail_wait_here()")
+def test_status_answers_while_a_cell_runs_and_shows_where(sess, tmp_path):
+    d = sess.dispatcher
+    marker = str(tmp_path / "waiting-{rank}")
+    pending = d.execute(
+        "import time\ndef fail_wait_here():\n"
+        f"    open({marker!r}.format(rank=rank), 'w').close()\n    time.sleep(4)\nfail_wait_here()"
+    )
     try:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30  # both ranks inside fail_wait_here
+        while not all(os.path.exists(marker.format(rank=r)) for r in (0, 1)):
+            assert time.monotonic() < deadline, "the cell never reached fail_wait_here"
+            time.sleep(0.02)
         st = sess.status()
         assert isinstance(st, SessionStatus)
         assert st.busy == [0, 1] and st.dead == []
@@ -206,18 +230,15 @@ def fragile():
         s.shutdown()
 
 
-def test_engine_killed_while_peer_waits_in_collective(fragile):
+def test_engine_killed_while_peer_waits_in_collective(fragile, tmp_path):
     s = fragile
     s.execute("fail_kept = 41 + rank")
     victim = s.ranks[1].pid
-    assert s._cluster.owns_pid(victim)
-    timer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
-    timer.start()
-    try:
-        with pytest.raises(DeadRankError) as info:
-            s.execute("if rank == 1:\n    import time; time.sleep(30)\n" + BLOCKED)
-    finally:
-        timer.cancel()
+    assert s.cluster.owns_pid(victim)
+    marker = tmp_path / "sleeping"
+    _on_marker(marker, lambda: os.kill(victim, signal.SIGKILL))
+    with pytest.raises(DeadRankError) as info:
+        s.execute("if rank == 1:\n    import time\n    " + _mark(marker) + "    time.sleep(30)\n" + BLOCKED)
     assert info.value.dead_ranks == [1]
     st = s.status()
     assert st.dead == [1] and st.idle == [0]  # the survivor is not left in the collective
@@ -347,7 +368,7 @@ def test_restart_drop_lets_instance_wraps_go(fragile):
         s.restart()  # both instance wraps would need a checkpoint
     s.restart(drop=["fail_inst", "fail_gone"])
     assert s.state == "ready" and s.all_reduce_check() == 1.0
-    assert not {"fail_inst", "fail_gone"} & set(s._wraps)
+    assert not {"fail_inst", "fail_gone"} & set(s.wraps)
     assert s.run(lambda: [n in globals() for n in ("fail_inst", "fail_gone", "fail_tiny")]) == [
         [False, False, True]
     ] * 2  # class wraps were replayed, the dropped ones are gone on every rank

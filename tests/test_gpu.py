@@ -201,7 +201,7 @@ def test_nccl_abort_then_reform_trains_on(gsess):
     """What one GPU can show of the NCCL recovery: the rank's communicators are aborted
     from its listener thread, the group is re-formed, the model trains on."""
     from fsdp_nb.engine import nccl_abort
-    from fsdp_nb.recovery import abort_collectives
+    from fsdp_nb.health import abort_collectives
 
     gsess.wrap(Net, name="gab")
     x, y = _batch()

@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _engines_running(sess) -> list[list[str]]:
-    d = sess._dispatch
+    d = sess.dispatcher
     return d.gather(d.apply("samplers running", ms.running))
 
 
@@ -131,7 +131,7 @@ def test_memory_samples_arrive_while_a_cell_runs(sess):
 
 
 def test_memory_sampler_without_subscriber_ends_and_bad_interval(sess):
-    d = sess._dispatch
+    d = sess.dispatcher
     args = [("lonely", r.rank, r.addr, r.device, 0.1, 0.3) for r in sess.ranks]
     eps = d.gather(d.apply("start sampler", ms.start, args))
     assert all(e.startswith("tcp://") for e in eps)
@@ -232,7 +232,7 @@ def test_checkpoint_browser_real_save_load_consolidate(sess, tmp_path):
 def test_dashboard_status_busy_idle(sess, tmp_path):
     st = session_status(sess)
     assert [r.state for r in st.ranks] == ["idle", "idle"]
-    d = sess._dispatch
+    d = sess.dispatcher
     pending = d.execute("import time as _t; _t.sleep(1.5)")
     try:
         assert _wait_for(lambda: [r.state for r in session_status(sess).ranks] == ["busy", "busy"],

@@ -101,11 +101,10 @@ def _dp_coords(sm):
 def _assert_trains_like_one_process(sess, sm, start, x, y, atol=1e-10):
     ref = _train_local(copy.deepcopy(start), x, y)
     coords = _dp_coords(sm)
-    sess._dispatch  # noqa: B018 - the handle below ships as the engine module
     from fsdp_nb.engine import namespace as _ns
     from fsdp_nb.shipping import by_value
 
-    d = sess._dispatch
+    d = sess.dispatcher
     d.gather(
         d.apply(
             "train",
@@ -402,7 +401,7 @@ def test_instance_wrap_keeps_no_copy_in_the_notebook(sess):
     got = sm.state_dict()  # and the ranks got the weights
     assert all(torch.equal(got[k], v) for k, v in expected.items())
     sess.run(forget_all, ("nocopy",))
-    del sess._wraps["nocopy"]
+    del sess.wraps["nocopy"]
 
 
 # -- bad input: clear errors before any work, the session stays usable -----------------------
@@ -440,3 +439,38 @@ def test_bad_input_is_refused_before_any_work(sess, args, kwargs, exc, match):
     assert sess.all_reduce_check() == 1.0
     # the session stays usable: a good wrap still works
     assert sess.wrap(Net, name="after_bad").num_params > 0
+
+
+# -- options and mesh plans without engines ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"sharding": "zero3"}, ValueError, "allowed: full, grad_op, none, hybrid"),
+        ({"mixed_precision": "fp8"}, ValueError, "allowed: bf16-mixed"),
+        ({"auto_wrap": [int]}, TypeError, "torch.nn.Module subclasses"),
+        ({"tensor_parallel_size": 2}, ValueError, "needs parallelize"),
+        ({"sharding": "hybrid", "data_parallel_size": 4}, ValueError, "pair of positive ints"),
+    ],
+)
+def test_wrap_options_validate_themselves(kwargs, exc, match):
+    from fsdp_nb.sharding import WrapOptions
+
+    with pytest.raises(exc, match=match):
+        WrapOptions(**kwargs)
+
+
+def test_plan_mesh_is_a_function_of_world_backend_hosts_options():
+    from fsdp_nb.sharding import WrapOptions, plan_mesh
+
+    hosts = ["a", "a", "b", "b"]
+    assert plan_mesh(4, "gloo", hosts, WrapOptions()).shape == (4,)
+    hsdp = plan_mesh(4, "nccl", hosts, WrapOptions(sharding="hybrid"))
+    assert (hsdp.device_type, hsdp.shape, hsdp.dim_names) == ("cuda", (2, 2), ("dp_replicate", "dp_shard"))
+    assert plan_mesh(4, "gloo", hosts, WrapOptions(sharding="none")).shape == (4, 1)
+    tp = plan_mesh(4, "gloo", hosts, WrapOptions(tensor_parallel_size=2, parallelize=lambda m, d: m))
+    assert (tp.shape, tp.fsdp_dims, tp.tp_dim) == ((2, 2), ("dp",), "tp")
+    assert plan_mesh(3, "gloo", ["a", "a", "b"], WrapOptions(sharding="hybrid")).shape == (3, 1)
+    with pytest.raises(ValueError, match="cannot split 5 ranks into hosts of 2"):
+        plan_mesh(5, "gloo", ["a", "a", "b", "b", "b"], WrapOptions(sharding="hybrid"))

@@ -19,6 +19,7 @@ invalid: ``inspect`` says so and ``load`` refuses it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import posixpath
 from typing import Any
@@ -26,6 +27,8 @@ from typing import Any
 from .fullfile import full_suffix
 from .metadata import MARKER, META_FILE, dumps
 from .storage import is_local, sibling
+
+log = logging.getLogger("fsdp_nb")
 
 __all__ = ["commit_full", "commit_sharded", "read_marker", "retain_last", "validate_files"]
 
@@ -37,8 +40,8 @@ def _fsync_dir(path: str) -> None:
         return
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as exc:
+        log.debug("could not fsync folder %s: %s", path, exc)
     finally:
         os.close(fd)
 

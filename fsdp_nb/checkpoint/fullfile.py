@@ -15,7 +15,9 @@ import json
 import posixpath
 from typing import Any
 
+from ..dtypes import from_safetensors
 from .info import CorruptCheckpointError
+from .keys import MODEL, OPTIM_STATE, flat_optim_state, split_optim_key
 
 __all__ = ["FULL_SUFFIXES", "full_suffix", "read_full", "read_full_meta", "write_full"]
 
@@ -38,16 +40,15 @@ def _to_safetensors(model_sd: dict, optim_sd: dict | None, meta: dict) -> tuple[
     for k, v in model_sd.items():
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"model state {k!r} is not a tensor; use a .pt file")
-        tensors[f"model.{k}"] = v.detach().contiguous()
+        tensors[MODEL + k] = v.detach().contiguous()
     other: dict[str, Any] = {}
     if optim_sd:
         scalars: dict[str, Any] = {}
-        for fqn, st in optim_sd.get("state", {}).items():
-            for key, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    tensors[f"optim.state.{fqn}.{key}"] = v.detach().contiguous()
-                else:
-                    scalars.setdefault(fqn, {})[key] = v
+        for flat, fqn, key, v in flat_optim_state(optim_sd.get("state", {})):
+            if isinstance(v, torch.Tensor):
+                tensors[flat] = v.detach().contiguous()
+            else:
+                scalars.setdefault(fqn, {})[key] = v
         other = {"param_groups": optim_sd.get("param_groups", []), "scalars": scalars}
     header = {"fsdp_nb": json.dumps(meta)}
     if optim_sd:
@@ -114,7 +115,7 @@ def read_full(fs: Any, path: str, url: str) -> tuple[dict, dict | None, dict]:
                     flat = load(f.read())
             header = read_safetensors_header(fs, path)
             meta = json.loads(header.get("fsdp_nb", "{}"))
-            model_sd = {k[6:]: v for k, v in flat.items() if k.startswith("model.")}
+            model_sd = {k[len(MODEL):]: v for k, v in flat.items() if k.startswith(MODEL)}
             optim_sd = None
             if "fsdp_nb.optim" in header:
                 other = json.loads(header["fsdp_nb.optim"])
@@ -122,8 +123,8 @@ def read_full(fs: Any, path: str, url: str) -> tuple[dict, dict | None, dict]:
                     fqn: dict(vals) for fqn, vals in other.get("scalars", {}).items()
                 }
                 for k, v in flat.items():
-                    if k.startswith("optim.state."):
-                        fqn, key = k[len("optim.state."):].rsplit(".", 1)
+                    if k.startswith(OPTIM_STATE):
+                        fqn, key = split_optim_key(k)
                         state.setdefault(fqn, {})[key] = v
                 optim_sd = {"state": state, "param_groups": other.get("param_groups", [])}
             return model_sd, optim_sd, meta
@@ -175,7 +176,7 @@ def read_full_meta(fs: Any, path: str) -> tuple[dict, dict[str, tuple[tuple[int,
         out = {}
         for k, v in js.items():
             start, end = v["data_offsets"]
-            out[k] = (tuple(v["shape"]), _st_dtype(v["dtype"]), start, end - start)
+            out[k] = (tuple(v["shape"]), from_safetensors(v["dtype"]), start, end - start)
         size = fs.size(path)
         need = max((o + n for (_, _, o, n) in out.values()), default=0)
         if size < need:
@@ -191,22 +192,9 @@ def read_full_meta(fs: Any, path: str) -> tuple[dict, dict[str, tuple[tuple[int,
         with fs.open(path, "rb") as f:
             obj = torch.load(f, map_location="cpu", weights_only=True)
     out = {}
-    for prefix, sd in (("model", obj.get("model", {})), ("optim.state", (obj.get("optim") or {}).get("state", {}))):
-        for k, v in sd.items():
-            items = v.items() if prefix == "optim.state" else [(None, v)]
-            for sub, t in items:
-                if isinstance(t, torch.Tensor):
-                    key = f"{prefix}.{k}" + (f".{sub}" if sub else "")
-                    out[key] = (tuple(t.shape), str(t.dtype).replace("torch.", ""), None, t.numel() * t.element_size())
+    flat = [(MODEL + k, v) for k, v in obj.get("model", {}).items()]
+    flat += [(f, v) for f, _, _, v in flat_optim_state((obj.get("optim") or {}).get("state", {}))]
+    for key, t in flat:
+        if isinstance(t, torch.Tensor):
+            out[key] = (tuple(t.shape), str(t.dtype).replace("torch.", ""), None, t.numel() * t.element_size())
     return obj.get("fsdp_nb", {}), out
-
-
-_ST = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}
-
-
-def _st_dtype(code: str) -> str:
-    return _ST.get(code, code.lower())

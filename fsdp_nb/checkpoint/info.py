@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .keys import MODEL
+
 __all__ = ["CheckpointError", "CheckpointInfo", "ChunkInfo", "CorruptCheckpointError", "TensorInfo"]
 
 
@@ -90,7 +92,7 @@ class CheckpointInfo:
     @property
     def model_keys(self) -> list[str]:
         """Model state-dict keys (without the ``model.`` prefix)."""
-        return [k[6:] for k in self.tensors if k.startswith("model.")]
+        return [k[len(MODEL):] for k in self.tensors if k.startswith(MODEL)]
 
     def __repr__(self) -> str:
         state = "valid" if self.valid else f"INVALID ({self.problem})"

@@ -13,6 +13,7 @@ import json
 import posixpath
 from typing import Any
 
+from ..dtypes import itemsize
 from .atomic import read_marker, validate_files
 from .fullfile import full_suffix, read_full_meta
 from .info import CheckpointInfo, ChunkInfo, CorruptCheckpointError, TensorInfo
@@ -21,13 +22,6 @@ from .restricted import load_dcp_metadata
 from .storage import crc32_of, url_to_fs
 
 __all__ = ["inspect", "read_dcp_metadata", "verify_checksums"]
-
-_DTYPE_BYTES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
-}
-
 
 def read_dcp_metadata(fs: Any, path: str, url: str) -> Any:
     """DCP ``Metadata`` of the folder ``path``; CorruptCheckpointError naming the file if unreadable."""
@@ -151,7 +145,7 @@ def _inspect_sharded(fs: Any, p: str, url: str, verify: bool) -> CheckpointInfo:
                 chunks.append(ChunkInfo(
                     tuple(idx.offset or ()), sizes, si.relative_path, si.offset, si.length
                 ))
-            infos[fqn] = TensorInfo(fqn, shape, dtype, n * _DTYPE_BYTES.get(dtype, 0), tuple(chunks))
+            infos[fqn] = TensorInfo(fqn, shape, dtype, n * itemsize(dtype), tuple(chunks))
     files = {k: int(v["size"]) for k, v in (marker or {}).get("files", {}).items()}
     if not files:
         try:

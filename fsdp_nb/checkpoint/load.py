@@ -41,7 +41,7 @@ def load(
     url_to_fs(path)
     wait_pending(sess)
     spec = {"url": path, "so": options_for(path), "model": name, "optimizer": optim, "strict": strict}
-    d = sess._dispatch
+    d = sess.dispatcher
     outs = d.gather(d.apply("checkpoint load", cio.load, args=(spec,)))
     raise_outcomes(outs)
     return outs[0].get("extra", {})

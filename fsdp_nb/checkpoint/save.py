@@ -99,7 +99,7 @@ class AsyncCheckpoint:
             return True
         from ..engine import checkpoint_io as cio
 
-        d = self._sess._dispatch
+        d = self._sess.dispatcher
         return all(d.gather(d.apply("checkpoint async_done", cio.async_done, args=(self.token,))))
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo:
@@ -107,7 +107,7 @@ class AsyncCheckpoint:
         if not self._finished:
             from ..engine import checkpoint_io as cio
 
-            d = self._sess._dispatch
+            d = self._sess.dispatcher
             try:
                 outs = d.gather(d.apply("checkpoint async_wait", cio.async_wait, args=(self.token,)), timeout)
                 self._finished = True
@@ -186,7 +186,7 @@ def save(
         "meta": base_metadata(extra, "sharded" if sharded else "full"),
         "check_exists": not overwrite,
     }
-    d = sess._dispatch
+    d = sess.dispatcher
     pre = d.gather(d.apply("checkpoint preflight", cio.preflight, args=(spec,)))
     raise_outcomes(pre)
     if pre[0].get("exists"):

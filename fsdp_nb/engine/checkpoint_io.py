@@ -24,6 +24,7 @@ model tensor is touched.
 
 from __future__ import annotations
 
+import logging
 import posixpath
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,9 +34,13 @@ from ..checkpoint.atomic import commit_full, commit_sharded, read_marker, retain
 from ..checkpoint.fullfile import full_suffix, read_full, write_full
 from ..checkpoint.info import CorruptCheckpointError
 from ..checkpoint.inspect import inspect, read_dcp_metadata, verify_checksums
+from ..checkpoint.keys import MODEL, OPTIM_STATE, flat_optim_state
 from ..checkpoint.restricted import safe_reader
 from ..checkpoint.storage import dcp_writer, file_record, sibling, url_to_fs
 from .namespace import user_ns
+from .wrap import param_sizes
+
+log = logging.getLogger("fsdp_nb")
 
 __all__ = ["async_done", "async_wait", "load", "preflight", "save"]
 
@@ -82,8 +87,8 @@ def _drain() -> None:
     for token, fut in list(_PENDING.items()):
         try:
             fut.result()
-        except BaseException:
-            pass
+        except BaseException as exc:
+            log.warning("an async checkpoint save failed on this rank: %s", exc)
         _PENDING.pop(token, None)
 
 
@@ -149,7 +154,7 @@ def _model_meta(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
         model=spec["model"],
         optimizer=spec.get("optimizer"),
         model_class=f"{cls.__module__}.{cls.__qualname__}",
-        param_count=int(sum(p.numel() for p in model.parameters())),
+        param_count=param_sizes(model)[0],
     )
     return meta
 
@@ -282,8 +287,8 @@ def _cleanup(fs: Any, path: str) -> None:
     try:
         if fs.exists(path):
             fs.rm(path, recursive=True)
-    except Exception:
-        pass
+    except Exception as exc:
+        log.warning("could not remove the unfinished checkpoint folder: %s", exc)
 
 
 def _save_full(spec: dict[str, Any], model: Any, optim: Any, t0: float) -> dict[str, Any]:
@@ -366,11 +371,7 @@ def _agree(problem: str | None, cls: str = "CheckpointError") -> dict[str, Any] 
 
 
 def _flat_optim(osd: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for fqn, st in osd.get("state", {}).items():
-        for k, v in st.items():
-            out[f"optim.state.{fqn}.{k}"] = v
-    return out
+    return {flat: v for flat, _, _, v in flat_optim_state(osd.get("state", {}))}
 
 
 def _shape_problems(
@@ -463,12 +464,12 @@ def _load_sharded(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any)
         return bad
     stored = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
     msd, osd = get_state_dict(model, [optim] if optim is not None else [])
-    expected = {f"model.{k}": tuple(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
-    found = {k: s for k, s in stored.items() if k.startswith("model.")}
+    expected = {MODEL + k: tuple(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
+    found = {k: s for k, s in stored.items() if k.startswith(MODEL)}
     problem, usable = _shape_problems(url, expected, found, "model", strict)
     if problem is None and optim is not None:
         exp_o = {k: tuple(v.shape) for k, v in _flat_optim(osd).items() if isinstance(v, torch.Tensor)}
-        found_o = {k: s for k, s in stored.items() if k.startswith("optim.state.")}
+        found_o = {k: s for k, s in stored.items() if k.startswith(OPTIM_STATE)}
         if not found_o and not any(k.startswith("optim.") for k in md.state_dict_metadata):
             problem = f"checkpoint {url!r} has no optimizer state (it was saved without optimizer=)"
         else:
@@ -477,7 +478,7 @@ def _load_sharded(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any)
     if bad:
         return bad
     # Read into fresh tensors; the model is touched only after every rank read everything.
-    fresh_m = {k: torch.empty_like(v) for k, v in msd.items() if f"model.{k}" in usable}
+    fresh_m = {k: torch.empty_like(v) for k, v in msd.items() if MODEL + k in usable}
     sd: dict[str, Any] = {"model": fresh_m}
     fresh_o = None
     if optim is not None:

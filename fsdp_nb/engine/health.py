@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import logging
 import os
 import signal
 import types
 import warnings
 from typing import Any
+
+log = logging.getLogger("fsdp_nb")
 
 __all__ = [
     "STACK_SIGNAL",
@@ -119,8 +122,8 @@ def close_connections_to(peer_endpoints: list[tuple[str, int]]) -> int:
             try:
                 s.shutdown(socket.SHUT_RDWR)
                 n += 1
-            except OSError:
-                pass
+            except OSError as exc:
+                log.debug("could not shut a socket down: %s", exc)
             finally:
                 s.close()
     return n
@@ -150,8 +153,8 @@ def _drop_references(groups: list[Any]) -> int:
                     try:
                         setattr(ref, k, None)
                         n += 1
-                    except Exception:  # noqa: BLE001 - read-only attribute: leave it
-                        pass
+                    except Exception as exc:  # noqa: BLE001 - read-only attribute: leave it
+                        log.debug("left a read-only reference to an old group: %s", exc)
     return n
 
 
@@ -243,8 +246,8 @@ def rebind_groups(partitions: list[tuple[tuple[int, ...], ...]] | None = None) -
             for n in names:
                 try:
                     registry[n] = dist.distributed_c10d._resolve_process_group(n)
-                except Exception:
-                    pass
+                except Exception as exc:
+                    log.debug("mesh group %s not resolvable yet: %s", n, exc)
     fsdp = _refresh_fsdp()
     return {"meshes": len(meshes), "groups_created": created, "names_rebound": rebound,
             "fsdp_groups": fsdp}

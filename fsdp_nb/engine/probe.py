@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
 
 LAUNCHER_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 """Environment variables through which MPI or Slurm tell a process its rank."""
+
+log = logging.getLogger("fsdp_nb")
 
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 """Variables naming the network interface gloo / NCCL bind to; never overridden if set."""
@@ -76,8 +79,15 @@ def registered_controller() -> str | None:
         if not IPEngine.initialized():
             return None
         url = IPEngine.instance().registration_url or ""
-    except Exception:
+    except Exception as exc:  # noqa: BLE001 - any failure means: not inside ipengine
+        log.debug("no ipengine registration url: %s", exc)
         return None
+    return url_host(url)
+
+
+def url_host(url: str) -> str | None:
+    """The host of a zmq url (``tcp://10.0.0.5:4242`` -> ``10.0.0.5``, IPv6 brackets
+    stripped), or None for a wildcard (``*``, ``0.0.0.0``) or a url without a host."""
     if "://" not in url:
         return None
     host = url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
@@ -109,8 +119,8 @@ def interface_of(addr: str) -> str | None:
         for name, addrs in psutil.net_if_addrs().items():
             if any(a.family == socket.AF_INET and a.address == addr for a in addrs):
                 return name
-    except Exception:
-        pass
+    except Exception as exc:
+        log.debug("no interface found for the address: %s", exc)
     return None
 
 

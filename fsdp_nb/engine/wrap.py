@@ -51,6 +51,7 @@ __all__ = [
     "get",
     "load_full_chunk",
     "name_status",
+    "param_sizes",
     "resolve",
 ]
 
@@ -357,18 +358,22 @@ def build(name: str, kind: str, payload: Any, plan: Any, seed: int) -> WrapSumma
     return _summary(model, units, checkpointed, mesh)
 
 
-def _summary(model: Any, units: list, checkpointed: tuple[str, ...], mesh: Any) -> WrapSummary:
-    from torch.distributed.tensor import DTensor
-
+def param_sizes(model: Any) -> tuple[int, int, int]:
+    """(parameters, bytes, bytes this rank holds) of ``model``'s parameters, unsharded
+    sizes from the DTensors' global shapes."""
     num = total = local = 0
-    dtype = "float32"
-    for i, p in enumerate(model.parameters()):
+    for p in model.parameters():
         num += p.numel()
         total += p.numel() * p.element_size()
-        lt = p._local_tensor if isinstance(p, DTensor) else p
+        lt = _local(p)
         local += lt.numel() * lt.element_size()
-        if i == 0:
-            dtype = str(p.dtype).removeprefix("torch.")
+    return num, total, local
+
+
+def _summary(model: Any, units: list, checkpointed: tuple[str, ...], mesh: Any) -> WrapSummary:
+    num, total, local = param_sizes(model)
+    first = next(iter(model.parameters()), None)
+    dtype = str(first.dtype).removeprefix("torch.") if first is not None else "float32"
     return WrapSummary(
         num_params=num,
         total_bytes=total,

@@ -11,6 +11,7 @@ the unsubscribe and ends; a closed session ends the receiver too.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import memory_sampler as _ms
+
+log = logging.getLogger("fsdp_nb")
 
 __all__ = ["MemoryFeed", "MemorySample"]
 
@@ -127,7 +130,7 @@ class MemoryFeed:
 
         if self.running:
             return self
-        d = self.sess._live()
+        d = self.sess.dispatcher
         ranks = self.sess.ranks
         args = [(self.token, r.rank, r.addr, r.device, self.interval) for r in ranks]
         self.endpoints = d.gather(d.apply("start memory sampler", _ms.start, args))
@@ -174,8 +177,8 @@ class MemoryFeed:
                         for fn in list(self._listeners):
                             try:
                                 fn(self)
-                            except Exception:  # a broken view must not kill the feed
-                                pass
+                            except Exception as exc:  # a broken view must not kill the feed
+                                log.warning("a memory view failed to render a sample: %s", exc)
         finally:
             sub.close(0)
             self._ctx.term()
@@ -192,5 +195,5 @@ class MemoryFeed:
     def __del__(self) -> None:
         try:
             self._stop.set()
-        except Exception:
-            pass
+        except Exception as exc:
+            log.debug("closing the memory feed: %s", exc)

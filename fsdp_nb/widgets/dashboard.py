@@ -1,92 +1,27 @@
 """One dashboard: session status, live memory, shard layouts and checkpoints.
 
 ``sess.dashboard()`` returns a :class:`Dashboard` (tabs). The status table renders from
-:class:`SessionStatus`, filled by :func:`session_status` from the recovery layer's
+:class:`fsdp_nb.status.SessionStatus`, filled by :func:`session_status` from the session's
 status (the controller's queue status and the engines' pids: it answers while
 engines run a cell).
 """
 
 from __future__ import annotations
 
-import html
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import ipywidgets as W
 
-from ._render import StaticForm, html_table, text_table
+from ..status import SessionStatus, read_status
+from ._render import StaticForm
 
-__all__ = ["Dashboard", "RankStatus", "SessionStatus", "dashboard", "session_status"]
-
-
-@dataclass(frozen=True)
-class RankStatus:
-    """One rank's row in the status table."""
-
-    rank: int
-    """Global rank."""
-    engine_id: int
-    """ipyparallel engine id."""
-    host: str
-    """Host name."""
-    pid: int
-    """Engine process id."""
-    device: str
-    """Device it computes on."""
-    state: str
-    """``busy``, ``idle`` or ``dead``."""
-    queued: int = 0
-    """Requests waiting or running on the engine."""
-
-
-@dataclass(frozen=True)
-class SessionStatus:
-    """The session at one moment."""
-
-    state: str
-    """Session state (``ready``, ``closed``...)."""
-    backend: str
-    """Process-group backend."""
-    ranks: tuple[RankStatus, ...]
-    """One row per rank."""
-    taken: float
-    """Unix time it was read."""
-
-    HEADER = ("rank", "engine", "host", "pid", "device", "state", "queued")
-
-    def rows(self) -> list[tuple[Any, ...]]:
-        return [(r.rank, r.engine_id, r.host, r.pid, r.device, r.state, r.queued)
-                for r in self.ranks]
-
-    def to_text(self) -> str:
-        return (f"session {self.state}, backend {self.backend}, {len(self.ranks)} ranks\n"
-                + text_table(self.HEADER, self.rows()))
-
-    def to_html(self) -> str:
-        colors = {"busy": "#ff7f0e", "idle": "#2ca02c", "dead": "#d62728"}
-        rows = [(*r[:5], f"<b style='color:{colors.get(r[5], '#333')}'>{html.escape(r[5])}</b>",
-                 r[6]) for r in self.rows()]
-        when = time.strftime("%H:%M:%S", time.localtime(self.taken))
-        return (f"<div class='fsdp-nb-status'><b>Session</b> {html.escape(self.state)}, "
-                f"backend {html.escape(self.backend)}, {len(self.ranks)} ranks "
-                f"<small>(at {when})</small>{html_table(self.HEADER, rows, raw_cols=(5,))}</div>")
+__all__ = ["Dashboard", "dashboard", "session_status"]
 
 
 def session_status(sess: Any) -> SessionStatus:
-    """Busy / idle / dead per rank, from ``fsdp_nb.recovery.status``.
-
-    Without stacks: the dashboard does not show them, and taking them signals every
-    busy rank.
-    """
-    from ..recovery import status
-
-    st = status(sess, with_stacks=False)
-    rows = tuple(
-        RankStatus(s.rank, s.engine_id, s.host, s.pid, info.device, s.state, s.queued)
-        for s, info in zip(st.ranks, sess.ranks)
-    )
-    return SessionStatus(sess.state, sess.backend, rows, time.time())
+    """Busy / idle / dead per rank (``fsdp_nb.status.read_status``), without stacks:
+    the dashboard does not show them, and taking them signals every busy rank."""
+    return read_status(sess, with_stacks=False)
 
 
 class Dashboard(StaticForm, W.VBox):

@@ -1,0 +1,37 @@
+"""How checkpoint keys are spelled: ``model.<fqn>`` and ``optim.state.<fqn>.<key>``.
+
+DCP flattens ``{"model": ..., "optim": {"state": {fqn: {key: tensor}}}}`` this way, and
+fsdp_nb's full files use the same spelling, so loading, inspecting and converting
+agree on one layout. Optimizer state keys (``exp_avg``, ``step``) never contain a dot;
+parameter FQNs do, so a flat key splits at its last dot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+__all__ = ["MODEL", "OPTIM_STATE", "flat_optim_state", "optim_key", "split_optim_key"]
+
+MODEL = "model."
+"""Prefix of model tensors."""
+OPTIM_STATE = "optim.state."
+"""Prefix of optimizer state entries."""
+
+
+def optim_key(fqn: str, key: str) -> str:
+    """``optim.state.<fqn>.<key>``."""
+    return f"{OPTIM_STATE}{fqn}.{key}"
+
+
+def split_optim_key(flat: str) -> tuple[str, str]:
+    """(fqn, key) of an ``optim.state.<fqn>.<key>`` string."""
+    fqn, key = flat[len(OPTIM_STATE):].rsplit(".", 1)
+    return fqn, key
+
+
+def flat_optim_state(state: Mapping[str, Mapping[str, Any]]) -> Iterator[tuple[str, str, str, Any]]:
+    """(flat key, fqn, key, value) for every entry of an optimizer state dict's ``state``."""
+    for fqn, entries in state.items():
+        for key, value in entries.items():
+            yield optim_key(fqn, key), fqn, key, value

@@ -1,0 +1,157 @@
+"""The session's status as plain data: which rank is busy, idle or dead, and where.
+
+One model for ``sess.status()``, the dashboard and notebooks: :class:`SessionStatus`
+of :class:`RankStatus` rows, with a text and an HTML form. :func:`read_status` fills it
+from the controller's queue status and the engines' pids, never through an engine's
+task queue, so it answers while a cell runs (from another thread or a widget); busy
+ranks' stacks come from ``fsdp_nb.health`` (faulthandler dumps on a signal).
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .session import Session
+
+__all__ = ["RankStatus", "SessionStatus", "read_status"]
+
+log = logging.getLogger("fsdp_nb")
+
+_COLOURS = {"busy": "#b58900", "idle": "#2aa198", "dead": "#dc322f"}
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """One rank's state right now."""
+
+    rank: int
+    """The rank."""
+    engine_id: int
+    """Its current ipyparallel engine id."""
+    host: str
+    """Host the engine runs on."""
+    pid: int | None
+    """Engine process id."""
+    device: str
+    """Device it computes on (``"cuda:0"``, ``"cpu"``)."""
+    state: str
+    """``"busy"`` (running or queued work), ``"idle"`` or ``"dead"``."""
+    queued: int = 0
+    """Tasks the controller has sent this engine that have not finished (running included)."""
+    stack: str | None = None
+    """For a busy rank, when asked for: every thread's Python stack, the main thread first."""
+
+    @property
+    def where(self) -> str | None:
+        """The innermost frame of the main thread ("File ..., line N in fn"), if known."""
+        if not self.stack:
+            return None
+        first = self.stack.split("\n\n", 1)[0].splitlines()
+        frames = [line.strip() for line in first if line.strip().startswith("File ")]
+        return frames[0] if frames else None
+
+
+@dataclass(frozen=True)
+class SessionStatus:
+    """Per-rank busy / idle / dead, with stacks for busy ranks when asked for."""
+
+    state: str
+    """The session's state (``ready``, ``degraded``, ``closed``...)."""
+    backend: str
+    """Process-group backend."""
+    ranks: tuple[RankStatus, ...] = ()
+    """One entry per rank, in rank order."""
+    taken: float = field(default_factory=time.time)
+    """Unix time it was read."""
+
+    HEADER = ("rank", "engine", "host", "pid", "device", "state", "queued")
+
+    def _ranks_in(self, state: str) -> list[int]:
+        return [r.rank for r in self.ranks if r.state == state]
+
+    @property
+    def busy(self) -> list[int]:
+        """Ranks running or queued work."""
+        return self._ranks_in("busy")
+
+    @property
+    def idle(self) -> list[int]:
+        """Ranks waiting for work."""
+        return self._ranks_in("idle")
+
+    @property
+    def dead(self) -> list[int]:
+        """Ranks whose engine process is gone."""
+        return self._ranks_in("dead")
+
+    def rows(self) -> list[tuple[Any, ...]]:
+        """Table rows in ``HEADER`` order."""
+        return [(r.rank, r.engine_id, r.host, r.pid, r.device, r.state, r.queued) for r in self.ranks]
+
+    def to_text(self) -> str:
+        """A plain-text table, then each busy rank's stack."""
+        from .widgets._render import text_table
+
+        lines = [f"session {self.state}, backend {self.backend}, {len(self.ranks)} ranks",
+                 text_table(self.HEADER, self.rows())]
+        lines += [f"--- rank {r.rank} at {r.where}\n{r.stack.rstrip()}" for r in self.ranks if r.stack]
+        return "\n".join(lines)
+
+    def to_html(self) -> str:
+        """An HTML table, states in colour, each busy rank's stack folded under "where"."""
+        rows = []
+        for r in self.ranks:
+            stack = (
+                f"<details><summary>{html.escape(r.where or 'stack')}</summary>"
+                f"<pre>{html.escape(r.stack)}</pre></details>" if r.stack else ""
+            )
+            cells = [r.rank, r.engine_id, html.escape(r.host), r.pid, html.escape(r.device)]
+            rows.append(
+                "<tr>" + "".join(f"<td>{c}</td>" for c in cells)
+                + f"<td style='color:{_COLOURS.get(r.state, '')}'><b>{html.escape(r.state)}</b></td>"
+                + f"<td>{r.queued}</td><td>{stack}</td></tr>"
+            )
+        head = "".join(f"<th>{h}</th>" for h in (*self.HEADER, "where"))
+        when = time.strftime("%H:%M:%S", time.localtime(self.taken))
+        return (
+            f"<div class='fsdp-nb-status'><b>Session</b> <code>{html.escape(self.state)}</code>, "
+            f"backend <code>{html.escape(self.backend)}</code>, {len(self.ranks)} ranks "
+            f"<small>(at {when})</small><table><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table></div>"
+        )
+
+    def __repr__(self) -> str:
+        return f"<fsdp_nb.SessionStatus {self.state}>\n{self.to_text()}"
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+
+def read_status(sess: Session, *, with_stacks: bool = True) -> SessionStatus:
+    """Which rank of ``sess`` is busy, idle or dead, and (``with_stacks``) where busy
+    ranks are. Asks the controller and the engines' pids, never an engine's queue."""
+    c = sess.cluster
+    dead = set(c.dead_ranks()) if sess.state != "closed" else set(range(c.world_size))
+    try:
+        queues = c.client.queue_status(targets=list(c.engine_ids), verbose=False)
+    except Exception as exc:  # noqa: BLE001 - a dead engine id may be refused
+        log.debug("queue_status failed: %s", exc)
+        queues = {}
+    queued, states = [], []
+    for r, eid in enumerate(c.engine_ids):
+        q = queues.get(eid, {}) if isinstance(queues, dict) else {}
+        queued.append(int(q.get("queue", 0)) if isinstance(q, dict) else 0)
+        states.append("dead" if r in dead else ("busy" if queued[r] > 0 else "idle"))
+    busy = [r for r, s in enumerate(states) if s == "busy"]
+    found = sess.health.stacks(busy) if (with_stacks and busy) else {}
+    devices = [info.device for info in sess.ranks] or ["?"] * c.world_size
+    ranks = tuple(
+        RankStatus(r, eid, c.hosts[r] or "?", c.pids[r], devices[r], states[r], queued[r], found.get(r))
+        for r, eid in enumerate(c.engine_ids)
+    )
+    return SessionStatus(sess.state, sess.backend, ranks)
