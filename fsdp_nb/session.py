@@ -430,7 +430,7 @@ class Session:
         """
         if self.state == "closed":
             return
-        saving = sys.modules.get(f"{__package__}.checkpoint.save")  # loaded only if used
+        saving = sys.modules.get(f"{__package__}.checkpoint.pending")  # loaded only if used
         if saving is not None and self.state == "ready":
             try:
                 saving.wait_pending(self)

@@ -81,30 +81,30 @@ ASYNC_ON_CUDA_ONLY_WORLD = textwrap.dedent(
     import torch, torch.distributed as dist
     dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
     assert torch.device("cpu") not in dist.group.WORLD._device_types
+    from fsdp_nb.checkpoint.contract import LoadSpec, SaveSpec
     from fsdp_nb.checkpoint.metadata import base_metadata
     from fsdp_nb.checkpoint.storage import options_for
-    from fsdp_nb.engine import checkpoint_io as cio
+    from fsdp_nb.engine import async_saves, checkpoint_io as cio
     from fsdp_nb.engine.namespace import user_ns
 
     torch.manual_seed(0)
     user_ns()["net"] = net = torch.nn.Linear(4, 2)
     url = {url!r}
-    spec = dict(url=url, so=options_for(url), model="net", optimizer=None, sharded=True,
-                keep_last=None, token="t0", meta=base_metadata({{}}, "sharded"),
-                check_exists=True)
-    spec["async"] = True
+    spec = SaveSpec(url=url, storage_options=options_for(url), model="net", optimizer=None,
+                    sharded=True, async_save=True, keep_last=None, token="t0",
+                    meta=base_metadata({{}}, "sharded"), check_exists=True)
     out = cio.save(spec)
-    assert out["ok"], out
-    done = cio.async_wait("t0")
-    assert done["ok"], done
+    assert out.ok and out.pending, out
+    done = async_saves.async_wait("t0")
+    assert done.ok, done
     with torch.no_grad():
         net.weight.zero_()
-    spec["async"] = False
-    loaded = cio.load(dict(url=url, so=spec["so"], model="net", optimizer=None, strict=True))
-    assert loaded["ok"], loaded
+    loaded = cio.load(LoadSpec(url=url, storage_options=spec.storage_options, model="net",
+                               optimizer=None, strict=True))
+    assert loaded.ok, loaded
     torch.manual_seed(0)
     assert torch.equal(net.weight, torch.nn.Linear(4, 2).weight)
-    print("committed", done["info"].valid)
+    print("committed", done.info.valid)
     """
 )
 

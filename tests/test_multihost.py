@@ -234,10 +234,6 @@ def test_netns_trains_and_checkpoints_across_hosts(netns_session):
 
 
 @pytest.mark.root
-@pytest.mark.skipif(
-    importlib.util.find_spec("fsdp_nb.sharding") is None,
-    reason="fsdp_nb.sharding (wrap) not merged into this branch yet",
-)
 def test_netns_hybrid_shards_within_host_replicates_across(netns_session):
     import torch
 

@@ -11,7 +11,8 @@ from .consolidate import consolidate
 from .info import CheckpointError, CheckpointInfo, ChunkInfo, CorruptCheckpointError, TensorInfo
 from .inspect import inspect
 from .load import load
-from .save import AsyncCheckpoint, save
+from .pending import AsyncCheckpoint
+from .save import save
 from .storage import set_storage_options
 
 __all__ = [

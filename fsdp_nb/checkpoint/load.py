@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .save import check_optimizer, model_name, raise_outcomes, wait_pending
+from .contract import LoadSpec, check_optimizer, model_name, raise_outcomes
+from .pending import wait_pending
 from .storage import options_for, url_to_fs
 
 if TYPE_CHECKING:
@@ -40,8 +41,8 @@ def load(
         raise TypeError(f"strict must be True or False, got {strict!r}")
     url_to_fs(path)
     wait_pending(sess)
-    spec = {"url": path, "so": options_for(path), "model": name, "optimizer": optim, "strict": strict}
+    spec = LoadSpec(url=path, storage_options=options_for(path), model=name, optimizer=optim, strict=strict)
     d = sess.dispatcher
     outs = d.gather(d.apply("checkpoint load", cio.load, args=(spec,)))
     raise_outcomes(outs)
-    return outs[0].get("extra", {})
+    return outs[0].extra or {}

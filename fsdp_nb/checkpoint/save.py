@@ -2,134 +2,26 @@
 
 Every argument is checked, ``extra`` included, and the target's existence too,
 before any rank writes a byte. ``async_save=True`` returns an ``AsyncCheckpoint``
-as soon as every rank has staged its state (a CPU copy); the write and the commit
-continue in the background on the engines.
+(``fsdp_nb.checkpoint.pending``) as soon as every rank has staged its state (a CPU
+copy); the write and the commit continue in the background on the engines.
 """
 
 from __future__ import annotations
 
 import uuid
-import weakref
 from typing import TYPE_CHECKING, Any
 
+from .contract import SaveSpec, check_optimizer, model_name, raise_outcomes
 from .fullfile import full_suffix
-from .info import CheckpointError, CheckpointInfo, CorruptCheckpointError
+from .info import CheckpointError, CheckpointInfo
 from .metadata import base_metadata, validate_extra
+from .pending import AsyncCheckpoint, register, wait_pending
 from .storage import options_for, url_to_fs
 
 if TYPE_CHECKING:
     from ..session import Session
 
-__all__ = ["AsyncCheckpoint", "model_name", "save"]
-
-_ERRORS: dict[str, type[BaseException]] = {
-    "FileExistsError": FileExistsError,
-    "FileNotFoundError": FileNotFoundError,
-    "NameError": NameError,
-    "TypeError": TypeError,
-    "ValueError": ValueError,
-    "CheckpointError": CheckpointError,
-    "CorruptCheckpointError": CorruptCheckpointError,
-}
-
-_PENDING: weakref.WeakKeyDictionary[Any, list[AsyncCheckpoint]] = weakref.WeakKeyDictionary()
-
-
-def raise_outcomes(outs: list[dict[str, Any]]) -> None:
-    """Raise the first failed rank's error as its own class (they agree by construction)."""
-    for out in outs:
-        if not out.get("ok", False):
-            cls = _ERRORS.get(out.get("error", ""), CheckpointError)
-            raise cls(out.get("message", "checkpoint operation failed"))
-
-
-def model_name(model: Any) -> str:
-    """The engine global name of ``model`` (a ShardedModel or a str)."""
-    if isinstance(model, str):
-        if not model.isidentifier():
-            raise ValueError(f"model name {model!r} is not a Python identifier")
-        return model
-    name = getattr(model, "name", None)
-    if isinstance(name, str) and name:
-        return name
-    raise TypeError(
-        f"model must be a ShardedModel (from sess.wrap) or the engine global name of an FSDP2 "
-        f"module (str), got {type(model).__name__}"
-    )
-
-
-def check_optimizer(optimizer: Any) -> str | None:
-    if optimizer is None:
-        return None
-    if not isinstance(optimizer, str) or not optimizer.isidentifier():
-        raise TypeError(
-            f"optimizer must be the engine global name of a torch.optim.Optimizer (str), got {optimizer!r}"
-        )
-    return optimizer
-
-
-def wait_pending(sess: Session) -> None:
-    """Finish every async save of ``sess`` still running (commits them)."""
-    for h in list(_PENDING.get(sess, [])):
-        h.wait()
-
-
-class AsyncCheckpoint:
-    """A checkpoint being written in the background on the ranks.
-
-    ``done()`` asks the ranks without blocking; ``wait()`` blocks until every rank
-    finished and rank 0 committed, then returns the ``CheckpointInfo``. The next
-    ``sess.save`` / ``sess.load`` waits for it too.
-    """
-
-    def __init__(self, sess: Session, path: str, token: str, blocked: float):
-        self._sess = sess
-        self.path = path
-        """Where the checkpoint is being written."""
-        self.token = token
-        self.blocked_s = blocked
-        """Seconds training was blocked (slowest rank's staging)."""
-        self._info: CheckpointInfo | None = None
-        self._error: BaseException | None = None
-        self._finished = False
-
-    def done(self) -> bool:
-        """True when every rank finished writing (the commit happened or failed)."""
-        if self._finished:
-            return True
-        from ..engine import checkpoint_io as cio
-
-        d = self._sess.dispatcher
-        return all(d.gather(d.apply("checkpoint async_done", cio.async_done, args=(self.token,))))
-
-    def wait(self, timeout: float | None = None) -> CheckpointInfo:
-        """Block until committed; returns its CheckpointInfo (raises if the save failed)."""
-        if not self._finished:
-            from ..engine import checkpoint_io as cio
-
-            d = self._sess.dispatcher
-            try:
-                outs = d.gather(d.apply("checkpoint async_wait", cio.async_wait, args=(self.token,)), timeout)
-                self._finished = True
-                raise_outcomes(outs)
-                self._info = next((o["info"] for o in outs if o.get("info") is not None), None)
-            except BaseException as exc:
-                if self._finished:
-                    self._error = exc
-                raise
-            finally:
-                if self._finished:
-                    lst = _PENDING.get(self._sess, [])
-                    if self in lst:
-                        lst.remove(self)
-        if self._error is not None:
-            raise self._error
-        assert self._info is not None
-        return self._info
-
-    def __repr__(self) -> str:
-        state = "committed" if self._info else ("failed" if self._error else "in flight")
-        return f"<AsyncCheckpoint {self.path!r}: {state}, training blocked {self.blocked_s:.3f} s>"
+__all__ = ["save"]
 
 
 def save(
@@ -174,22 +66,16 @@ def save(
             "drop the suffix, or pass sharded=False for one file"
         )
     wait_pending(sess)
-    spec = {
-        "url": path,
-        "so": options_for(path),
-        "model": name,
-        "optimizer": optim,
-        "sharded": sharded,
-        "async": async_save,
-        "keep_last": keep_last,
-        "token": uuid.uuid4().hex[:12],
-        "meta": base_metadata(extra, "sharded" if sharded else "full"),
-        "check_exists": not overwrite,
-    }
+    spec = SaveSpec(
+        url=path, storage_options=options_for(path), model=name, optimizer=optim,
+        sharded=sharded, async_save=async_save, keep_last=keep_last,
+        token=uuid.uuid4().hex[:12], meta=base_metadata(extra, "sharded" if sharded else "full"),
+        check_exists=not overwrite,
+    )
     d = sess.dispatcher
     pre = d.gather(d.apply("checkpoint preflight", cio.preflight, args=(spec,)))
     raise_outcomes(pre)
-    if pre[0].get("exists"):
+    if pre[0].exists:
         raise FileExistsError(
             f"a checkpoint already exists at {path!r}; pass overwrite=True to replace it "
             "(nothing was written)"
@@ -197,10 +83,8 @@ def save(
     outs = d.gather(d.apply("checkpoint save", cio.save, args=(spec,)))
     raise_outcomes(outs)
     if async_save:
-        h = AsyncCheckpoint(sess, path, spec["token"], max(o.get("blocked", 0.0) for o in outs))
-        _PENDING.setdefault(sess, []).append(h)
-        return h
-    info = outs[0].get("info")
+        return register(sess, AsyncCheckpoint(sess, path, spec.token, max(o.blocked or 0.0 for o in outs)))
+    info = outs[0].info
     if info is None:  # pragma: no cover - rank 0 always returns it
         raise CheckpointError(f"save of {path!r} returned no description from rank 0")
     return info

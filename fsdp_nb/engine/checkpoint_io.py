@@ -1,8 +1,8 @@
 """Checkpoint I/O on the ranks: save and load FSDP2 models and optimizers.
 
 Called by ``fsdp_nb.checkpoint.save`` / ``load`` on every rank at once. Functions
-return plain dicts: ``{"ok": True, ...}`` or ``{"ok": False, "error": class name,
-"message": ...}`` for expected failures (a missing file, a key mismatch), so the
+return an ``Outcome`` (``fsdp_nb.checkpoint.contract``), which carries the exception
+class of an expected failure (a missing file, a key mismatch), so the
 notebook raises one clear error instead of a wall of per-rank tracebacks; the
 outcome of every check is agreed by all ranks before anything is written or any
 model tensor is touched.
@@ -27,32 +27,25 @@ from __future__ import annotations
 import logging
 import posixpath
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..checkpoint.atomic import commit_full, commit_sharded, read_marker, retain_last
+from ..checkpoint.contract import LoadSpec, Outcome, SaveSpec
 from ..checkpoint.fullfile import full_suffix, read_full, write_full
-from ..checkpoint.info import CorruptCheckpointError
+from ..checkpoint.info import CheckpointError, CorruptCheckpointError
 from ..checkpoint.inspect import inspect, read_dcp_metadata, verify_checksums
 from ..checkpoint.keys import MODEL, OPTIM_STATE, flat_optim_state
 from ..checkpoint.restricted import safe_reader
 from ..checkpoint.storage import dcp_writer, file_record, sibling, url_to_fs
+from .async_saves import drain, stager, submit
 from .namespace import user_ns
 from .wrap import param_sizes
 
 log = logging.getLogger("fsdp_nb")
 
-__all__ = ["async_done", "async_wait", "load", "preflight", "save"]
+__all__ = ["load", "preflight", "save"]
 
-_EXEC: ThreadPoolExecutor | None = None
-_PENDING: dict[str, Future] = {}
 _GROUP: tuple[Any, Any] | None = None
-
-
-def _fail(exc: BaseException | str, cls: str | None = None) -> dict[str, Any]:
-    if isinstance(exc, BaseException):
-        return {"ok": False, "error": cls or type(exc).__name__, "message": str(exc)}
-    return {"ok": False, "error": cls or "CheckpointError", "message": exc}
 
 
 def _objects(model_name: str, optim_name: str | None) -> tuple[Any, Any]:
@@ -82,29 +75,19 @@ def _rank_ws() -> tuple[int, int]:
     return 0, 1
 
 
-def _drain() -> None:
-    """Finish (and commit) any async save still running on this rank."""
-    for token, fut in list(_PENDING.items()):
-        try:
-            fut.result()
-        except BaseException as exc:
-            log.warning("an async checkpoint save failed on this rank: %s", exc)
-        _PENDING.pop(token, None)
-
-
-def preflight(spec: dict[str, Any]) -> dict[str, Any]:
+def preflight(spec: SaveSpec) -> Outcome:
     """Check names and the target before anything is written."""
     try:
-        _objects(spec["model"], spec.get("optimizer"))
+        _objects(spec.model, spec.optimizer)
     except (NameError, TypeError) as exc:
-        return _fail(exc)
-    _drain()
+        return Outcome.failed(exc)
+    drain()
     rank, _ = _rank_ws()
-    if rank == 0 and spec.get("check_exists"):
-        fs, p = url_to_fs(spec["url"], spec["so"])
+    if rank == 0 and spec.check_exists:
+        fs, p = url_to_fs(spec.url, spec.storage_options)
         if fs.exists(p.rstrip("/")):
-            return {"ok": True, "exists": True}
-    return {"ok": True, "exists": False}
+            return Outcome(exists=True)
+    return Outcome()
 
 
 def _ckpt_group() -> Any:
@@ -126,15 +109,8 @@ def _ckpt_group() -> Any:
     return _GROUP[1]
 
 
-def _executor() -> ThreadPoolExecutor:
-    global _EXEC
-    if _EXEC is None:
-        _EXEC = ThreadPoolExecutor(1, thread_name_prefix="fsdp_nb-ckpt")
-    return _EXEC
-
-
-def _model_meta(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
-    meta = dict(spec["meta"])
+def _model_meta(model: Any, spec: SaveSpec) -> dict[str, Any]:
+    meta = dict(spec.meta)
     _, ws = _rank_ws()
     mesh: dict[str, Any] = {}
     for prm in model.parameters():
@@ -151,8 +127,8 @@ def _model_meta(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
     meta.update(
         world_size=ws,
         mesh=mesh,
-        model=spec["model"],
-        optimizer=spec.get("optimizer"),
+        model=spec.model,
+        optimizer=spec.optimizer,
         model_class=f"{cls.__module__}.{cls.__qualname__}",
         param_count=param_sizes(model)[0],
     )
@@ -162,31 +138,31 @@ def _model_meta(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
 # -- save -------------------------------------------------------------------------
 
 
-def save(spec: dict[str, Any]) -> dict[str, Any]:
+def save(spec: SaveSpec) -> Outcome:
     """Save the model (and optimizer) on every rank; returns timings and, on rank 0, the info."""
     try:
-        model, optim = _objects(spec["model"], spec.get("optimizer"))
+        model, optim = _objects(spec.model, spec.optimizer)
     except (NameError, TypeError) as exc:
-        return _fail(exc)
-    _drain()
+        return Outcome.failed(exc)
+    drain()
     t0 = time.perf_counter()
     try:
-        if spec["sharded"]:
+        if spec.sharded:
             return _save_sharded(spec, model, optim, t0)
         return _save_full(spec, model, optim, t0)
     except BaseException as exc:  # CheckpointException derives from BaseException
         if isinstance(exc, KeyboardInterrupt):
             raise
-        return _fail(f"saving {spec['url']!r} failed: {type(exc).__name__}: {exc}")
+        return Outcome.failed(f"saving {spec.url!r} failed: {type(exc).__name__}: {exc}")
 
 
-def _finish_sharded(spec: dict[str, Any], model_meta: dict[str, Any], group: Any) -> dict[str, Any]:
+def _finish_sharded(spec: SaveSpec, model_meta: dict[str, Any], group: Any) -> Outcome:
     """After this rank's files are written: gather sizes/CRCs, rank 0 commits."""
     import torch.distributed as dist
 
-    fs, target = url_to_fs(spec["url"], spec["so"])
+    fs, target = url_to_fs(spec.url, spec.storage_options)
     target = target.rstrip("/")
-    tmp = sibling(target, "tmp", spec["token"])
+    tmp = sibling(target, "tmp", spec.token)
     rank, ws = _rank_ws()
     mine: dict[str, dict[str, int]] = {}
     names = [".metadata"] if rank == 0 else []
@@ -203,30 +179,30 @@ def _finish_sharded(spec: dict[str, Any], model_meta: dict[str, Any], group: Any
     else:
         parts = [mine]
     if rank != 0:
-        return {"ok": True}
+        return Outcome()
     files: dict[str, dict[str, int]] = {}
     for part in parts:
         files.update(part)
-    commit_sharded(fs, tmp, target, model_meta, files, spec["token"])
-    removed = retain_last(fs, target, spec["keep_last"]) if spec.get("keep_last") else []
-    return {"ok": True, "info": inspect(spec["url"], storage_options=spec["so"]), "removed": removed}
+    commit_sharded(fs, tmp, target, model_meta, files, spec.token)
+    removed = retain_last(fs, target, spec.keep_last) if spec.keep_last else []
+    return Outcome(info=inspect(spec.url, storage_options=spec.storage_options), removed=removed)
 
 
-def _save_sharded(spec: dict[str, Any], model: Any, optim: Any, t0: float) -> dict[str, Any]:
+def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    fs, target = url_to_fs(spec["url"], spec["so"])
-    tmp = sibling(target.rstrip("/"), "tmp", spec["token"])
+    fs, target = url_to_fs(spec.url, spec.storage_options)
+    tmp = sibling(target.rstrip("/"), "tmp", spec.token)
     msd, osd = get_state_dict(model, [optim] if optim is not None else [])
     sd: dict[str, Any] = {"model": msd}
     if optim is not None:
         sd["optim"] = osd
     meta = _model_meta(model, spec)
-    writer = dcp_writer(fs, tmp, spec["so"])
+    writer = dcp_writer(fs, tmp, spec.storage_options)
     rank, _ = _rank_ws()
     group = _ckpt_group()
-    if not spec["async"]:
+    if not spec.async_save:
         try:
             dcp.save(sd, storage_writer=writer, process_group=group)
         except BaseException:
@@ -234,53 +210,28 @@ def _save_sharded(spec: dict[str, Any], model: Any, optim: Any, t0: float) -> di
                 _cleanup(fs, tmp)
             raise
         out = _finish_sharded(spec, meta, group)
-        out["seconds"] = time.perf_counter() - t0
+        out.seconds = time.perf_counter() - t0
         return out
-    t_sd = time.perf_counter() - t0
-    resp = dcp.async_save(sd, storage_writer=writer, process_group=group, async_stager=_stager(sd))
+    resp = dcp.async_save(sd, storage_writer=writer, process_group=group, async_stager=stager())
     upload = getattr(resp, "upload_completion", resp)
     staging = getattr(resp, "staging_completion", None)
     if staging is not None:
         staging.result()
     blocked = time.perf_counter() - t0
 
-    def finish() -> dict[str, Any]:
+    def finish() -> Outcome:
         try:
             upload.result()
         except BaseException as exc:
             if rank == 0:
                 _cleanup(fs, tmp)
-            return _fail(f"async save of {spec['url']!r} failed: {type(exc).__name__}: {exc}")
+            return Outcome.failed(f"async save of {spec.url!r} failed: {type(exc).__name__}: {exc}")
         out = _finish_sharded(spec, meta, group)
-        out["seconds"] = time.perf_counter() - t0
+        out.seconds = time.perf_counter() - t0
         return out
 
-    _PENDING[spec["token"]] = _executor().submit(finish)
-    return {"ok": True, "blocked": blocked, "state_dict_s": t_sd, "pending": True}
-
-
-_STAGER: Any = None
-
-
-def _stager(sd: Any) -> Any:
-    """This engine's stager, one for its lifetime, so staging buffers are reused.
-
-    DCP's ``DefaultStager`` keeps a CPU copy per source storage and refreshes it with
-    ``copy_`` on later saves (FSDP2 shards and optimizer state keep their storages
-    between steps): the first async save allocates, the next ones only copy. On CUDA
-    the copies are pinned and made with non-blocking copies.
-    """
-    global _STAGER
-    if _STAGER is None:
-        import torch
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        cuda = torch.cuda.is_available()
-        _STAGER = DefaultStager(StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=False,
-            use_async_staging=False, use_non_blocking_copy=cuda,
-        ))
-    return _STAGER
+    submit(spec.token, finish)
+    return Outcome(blocked=blocked, pending=True)
 
 
 def _cleanup(fs: Any, path: str) -> None:
@@ -291,7 +242,7 @@ def _cleanup(fs: Any, path: str) -> None:
         log.warning("could not remove the unfinished checkpoint folder: %s", exc)
 
 
-def _save_full(spec: dict[str, Any], model: Any, optim: Any, t0: float) -> dict[str, Any]:
+def _save_full(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -300,10 +251,11 @@ def _save_full(spec: dict[str, Any], model: Any, optim: Any, t0: float) -> dict[
     meta = _model_meta(model, spec)
     rank, _ = _rank_ws()
     if rank != 0:
-        return {"ok": True, "blocked": time.perf_counter() - t0, "seconds": time.perf_counter() - t0}
-    fs, target = url_to_fs(spec["url"], spec["so"])
-    tmp = sibling(target, "tmp", spec["token"]) + (full_suffix(target) or "")
-    if spec["async"]:
+        took = time.perf_counter() - t0
+        return Outcome(blocked=took, seconds=took)
+    fs, target = url_to_fs(spec.url, spec.storage_options)
+    tmp = sibling(target, "tmp", spec.token) + (full_suffix(target) or "")
+    if spec.async_save:
         # The background write must not see training's in-place updates: copy
         # anything that still shares storage with the live model or optimizer.
         live = {p.data_ptr() for p in model.parameters()} | {b.data_ptr() for b in model.buffers()}
@@ -314,48 +266,32 @@ def _save_full(spec: dict[str, Any], model: Any, optim: Any, t0: float) -> dict[
                 "param_groups": osd["param_groups"],
             }
 
-    def write() -> dict[str, Any]:
+    def write() -> Outcome:
         try:
             write_full(fs, tmp, msd, osd if optim is not None else None, meta)
             commit_full(fs, tmp, target)
         except BaseException as exc:
             _cleanup(fs, tmp)
-            return _fail(f"saving {spec['url']!r} failed: {type(exc).__name__}: {exc}")
-        removed = retain_last(fs, target, spec["keep_last"]) if spec.get("keep_last") else []
-        return {
-            "ok": True, "info": inspect(spec["url"], storage_options=spec["so"]),
-            "removed": removed, "seconds": time.perf_counter() - t0,
-        }
+            return Outcome.failed(f"saving {spec.url!r} failed: {type(exc).__name__}: {exc}")
+        removed = retain_last(fs, target, spec.keep_last) if spec.keep_last else []
+        return Outcome(
+            info=inspect(spec.url, storage_options=spec.storage_options),
+            removed=removed, seconds=time.perf_counter() - t0,
+        )
 
-    if spec["async"]:
+    if spec.async_save:
         blocked = time.perf_counter() - t0
-        _PENDING[spec["token"]] = _executor().submit(write)
-        return {"ok": True, "blocked": blocked, "pending": True}
+        submit(spec.token, write)
+        return Outcome(blocked=blocked, pending=True)
     out = write()
-    out["blocked"] = out.get("seconds", 0.0)
-    return out
-
-
-def async_done(token: str) -> bool:
-    """Whether this rank's part of async save ``token`` has finished (committed on rank 0)."""
-    fut = _PENDING.get(token)
-    return fut is None or fut.done()
-
-
-def async_wait(token: str) -> dict[str, Any]:
-    """Block until this rank's part of async save ``token`` finished; its outcome."""
-    fut = _PENDING.get(token)
-    if fut is None:
-        return {"ok": True}
-    out = fut.result()
-    _PENDING.pop(token, None)
+    out.blocked = out.seconds or 0.0
     return out
 
 
 # -- load -------------------------------------------------------------------------
 
 
-def _agree(problem: str | None, cls: str = "CheckpointError") -> dict[str, Any] | None:
+def _agree(problem: str | None, cls: type[BaseException] = CheckpointError) -> Outcome | None:
     """All ranks learn every rank's problem; the same failure outcome (or None) on each."""
     import torch.distributed as dist
 
@@ -366,7 +302,7 @@ def _agree(problem: str | None, cls: str = "CheckpointError") -> dict[str, Any] 
         dist.all_gather_object(parts, (problem, cls), group=_ckpt_group())
     for p, c in parts:
         if p:
-            return _fail(p, c)
+            return Outcome.failed(p, c)
     return None
 
 
@@ -398,22 +334,22 @@ def _shape_problems(
     return "\n".join(lines), usable
 
 
-def load(spec: dict[str, Any]) -> dict[str, Any]:
+def load(spec: LoadSpec) -> Outcome:
     """Load a sharded or full checkpoint into the model (and optimizer) on every rank."""
     try:
-        model, optim = _objects(spec["model"], spec.get("optimizer"))
+        model, optim = _objects(spec.model, spec.optimizer)
     except (NameError, TypeError) as exc:
-        return _fail(exc)
-    _drain()
-    fs, p = url_to_fs(spec["url"], spec["so"])
+        return Outcome.failed(exc)
+    drain()
+    fs, p = url_to_fs(spec.url, spec.storage_options)
     p = p.rstrip("/")
     try:
         exists = fs.exists(p)
         isdir = exists and fs.isdir(p)
     except Exception as exc:
-        return _fail(f"cannot reach {spec['url']!r}: {type(exc).__name__}: {exc}", "FileNotFoundError")
+        return Outcome.failed(f"cannot reach {spec.url!r}: {type(exc).__name__}: {exc}", FileNotFoundError)
     if not exists:
-        return _fail(f"no checkpoint at {spec['url']!r}", "FileNotFoundError")
+        return Outcome.failed(f"no checkpoint at {spec.url!r}", FileNotFoundError)
     t0 = time.perf_counter()
     try:
         if isdir:
@@ -421,16 +357,16 @@ def load(spec: dict[str, Any]) -> dict[str, Any]:
         elif full_suffix(p):
             out = _load_full(spec, fs, p, model, optim)
         else:
-            return _fail(f"{spec['url']!r} is neither a checkpoint folder nor a .pt / .safetensors file")
+            return Outcome.failed(f"{spec.url!r} is neither a checkpoint folder nor a .pt / .safetensors file")
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             raise
-        return _fail(f"loading {spec['url']!r} failed: {type(exc).__name__}: {exc}")
-    out["seconds"] = time.perf_counter() - t0
+        return Outcome.failed(f"loading {spec.url!r} failed: {type(exc).__name__}: {exc}")
+    out.seconds = time.perf_counter() - t0
     return out
 
 
-def _load_sharded(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any) -> dict[str, Any]:
+def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome:
     import json
 
     import torch
@@ -443,7 +379,7 @@ def _load_sharded(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any)
     )
     from torch.utils._pytree import tree_map_only
 
-    url, strict = spec["url"], spec["strict"]
+    url, strict = spec.url, spec.strict
     rank, ws = _rank_ws()
     marker = read_marker(fs, p)
     if marker is None:
@@ -451,7 +387,7 @@ def _load_sharded(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any)
             f"checkpoint {url!r} is incomplete: it has no completion marker "
             "(an interrupted or unfinished save); refusing to load it"
         )
-        return bad or {"ok": False}
+        return bad or Outcome(ok=False)
     problem = None
     try:
         names = sorted(marker.get("files", {}))
@@ -459,7 +395,7 @@ def _load_sharded(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any)
         md = read_dcp_metadata(fs, p, url)
     except CorruptCheckpointError as exc:
         problem = str(exc)
-    bad = _agree(problem, "CorruptCheckpointError")
+    bad = _agree(problem, CorruptCheckpointError)
     if bad:
         return bad
     stored = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
@@ -484,7 +420,7 @@ def _load_sharded(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any)
     if optim is not None:
         fresh_o = tree_map_only(torch.Tensor, torch.empty_like, osd)
         sd["optim"] = fresh_o
-    reader = safe_reader(fs, p, spec["so"])
+    reader = safe_reader(fs, p, spec.storage_options)
     # dcp.load ends in a collective that raises on every rank if any rank failed
     dcp.load(
         sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=not strict),
@@ -497,10 +433,10 @@ def _load_sharded(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any)
         options=StateDictOptions(strict=strict),
     )
     meta = json.loads(fs.cat_file(posixpath.join(p, "fsdp_nb.json")))
-    return {"ok": True, "extra": meta.get("extra", {}), "world_size": meta.get("world_size")}
+    return Outcome(extra=meta.get("extra", {}), world_size=meta.get("world_size"))
 
 
-def _load_full(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any) -> dict[str, Any]:
+def _load_full(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome:
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
@@ -510,11 +446,12 @@ def _load_full(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any) ->
         set_optimizer_state_dict,
     )
 
-    url, strict = spec["url"], spec["strict"]
+    url, strict = spec.url, spec.strict
     rank, ws = _rank_ws()
     msd_local = get_model_state_dict(model)
     expected = {k: tuple(v.shape) for k, v in msd_local.items() if isinstance(v, torch.Tensor)}
-    problem, cls = None, "CheckpointError"
+    problem: str | None = None
+    cls: type[BaseException] = CheckpointError
     full_m: dict[str, Any] = {}
     full_o: dict[str, Any] | None = None
     meta: dict[str, Any] = {}
@@ -530,7 +467,7 @@ def _load_full(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any) ->
             if problem is None and optim is not None and not full_o:
                 problem = f"checkpoint {url!r} has no optimizer state (it was saved without optimizer=)"
         except CorruptCheckpointError as exc:
-            problem, cls = str(exc), "CorruptCheckpointError"
+            problem, cls = str(exc), CorruptCheckpointError
     bad = _agree(problem, cls)
     if bad:
         return bad
@@ -541,7 +478,7 @@ def _load_full(spec: dict[str, Any], fs: Any, p: str, model: Any, optim: Any) ->
     box = [meta.get("extra", {}), meta.get("world_size")]
     if ws > 1:
         dist.broadcast_object_list(box, src=0)
-    return {"ok": True, "extra": box[0], "world_size": box[1]}
+    return Outcome(extra=box[0], world_size=box[1])
 
 
 def _partial_full_problem(url: str, expected: dict, usable: set) -> str | None:

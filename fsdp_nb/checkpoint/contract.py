@@ -1,0 +1,128 @@
+"""What crosses between the notebook and the engines for a save or a load.
+
+The notebook validates the user's arguments into a :class:`SaveSpec` / :class:`LoadSpec`
+and ships it; every rank answers with an :class:`Outcome`. An expected failure (a
+missing name, a key mismatch, a corrupt file) comes back as an outcome carrying its
+exception class, agreed by all ranks, so the notebook raises one clear error instead
+of a wall of per-rank tracebacks (:func:`raise_outcomes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .info import CheckpointError, CheckpointInfo
+
+__all__ = ["LoadSpec", "Outcome", "SaveSpec", "check_optimizer", "model_name", "raise_outcomes"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveSpec:
+    """One ``sess.save``, as every rank receives it."""
+
+    url: str
+    """Target: a local path or fsspec URL (folder when sharded, file when full)."""
+    storage_options: dict[str, Any]
+    """fsspec options for ``url`` (credentials, endpoint), as the notebook has them."""
+    model: str
+    """Engine global name of the model."""
+    optimizer: str | None
+    """Engine global name of the optimizer, if saved."""
+    sharded: bool
+    """DCP folder (one file per rank) or one full file."""
+    async_save: bool
+    """Stage, then write and commit in the background."""
+    keep_last: int | None
+    """Keep the newest k checkpoints beside this one."""
+    token: str
+    """Unique id of this save (its temporary sibling and its async job)."""
+    meta: dict[str, Any]
+    """Metadata the notebook knows (``extra``, versions, time); ranks add the rest."""
+    check_exists: bool
+    """Refuse an existing target (``overwrite=False``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadSpec:
+    """One ``sess.load``, as every rank receives it."""
+
+    url: str
+    """The checkpoint: a DCP folder or a full file, local or fsspec."""
+    storage_options: dict[str, Any]
+    """fsspec options for ``url``."""
+    model: str
+    """Engine global name of the model."""
+    optimizer: str | None
+    """Engine global name of the optimizer, if loaded."""
+    strict: bool
+    """Every key must match (else: load the keys both have)."""
+
+
+@dataclass
+class Outcome:
+    """One rank's answer to a checkpoint call."""
+
+    ok: bool = True
+    """False when this rank (or, agreed, any rank) met an expected failure."""
+    error: type[BaseException] | None = None
+    """The exception class to raise in the notebook."""
+    message: str = ""
+    """What was wrong and what to do."""
+    info: CheckpointInfo | None = None
+    """rank 0, after a commit: what was written."""
+    exists: bool = False
+    """preflight, rank 0: the target already exists."""
+    removed: list[str] = field(default_factory=list)
+    """``keep_last``: older checkpoints removed."""
+    seconds: float | None = None
+    """Time the call took on this rank."""
+    blocked: float | None = None
+    """Time training was blocked on this rank (async: staging only)."""
+    pending: bool = False
+    """An async save continues in the background."""
+    extra: dict[str, Any] | None = None
+    """load: the checkpoint's ``extra``."""
+    world_size: int | None = None
+    """load: the world size that wrote it."""
+
+    @classmethod
+    def failed(cls, exc: BaseException | str, error: type[BaseException] | None = None) -> Outcome:
+        """A failure outcome from an exception (its class and text) or a message."""
+        if isinstance(exc, BaseException):
+            return cls(ok=False, error=error or type(exc), message=str(exc))
+        return cls(ok=False, error=error or CheckpointError, message=exc)
+
+
+def raise_outcomes(outs: list[Outcome]) -> None:
+    """Raise the first failed rank's error as its own class (they agree by construction)."""
+    for out in outs:
+        if not out.ok:
+            cls = out.error if isinstance(out.error, type) and issubclass(out.error, Exception) else CheckpointError
+            raise cls(out.message or "checkpoint operation failed")
+
+
+def model_name(model: Any) -> str:
+    """The engine global name of ``model`` (a ShardedModel or a str)."""
+    if isinstance(model, str):
+        if not model.isidentifier():
+            raise ValueError(f"model name {model!r} is not a Python identifier")
+        return model
+    name = getattr(model, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    raise TypeError(
+        f"model must be a ShardedModel (from sess.wrap) or the engine global name of an FSDP2 "
+        f"module (str), got {type(model).__name__}"
+    )
+
+
+def check_optimizer(optimizer: Any) -> str | None:
+    """``optimizer`` as an engine global name (str) or None; TypeError otherwise."""
+    if optimizer is None:
+        return None
+    if not isinstance(optimizer, str) or not optimizer.isidentifier():
+        raise TypeError(
+            f"optimizer must be the engine global name of a torch.optim.Optimizer (str), got {optimizer!r}"
+        )
+    return optimizer

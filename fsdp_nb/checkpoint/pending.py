@@ -1,0 +1,91 @@
+"""Async saves still being written: the notebook's handle and the session's registry.
+
+``sess.save(..., async_save=True)`` returns an :class:`AsyncCheckpoint` once every rank
+staged its state; the ranks write and commit in the background. The next save, load
+or ``shutdown`` of that session waits for it first (:func:`wait_pending`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from .contract import raise_outcomes
+from .info import CheckpointInfo
+
+if TYPE_CHECKING:
+    from ..session import Session
+
+__all__ = ["AsyncCheckpoint", "register", "wait_pending"]
+
+_PENDING: weakref.WeakKeyDictionary[Any, list[AsyncCheckpoint]] = weakref.WeakKeyDictionary()
+
+
+def wait_pending(sess: Session) -> None:
+    """Finish every async save of ``sess`` still running (commits them)."""
+    for h in list(_PENDING.get(sess, [])):
+        h.wait()
+
+
+class AsyncCheckpoint:
+    """A checkpoint being written in the background on the ranks.
+
+    ``done()`` asks the ranks without blocking; ``wait()`` blocks until every rank
+    finished and rank 0 committed, then returns the ``CheckpointInfo``. The next
+    ``sess.save`` / ``sess.load`` waits for it too.
+    """
+
+    def __init__(self, sess: Session, path: str, token: str, blocked: float):
+        self._sess = sess
+        self.path = path
+        """Where the checkpoint is being written."""
+        self.token = token
+        self.blocked_s = blocked
+        """Seconds training was blocked (slowest rank's staging)."""
+        self._info: CheckpointInfo | None = None
+        self._error: BaseException | None = None
+        self._finished = False
+
+    def done(self) -> bool:
+        """True when every rank finished writing (the commit happened or failed)."""
+        if self._finished:
+            return True
+        from ..engine import async_saves as jobs
+
+        d = self._sess.dispatcher
+        return all(d.gather(d.apply("checkpoint async_done", jobs.async_done, args=(self.token,))))
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo:
+        """Block until committed; returns its CheckpointInfo (raises if the save failed)."""
+        if not self._finished:
+            from ..engine import async_saves as jobs
+
+            d = self._sess.dispatcher
+            try:
+                outs = d.gather(d.apply("checkpoint async_wait", jobs.async_wait, args=(self.token,)), timeout)
+                self._finished = True
+                raise_outcomes(outs)
+                self._info = next((o.info for o in outs if o.info is not None), None)
+            except BaseException as exc:
+                if self._finished:
+                    self._error = exc
+                raise
+            finally:
+                if self._finished:
+                    lst = _PENDING.get(self._sess, [])
+                    if self in lst:
+                        lst.remove(self)
+        if self._error is not None:
+            raise self._error
+        assert self._info is not None
+        return self._info
+
+    def __repr__(self) -> str:
+        state = "committed" if self._info else ("failed" if self._error else "in flight")
+        return f"<AsyncCheckpoint {self.path!r}: {state}, training blocked {self.blocked_s:.3f} s>"
+
+
+def register(sess: Session, handle: AsyncCheckpoint) -> AsyncCheckpoint:
+    """Track ``handle`` as one of ``sess``'s pending saves."""
+    _PENDING.setdefault(sess, []).append(handle)
+    return handle
