@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 # Names served lazily from the layers that define them (keeps `import fsdp_nb` light).
 _LAZY = {
     "ShardedModel": "sharded_model",
-    "WrapOptions": "sharding",
+    "WrapOptions": "wrap_options",
     "CheckpointInfo": "checkpoint",
     "inspect": "checkpoint",
     "consolidate": "checkpoint",

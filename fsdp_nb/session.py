@@ -18,13 +18,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import rendezvous
-from .cluster import EngineCluster, launcher_names
+from .cluster import EngineCluster
 from .dispatch import Dispatcher, FailurePolicy
 from .engine import namespace as _ns
 from .engine import process_group as _pg
-from .engine.probe import _cuda_count
 from .errors import SessionClosedError
+from .lifecycle import Lifecycle
 from .rendezvous import RankInfo
+from .session_checks import check_grace, check_n_backend, validate
 from .shipping import by_value
 
 log = logging.getLogger("fsdp_nb")
@@ -32,76 +33,9 @@ log = logging.getLogger("fsdp_nb")
 if TYPE_CHECKING:
     from .sharded_model import ShardedModel
 
-__all__ = ["BACKENDS", "Session"]
-
-BACKENDS = ("gloo", "nccl")
-"""Process-group backends a session can form."""
+__all__ = ["Session"]
 
 _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
-
-
-def _check_n_backend(n: int | None, backend: str | None) -> None:
-    """The checks ``Session()`` and ``Session.connect()`` share."""
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"n must be a positive int (number of ranks) or None, got {n!r}")
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} or None")
-
-
-def _validate(n: int | None, backend: str | None, launcher: str) -> tuple[int, str | None]:
-    """Check arguments before any process starts; return (n, backend).
-
-    Local engines share this machine's GPUs, so the backend is decided here; engines
-    a launcher starts elsewhere (mpi, slurm...) are probed first (backend None:
-    ``rendezvous.choose_backend``), since the notebook's host may have no GPU.
-    """
-    _check_n_backend(n, backend)
-    names = launcher_names()
-    if launcher not in names:
-        raise ValueError(f"unknown launcher {launcher!r}; allowed: {', '.join(names)}")
-    gpus = _cuda_count() if launcher == "local" else None
-    if backend is None and gpus is not None:
-        backend = "nccl" if gpus else "gloo"
-    if n is None:
-        n = gpus if (backend == "nccl" and gpus) else 2
-    if backend == "nccl" and gpus is not None and n > gpus:
-        raise ValueError(
-            f"n={n} ranks with backend 'nccl' needs {n} GPUs, but this machine has {gpus}; "
-            f"use n <= {gpus}, or backend='gloo' for CPU ranks"
-        )
-    return n, backend
-
-
-class Lifecycle:
-    """A session's state and the moves allowed between states.
-
-    ``starting`` -> ``ready`` (group formed) or ``failed``; ``ready`` <-> ``degraded``
-    (a rank died or recovery failed; ``restart()`` brings it back); any -> ``closed``.
-    Recovery and restart move the state through ``to``, which refuses other moves.
-    """
-
-    MOVES = {
-        "starting": {"ready", "failed", "closed"},
-        "ready": {"ready", "degraded", "closed"},
-        "degraded": {"ready", "degraded", "closed"},
-        "failed": {"closed"},
-        "closed": set(),
-    }
-
-    def __init__(self) -> None:
-        self.state = "starting"
-        """The current state."""
-
-    def to(self, new: str) -> None:
-        """Move to ``new``; RuntimeError if that move is not allowed."""
-        if new not in self.MOVES[self.state]:
-            raise RuntimeError(f"a session cannot go from {self.state!r} to {new!r}")
-        self.state = new
-
-
-def _check_grace(grace: float) -> None:
-    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
-        raise ValueError(f"grace must be a number of seconds >= 0, got {grace!r}")
 
 
 class Session:
@@ -125,8 +59,8 @@ class Session:
         grace: float = 3.0,
         **cluster_kwargs: Any,
     ):
-        n, backend = _validate(n, backend, launcher)
-        _check_grace(grace)
+        n, backend = validate(n, backend, launcher)
+        check_grace(grace)
         threads = max(1, (os.cpu_count() or 1) // n) if backend == "gloo" else None
         env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
         cluster = EngineCluster.start(
@@ -156,8 +90,8 @@ class Session:
         (decided from the engines' probes before the group forms).
         ``shutdown()`` leaves those engines running.
         """
-        _check_n_backend(n, backend)
-        _check_grace(grace)
+        check_n_backend(n, backend)
+        check_grace(grace)
         cluster = EngineCluster.connect(
             url_file, profile=profile, cluster_id=cluster_id, n=n, timeout=timeout
         )
@@ -265,7 +199,7 @@ class Session:
 
     @grace.setter
     def grace(self, seconds: float) -> None:
-        _check_grace(seconds)
+        check_grace(seconds)
         self._policy.grace = float(seconds)
 
     @property
@@ -335,7 +269,7 @@ class Session:
         ``model``: an nn.Module instance (its weights are sharded), a Module class or
         factory (built on the meta device, then materialized shard by shard), or the
         name of a module ``%%px`` code built. Binds the FSDP2 module as engine global
-        ``name``. Options: see ``fsdp_nb.sharding.WrapOptions``.
+        ``name``. Options: see ``fsdp_nb.wrap_options.WrapOptions``.
         """
         from .sharding import wrap
 

@@ -12,12 +12,13 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from .engine import shards as _es
+from .engine import weights as _weights
 from .engine import wrap as _ew
 from .shard_table import ShardTable
 
 if TYPE_CHECKING:
     from .session import Session
-    from .sharding import WrapOptions
+    from .wrap_options import WrapOptions
 
 __all__ = ["ShardedModel"]
 
@@ -45,7 +46,7 @@ class ShardedModel:
         Gathered one tensor at a time to rank 0, so no rank holds a full copy.
         """
         d = self._sess.dispatcher
-        got = d.gather(d.apply(f"state_dict({self.name!r})", _ew.full_state_dict, args=(self.name,)))
+        got = d.gather(d.apply(f"state_dict({self.name!r})", _weights.full_state_dict, args=(self.name,)))
         return got[0]
 
     def shards(self) -> ShardTable:

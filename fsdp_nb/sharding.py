@@ -1,4 +1,4 @@
-"""Wrap options → FSDP2 / DeviceMesh calls: the notebook side of ``sess.wrap``.
+"""The notebook side of ``sess.wrap``: validate, ship, build on every rank, record.
 
 ``wrap(sess, model, args, name=..., **options)`` (what ``Session.wrap`` calls):
 
@@ -9,12 +9,7 @@
    the meta device on rank 0 to check that every ``auto_wrap`` /
    ``activation_checkpointing`` class occurs in it. Any problem raises a
    ``ValueError`` / ``TypeError`` here, before any rank has built or bound anything;
-2. plans the device mesh (:class:`MeshPlan`): 1-D ``("dp",)`` for ``"full"`` and
-   ``"grad_op"``; 2-D ``("dp_replicate", "dp_shard")`` for ``"hybrid"`` (by default
-   shard within a host, replicate across hosts) and for ``"none"`` (``(N, 1)``:
-   FSDP2 replicates along the first dimension and "shards" over one rank, which is
-   plain data parallelism with FSDP2's hooks); ``("dp", "tp")`` with tensor
-   parallelism, as Lightning's ModelParallelStrategy;
+2. plans the device mesh (``fsdp_nb.wrap_options.plan_mesh``);
 3. builds on every rank (``fsdp_nb.engine.wrap.build``), binds the FSDP2 module as
    engine global ``name`` and records the wrap on the session (``sess.wraps``) so
    :func:`replay_wraps` can rebuild it after ``sess.restart()``. An instance's
@@ -30,246 +25,21 @@ anything else on the engines (``rank``, ``torch``, a user's tensor) is refused.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import keyword
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .engine import weights as _weights
 from .engine import wrap as _ew
 from .shipping import ByValue, by_value, register_local_modules
+from .wrap_options import OPTION_NAMES, MeshPlan, WrapOptions, make_options, plan_mesh
 
 if TYPE_CHECKING:
     from .dispatch import Dispatcher
     from .session import Session
     from .sharded_model import ShardedModel
 
-__all__ = [
-    "MIXED_PRECISION",
-    "SHARDING",
-    "MeshPlan",
-    "WrapOptions",
-    "WrapRecord",
-    "check_replayable",
-    "make_options",
-    "plan_mesh",
-    "replay_wraps",
-    "wrap",
-]
-
-SHARDING = ("full", "grad_op", "none", "hybrid")
-"""Allowed values of ``sharding``."""
-MIXED_PRECISION = ("bf16-mixed", "16-mixed", "bf16-true", "32-true")
-"""Allowed strings for ``mixed_precision`` (or pass a ``MixedPrecisionPolicy``)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class WrapOptions:
-    """How ``sess.wrap`` shards a model (names as in Lightning's FSDP strategies)."""
-
-    sharding: str = "full"
-    """``"full"``: shard parameters, gradients and optimizer state, reshard after
-    forward (ZeRO-3); ``"grad_op"``: keep parameters unsharded between forward and
-    backward (ZeRO-2-like, ``reshard_after_forward=False``); ``"none"``: replicate
-    (data parallel); ``"hybrid"``: shard within a group, replicate across groups
-    (HSDP on a 2-D mesh)."""
-    auto_wrap: frozenset[type] | Callable[[Any], bool] | None = None
-    """Submodules that get their own ``fully_shard`` (one unit each, gathered one
-    at a time): a set of module classes (``isinstance``), or ``fn(module) -> bool``.
-    ``None``: only the root is wrapped. Each class must occur in the model."""
-    mixed_precision: str | Any = "32-true"
-    """``"bf16-mixed"`` / ``"16-mixed"``: compute in bf16 / fp16, keep fp32
-    sharded parameters and reduce gradients in fp32; ``"bf16-true"``: parameters
-    themselves bf16; ``"32-true"``: plain fp32; or a ``MixedPrecisionPolicy``."""
-    cpu_offload: bool | Any = False
-    """Keep sharded parameters, gradients and optimizer state on the CPU: ``True``
-    or a ``CPUOffloadPolicy`` (pinned memory only where there is an accelerator)."""
-    activation_checkpointing: frozenset[type] | None = None
-    """Module classes whose forward activations are recomputed in backward
-    (applied before ``fully_shard``; parameter names are unchanged)."""
-    parallelize: Callable[[Any, Any], Any] | None = None
-    """``fn(model, device_mesh) -> model`` applying tensor parallelism (e.g.
-    ``parallelize_module(model, device_mesh["tp"], plan)``); gets the ``("dp",
-    "tp")`` mesh, runs before FSDP shards over ``device_mesh["dp"]``."""
-    data_parallel_size: int | tuple[int, int] | None = None
-    """Ranks in the data-parallel dimension (default: world / tensor_parallel_size).
-    For ``"hybrid"`` a ``(replicate, shard)`` pair (default: hosts × ranks per host)."""
-    tensor_parallel_size: int = 1
-    """Ranks in the tensor-parallel dimension; > 1 needs ``parallelize``."""
-    init_fn: Callable[[Any], None] | None = None
-    """For class / factory specs: called on every submodule after ``to_empty``
-    (``model.apply(init_fn)``) instead of ``reset_parameters``; it must also
-    (re)compute buffers that are not in the state dict."""
-
-    def __post_init__(self) -> None:
-        """Check every option and normalise class sets, so an invalid ``WrapOptions``
-        cannot exist: ``TypeError`` for wrong types, ``ValueError`` for values outside
-        the allowed ones, each naming what is allowed."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-
-        def put(name: str, value: Any) -> None:
-            object.__setattr__(self, name, value)
-
-        sharding = self.sharding
-        if sharding not in SHARDING:
-            raise ValueError(f"sharding={sharding!r} is not allowed; allowed: {', '.join(SHARDING)}")
-        put("auto_wrap", _class_set("auto_wrap", self.auto_wrap, allow_callable=True))
-        put("activation_checkpointing", _class_set(
-            "activation_checkpointing", self.activation_checkpointing, allow_callable=False))
-        mp = self.mixed_precision
-        if not (isinstance(mp, MixedPrecisionPolicy) or (isinstance(mp, str) and mp in MIXED_PRECISION)):
-            raise ValueError(
-                f"mixed_precision={mp!r} is not allowed; allowed: "
-                f"{', '.join(MIXED_PRECISION)} or a torch.distributed.fsdp.MixedPrecisionPolicy"
-            )
-        if not isinstance(self.cpu_offload, (bool, CPUOffloadPolicy)):
-            raise TypeError(
-                f"cpu_offload must be True, False or a CPUOffloadPolicy, got {self.cpu_offload!r}"
-            )
-        for fn_opt in ("parallelize", "init_fn"):
-            if getattr(self, fn_opt) is not None and not callable(getattr(self, fn_opt)):
-                raise TypeError(f"{fn_opt} must be a callable, got {getattr(self, fn_opt)!r}")
-        tp = self.tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
-        if tp > 1 and self.parallelize is None:
-            raise ValueError(
-                f"tensor_parallel_size={tp} needs parallelize=fn(model, device_mesh) that applies "
-                "tensor parallelism on device_mesh['tp']"
-            )
-        if tp > 1 and sharding not in ("full", "grad_op"):
-            raise ValueError(
-                f"tensor parallelism combines with sharding 'full' or 'grad_op', not {sharding!r}"
-            )
-        dp = self.data_parallel_size
-        if dp is None:
-            return
-        if sharding == "hybrid":
-            ok = (
-                isinstance(dp, tuple) and len(dp) == 2
-                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in dp)
-            )
-            if not ok:
-                raise ValueError(
-                    f"with sharding='hybrid', data_parallel_size is a (replicate, shard) pair of "
-                    f"positive ints, got {dp!r}"
-                )
-        elif isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-            raise ValueError(f"data_parallel_size must be a positive int, got {dp!r}")
-
-    def describe(self) -> dict[str, str]:
-        """Options that differ from the defaults, as short strings (for reprs)."""
-        out = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if v != f.default:
-                out[f.name] = _short(v)
-        return out
-
-
-OPTION_NAMES = tuple(f.name for f in dataclasses.fields(WrapOptions))
-
-
-def _short(v: Any) -> str:
-    if isinstance(v, frozenset):
-        return "{" + ", ".join(sorted(getattr(c, "__name__", repr(c)) for c in v)) + "}"
-    if callable(v) and hasattr(v, "__qualname__"):
-        return v.__qualname__
-    return repr(v)
-
-
-def _class_set(option: str, value: Any, *, allow_callable: bool) -> Any:
-    if value is None:
-        return None
-    if isinstance(value, type):
-        value = {value}
-    if allow_callable and callable(value) and not isinstance(value, (set, frozenset, list, tuple)):
-        return value
-    import torch
-
-    if not isinstance(value, (set, frozenset, list, tuple)) or not all(
-        isinstance(c, type) and issubclass(c, torch.nn.Module) for c in value
-    ):
-        also = " or a callable(module) -> bool" if allow_callable else ""
-        raise TypeError(
-            f"{option} must be a set of torch.nn.Module subclasses{also}, got {value!r}"
-        )
-    if not value:
-        raise ValueError(f"{option} is an empty set; pass None to disable it")
-    return frozenset(value)
-
-
-def make_options(**options: Any) -> WrapOptions:
-    """``sess.wrap`` keyword options as a :class:`WrapOptions` (which checks the values).
-
-    Raises ``TypeError`` for unknown names, naming the allowed ones.
-    """
-    unknown = sorted(set(options) - set(OPTION_NAMES))
-    if unknown:
-        raise TypeError(
-            f"unknown wrap option(s) {', '.join(map(repr, unknown))}; "
-            f"allowed: {', '.join(OPTION_NAMES)}"
-        )
-    return WrapOptions(**options)
-
-
-# -- the mesh --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MeshPlan:
-    """The DeviceMesh every rank builds for one wrap (plain data, shipped to engines)."""
-
-    device_type: str
-    """``"cpu"`` (gloo) or ``"cuda"`` (nccl)."""
-    shape: tuple[int, ...]
-    """Mesh shape; its product is the world size."""
-    dim_names: tuple[str, ...]
-    """Mesh dimension names."""
-    fsdp_dims: tuple[str, ...]
-    """The dimensions ``fully_shard`` uses (1 name: shard; 2: replicate, shard)."""
-    tp_dim: str | None = None
-    """The tensor-parallel dimension, if any."""
-
-
-def plan_mesh(world: int, backend: str, hosts: list[str], options: WrapOptions) -> MeshPlan:
-    """The mesh for ``options`` on ``world`` ranks of ``backend`` whose hosts (in rank
-    order) are ``hosts``; ValueError if the sizes do not fit. A pure function."""
-    device_type = "cuda" if backend == "nccl" else "cpu"
-    tp = options.tensor_parallel_size
-    if world % tp:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide the world size {world}")
-    dp_default = world // tp
-    if options.sharding == "hybrid":
-        if options.data_parallel_size is not None:
-            rep, shard = options.data_parallel_size
-        else:
-            shard = min(hosts.count(h) for h in set(hosts))
-            rep = world // shard if world % shard == 0 else None
-            if rep is None:
-                raise ValueError(
-                    f"cannot split {world} ranks into hosts of {shard}; pass "
-                    "data_parallel_size=(replicate, shard)"
-                )
-        if rep * shard != world:
-            raise ValueError(
-                f"data_parallel_size={(rep, shard)} has {rep * shard} ranks, the world has {world}"
-            )
-        names = ("dp_replicate", "dp_shard")
-        return MeshPlan(device_type, (rep, shard), names, names)
-    dp = options.data_parallel_size or dp_default
-    if dp * tp != world:
-        raise ValueError(
-            f"data_parallel_size={dp} × tensor_parallel_size={tp} = {dp * tp} ranks, "
-            f"but the world has {world}"
-        )
-    if options.sharding == "none":
-        names = ("dp_replicate", "dp_shard")
-        return MeshPlan(device_type, (dp, 1), names, names)
-    if tp > 1:
-        return MeshPlan(device_type, (dp, tp), ("dp", "tp"), ("dp",), "tp")
-    return MeshPlan(device_type, (dp,), ("dp",), ("dp",))
-
+__all__ = ["WrapRecord", "check_replayable", "replay_wraps", "wrap"]
 
 # -- the record --------------------------------------------------------------------------
 
@@ -476,7 +246,7 @@ def _stream_weights(d: Dispatcher, world_size: int, name: str, state: dict[str, 
         size += v.numel() * v.element_size()
         if size >= CHUNK_BYTES or i == len(items) - 1:
             args = [(name, chunk)] + [(name, None)] * (world_size - 1)
-            d.gather(d.apply(f"load weights of {name!r}", _ew.load_full_chunk, args))
+            d.gather(d.apply(f"load weights of {name!r}", _weights.load_full_chunk, args))
             chunk, size = {}, 0
 
 

@@ -84,7 +84,7 @@ ASYNC_ON_CUDA_ONLY_WORLD = textwrap.dedent(
     from fsdp_nb.checkpoint.contract import LoadSpec, SaveSpec
     from fsdp_nb.checkpoint.metadata import base_metadata
     from fsdp_nb.checkpoint.storage import options_for
-    from fsdp_nb.engine import async_saves, checkpoint_io as cio
+    from fsdp_nb.engine import async_saves, checkpoint_io as cio, checkpoint_load
     from fsdp_nb.engine.namespace import user_ns
 
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ ASYNC_ON_CUDA_ONLY_WORLD = textwrap.dedent(
     assert done.ok, done
     with torch.no_grad():
         net.weight.zero_()
-    loaded = cio.load(LoadSpec(url=url, storage_options=spec.storage_options, model="net",
+    loaded = checkpoint_load.load(LoadSpec(url=url, storage_options=spec.storage_options, model="net",
                                optimizer=None, strict=True))
     assert loaded.ok, loaded
     torch.manual_seed(0)
@@ -143,12 +143,12 @@ def test_abort_channel_reaches_every_engine_and_spares_gloo(sess):
 
 def test_launched_engines_are_probed_before_the_backend_is_chosen():
     """mpi / slurm engines run elsewhere: the notebook's own GPU count decides nothing."""
-    from fsdp_nb.session import _validate
+    from fsdp_nb.session_checks import validate
 
-    assert _validate(None, None, "mpi") == (2, None)
-    assert _validate(4, None, "slurm") == (4, None)
-    assert _validate(2, "gloo", "mpi") == (2, "gloo")
-    local = _validate(None, None, "local")
+    assert validate(None, None, "mpi") == (2, None)
+    assert validate(4, None, "slurm") == (4, None)
+    assert validate(2, "gloo", "mpi") == (2, "gloo")
+    local = validate(None, None, "local")
     assert local[1] in ("gloo", "nccl")  # local engines share this machine's GPUs
 
 

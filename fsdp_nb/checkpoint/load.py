@@ -33,7 +33,7 @@ def load(
     Raises FileNotFoundError (nothing there), CheckpointError (incomplete, keys or
     shapes differ: listed), CorruptCheckpointError (a file is damaged: named).
     """
-    from ..engine import checkpoint_io as cio
+    from ..engine import checkpoint_load
 
     name = model_name(model)
     optim = check_optimizer(optimizer)
@@ -43,6 +43,6 @@ def load(
     wait_pending(sess)
     spec = LoadSpec(url=path, storage_options=options_for(path), model=name, optimizer=optim, strict=strict)
     d = sess.dispatcher
-    outs = d.gather(d.apply("checkpoint load", cio.load, args=(spec,)))
+    outs = d.gather(d.apply("checkpoint load", checkpoint_load.load, args=(spec,)))
     raise_outcomes(outs)
     return outs[0].extra or {}

@@ -6,7 +6,7 @@ Registry for other layers (checkpoints, layout, recovery)::
 
 ``module`` is the FSDP2 module (also the engine global ``name``), ``mesh`` the
 ``DeviceMesh`` it was sharded on (the full mesh: ``("dp",)``, ``("dp_replicate",
-"dp_shard")`` or ``("dp", "tp")``), ``options`` the ``fsdp_nb.sharding.WrapOptions``.
+"dp_shard")`` or ``("dp", "tp")``), ``options`` the ``fsdp_nb.wrap_options.WrapOptions``.
 
 How a model is built (every rank runs the same steps, so collectives line up):
 
@@ -23,7 +23,7 @@ How a model is built (every rank runs the same steps, so collectives line up):
   plain buffers) is broadcast from the first rank of its group so replicas agree.
 - instance spec: every rank receives a copy whose parameters are on the meta
   device (buffers shipped as they are); all shard the same way and ``to_empty``;
-  then the notebook streams the weights to rank 0 in chunks (``load_full_chunk``:
+  then the notebook streams the weights to rank 0 in chunks (``engine.weights.load_full_chunk``:
   broadcast one tensor, every rank keeps its piece), so no rank ever holds the whole
   model (REFERENCE's ``set_model_state_dict(..., broadcast_from_rank0=True)`` does
   the same per tensor but needs the whole state dict on rank 0).
@@ -47,9 +47,7 @@ __all__ = [
     "check_classes",
     "check_spec",
     "forget_all",
-    "full_state_dict",
     "get",
-    "load_full_chunk",
     "name_status",
     "param_sizes",
     "resolve",
@@ -387,72 +385,6 @@ def _summary(model: Any, units: list, checkpointed: tuple[str, ...], mesh: Any) 
     )
 
 
-def load_full_chunk(name: str, chunk: dict[str, Any] | None) -> int:
-    """Scatter some full tensors from rank 0 into the shards of model ``name``.
-
-    Every rank calls it together; rank 0 passes ``{fqn: full tensor}``, the others
-    ``None``. The notebook streams an instance's weights in chunks this way, so rank
-    0 never holds more than one chunk of full tensors besides its shards, and the
-    other ranks one full tensor at a time: each is broadcast, then every rank keeps
-    its own piece (``distribute_tensor`` with ``src_data_rank=None``, no further
-    communication). (``set_model_state_dict`` would also copy every untouched
-    shard onto itself on each call.)
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    entry = get(name)
-    module = entry.module
-    rank0 = dist.get_rank() == 0
-    if rank0 and chunk:  # numpy arrays arrive as read-only zero-copy buffers
-        chunk = {k: v if isinstance(v, torch.Tensor) else _from_readonly(v) for k, v in chunk.items()}
-    meta = [(k, tuple(v.shape), v.dtype) for k, v in chunk.items()] if rank0 and chunk else None
-    box = [meta]
-    dist.broadcast_object_list(box, src=0)
-    meta = box[0] or []
-    targets = dict(module.named_parameters(remove_duplicate=False))
-    targets.update(module.named_buffers(remove_duplicate=False))
-    comm_device = torch.device(
-        entry.mesh.device_type if entry.mesh.device_type == "cpu" else torch.cuda.current_device()
-    )
-    with torch.no_grad():
-        for key, shape, dtype in meta:
-            if key not in targets:
-                raise KeyError(f"{key!r} is not a parameter or buffer of {name!r}")
-            target = targets[key]
-            if rank0:
-                full = chunk[key].to(comm_device)
-            else:
-                full = torch.empty(shape, dtype=dtype, device=comm_device)
-            dist.broadcast(full, src=0)
-            if isinstance(target, DTensor):
-                piece = distribute_tensor(
-                    full.to(target.dtype), target.device_mesh, target.placements,
-                    src_data_rank=None,
-                ).to_local()
-                target._local_tensor.copy_(piece)
-            else:
-                target.copy_(full)
-            del full
-    return len(meta)
-
-
-def _from_readonly(array: Any) -> Any:
-    """A tensor on a numpy array that arrived as a read-only zero-copy buffer.
-
-    The tensor is only read (broadcast from this rank, sliced into its shard), so no
-    copy is made; torch's warning about non-writable arrays is silenced for that call.
-    """
-    import torch
-
-    if array.flags.writeable:
-        return torch.from_numpy(array)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(array)
-
-
 def get(name: str) -> Wrapped:
     """The registry entry for ``name``, with a clear error when it was not wrapped here."""
     if name not in MODELS:
@@ -466,30 +398,3 @@ def get(name: str) -> Wrapped:
 def resolve(name: str) -> Any:
     """The FSDP module wrapped as ``name`` (what a shipped ``ShardedModel`` becomes)."""
     return get(name).module
-
-
-def full_state_dict(name: str) -> dict[str, Any] | None:
-    """The full state dict on rank 0 (CPU tensors), None on the other ranks.
-
-    Gathers one tensor at a time (``DTensor.full_tensor``), so no rank ever holds
-    more than its shards plus one full tensor.
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    entry = get(name)
-    rank0 = dist.get_rank() == 0
-    out: dict[str, Any] | None = {} if rank0 else None
-    with torch.no_grad():
-        for k, v in entry.module.state_dict().items():
-            if isinstance(v, DTensor):
-                if v.device.type != entry.mesh.device_type:
-                    v = v.to(entry.mesh.device_type)
-                full = v.full_tensor()
-            else:
-                full = v
-            if out is not None:
-                out[k] = full.detach().to("cpu", copy=True)
-            del full
-    return out
