@@ -7,14 +7,50 @@ points at a temporary folder so profiles and connection files never touch ~/.ipy
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ["IPYTHONDIR"] = tempfile.mkdtemp(prefix="fsdp_nb_ipython_")
+IPYTHONDIR = tempfile.mkdtemp(prefix="fsdp_nb_ipython_")
+os.environ["IPYTHONDIR"] = IPYTHONDIR
 
 import pytest  # noqa: E402
 
 import fsdp_nb  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_ipythondir():
+    """Profiles and connection files live in a temporary IPYTHONDIR, removed at the end
+    (after every session fixture has shut its cluster down)."""
+    yield IPYTHONDIR
+    shutil.rmtree(IPYTHONDIR, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def session_factory():
+    """Extra real sessions: ``session_factory(n, **options)``.
+
+    Sessions with the same ``n`` and options are shared across test files (one 3-rank
+    session for the run, not one per file); ``private=True`` gives a test its own, for
+    tests that kill engines. Every session made is shut down at the end of the run
+    (a test or module may shut its own down earlier: shutdown is idempotent).
+    """
+    made: dict[object, fsdp_nb.Session] = {}
+
+    def make(n: int, *, private: bool = False, **options) -> fsdp_nb.Session:
+        options.setdefault("backend", "gloo")
+        options.setdefault("activate", False)
+        key = (n, tuple(sorted(options.items())))
+        if not private and key in made and made[key].state != "closed":
+            return made[key]
+        s = fsdp_nb.Session(n, **options)
+        made[object() if private else key] = s
+        return s
+
+    yield make
+    for s in made.values():
+        s.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -310,11 +310,10 @@ class _Evil:
         return (os.system, (f"touch {self.path}",))
 
 
-@pytest.fixture(scope="module")
-def sess3():
-    s = fsdp_nb.Session(3, backend="gloo", activate=False)
-    yield s
-    s.shutdown()
+@pytest.fixture
+def sess3(session_factory):
+    """The run's 3-rank session (shared with the other test files)."""
+    return session_factory(3)
 
 
 def test_reshard_2_to_3_and_train(sess, sess3, tmp_path):
@@ -339,13 +338,13 @@ def test_reshard_2_to_3_and_train(sess, sess3, tmp_path):
     assert same(snapshot(sess, "ck_3"), s0)
 
 
-def test_reshard_2_to_1(sess, tmp_path):
+def test_reshard_2_to_1(sess, session_factory, tmp_path):
     build(sess, "ck_1")
     step(sess, "ck_1")
     s0 = snapshot(sess, "ck_1")
     sess.save(str(tmp_path / "c"), "ck_1", optimizer="ck_1_opt")
     sess.save(str(tmp_path / "c.safetensors"), "ck_1", optimizer="ck_1_opt", sharded=False)
-    with fsdp_nb.Session(1, backend="gloo", activate=False) as s1:
+    with session_factory(1, private=True) as s1:
         build(s1, "ck_1", seed=9)
         s1.load(str(tmp_path / "c"), "ck_1", optimizer="ck_1_opt")
         assert same(snapshot(s1, "ck_1"), s0)
@@ -355,11 +354,11 @@ def test_reshard_2_to_1(sess, tmp_path):
         step(s1, "ck_1")
 
 
-def test_kill_engine_mid_save_keeps_previous(sess, tmp_path):
+def test_kill_engine_mid_save_keeps_previous(sess, session_factory, tmp_path):
     """kill -9 a rank while it writes: the old checkpoint stays, the half one is never valid."""
     dim, layers = 2048, 6  # ~25M parameters, ~100 MB per save
     path = tmp_path / "ck"
-    s = fsdp_nb.Session(2, backend="gloo", activate=False)
+    s = session_factory(2, private=True)  # an engine of it is killed
     try:
         build(s, "big", dim=dim, layers=layers)
         s.save(str(path), "big", extra={"gen": 1})

@@ -221,13 +221,11 @@ def test_grace_is_validated(sess):
 
 
 @pytest.fixture(scope="module")
-def fragile():
-    """A 2-rank session of its own, for tests that kill engines."""
-    s = fsdp_nb.Session(2, backend="gloo", grace=1.0, activate=False)
-    try:
-        yield s
-    finally:
-        s.shutdown()
+def fragile(session_factory):
+    """A 2-rank session of its own, for tests that kill engines (shut down with the module)."""
+    s = session_factory(2, private=True, grace=1.0)
+    yield s
+    s.shutdown()
 
 
 def test_engine_killed_while_peer_waits_in_collective(fragile, tmp_path):

@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import nn
 
-import fsdp_nb
 from fsdp_nb.engine.wrap import forget_all
 
 STEPS = 3
@@ -181,11 +180,10 @@ def test_class_built_trains_like_one_process_and_replicas_agree(sess):
     _assert_trains_like_one_process(sess, sm, start, *_data(2))
 
 
-@pytest.fixture(scope="module")
-def sess3():
-    s = fsdp_nb.Session(3, backend="gloo", activate=False)
-    yield s
-    s.shutdown()
+@pytest.fixture
+def sess3(session_factory):
+    """The run's 3-rank session (shared with the other test files)."""
+    return session_factory(3)
 
 
 @pytest.mark.parametrize("sharding", ["full", "grad_op", "none"])
