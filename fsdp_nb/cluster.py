@@ -21,6 +21,8 @@ from typing import Any
 import ipyparallel as ipp
 import psutil
 
+from .engine.health import whoami
+
 log = logging.getLogger("fsdp_nb")
 
 __all__ = ["EngineCluster", "engine_launcher_class", "launcher_names", "split_cluster_kwargs"]
@@ -325,7 +327,7 @@ class EngineCluster:
             )
         new = sorted(set(self.client.ids) - known)
         for r, eid in zip(dead, new):
-            pid, host = self.client[eid].apply_sync(_whoami)
+            pid, host = self.client[eid].apply_sync(whoami)
             self.engine_ids[r], self.pids[r], self.hosts[r] = eid, pid, host
 
     def tcp_endpoints(self) -> dict[int, list[tuple[str, int]]]:
@@ -345,13 +347,6 @@ class EngineCluster:
             out[r] = sorted({(x.laddr.ip, x.laddr.port) for x in conns if x.laddr})
         return out
 
-
-def _whoami() -> tuple[int, str]:
-    """(pid, host) of the engine it runs on."""
-    import os
-    import socket
-
-    return os.getpid(), socket.gethostname()
 
 
 def _local_pid_dead(pid: int) -> bool:

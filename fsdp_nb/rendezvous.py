@@ -188,11 +188,11 @@ def join_group(
     pg_timeout: float,
     threads: int | None,
     timeout: float | None = None,
-) -> list[RankInfo]:
+) -> None:
     """Form the group on a fresh port; ``cluster.engine_ids`` and ``probes`` in rank order.
 
     Used to form a session's group and to re-form it after a recovery or restart;
-    the new per-rank info is also kept as ``cluster.ranks``.
+    the new per-rank info (``RankInfo``) becomes ``cluster.ranks``.
     """
     engine_ids = list(cluster.engine_ids)
     hosts = [p.host for p in probes]
@@ -226,7 +226,6 @@ def join_group(
         RankInfo(r, engine_ids[r], p.host, p.pid, devices[r], *locals_[r], p.addr)
         for r, p in enumerate(probes)
     ]
-    return list(cluster.ranks)
 
 
 def form_group(
@@ -236,16 +235,14 @@ def form_group(
     *,
     pg_timeout: float,
     threads: int | None,
-) -> tuple[str, list[RankInfo]]:
-    """Probe, order and rendezvous every engine; return the backend (``backend``, or
-    the one the probes call for when None: ``choose_backend``) and per-rank info in
-    rank order. The backend is decided before any rank joins a group."""
+) -> str:
+    """Probe, order and rendezvous every engine (per-rank info in ``cluster.ranks``);
+    return the backend: ``backend``, or the one the probes call for when None
+    (``choose_backend``), decided before any rank joins a group."""
     probes = probe_engines(cluster, dispatcher)
     order = rank_order(cluster.engine_ids, probes)
     cluster.engine_ids = [cluster.engine_ids[i] for i in order]
     probes = [probes[i] for i in order]
     backend = choose_backend(backend, probes)
-    ranks = join_group(
-        cluster, dispatcher, probes, backend, pg_timeout=pg_timeout, threads=threads
-    )
-    return backend, ranks
+    join_group(cluster, dispatcher, probes, backend, pg_timeout=pg_timeout, threads=threads)
+    return backend

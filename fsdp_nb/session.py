@@ -137,7 +137,7 @@ class Session:
         self._plain = Dispatcher(cluster, FailurePolicy())
         self._plain.echo = False
         try:
-            self.backend, _ = rendezvous.form_group(
+            self.backend = rendezvous.form_group(
                 cluster, self._dispatch, backend, pg_timeout=pg_timeout, threads=threads
             )
             self.health.install(self._plain, nccl=self.backend == "nccl")

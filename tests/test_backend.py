@@ -148,8 +148,11 @@ def test_launched_engines_are_probed_before_the_backend_is_chosen():
     assert validate(None, None, "mpi") == (2, None)
     assert validate(4, None, "slurm") == (4, None)
     assert validate(2, "gloo", "mpi") == (2, "gloo")
-    local = validate(None, None, "local")
-    assert local[1] in ("gloo", "nccl")  # local engines share this machine's GPUs
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # local engines share this machine's GPUs: one rank per GPU on nccl, else 2 on gloo
+    assert validate(None, None, "local") == ((gpus, "nccl") if gpus else (2, "gloo"))
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import _thread
 import copy
+import math
 import os
 import signal
 import subprocess
@@ -217,7 +218,7 @@ def test_nccl_abort_then_reform_trains_on(gsess):
     gsess.restart()  # healthy session: re-form the group and re-point meshes
     assert gsess.all_reduce_check() == float(sum(range(gsess.world_size)))
     losses = gsess.run(_train_on_ranks, "gab", x, y, 2)
-    assert all(ls[-1] == ls[-1] for ls in losses)
+    assert all(math.isfinite(loss) for ls in losses for loss in ls)
 
 
 def test_consolidate_a_gpu_trained_checkpoint(gsess, tmp_path):

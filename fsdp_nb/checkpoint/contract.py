@@ -18,17 +18,23 @@ __all__ = ["LoadSpec", "Outcome", "SaveSpec", "check_optimizer", "model_name", "
 
 
 @dataclass(frozen=True, kw_only=True)
-class SaveSpec:
-    """One ``sess.save``, as every rank receives it."""
+class _Target:
+    """What a save and a load both name: where, and which engine globals."""
 
     url: str
-    """Target: a local path or fsspec URL (folder when sharded, file when full)."""
+    """The checkpoint: a local path or fsspec URL (a DCP folder, or one full file)."""
     storage_options: dict[str, Any]
     """fsspec options for ``url`` (credentials, endpoint), as the notebook has them."""
     model: str
     """Engine global name of the model."""
     optimizer: str | None
-    """Engine global name of the optimizer, if saved."""
+    """Engine global name of the optimizer, if saved / loaded."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveSpec(_Target):
+    """One ``sess.save``, as every rank receives it."""
+
     sharded: bool
     """DCP folder (one file per rank) or one full file."""
     async_save: bool
@@ -44,17 +50,9 @@ class SaveSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LoadSpec:
+class LoadSpec(_Target):
     """One ``sess.load``, as every rank receives it."""
 
-    url: str
-    """The checkpoint: a DCP folder or a full file, local or fsspec."""
-    storage_options: dict[str, Any]
-    """fsspec options for ``url``."""
-    model: str
-    """Engine global name of the model."""
-    optimizer: str | None
-    """Engine global name of the optimizer, if loaded."""
     strict: bool
     """Every key must match (else: load the keys both have)."""
 

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from ..checkpoint.atomic import commit_full, commit_sharded, retain_last
-from ..checkpoint.contract import Outcome, SaveSpec
+from ..checkpoint.contract import LoadSpec, Outcome, SaveSpec
 from ..checkpoint.fullfile import full_suffix, write_full
 from ..checkpoint.inspect import inspect
 from ..checkpoint.storage import dcp_writer, file_record, sibling, url_to_fs
@@ -39,7 +39,7 @@ from .wrap import param_sizes
 
 log = logging.getLogger("fsdp_nb")
 
-__all__ = ["checkpoint_group", "named_objects", "preflight", "rank_and_world", "save"]
+__all__ = ["begin", "checkpoint_group", "named_objects", "preflight", "rank_and_world", "save"]
 
 _GROUP: tuple[Any, Any] | None = None
 
@@ -74,13 +74,22 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def preflight(spec: SaveSpec) -> Outcome:
-    """Check names and the target before anything is written."""
+def begin(spec: SaveSpec | LoadSpec) -> tuple[Any, Any] | Outcome:
+    """The spec's model and optimizer on this rank, once this rank's async saves have
+    finished; or the failure outcome naming what is missing or wrong."""
     try:
-        named_objects(spec.model, spec.optimizer)
+        objects = named_objects(spec.model, spec.optimizer)
     except (NameError, TypeError) as exc:
         return Outcome.failed(exc)
     drain()
+    return objects
+
+
+def preflight(spec: SaveSpec) -> Outcome:
+    """Check names and the target before anything is written."""
+    got = begin(spec)
+    if isinstance(got, Outcome):
+        return got
     rank, _ = rank_and_world()
     if rank == 0 and spec.check_exists:
         fs, p = url_to_fs(spec.url, spec.storage_options)
@@ -139,11 +148,10 @@ def _model_meta(model: Any, spec: SaveSpec) -> dict[str, Any]:
 
 def save(spec: SaveSpec) -> Outcome:
     """Save the model (and optimizer) on every rank; returns timings and, on rank 0, the info."""
-    try:
-        model, optim = named_objects(spec.model, spec.optimizer)
-    except (NameError, TypeError) as exc:
-        return Outcome.failed(exc)
-    drain()
+    got = begin(spec)
+    if isinstance(got, Outcome):
+        return got
+    model, optim = got
     t0 = time.perf_counter()
     try:
         if spec.sharded:

@@ -22,8 +22,7 @@ from ..checkpoint.inspect import read_dcp_metadata, verify_checksums
 from ..checkpoint.keys import MODEL, OPTIM_STATE, flat_optim_state
 from ..checkpoint.restricted import safe_reader
 from ..checkpoint.storage import url_to_fs
-from .async_saves import drain
-from .checkpoint_io import checkpoint_group, named_objects, rank_and_world
+from .checkpoint_io import begin, checkpoint_group, rank_and_world
 
 __all__ = ["load"]
 
@@ -74,11 +73,10 @@ def _shape_problems(
 
 def load(spec: LoadSpec) -> Outcome:
     """Load a sharded or full checkpoint into the model (and optimizer) on every rank."""
-    try:
-        model, optim = named_objects(spec.model, spec.optimizer)
-    except (NameError, TypeError) as exc:
-        return Outcome.failed(exc)
-    drain()
+    got = begin(spec)
+    if isinstance(got, Outcome):
+        return got
+    model, optim = got
     fs, p = url_to_fs(spec.url, spec.storage_options)
     p = p.rstrip("/")
     try:

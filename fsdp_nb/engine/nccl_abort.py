@@ -20,14 +20,14 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["abort_nccl", "is_nccl", "received", "start"]
+__all__ = ["abort_nccl", "received", "start"]
 
 log = logging.getLogger("fsdp_nb")
 
 _LISTENER: dict[str, Any] = {}
 
 
-def is_nccl(backend: Any) -> bool:
+def _is_nccl(backend: Any) -> bool:
     """Whether a c10d backend object is NCCL's (by type name: CPU builds lack the class)."""
     return type(backend).__name__ == "ProcessGroupNCCL"
 
@@ -45,7 +45,7 @@ def _nccl_backends() -> list[Any]:
             backend = pg._get_backend(torch.device("cuda"))
         except RuntimeError:  # no CUDA backend in this group
             continue
-        if is_nccl(backend):
+        if _is_nccl(backend):
             found.append(backend)
     return found
 
@@ -66,15 +66,21 @@ def abort_nccl() -> int:
     return n
 
 
-def _serve(sock: Any, stop: threading.Event) -> None:
-    while not stop.is_set():
-        if not sock.poll(500):
-            continue
-        msg = sock.recv()
-        if msg == b"abort":
-            log.warning("fsdp_nb: aborting NCCL communicators (asked by the notebook)")
-            _LISTENER["aborted"] = _LISTENER.get("aborted", 0) + abort_nccl()
-            _LISTENER["received"] = _LISTENER.get("received", 0) + 1
+def _serve(sock: Any) -> None:
+    """The listener thread: lives as long as the engine (a daemon), one request at a
+    time; ends, closing its socket, when the engine's zmq context is terminated."""
+    import zmq
+
+    try:
+        while True:
+            if sock.recv() == b"abort":
+                log.warning("fsdp_nb: aborting NCCL communicators (asked by the notebook)")
+                _LISTENER["aborted"] = _LISTENER.get("aborted", 0) + abort_nccl()
+                _LISTENER["received"] = _LISTENER.get("received", 0) + 1
+    except zmq.ContextTerminated:
+        log.debug("NCCL abort listener: the engine is exiting")
+    finally:
+        sock.close(linger=0)
 
 
 def start() -> str:
@@ -90,12 +96,8 @@ def start() -> str:
     sock = zmq.Context.instance().socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     port = sock.bind_to_random_port(f"tcp://{addr}")
-    stop = threading.Event()
-    thread = threading.Thread(
-        target=_serve, args=(sock, stop), name="fsdp_nb-nccl-abort", daemon=True
-    )
-    thread.start()
-    _LISTENER.update(endpoint=f"tcp://{addr}:{port}", thread=thread, stop=stop)
+    threading.Thread(target=_serve, args=(sock,), name="fsdp_nb-nccl-abort", daemon=True).start()
+    _LISTENER["endpoint"] = f"tcp://{addr}:{port}"
     return _LISTENER["endpoint"]
 
 
