@@ -20,6 +20,7 @@ _LAZY = {
     "CheckpointInfo": "checkpoint",
     "inspect": "checkpoint",
     "consolidate": "checkpoint",
+    "list_checkpoints": "checkpoint",
 }
 
 
@@ -44,5 +45,6 @@ __all__ = [
     "__version__",
     "consolidate",
     "inspect",
+    "list_checkpoints",
     "load_ipython_extension",
 ]

@@ -25,7 +25,9 @@ from .engine.health import whoami
 
 log = logging.getLogger("fsdp_nb")
 
-__all__ = ["EngineCluster", "engine_launcher_class", "launcher_names", "split_cluster_kwargs"]
+__all__ = [
+    "EngineCluster", "engine_launcher_class", "ipp_log_level", "launcher_names", "split_cluster_kwargs",
+]
 
 _RESERVED = {"n", "engines", "engine_launcher_class"}
 """Cluster arguments that Session sets itself (from ``n`` and ``launcher``)."""
@@ -109,6 +111,18 @@ def _batch_file_in_profile(cluster: ipp.Cluster, launcher: str) -> None:
     cluster.config = config
 
 
+def ipp_log_level() -> int:
+    """ipyparallel's log level for the clusters fsdp_nb starts: the ``fsdp_nb`` logger's
+    when that is set to INFO or DEBUG (to see the launchers and engines), else ERROR.
+
+    Not WARNING: at WARNING the launcher pastes every engine's whole log into the
+    notebook whenever an engine exits non-zero, which stopping it (SIGTERM) counts as.
+    ``cluster_kwargs={"log_level": ...}`` still overrides it.
+    """
+    level = logging.getLogger("fsdp_nb").getEffectiveLevel()
+    return level if level <= logging.INFO else logging.ERROR
+
+
 class EngineCluster:
     """An ipyparallel client plus, when we started it, the ``ipyparallel.Cluster``."""
 
@@ -152,9 +166,7 @@ class EngineCluster:
                 config[lname].environment = {**env, **config[lname].environment}
         if not config:  # keep inheriting the IPython session's config as Cluster does
             del cluster_kwargs["config"]
-        # ERROR: at WARNING the launcher pastes every engine's log into the notebook
-        # whenever an engine exits non-zero, which stopping it (SIGTERM) counts as
-        cluster_kwargs.setdefault("log_level", 40)
+        cluster_kwargs.setdefault("log_level", ipp_log_level())
         cluster = ipp.Cluster(n=n, engines=launcher, **cluster_kwargs)
         _batch_file_in_profile(cluster, launcher)
         try:

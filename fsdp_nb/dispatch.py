@@ -10,6 +10,7 @@ others wait in a collective to the session's failure policy (``FailurePolicy``).
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import sys
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import ipyparallel as ipp
@@ -24,7 +26,9 @@ import ipyparallel as ipp
 from .cluster import EngineCluster
 from .errors import DeadRankError, RankError, RankFailure, RankTimeoutError
 
-__all__ = ["Dispatcher", "FailurePolicy", "Pending"]
+__all__ = ["CallEvent", "Dispatcher", "FailurePolicy", "Pending"]
+
+log = logging.getLogger("fsdp_nb")
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 OUTPUT_LIMIT = 64_000
@@ -44,6 +48,23 @@ class Pending:
     results: dict[int, ipp.AsyncResult]
     """rank -> its AsyncResult."""
     started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class CallEvent:
+    """What a dispatcher tells its observers (a live status view) about its calls."""
+
+    what: str
+    """The call ("execute", "run(train)"), or "session" / "restart" for a recovery."""
+    phase: str
+    """``running``, ``done``, ``failed``, ``interrupted``, ``dead``, ``recovering``,
+    ``recovered`` or ``degraded``."""
+    ranks: tuple[int, ...] = ()
+    """The ranks concerned: those still running, those that died, those being recovered."""
+    failures: tuple[RankFailure, ...] = ()
+    """For ``failed``: each failing rank's error, first failure first."""
+    note: str = ""
+    """For recovery phases: what was done."""
 
 
 class FailurePolicy:
@@ -89,6 +110,16 @@ class Dispatcher:
         self.cluster = cluster
         self.policy = policy or FailurePolicy()
         self.echo = True
+        self.observers: list[Callable[[CallEvent], None]] = []
+        """Called on the notebook's thread as calls start, change, end and recover."""
+
+    def notify(self, event: CallEvent) -> None:
+        """Tell every observer; one that fails is logged and kept out of the call's way."""
+        for fn in list(self.observers):
+            try:
+                fn(event)
+            except Exception as exc:
+                log.warning("a status observer failed on %s/%s: %s", event.what, event.phase, exc)
 
     # -- submit -----------------------------------------------------------------
 
@@ -134,6 +165,7 @@ class Dispatcher:
                 return self._gather(pending, timeout, ctrl_c)
             except KeyboardInterrupt:
                 running = [r for r, ar in pending.results.items() if not ar.ready()]
+                self.notify(CallEvent(pending.what, "interrupted", tuple(running)))
                 self.policy.on_interrupt(pending, running)
                 raise
 
@@ -142,21 +174,29 @@ class Dispatcher:
         echo = _Echo(pending) if self.echo else None
         first_failure_at: float | None = None
         next_liveness = time.monotonic() + self.liveness_every
+        shown: list[int] | None = None
         while True:
             ctrl_c.check()
             running = [r for r, ar in pending.results.items() if not ar.ready()]
+            if self.observers and running != shown:
+                shown = running
+                self.notify(CallEvent(pending.what, "running", tuple(running)))
             if not running:
                 break
             now = time.monotonic()
             if first_failure_at is None and _any_failed(pending):
                 first_failure_at = now
             if first_failure_at is not None and now - first_failure_at >= self.policy.grace:
-                self.policy.on_partial_failure(pending, self.failures(pending), running)
+                failed = self.failures(pending)
+                self.notify(CallEvent(pending.what, "failed", tuple(f.rank for f in failed),
+                                      tuple(failed)))
+                self.policy.on_partial_failure(pending, failed, running)
                 first_failure_at = None  # policy chose to keep waiting
             if now >= next_liveness:
                 next_liveness = now + self.liveness_every
                 dead = [r for r in self.cluster.dead_ranks() if r in running]
                 if dead:
+                    self.notify(CallEvent(pending.what, "dead", tuple(dead)))
                     self.policy.on_dead(pending, dead)
             if timeout is not None and now - pending.started > timeout:
                 self.policy.on_timeout(pending, running, timeout)
@@ -174,8 +214,12 @@ class Dispatcher:
         if failures:
             dead = [r for r in self.cluster.dead_ranks() if r in pending.results]
             if dead:  # the controller reported the death before our pid check did
+                self.notify(CallEvent(pending.what, "dead", tuple(dead)))
                 self.policy.on_dead(pending, dead)
+            self.notify(CallEvent(pending.what, "failed", tuple(f.rank for f in failures),
+                                  tuple(failures)))
             raise RankError(pending.what, failures, self.cluster.world_size)
+        self.notify(CallEvent(pending.what, "done"))
         return [pending.results[r].get() for r in sorted(pending.results)]
 
     def failures(self, pending: Pending) -> list[RankFailure]:
@@ -270,12 +314,20 @@ def _tag(rank: int, text: str) -> str:
 
 
 def _completed(ar: ipp.AsyncResult) -> float:
-    try:
-        md = ar._metadata[0] if isinstance(ar._metadata, list) else ar._metadata
-        done = md.get("completed")
-        return done.timestamp() if done is not None else float("inf")
-    except Exception:
-        return float("inf")
+    """When the engine finished the task (Unix time); inf when it does not say.
+
+    ipyparallel gives ``completed`` as a datetime for results and as an ISO string
+    for errors; both count, or the first failure could not be told from its echoes.
+    """
+    md = ar.metadata[0] if isinstance(ar.metadata, list) else ar.metadata
+    done = md.get("completed") or md.get("received")
+    if isinstance(done, str):
+        try:
+            done = datetime.fromisoformat(done.replace("Z", "+00:00"))
+        except ValueError:
+            log.debug("unreadable completion time %r", done)
+            return float("inf")
+    return done.timestamp() if isinstance(done, datetime) else float("inf")
 
 
 def _failure(rank: int, ar: ipp.AsyncResult) -> RankFailure:

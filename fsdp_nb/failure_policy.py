@@ -28,7 +28,7 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
-from .dispatch import FailurePolicy, Pending
+from .dispatch import CallEvent, FailurePolicy, Pending
 from .engine import health as _health
 from .errors import DeadRankError, RankError, RankFailure, RankTimeoutError
 from .recovery import reform, restart
@@ -87,6 +87,8 @@ class RecoveringPolicy(FailurePolicy):
         if wedged:
             sess.cluster.kill(wedged)
         sess.lifecycle.to("degraded")
+        gone = tuple(sorted(set(all_dead) | set(wedged)))
+        sess.dispatcher.notify(CallEvent("session", "degraded", gone, note="sess.restart() brings them back"))
         others = [f for f in sess.dispatcher.failures(pending) if f.rank not in all_dead]
         err = DeadRankError(
             sorted(set(all_dead) | set(wedged)),
@@ -112,14 +114,21 @@ class RecoveringPolicy(FailurePolicy):
 
     def _recover(self, pending: Pending, running: list[int], *, interrupt: bool, cause: str) -> str:
         """Stop ``running`` ranks, re-form the group on every rank; a note saying what happened."""
+        d = self.sess.dispatcher
+        everyone = tuple(range(self.sess.world_size))
+        d.notify(CallEvent("session", "recovering", everyone, note=cause))
         try:
-            return self._recover_or_raise(pending, running, interrupt=interrupt, cause=cause)
+            note = self._recover_or_raise(pending, running, interrupt=interrupt, cause=cause)
         except Exception as exc:  # noqa: BLE001 - the original error must still reach the user
             self.sess.lifecycle.to("degraded")
-            return (
+            note = (
                 f"fsdp_nb could not recover the session ({cause}): {type(exc).__name__}: {exc}. "
                 "Call sess.restart()."
             )
+            d.notify(CallEvent("session", "degraded", everyone, note=note))
+            return note
+        d.notify(CallEvent("session", "recovered", everyone, note=note))
+        return note
 
     def _recover_or_raise(
         self, pending: Pending, running: list[int], *, interrupt: bool, cause: str

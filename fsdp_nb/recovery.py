@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import rendezvous
+from .dispatch import CallEvent
 from .engine import health as _health
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ def restart(sess: Session, restore: str | None = None, drop: tuple[str, ...] = (
     drop = tuple(drop)
     dead = sess.cluster.dead_ranks()
     check_replayable(sess, restore, drop, replaying=bool(dead))
+    everyone = tuple(range(sess.world_size))
+    sess.dispatcher.notify(CallEvent("restart", "recovering", everyone,
+                                     note=f"replacing rank(s) {dead}" if dead else "re-forming the group"))
     if dead:
         sess.cluster.replace(dead)
         sess.health.install(sess.plain_dispatcher, dead, nccl=sess.backend == "nccl")
@@ -68,4 +72,7 @@ def restart(sess: Session, restore: str | None = None, drop: tuple[str, ...] = (
                 "has no wrapped model; call sess.wrap(...) then sess.load(path, model)."
             )
         sess.load(restore, names[-1])
+    what = f"rank(s) {', '.join(map(str, dead))} replaced" if dead else "group re-formed"
+    sess.dispatcher.notify(CallEvent("restart", "recovered", everyone,
+                                     note=what + (f", {restore} loaded" if restore else "")))
     return sess

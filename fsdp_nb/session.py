@@ -343,6 +343,13 @@ class Session:
 
         return memory_widget(self, **kwargs)
 
+    def status_widget(self) -> Any:
+        """Per-rank status that follows the session live: busy, failed, dead, recovering,
+        recovered, with a log of failures and recoveries (``sess.status()`` is a snapshot)."""
+        from .widgets.status import status_widget
+
+        return status_widget(self)
+
     def checkpoints(self, root: str, **kwargs: Any) -> Any:
         """Checkpoint browser widget for a local folder or fsspec URL."""
         from .widgets.checkpoints import checkpoint_browser

@@ -38,7 +38,7 @@ CELLS = [
     "root = tempfile.mkdtemp()\nsess.checkpoints(root)",
     "sess.execute('import time as _t; _t.sleep(2)')  # a busy cell: memory keeps streaming",
     "print('renders', mem.renders)\nsess.shutdown()  # ends the samplers and the feed too\n"
-    "time.sleep(0.5); print('SHUTDOWN' + '-DONE', 'feed running:', mem.feed.running)",
+    "print('SHUTDOWN' + '-DONE', 'feed running:', mem.feed.running)",
 ]
 
 

@@ -364,6 +364,16 @@ def test_kill_engine_mid_save_keeps_previous(sess, session_factory, tmp_path):
         s.save(str(path), "big", extra={"gen": 1})
         s.execute("for _p in big.parameters(): _p.data.add_(1.0)")
         victim = s.ranks[0].pid  # rank 0 commits (and would clean up a failed save): kill it
+        written = tmp_path / "rank0-written"
+        # rank 0 stops where its files are written and the commit has not begun, and says so
+        s.execute(
+            "if rank == 0:\n"
+            "    import time as _t\n"
+            "    import fsdp_nb.engine.checkpoint_io as _io\n"
+            "    def _hold(*_a, **_k):\n"
+            f"        open({str(written)!r}, 'w').close()\n"
+            "        _t.sleep(600)\n"
+            "    _io._finish_sharded = _hold\n")
         errors = []
 
         def run():
@@ -374,15 +384,12 @@ def test_kill_engine_mid_save_keeps_previous(sess, session_factory, tmp_path):
 
         t = threading.Thread(target=run)
         t.start()
-        killed = False
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and t.is_alive():
-            tmps = [d for d in os.listdir(tmp_path) if d.startswith(".ck.tmp-")]
-            if tmps and any(f.endswith(".distcp") for f in os.listdir(tmp_path / tmps[0])):
-                os.kill(victim, signal.SIGKILL)
-                killed = True
-                break
-            time.sleep(0.002)
+        deadline = time.monotonic() + 120
+        while not written.exists() and t.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        killed = written.exists()
+        if killed:
+            os.kill(victim, signal.SIGKILL)
         t.join(120)
         assert killed and not t.is_alive()
         # the session layer reports the death (DeadRankError, or RankError: EngineError "died")

@@ -108,11 +108,32 @@ def quick(sess):
         sess.execute("for _n in [n for n in list(globals()) if n.startswith('fail_')]: del globals()[_n]")
 
 
+def _follow(s, widget) -> list[tuple[str, list[str]]]:
+    """(phase, rank states) as the live status widget had them after each event."""
+    seen: list[tuple[str, list[str]]] = []
+    s.dispatcher.observers.append(lambda e: seen.append((e.phase, [r.state for r in widget.status.ranks])))
+    return seen
+
+
 def test_rank_raising_before_collective_raises_root_cause_and_recovers(quick):
     before = _weights(quick)
+    widget = quick.status_widget()
+    seen = _follow(quick, widget)
     code = "if rank == 1:\n    raise ValueError('boom before the collective')\n" + BLOCKED
-    with pytest.raises(RankError) as info:
-        quick.execute(code)
+    try:
+        with pytest.raises(RankError) as info:
+            quick.execute(code)
+    finally:
+        widget.close()
+        quick.dispatcher.observers.clear()
+    # the widget followed it live: both busy, rank 1 failed while 0 still ran, recovery
+    assert seen[0] == ("running", ["busy", "busy"])
+    assert ("failed", ["busy", "failed"]) in seen
+    assert seen[-2:] == [("recovering", ["recovering"] * 2), ("recovered", ["recovered"] * 2)]
+    assert "boom before the collective" in widget.status.ranks[1].activity or any(
+        "boom before the collective" in e for e in widget.status.events)
+    assert any("execute failed (rank 1)" in e for e in widget.status.events)
+    assert "recovered" in widget.view.value and "ValueError" in widget.to_text()
     err = info.value
     assert err.first.rank == 1 and err.first.ename == "ValueError"
     assert "boom before the collective" in str(err)
@@ -233,11 +254,13 @@ def test_engine_killed_while_peer_waits_in_collective(fragile, tmp_path):
     s.execute("fail_kept = 41 + rank")
     victim = s.ranks[1].pid
     assert s.cluster.owns_pid(victim)
+    widget = s.status_widget()
     marker = tmp_path / "sleeping"
     _on_marker(marker, lambda: os.kill(victim, signal.SIGKILL))
     with pytest.raises(DeadRankError) as info:
         s.execute("if rank == 1:\n    import time\n    " + _mark(marker) + "    time.sleep(30)\n" + BLOCKED)
     assert info.value.dead_ranks == [1]
+    assert widget.status.ranks[1].state == "dead" and widget.status.state == "degraded"
     st = s.status()
     assert st.dead == [1] and st.idle == [0]  # the survivor is not left in the collective
     with pytest.raises(DeadRankError, match="rank\\(s\\) 1"):
@@ -245,6 +268,11 @@ def test_engine_killed_while_peer_waits_in_collective(fragile, tmp_path):
     s.restart()
     assert s.state == "ready" and [r.rank for r in s.ranks] == [0, 1]
     assert s.ranks[1].pid != victim
+    # the widget saw the restart and shows the replacement engine
+    assert [r.state for r in widget.status.ranks] == ["recovered", "recovered"]
+    assert widget.status.ranks[1].pid == s.ranks[1].pid and widget.status.state == "ready"
+    assert any("restart recovered: rank(s) 1 replaced" in e for e in widget.status.events)
+    widget.close()
     assert s.all_reduce_check() == 1.0
     # the survivor kept its state; the replacement engine starts empty
     assert s.run(lambda: globals().get("fail_kept")) == [41, None]

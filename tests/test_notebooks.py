@@ -17,7 +17,10 @@ EXPECTED = {
     "02_checkpoints": ["valid, world_size=2", "(2, {'step': 5},", "({'step': 5}, True)"],
     "03_large_model": ["full model:", "rank 0: step ok", "rank 1: step ok"],
     "04_failures": ["caught:", "rank 1 found bad data", "interrupted; session state: ready",
-                    "rank(s) 1"],
+                    "rank(s) 1", "all_reduce after recovery: 1.0",
+                    # the status widget's log, printed at the end
+                    "execute failed (rank 1): rank 1: RuntimeError: rank 1 found bad data",
+                    "execute interrupted (rank 0", "restart recovered: rank(s) 1 replaced"],
 }
 
 

@@ -142,16 +142,26 @@ def test_error_on_one_rank_names_it_and_session_survives(sess):
     assert sess.all_reduce_check() == 1.0
 
 
-def test_error_on_all_ranks_first_failure_first(sess):
-    def fail_late_on_rank0():
+def test_error_on_all_ranks_first_failure_first(sess, tmp_path):
+    release = tmp_path / "release"
+
+    def fail_when_released(path):
+        import os
         import time
 
         if rank == 0:  # noqa: F821
-            time.sleep(0.5)
+            while not os.path.exists(path):
+                time.sleep(0.01)
         raise KeyError(f"rank {rank}")  # noqa: F821
 
+    d = sess.dispatcher
+    pending = d.apply("fail", fail_when_released, args=(str(release),))
+    deadline = time.monotonic() + 30  # rank 1 has failed before rank 0 is let go
+    while not pending.results[1].ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.touch()
     with pytest.raises(RankError) as ei:
-        sess.run(fail_late_on_rank0)
+        d.gather(pending)
     assert ei.value.ranks == [1, 0]
     assert sess.run(lambda: 1) == [1, 1]
 
@@ -224,10 +234,9 @@ def test_connect_to_running_cluster_leaves_its_engines(tmp_path):
         assert s.all_reduce_check() == 1.0
         pids = [r.pid for r in s.ranks]
         s.shutdown()
-        time.sleep(1)
-        assert all(psutil.pid_exists(p) for p in pids), "connect+shutdown must not stop engines"
-        # the engines are still usable by a fresh connection
+        # the same engine processes answer a fresh connection: shutdown left them running
         s2 = fsdp_nb.Session.connect(str(url_file), n=2, backend="gloo", activate=False)
+        assert [r.pid for r in s2.ranks] == pids and all(psutil.pid_exists(p) for p in pids)
         assert s2.all_reduce_check() == 1.0
         s2.shutdown()
     finally:
@@ -248,3 +257,19 @@ def test_demo_command_runs_end_to_end():
                      "saved and inspected offline", "valid, world_size=2",
                      "session shut down cleanly"):
         assert expected in out.stdout
+
+
+def test_ipyparallel_logs_follow_the_fsdp_nb_logger():
+    import logging
+
+    from fsdp_nb.cluster import ipp_log_level
+
+    logger = logging.getLogger("fsdp_nb")
+    old = logger.level
+    try:
+        logger.setLevel(logging.WARNING)
+        assert ipp_log_level() == logging.ERROR  # engines' stop noise stays out of the notebook
+        logger.setLevel(logging.DEBUG)
+        assert ipp_log_level() == logging.DEBUG  # asking fsdp_nb for detail shows ipyparallel's
+    finally:
+        logger.setLevel(old)

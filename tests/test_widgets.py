@@ -11,20 +11,18 @@ import time
 
 import pytest
 
+from fsdp_nb.checkpoint.info import rank_of_file
+from fsdp_nb.checkpoint.listing import list_checkpoints
+from fsdp_nb.checkpoint.metadata import MARKER
 from fsdp_nb.engine import memory_sampler as ms
-from fsdp_nb.widgets.checkpoints import CheckpointBrowser, entry_from_info, scan
+from fsdp_nb.widgets import _checkpoint_view as view
+from fsdp_nb.widgets.checkpoints import CheckpointBrowser
 from fsdp_nb.widgets.dashboard import dashboard, session_status
 from fsdp_nb.widgets.layout import LayoutData, LayoutWidget
 from fsdp_nb.widgets.memory import MemorySnapshot
 
 sys.path.insert(0, os.path.dirname(__file__))
-from widget_data import (  # noqa: E402
-    TABLE_CODE,
-    fake_inspect,
-    hand_table,
-    hybrid_table,
-    write_fake_checkpoint,
-)
+from widget_data import TABLE_CODE, hand_table, hybrid_table  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -155,21 +153,36 @@ def test_memory_snapshot_static_form_gpu_fields():
 # -- checkpoints ---------------------------------------------------------------------
 
 
-def test_checkpoint_browser_listing_details_and_confirmed_delete(sess, tmp_path):
-    write_fake_checkpoint(tmp_path, "step20", 20)
-    write_fake_checkpoint(tmp_path, "step100", 100, world=3)
-    write_fake_checkpoint(tmp_path, "run-7", None)
-    (tmp_path / "notes").mkdir()  # not a checkpoint: skipped
-    b = CheckpointBrowser(sess, str(tmp_path), inspect=fake_inspect)
-    assert [e.name for e in b.entries] == ["step20", "step100", "run-7"]
-    assert [e.step for e in b.entries] == [20, 100, None]
+@pytest.fixture
+def browser_model(sess):
+    """A small wrapped model to save: ``Linear(4, 4)``, rows sharded 2 and 2 over the ranks."""
+    import torch
+
+    return sess.wrap(torch.nn.Linear(4, 4), name="browser_model")
+
+
+def test_checkpoint_browser_listing_details_and_confirmed_delete(sess, browser_model, tmp_path):
+    import shutil
+
+    sess.save(str(tmp_path / "step20"), browser_model, extra={"step": 20})
+    sess.save(str(tmp_path / "step100"), browser_model, extra={"step": 100})
+    sess.save(str(tmp_path / "run-7"), browser_model)
+    shutil.copytree(tmp_path / "step100", tmp_path / "broken")
+    (tmp_path / "broken" / MARKER).unlink()  # written but never committed: listed as invalid
+    shutil.copytree(tmp_path / "step20", tmp_path / ".ck.tmp-1")  # a save in flight: not listed
+    (tmp_path / "notes").mkdir()  # not a checkpoint: not listed
+    (tmp_path / "notes.txt").write_text("hello")
+    b = CheckpointBrowser(sess, str(tmp_path))
+    assert [e.name for e in b.entries] == ["step20", "broken", "step100", "run-7"]
+    assert [e.step for e in b.entries] == [20, 100, 100, None]
+    assert [e.valid for e in b.entries] == [True, False, True, True]
+    assert "INVALID" in view.label(b.entries[1]) and "not committed" in b.entries[1].problem
     assert b.selected.name == "run-7"  # the newest is selected
     b.select("step100")
     e = b.selected
-    assert e.world_size == 3 and e.files_by_rank() == {
-        0: ["__0_0.distcp"], 1: ["__1_0.distcp"], 2: ["__2_0.distcp"]}
-    assert "rank 2:__2_0.distcp@(4,0)[2x4]" in b.details.value
-    assert e.tree()["model"]["l1"]["weight"].shape == (4, 4)
+    assert e.world_size == 2 and e.files_by_rank() == {0: ["__0_0.distcp"], 1: ["__1_0.distcp"]}
+    assert "rank 1:__1_0.distcp@(2,0)[2x4]" in b.details.value
+    assert view.tensor_tree(e)["model"]["weight"].shape == (4, 4)
     assert "step100" in repr(b) and "world" in b.to_html()
 
     b.b_delete.click()  # step one: asks, deletes nothing
@@ -180,25 +193,32 @@ def test_checkpoint_browser_listing_details_and_confirmed_delete(sess, tmp_path)
     b.b_delete.click()
     b.b_yes.click()
     assert not (tmp_path / "step100").exists()
-    assert [e.name for e in b.entries] == ["step20", "run-7"]
+    assert [e.name for e in b.entries] == ["step20", "broken", "run-7"]
     assert b.last_message[0] == "ok"
 
     b.b_save.click()  # no model given: a clear message, nothing written
     assert b.last_message[0] == "error" and "model=" in b.last_message[1]
     b.save_name.value = "a/b"
-    b.model = "widgets_model"
+    b.model = browser_model
     b.b_save.click()
     assert b.last_message[0] == "error" and "one folder name" in b.last_message[1]
+    assert sorted(os.listdir(tmp_path)) == [".ck.tmp-1", "broken", "notes", "notes.txt", "run-7", "step20"]
+    b.select("broken")
+    b.b_load.click()  # an invalid checkpoint: refused, shown, the browser stays usable
+    assert b.last_message[0] == "error" and "load failed" in b.last_message[1]
 
 
-def test_checkpoint_scan_missing_root_and_adapter_names_rank_files(tmp_path):
-    assert scan(str(tmp_path / "nope"), inspect=fake_inspect) == []
-    entry = entry_from_info("s3://b/ckpt/iter_30", {
-        "kind": "sharded", "world_size": 2, "total_bytes": 0, "extra": {},
-        "tensors": {"w": {"name": "w", "shape": (2,), "dtype": "bfloat16", "bytes": 4,
-                          "chunks": [{"file": "__1_3.distcp", "offsets": (1,), "sizes": (1,)}]}}})
-    assert entry.step == 30 and entry.size == 4 and entry.name == "iter_30"
-    assert entry.tensors[0].chunks[0].rank == 1
+def test_checkpoint_listing_missing_root_step_from_name_rank_files(sess, browser_model, tmp_path):
+    assert list_checkpoints(str(tmp_path / "nope")) == []
+    sess.save(str(tmp_path / "iter_30"), browser_model)
+    sess.save(str(tmp_path / "full.safetensors"), browser_model, sharded=False, extra={"step": 7})
+    infos = list_checkpoints(str(tmp_path))
+    assert [(i.name, i.step, i.kind) for i in infos] == [
+        ("full.safetensors", 7, "full"), ("iter_30", 30, "sharded")]
+    assert infos[0].files_by_rank() == {None: ["full.safetensors"]}
+    assert list_checkpoints(str(tmp_path / "iter_30"))[0].name == "iter_30"  # root itself
+    assert rank_of_file("__1_3.distcp") == 1 and rank_of_file("model.safetensors") is None
+    assert "full.safetensors" in view.listing_text(str(tmp_path), infos)
 
 
 def test_checkpoint_browser_real_save_load_consolidate(sess, tmp_path):
@@ -229,19 +249,25 @@ def test_checkpoint_browser_real_save_load_consolidate(sess, tmp_path):
 # -- dashboard -----------------------------------------------------------------------
 
 
-def test_dashboard_status_busy_idle(sess, tmp_path):
+def test_dashboard_status_busy_idle(sess, browser_model, tmp_path):
     st = session_status(sess)
     assert [r.state for r in st.ranks] == ["idle", "idle"]
     d = sess.dispatcher
-    pending = d.execute("import time as _t; _t.sleep(1.5)")
+    started, release = tmp_path / "started-{rank}", tmp_path / "release"
+    pending = d.execute(  # each rank says it is inside the cell, then waits to be let go
+        "import os as _os, time as _t\n"
+        f"open({str(started)!r}.format(rank=rank), 'w').close()\n"
+        f"while not _os.path.exists({str(release)!r}):\n    _t.sleep(0.01)")
     try:
-        assert _wait_for(lambda: [r.state for r in session_status(sess).ranks] == ["busy", "busy"],
-                         timeout=1.0)
+        assert _wait_for(lambda: all(os.path.exists(str(started).format(rank=r)) for r in (0, 1)),
+                         timeout=30)
+        assert [r.state for r in session_status(sess).ranks] == ["busy", "busy"]
     finally:
+        release.touch()
         d.gather(pending)
-    write_fake_checkpoint(tmp_path, "step1", 1)
-    db = dashboard(sess, models=[hand_table()], root=str(tmp_path), inspect=fake_inspect,
-                   interval=0.5)
+    assert [r.state for r in session_status(sess).ranks] == ["idle", "idle"]
+    sess.save(str(tmp_path / "ck" / "step1"), browser_model, extra={"step": 1})
+    db = dashboard(sess, models=[hand_table()], root=str(tmp_path / "ck"), interval=0.5)
     try:
         assert db.tabs.titles == ("Status", "Memory", "Layout: model", "Checkpoints")
         assert [e.name for e in db.checkpoints.entries] == ["step1"]
@@ -259,7 +285,9 @@ NOTEBOOK_CELLS = [
     "import os, tempfile, time\nimport fsdp_nb\n" + TABLE_CODE,
     "sess = fsdp_nb.Session(2, backend='gloo')",
     "mem = sess.memory(interval=0.25)\nmem",
-    "time.sleep(1.5)\nmem.refresh()",
+    "deadline = time.monotonic() + 60  # until every rank's first sample is in\n"
+    "while not all(mem.feed.samples(r) for r in range(2)) and time.monotonic() < deadline:\n"
+    "    time.sleep(0.05)\nmem.refresh()",
     "from fsdp_nb.widgets.layout import layout_widget\nlayout_widget(hand_table())",
     "root = tempfile.mkdtemp()\nsess.checkpoints(root)",
     "print(repr(mem).splitlines()[0])",

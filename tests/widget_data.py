@@ -1,4 +1,4 @@
-"""Hand-built data for the widget tests (also pasted into test notebooks as source)."""
+"""Hand-built shard tables for the widget tests (also pasted into test notebooks as source)."""
 
 from __future__ import annotations
 
@@ -37,38 +37,3 @@ _ns: dict = {}
 exec(TABLE_CODE, _ns)
 hand_table = _ns["hand_table"]
 hybrid_table = _ns["hybrid_table"]
-
-
-def write_fake_checkpoint(root, name: str, step: int | None, world: int = 2) -> str:
-    """A folder with rank files and an ``info.json`` that ``fake_inspect`` reads."""
-    import json
-    import os
-
-    path = os.path.join(str(root), name)
-    os.makedirs(path)
-    for r in range(world):
-        with open(os.path.join(path, f"__{r}_0.distcp"), "wb") as f:
-            f.write(b"x" * 64)
-    tensors = {
-        "model.l1.weight": {"name": "model.l1.weight", "shape": [4, 4], "dtype": "float32",
-                            "bytes": 64, "chunks": [
-                                {"file": f"__{r}_0.distcp", "offsets": [2 * r, 0], "sizes": [2, 4]}
-                                for r in range(world)]},
-        "model.l1.bias": {"name": "model.l1.bias", "shape": [4], "dtype": "float32", "bytes": 16,
-                          "chunks": [{"file": "__0_0.distcp", "offsets": [0], "sizes": [4]}]},
-    }
-    info = {"kind": "sharded", "world_size": world, "tensors": tensors, "total_bytes": 80,
-            "extra": {"step": step} if step is not None else {}, "created": 1_700_000_000.0,
-            "versions": {"torch": "2.13.0"}, "valid": True}
-    with open(os.path.join(path, "info.json"), "w") as f:
-        json.dump(info, f)
-    return path
-
-
-def fake_inspect(path: str) -> dict:
-    """Reads what ``write_fake_checkpoint`` wrote; raises for anything else (not a checkpoint)."""
-    import json
-    import os
-
-    with open(os.path.join(path, "info.json")) as f:
-        return json.load(f)

@@ -2,7 +2,8 @@
 async, reshardable, inspectable offline, on local paths or fsspec URLs.
 
 ``sess.save`` / ``sess.load`` call ``save`` / ``load`` here; ``fsdp_nb.inspect`` and
-``fsdp_nb.consolidate`` work in one process with no process group.
+``fsdp_nb.consolidate`` and ``fsdp_nb.list_checkpoints`` work in one process with no
+process group.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from .consolidate import consolidate
 from .info import CheckpointError, CheckpointInfo, ChunkInfo, CorruptCheckpointError, TensorInfo
 from .inspect import inspect
+from .listing import list_checkpoints
 from .load import load
 from .pending import AsyncCheckpoint
 from .save import save
@@ -24,6 +26,7 @@ __all__ = [
     "TensorInfo",
     "consolidate",
     "inspect",
+    "list_checkpoints",
     "load",
     "save",
     "set_storage_options",

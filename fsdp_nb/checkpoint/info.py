@@ -6,12 +6,25 @@ Filled offline by ``fsdp_nb.inspect`` (no process group) and returned by
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from .keys import MODEL
 
-__all__ = ["CheckpointError", "CheckpointInfo", "ChunkInfo", "CorruptCheckpointError", "TensorInfo"]
+__all__ = [
+    "CheckpointError", "CheckpointInfo", "ChunkInfo", "CorruptCheckpointError", "TensorInfo",
+    "rank_of_file",
+]
+
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
+_STEP_IN_NAME = re.compile(r"(?:step|iter|epoch)[-_=]?(\d+)", re.IGNORECASE)
+
+
+def rank_of_file(file: str) -> int | None:
+    """The rank that wrote a DCP data file (``__{rank}_{i}.distcp``); None for any other file."""
+    m = _RANK_FILE.search(file)
+    return int(m.group(1)) if m else None
 
 
 class CheckpointError(RuntimeError):
@@ -88,6 +101,28 @@ class CheckpointInfo:
     """File name -> size in bytes, as recorded at commit."""
     has_optimizer: bool = False
     """Whether optimizer state is included."""
+
+    @property
+    def name(self) -> str:
+        """The last component of ``path``."""
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def step(self) -> int | None:
+        """``extra["step"]`` when saved, else a number in the name (``step100``, ``iter_30``)."""
+        step = self.extra.get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            return step
+        m = _STEP_IN_NAME.search(self.name)
+        return int(m.group(1)) if m else None
+
+    def files_by_rank(self) -> dict[int | None, list[str]]:
+        """Files holding tensor data, by the rank that wrote them (None: a full file)."""
+        out: dict[int | None, set[str]] = {}
+        for t in self.tensors.values():
+            for c in t.chunks:
+                out.setdefault(rank_of_file(c.file), set()).add(c.file)
+        return {k: sorted(v) for k, v in out.items()}
 
     @property
     def model_keys(self) -> list[str]:

@@ -144,6 +144,7 @@ class MemoryFeed:
         self._thread = threading.Thread(target=self._run, args=(sub,), daemon=True,
                                         name=f"fsdp_nb-memory-feed-{self.token[:8]}")
         self._thread.start()
+        self.sess.lifecycle.on_close(self.close)
         return self
 
     def close(self) -> None:

@@ -1,0 +1,75 @@
+"""The session's ranks, live: busy, failed, dead, recovering, recovered, as it happens.
+
+``sess.status_widget()`` shows :class:`fsdp_nb.status.SessionStatus` and moves it on
+with every event the session's dispatcher reports (a call starting, a rank failing or
+dying, a recovery). The events come on the notebook's own thread while a cell waits
+for its ranks, and a widget update sent then reaches the page at once, so the table
+changes while the failing cell is still running; no thread asks the engines anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+import ipywidgets as W
+
+from ..dispatch import CallEvent
+from ..status import SessionStatus, apply_event, read_status
+from ._render import StaticForm
+
+__all__ = ["StatusWidget", "status_widget"]
+
+log = logging.getLogger("fsdp_nb")
+
+
+class StatusWidget(StaticForm, W.VBox):
+    """A per-rank status table and a log of failures and recoveries, kept current."""
+
+    def __init__(self, sess: Any, **kwargs: Any):
+        self.sess = sess
+        self.status: SessionStatus = read_status(sess, with_stacks=False)
+        """What the table shows now."""
+        self.view = W.HTML(self.status.to_html())
+        self.b_refresh = W.Button(description="Refresh", icon="refresh")
+        self.b_refresh.on_click(lambda _b: self.refresh())
+        super().__init__([self.view, self.b_refresh], **kwargs)
+        self.add_class("fsdp-nb-status-widget")
+        self._dispatcher = sess.dispatcher
+        self._dispatcher.observers.append(self.on_event)
+        sess.lifecycle.on_close(self.close)
+
+    def on_event(self, event: CallEvent) -> None:
+        """Move the table on by one dispatcher event and redraw it."""
+        status = apply_event(self.status, event, state=self.sess.state)
+        if event.phase == "recovered":  # replaced engines have new pids and engine ids
+            fresh = {r.rank: r for r in read_status(self.sess, with_stacks=False).ranks}
+            status = replace(status, ranks=tuple(
+                replace(r, pid=fresh[r.rank].pid, engine_id=fresh[r.rank].engine_id) if r.rank in fresh else r
+                for r in status.ranks))
+        self.status = status
+        self.view.value = status.to_html()
+
+    def refresh(self) -> SessionStatus:
+        """Read the ranks afresh (controller queues and pids), keeping the event log."""
+        self.status = replace(read_status(self.sess, with_stacks=False), events=self.status.events)
+        self.view.value = self.status.to_html()
+        return self.status
+
+    def close(self) -> None:
+        """Stop following the session and close the widget."""
+        if self.on_event in self._dispatcher.observers:
+            self._dispatcher.observers.remove(self.on_event)
+        super().close()
+
+    def to_text(self) -> str:
+        return self.status.to_text()
+
+    def to_html(self) -> str:
+        return self.status.to_html()
+
+
+def status_widget(sess: Any, **kwargs: Any) -> StatusWidget:
+    """The live status widget for ``sess``."""
+    return StatusWidget(sess, **kwargs)
