@@ -7,8 +7,11 @@ Disk: ``dd`` of the same number of bytes with ``conv=fsync`` (plus ``oflag=direc
 where the filesystem allows) for writing, and ``iflag=direct`` (or after dropping
 the page cache, when permitted) for reading. Loads run after dropping the page
 cache when that is permitted, else they read warm pages (the JSON says which).
+Plain DCP: ``dcp.save`` / ``dcp.load`` of the same ``get_state_dict(model, optimizer)``
+on the same engines, interleaved with fsdp_nb's save and load (medians of ``--reps``).
 Async: the time ``sess.save(..., async_save=True)`` blocks the notebook (and
-training) vs the synchronous sharded save. Prints a table and writes
+training) vs the synchronous sharded save. The model carries AdamW state, so a save
+holds three times ``--mb``. Prints a table and writes
 benchmarks/out/checkpoint_io.json.
 """
 
@@ -35,6 +38,24 @@ bench = torch.nn.Sequential(*[torch.nn.Linear({dim}, {dim}, bias=False) for _ in
 for _l in bench:
     fully_shard(_l, mesh=_mesh)
 fully_shard(bench, mesh=_mesh)
+bench_opt = torch.optim.AdamW(bench.parameters(), lr=1e-4)
+bench(torch.randn(2, {dim})).sum().backward()
+bench_opt.step()  # AdamW state: twice the model's bytes again
+"""
+
+PLAIN_DCP = """
+import torch.distributed.checkpoint as _dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict as _gsd, set_state_dict as _ssd
+
+def plain_save(path):
+    msd, osd = _gsd(bench, [bench_opt])
+    _dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+def plain_load(path):
+    msd, osd = _gsd(bench, [bench_opt])
+    sd = {"model": msd, "optim": osd}
+    _dcp.load(sd, checkpoint_id=path)
+    _ssd(bench, [bench_opt], model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 """
 
 
@@ -84,37 +105,60 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
-def bench_ranks(n: int, folder: str, mb: int, cold: bool) -> dict:
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def bench_ranks(n: int, folder: str, mb: int, cold: bool, reps: int) -> dict:
     dim = 2048
     layers = max(1, (mb << 20) // (dim * dim * 4))
     sess = fsdp_nb.Session(n, backend="gloo", activate=False)
     try:
         sess.execute(BUILD.format(dim=dim, layers=layers))
-        nbytes = layers * dim * dim * 4
-        res: dict = {"ranks": n, "bytes": nbytes}
+        sess.execute(PLAIN_DCP)
+        nbytes = 3 * layers * dim * dim * 4  # weights + AdamW's two moments
+        res: dict = {"ranks": n, "bytes": nbytes, "reps": reps}
         sharded, full = os.path.join(folder, f"s{n}"), os.path.join(folder, f"f{n}.pt")
-        sess.save(os.path.join(folder, f"warmup{n}"), "bench")  # plans, imports, first-touch
+        plain = os.path.join(folder, f"plain{n}")
+        sess.save(os.path.join(folder, f"warmup{n}"), "bench", optimizer="bench_opt")  # plans, imports
+        sess.execute(f"plain_save({os.path.join(folder, f'warmupp{n}')!r})")
         # the first async save also creates its gloo group and writer thread
-        sess.save(os.path.join(folder, f"warmupa{n}"), "bench", async_save=True).wait()
-        t, _ = timed(lambda: sess.save(sharded, "bench"))
-        res["save_sharded_s"] = t
-        t, _ = timed(lambda: sess.save(full, "bench", sharded=False))
+        sess.save(os.path.join(folder, f"warmupa{n}"), "bench", optimizer="bench_opt", async_save=True).wait()
+        # side by side, interleaved: fsdp_nb's save / load and plain DCP's of the same state
+        ours_s, plain_s, ours_l, plain_l = [], [], [], []
+        for _ in range(reps):
+            shutil.rmtree(plain, ignore_errors=True)
+            shutil.rmtree(sharded, ignore_errors=True)  # both write a fresh folder
+            ours_s.append(timed(lambda: sess.save(sharded, "bench", optimizer="bench_opt"))[0])
+            plain_s.append(timed(lambda: sess.execute(f"plain_save({plain!r})"))[0])
+            if cold:
+                drop_caches()
+            ours_l.append(timed(lambda: sess.load(sharded, "bench", optimizer="bench_opt"))[0])
+            if cold:
+                drop_caches()
+            plain_l.append(timed(lambda: sess.execute(f"plain_load({plain!r})"))[0])
+        res.update(save_sharded_s=_median(ours_s), plain_dcp_save_s=_median(plain_s),
+                   load_sharded_s=_median(ours_l), plain_dcp_load_s=_median(plain_l),
+                   samples={"save": ours_s, "plain_save": plain_s, "load": ours_l, "plain_load": plain_l})
+        res["save_vs_dcp"] = res["plain_dcp_save_s"] / res["save_sharded_s"]
+        res["load_vs_dcp"] = res["plain_dcp_load_s"] / res["load_sharded_s"]
+        t, _ = timed(lambda: sess.save(full, "bench", optimizer="bench_opt", sharded=False))
         res["save_full_s"] = t
-        t_block, h = timed(lambda: sess.save(os.path.join(folder, f"a{n}"), "bench", async_save=True))
-        t_wait, _ = timed(h.wait)
-        res["async_blocked_s"] = t_block
+        blocked = []
+        for i in range(reps):
+            t_block, h = timed(lambda i=i: sess.save(os.path.join(folder, f"a{n}-{i}"), "bench",
+                                                     optimizer="bench_opt", async_save=True))
+            t_wait, _ = timed(h.wait)
+            blocked.append(t_block)
+        res["async_blocked_s"] = _median(blocked)
         res["async_blocked_on_ranks_s"] = h.blocked_s
         res["async_total_s"] = t_block + t_wait
-        res["async_blocked_vs_sync"] = t_block / res["save_sharded_s"]
+        res["async_blocked_vs_sync"] = res["async_blocked_s"] / res["save_sharded_s"]
         if cold:
             drop_caches()
-        t, _ = timed(lambda: sess.load(sharded, "bench"))
-        res["load_sharded_s"] = t
-        if cold:
-            drop_caches()
-        t, _ = timed(lambda: sess.load(full, "bench"))
+        t, _ = timed(lambda: sess.load(full, "bench", optimizer="bench_opt"))
         res["load_full_s"] = t
-        for k in ("save_sharded", "save_full", "load_sharded", "load_full"):
+        for k in ("save_sharded", "save_full", "load_sharded", "load_full", "plain_dcp_save", "plain_dcp_load"):
             res[k + "_GBps"] = nbytes / res[k + "_s"] / 1e9
         res["async_effective_GBps"] = nbytes / res["async_total_s"] / 1e9
         return res
@@ -127,12 +171,13 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=256, help="model size in MiB (float32)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: a temp dir)")
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (medians reported)")
     args = ap.parse_args()
     folder = tempfile.mkdtemp(prefix="fsdp_nb_ckbench_", dir=args.dir)
     try:
         cold = drop_caches()
-        disk = disk_speed(folder, args.mb)
-        rows = [bench_ranks(n, folder, args.mb, cold) for n in args.ranks]
+        disk = disk_speed(folder, 3 * args.mb)
+        rows = [bench_ranks(n, folder, args.mb, cold, args.reps) for n in args.ranks]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     out = {"disk": disk, "cold_loads": cold, "model_MiB": args.mb, "runs": rows,
@@ -140,13 +185,17 @@ def main() -> None:
     print(f"disk: write {disk['write_GBps']:.3f} GB/s ({disk['write_mode']}), "
           f"read {disk['read_GBps']:.3f} GB/s ({disk['read_mode']}); loads "
           f"{'cold (page cache dropped)' if cold else 'warm (cannot drop the page cache)'}")
-    head = f"{'ranks':>5} {'MB':>6} | {'save shard':>10} {'save full':>10} {'async blk':>10} {'async tot':>10} | {'load shard':>10} {'load full':>10} | blocked/sync"
+    head = (f"{'ranks':>5} {'MB':>6} | {'save':>11} {'dcp.save':>11} {'vs dcp':>6} {'vs dd':>6} | "
+            f"{'load':>11} {'dcp.load':>11} {'vs dcp':>6} {'vs dd':>6} | {'full save':>11} {'full load':>11} | "
+            f"{'async blk':>9} blocked/sync")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['ranks']:>5} {r['bytes'] / 1e6:>6.0f} | {r['save_sharded_GBps']:>7.3f}GB/s {r['save_full_GBps']:>7.3f}GB/s "
-              f"{r['async_blocked_s']:>9.3f}s {r['async_total_s']:>9.3f}s | {r['load_sharded_GBps']:>7.3f}GB/s "
-              f"{r['load_full_GBps']:>7.3f}GB/s | {100 * r['async_blocked_vs_sync']:.1f}%")
+        print(f"{r['ranks']:>5} {r['bytes'] / 1e6:>6.0f} | {r['save_sharded_GBps']:>6.3f}GB/s {r['plain_dcp_save_GBps']:>6.3f}GB/s "
+              f"{r['save_vs_dcp']:>6.2f} {r['save_sharded_GBps'] / disk['write_GBps']:>6.2f} | "
+              f"{r['load_sharded_GBps']:>6.3f}GB/s {r['plain_dcp_load_GBps']:>6.3f}GB/s {r['load_vs_dcp']:>6.2f} "
+              f"{r['load_sharded_GBps'] / disk['read_GBps']:>6.2f} | {r['save_full_GBps']:>6.3f}GB/s "
+              f"{r['load_full_GBps']:>6.3f}GB/s | {r['async_blocked_s']:>8.3f}s {100 * r['async_blocked_vs_sync']:.1f}%")
     os.makedirs(os.path.join(os.path.dirname(__file__), "out"), exist_ok=True)
     dest = os.path.join(os.path.dirname(__file__), "out", "checkpoint_io.json")
     with open(dest, "w") as f:

@@ -20,6 +20,7 @@ _LAZY = {
     "CheckpointInfo": "checkpoint",
     "inspect": "checkpoint",
     "consolidate": "checkpoint",
+    "export_safetensors": "checkpoint",
     "list_checkpoints": "checkpoint",
 }
 
@@ -44,6 +45,7 @@ __all__ = [
     "WrapOptions",
     "__version__",
     "consolidate",
+    "export_safetensors",
     "inspect",
     "list_checkpoints",
     "load_ipython_extension",

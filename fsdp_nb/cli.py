@@ -92,6 +92,16 @@ def consolidate_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def export_cmd(args: argparse.Namespace) -> int:
+    """Model weights of a checkpoint -> safetensors in Hugging Face's layout."""
+    from .checkpoint import export_safetensors
+
+    for f in export_safetensors(args.path, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                overwrite=args.overwrite):
+        print(f)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-nb", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -102,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=demo)
     p = sub.add_parser("inspect", help="describe a checkpoint offline (no cluster)")
     p.add_argument("path", help="checkpoint folder, .pt / .safetensors file, or fsspec URL")
-    p.add_argument("--verify", action="store_true", help="also check every file's CRC-32")
+    p.add_argument("--verify", action="store_true", help="also read every file and check its checksums")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=inspect_cmd)
     p = sub.add_parser("consolidate", help="sharded checkpoint -> one file, or full -> sharded")
@@ -110,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="a .pt / .safetensors file (from sharded) or a folder (from full)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.set_defaults(func=consolidate_cmd)
+    p = sub.add_parser("export", help="model weights -> model.safetensors (+ index.json when sharded)")
+    p.add_argument("path", help="source checkpoint (sharded folder, full file, or plain DCP folder)")
+    p.add_argument("out", help="output folder (must not exist unless --overwrite)")
+    p.add_argument("--dtype", default=None, help="cast floating weights, e.g. bfloat16")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=export_cmd)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -7,7 +7,7 @@ element takes and which name a safetensors header code (``"F32"``) stands for.
 
 from __future__ import annotations
 
-__all__ = ["from_safetensors", "itemsize"]
+__all__ = ["FLOATING", "from_safetensors", "itemsize", "to_safetensors"]
 
 # name: (bytes per element, safetensors header code)
 _DTYPES: dict[str, tuple[int, str]] = {
@@ -17,6 +17,8 @@ _DTYPES: dict[str, tuple[int, str]] = {
     "uint8": (1, "U8"), "bool": (1, "BOOL"), "complex64": (8, "C64"), "complex128": (16, "C128"),
 }
 _FROM_ST = {code: name for name, (_, code) in _DTYPES.items()}
+FLOATING = tuple(name for name in _DTYPES if name.startswith(("float", "bfloat")))
+"""Names of the floating dtypes (what an export may cast to)."""
 
 
 def itemsize(dtype: str) -> int:
@@ -27,3 +29,8 @@ def itemsize(dtype: str) -> int:
 def from_safetensors(code: str) -> str:
     """The dtype name for a safetensors header code (``"BF16"`` -> ``"bfloat16"``)."""
     return _FROM_ST.get(code, code.lower())
+
+
+def to_safetensors(dtype: str) -> str | None:
+    """The safetensors header code for a dtype name (``"bfloat16"`` -> ``"BF16"``); None if none."""
+    return _DTYPES.get(dtype.removeprefix("torch."), (0, None))[1]

@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 import fsdp_nb
 from fsdp_nb.checkpoint import CheckpointError, CorruptCheckpointError, inspect, set_storage_options
@@ -164,6 +165,43 @@ def test_refusals_write_nothing(sess, tmp_path):
     assert sess.save(str(path), "ck_r", extra={"v": 3}, overwrite=True).extra == {"v": 3}
     assert sorted(os.listdir(tmp_path)) == ["c"]
     sess.all_reduce_check()  # the session is still usable
+
+
+def test_checksums_taken_while_writing_tile_every_file(sess, tmp_path):
+    """The marker's segments cover each file end to end and match its bytes read back."""
+    import json
+    import zlib
+
+    from fsdp_nb.checkpoint.checksums import checksum, file_problem
+    from fsdp_nb.checkpoint.metadata import MARKER
+
+    build(sess, "ck_s")
+    path = tmp_path / "c"
+    sess.save(str(path), "ck_s", optimizer="ck_s_opt")
+    files = json.loads((path / MARKER).read_text())["files"]
+    assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    for name, rec in files.items():
+        data = (path / name).read_bytes()
+        assert rec["size"] == len(data)
+        ends = 0
+        for off, length, crc in rec["segments"]:
+            assert off == ends and checksum(data[off:off + length], 0, rec["algorithm"]) == crc
+            ends = off + length
+        assert ends == len(data)  # no byte left unchecked
+    assert len(files["__0_0.distcp"]["segments"]) > 4  # one per stored item, not one per file
+    # an older marker's whole-file CRC-32 still verifies, and catches a change
+    data = (path / "__0_0.distcp").read_bytes()
+    old = {"size": len(data), "crc32": zlib.crc32(data)}
+    assert file_problem(LocalFileSystem(), str(path / "__0_0.distcp"), "__0_0.distcp", old) is None
+    old["crc32"] ^= 1
+    assert "is corrupt" in file_problem(LocalFileSystem(), str(path / "__0_0.distcp"), "__0_0.distcp", old)
+    # a flipped byte in .metadata is caught before anything is read
+    md = path / ".metadata"
+    raw = md.read_bytes()
+    md.write_bytes(raw[:-3] + bytes([raw[-3] ^ 0x01]) + raw[-2:])
+    with pytest.raises(CorruptCheckpointError, match=r"'.metadata' is corrupt"):
+        sess.load(str(path), "ck_s", optimizer="ck_s_opt")
+    sess.execute("del ck_s, ck_s_opt")
 
 
 def test_corrupt_or_truncated_file_named_model_unchanged(sess, tmp_path):

@@ -9,6 +9,7 @@ process group.
 from __future__ import annotations
 
 from .consolidate import consolidate
+from .export import export_safetensors
 from .info import CheckpointError, CheckpointInfo, ChunkInfo, CorruptCheckpointError, TensorInfo
 from .inspect import inspect
 from .listing import list_checkpoints
@@ -25,6 +26,7 @@ __all__ = [
     "CorruptCheckpointError",
     "TensorInfo",
     "consolidate",
+    "export_safetensors",
     "inspect",
     "list_checkpoints",
     "load",

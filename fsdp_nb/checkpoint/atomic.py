@@ -4,7 +4,7 @@ Every save writes into a hidden sibling (``.<name>.tmp-<token>``) and commits
 only after every rank finished:
 
 - sharded (a folder): ``fsdp_nb.json`` then the marker ``.fsdp_nb_complete``
-  (each file's size and CRC-32) are written last. On a local filesystem the
+  (each file's size and per-item checksums) are written last. On a local filesystem the
   marker goes into the temporary folder, which is then renamed over the target
   (the old one moved aside first and removed after): the target is always either
   the old or the new complete checkpoint. On object stores (no rename) the folder
@@ -71,8 +71,8 @@ def commit_sharded(
             os.replace(target, old)
         os.replace(tmp, target)
         _fsync_dir(os.path.dirname(target) or ".")
-        if had_old:
-            fs.rm(old, recursive=True)
+        if had_old:  # already out of sight: removed while the save returns
+            _remove_later(fs, old)
         return
     had_old = fs.exists(target)
     if had_old:
@@ -81,6 +81,19 @@ def commit_sharded(
     _write(fs, posixpath.join(target, MARKER), marker)
     if had_old:
         fs.rm(old, recursive=True)
+
+
+def _remove_later(fs: Any, path: str) -> None:
+    """Remove a replaced checkpoint in the background (a warning if that fails)."""
+    import threading
+
+    def rm() -> None:
+        try:
+            fs.rm(path, recursive=True)
+        except Exception as exc:
+            log.warning("could not remove the replaced checkpoint %s: %s", path, exc)
+
+    threading.Thread(target=rm, name="fsdp_nb-remove-old", daemon=True).start()
 
 
 def _move_tree(fs: Any, src: str, dst: str) -> None:

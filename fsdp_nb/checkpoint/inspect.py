@@ -15,16 +15,18 @@ from typing import Any
 
 from ..dtypes import itemsize
 from .atomic import read_marker, validate_files
+from .checksums import ChecksumMismatch, check_item, file_problem
 from .fullfile import full_suffix, read_full_meta
 from .info import CheckpointInfo, ChunkInfo, CorruptCheckpointError, TensorInfo
 from .metadata import META_FILE
 from .restricted import load_dcp_metadata
-from .storage import crc32_of, url_to_fs
+from .storage import url_to_fs
 
 __all__ = ["inspect", "read_dcp_metadata", "verify_checksums"]
 
-def read_dcp_metadata(fs: Any, path: str, url: str) -> Any:
-    """DCP ``Metadata`` of the folder ``path``; CorruptCheckpointError naming the file if unreadable."""
+def read_dcp_metadata(fs: Any, path: str, url: str, record: dict | None = None) -> Any:
+    """DCP ``Metadata`` of the folder ``path``; CorruptCheckpointError naming the file if
+    unreadable, or if its bytes differ from the marker's ``record`` of it (when given)."""
     mpath = posixpath.join(path, ".metadata")
     try:
         data = fs.cat_file(mpath)
@@ -32,6 +34,11 @@ def read_dcp_metadata(fs: Any, path: str, url: str) -> Any:
         raise CorruptCheckpointError(
             f"checkpoint {url!r}: file '.metadata' is missing (not a DCP checkpoint, or unfinished)"
         ) from exc
+    for off, length, crc in (record or {}).get("segments", ()):
+        try:
+            check_item(data[off:off + length], ".metadata", off, (length, crc, record.get("algorithm", "crc32")))
+        except ChecksumMismatch as exc:
+            raise CorruptCheckpointError(f"checkpoint {url!r}: {exc}") from exc
     try:
         return load_dcp_metadata(data)
     except Exception as exc:
@@ -41,21 +48,16 @@ def read_dcp_metadata(fs: Any, path: str, url: str) -> Any:
 
 
 def verify_checksums(fs: Any, path: str, url: str, marker: dict, names: list[str] | None = None) -> None:
-    """Raise CorruptCheckpointError naming the first file whose size or CRC-32 differs."""
+    """Raise CorruptCheckpointError naming the first file whose size or checksums differ."""
     problem = validate_files(fs, path, marker)
     if problem:
         raise CorruptCheckpointError(f"checkpoint {url!r}: {problem}")
     for name, rec in marker.get("files", {}).items():
         if names is not None and name not in names:
             continue
-        if "crc32" not in rec:
-            continue
-        crc = crc32_of(fs, posixpath.join(path, name))
-        if crc != rec["crc32"]:
-            raise CorruptCheckpointError(
-                f"checkpoint {url!r}: file {name!r} is corrupt (CRC-32 {crc:08x}, "
-                f"{rec['crc32']:08x} was written)"
-            )
+        problem = file_problem(fs, posixpath.join(path, name), name, rec)
+        if problem:
+            raise CorruptCheckpointError(f"checkpoint {url!r}: {problem}")
 
 
 def _dtype_name(dt: Any) -> str:
@@ -66,7 +68,7 @@ def inspect(path: str, *, verify: bool = False, storage_options: dict | None = N
     """Describe the checkpoint at ``path`` (local path or fsspec URL) without loading it.
 
     ``valid`` is False (with ``problem``) for an unfinished or damaged checkpoint;
-    ``verify=True`` also re-reads every file and checks its CRC-32.
+    ``verify=True`` also reads every file and checks the checksums taken as it was written.
     Raises FileNotFoundError when nothing is at ``path``.
     """
     fs, p = url_to_fs(path, storage_options)

@@ -20,7 +20,8 @@ FORMAT = "fsdp_nb.checkpoint/1"
 META_FILE = "fsdp_nb.json"
 """Metadata file inside a sharded checkpoint folder."""
 MARKER = ".fsdp_nb_complete"
-"""Written last inside a sharded checkpoint: its files and their sizes and CRC-32s.
+"""Written last inside a sharded checkpoint: its files, their sizes and checksums
+(``checksums``: one per stored item, taken as it was written).
 
 A folder without it (a crash, a killed engine) never passes as a valid checkpoint."""
 

@@ -12,6 +12,8 @@ import io
 import pickle
 from typing import Any
 
+from .checksums import ChecksumMismatch
+
 __all__ = ["ALLOWED", "load_dcp_metadata", "safe_reader"]
 
 ALLOWED: dict[str, set[str]] = {
@@ -50,8 +52,15 @@ def load_dcp_metadata(data: bytes) -> Any:
     return _Restricted(io.BytesIO(data)).load()
 
 
-def safe_reader(fs: Any, path: str, so: dict[str, Any]) -> Any:
-    """A DCP storage reader for folder ``path`` on ``fs`` that unpickles ``.metadata`` safely."""
+def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
+                checks: dict[tuple[str, int], tuple[int, int, str]] | None = None) -> Any:
+    """A DCP storage reader for folder ``path`` on ``fs`` that unpickles ``.metadata`` safely.
+
+    ``metadata``: the ``.metadata`` already read (and checked), so it is not read again.
+    ``checks``: ``(file, offset) -> (length, checksum, algorithm)`` of the stored items
+    (``checksums.item_checksums``): each item is checked as it is read, and one without
+    a record is refused.
+    """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -70,12 +79,29 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any]) -> Any:
         """DCP reader whose ``.metadata`` goes through the restricted unpickler."""
 
         def read_metadata(self, *a: Any, **k: Any) -> Any:
-            mpath = self._get_metadata_path(k.get("rank"))
-            with self.fs.create_stream(mpath, "rb") as f:
-                md = load_dcp_metadata(f.read())
+            if metadata is not None and k.get("rank") is None:
+                md = metadata
+            else:
+                mpath = self._get_metadata_path(k.get("rank"))
+                with self.fs.create_stream(mpath, "rb") as f:
+                    md = load_dcp_metadata(f.read())
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
             return md
+
+        def _slice_file(self, file: Any, sinfo: Any) -> Any:
+            if checks is None:
+                return super()._slice_file(file, sinfo)
+            from .checksums import check_item
+
+            key = (sinfo.relative_path, int(sinfo.offset))
+            want = checks.get(key)
+            if want is None:
+                raise ChecksumMismatch(f"file {key[0]!r}: no checksum was recorded for the item at byte {key[1]}")
+            file.seek(sinfo.offset)
+            data = file.read(sinfo.length)
+            check_item(data, key[0], key[1], want)
+            return io.BytesIO(data)
 
     return SafeReader(*args, **kw)

@@ -12,13 +12,12 @@ not across engines.
 from __future__ import annotations
 
 import posixpath
-import zlib
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["crc32_of", "options_for", "set_storage_options", "url_to_fs"]
+__all__ = ["options_for", "set_storage_options", "url_to_fs"]
 
 _OPTIONS: dict[str, dict[str, Any]] = {}
 
@@ -83,22 +82,6 @@ def sibling(path: str, prefix: str, token: str) -> str:
     path = path.rstrip("/")
     head, name = posixpath.split(path)
     return posixpath.join(head, f".{name}.{prefix}-{token}") if head else f".{name}.{prefix}-{token}"
-
-
-def crc32_of(fs: fsspec.AbstractFileSystem, path: str, block: int = 8 << 20) -> int:
-    """CRC-32 of a file's bytes, read in blocks."""
-    crc = 0
-    with fs.open(path, "rb") as f:
-        while True:
-            b = f.read(block)
-            if not b:
-                return crc
-            crc = zlib.crc32(b, crc)
-
-
-def file_record(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, int]:
-    """What the completion marker keeps of one file: its size and CRC-32."""
-    return {"size": int(fs.size(path)), "crc32": crc32_of(fs, path)}
 
 
 def dcp_writer(fs: fsspec.AbstractFileSystem, path: str, options: dict[str, Any]) -> Any:

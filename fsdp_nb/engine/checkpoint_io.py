@@ -8,8 +8,9 @@ outcome of every check is agreed by all ranks before anything is written or any
 model tensor is touched.
 
 - sharded: ``torch.distributed.checkpoint`` (one ``__{rank}_0.distcp`` per rank)
-  into a temporary sibling, then every rank's file sizes and CRC-32s are gathered
-  and rank 0 commits (``fsdp_nb.checkpoint.atomic``).
+  into a temporary sibling, then every rank's file sizes and checksums (taken as the
+  bytes were written: nothing is read back) are gathered and rank 0 commits
+  (``fsdp_nb.checkpoint.atomic``).
 - full: ``get_state_dict(full_state_dict=True, cpu_offload=True)`` gathers to rank
   0 only (the others hold nothing), which writes one ``.pt`` / ``.safetensors``.
 - async: staging (a CPU copy of this rank's shards) happens in the call; the
@@ -24,15 +25,15 @@ model tensor is touched.
 from __future__ import annotations
 
 import logging
-import posixpath
 import time
 from typing import Any
 
 from ..checkpoint.atomic import commit_full, commit_sharded, retain_last
+from ..checkpoint.checksums import record_writer
 from ..checkpoint.contract import LoadSpec, Outcome, SaveSpec
 from ..checkpoint.fullfile import full_suffix, write_full
 from ..checkpoint.inspect import inspect
-from ..checkpoint.storage import dcp_writer, file_record, sibling, url_to_fs
+from ..checkpoint.storage import dcp_writer, sibling, url_to_fs
 from .async_saves import drain, stager, submit
 from .namespace import user_ns
 from .wrap import param_sizes
@@ -163,23 +164,18 @@ def save(spec: SaveSpec) -> Outcome:
         return Outcome.failed(f"saving {spec.url!r} failed: {type(exc).__name__}: {exc}")
 
 
-def _finish_sharded(spec: SaveSpec, model_meta: dict[str, Any], group: Any) -> Outcome:
-    """After this rank's files are written: gather sizes/CRCs, rank 0 commits."""
+def _finish_sharded(spec: SaveSpec, model_meta: dict[str, Any], group: Any,
+                    written: dict[str, dict[str, Any]]) -> Outcome:
+    """After this rank's files are written: gather their sizes and checksums (taken as
+    they were written, ``written``: nothing is read back), rank 0 commits."""
     import torch.distributed as dist
 
     fs, target = url_to_fs(spec.url, spec.storage_options)
     target = target.rstrip("/")
     tmp = sibling(target, "tmp", spec.token)
     rank, ws = rank_and_world()
-    mine: dict[str, dict[str, int]] = {}
-    names = [".metadata"] if rank == 0 else []
-    for e in fs.ls(tmp, detail=False):
-        n = posixpath.basename(e.rstrip("/"))
-        if n.startswith(f"__{rank}_") and n.endswith(".distcp"):
-            names.append(n)
-    for n in names:
-        fp = posixpath.join(tmp, n)
-        mine[n] = file_record(fs, fp)
+    mine = {n: rec for n, rec in written.items()
+            if (n.startswith(f"__{rank}_") and n.endswith(".distcp")) or (rank == 0 and n == ".metadata")}
     parts: list[Any] = [None] * ws
     if ws > 1:
         dist.all_gather_object(parts, mine, group=group)
@@ -207,6 +203,7 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
         sd["optim"] = osd
     meta = _model_meta(model, spec)
     writer = dcp_writer(fs, tmp, spec.storage_options)
+    written = record_writer(writer).records
     rank, _ = rank_and_world()
     group = checkpoint_group()
     if not spec.async_save:
@@ -216,7 +213,7 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
             if rank == 0:
                 _cleanup(fs, tmp)
             raise
-        out = _finish_sharded(spec, meta, group)
+        out = _finish_sharded(spec, meta, group, written)
         out.seconds = time.perf_counter() - t0
         return out
     resp = dcp.async_save(sd, storage_writer=writer, process_group=group, async_stager=stager())
@@ -233,7 +230,7 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
             if rank == 0:
                 _cleanup(fs, tmp)
             return Outcome.failed(f"async save of {spec.url!r} failed: {type(exc).__name__}: {exc}")
-        out = _finish_sharded(spec, meta, group)
+        out = _finish_sharded(spec, meta, group, written)
         out.seconds = time.perf_counter() - t0
         return out
 

@@ -1,0 +1,219 @@
+"""Checksums of checkpoint bytes, taken as they are written and checked as they are read.
+
+A save never reads back what it wrote: DCP's writer streams go through
+:class:`ChecksumStream`, which checksums every byte on its way to the file and cuts
+the file into segments where DCP asks for its position (``tell()``, at each item's
+start and end), so every stored item is one segment. The completion marker keeps,
+per file, its size and its segments ``[offset, length, checksum]``; they tile the
+file, so checking every segment checks every byte (``inspect(verify=True)``), and a
+load checks exactly the items it reads, as it reads them (no extra pass over the data).
+
+The checksum is CRC-32C in hardware (the ``crc32c`` package) where it imports, else
+zlib's CRC-32; each record names its algorithm, and a checkpoint written with one is
+checked with the same one. Old markers with one whole-file ``crc32`` still verify.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import posixpath
+import threading
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = [
+    "ALGORITHM", "ChecksumMismatch", "ChecksumStream", "RecordingFileSystem", "check_item",
+    "checksum", "file_problem", "item_checksums", "record_writer",
+]
+
+log = logging.getLogger("fsdp_nb")
+
+try:
+    import crc32c as _crc32c
+
+    def _crc32c_update(data: Any, value: int = 0) -> int:
+        return _crc32c.crc32c(data, value=value)
+
+    ALGORITHM = "crc32c"
+except ImportError:  # pragma: no cover - crc32c is a dependency; zlib is the fallback
+    _crc32c_update = None  # type: ignore[assignment]
+    ALGORITHM = "crc32"
+"""The algorithm new checkpoints record (``crc32c``, or ``crc32`` without the package)."""
+
+_UPDATE: dict[str, Callable[[Any, int], int]] = {"crc32": lambda d, v=0: zlib.crc32(d, v)}
+if _crc32c_update is not None:
+    _UPDATE["crc32c"] = _crc32c_update
+
+
+class ChecksumMismatch(ValueError):
+    """Bytes read back differ from the bytes written (or the algorithm is unknown)."""
+
+
+def checksum(data: Any, value: int = 0, algorithm: str = ALGORITHM) -> int:
+    """The checksum of ``data`` (any bytes-like object), continuing from ``value``."""
+    try:
+        update = _UPDATE[algorithm]
+    except KeyError:
+        raise ChecksumMismatch(
+            f"checksum algorithm {algorithm!r} is not available here (have: {sorted(_UPDATE)}); "
+            "install the 'crc32c' package"
+        ) from None
+    return update(data, value)
+
+
+class ChecksumStream(io.RawIOBase):
+    """A binary writer that checksums what passes through, one segment per ``tell()``."""
+
+    def __init__(self, raw: Any, on_close: Callable[[dict[str, Any]], None]):
+        super().__init__()
+        self.raw = raw
+        self._on_close = on_close
+        self._pos = 0
+        self._start = 0
+        self._crc = 0
+        self.segments: list[list[int]] = []
+        """``[offset, length, checksum]`` of each closed segment, in file order."""
+
+    def _cut(self) -> None:
+        if self._pos > self._start:
+            self.segments.append([self._start, self._pos - self._start, self._crc])
+        self._start, self._crc = self._pos, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = self.raw.write(view)
+        n = len(view) if n is None else n
+        self._crc = checksum(view[:n], self._crc)
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        self._cut()
+        return self._pos
+
+    def seekable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        if not self.raw.closed:
+            self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self._cut()
+        try:
+            super().close()  # flushes
+            self.raw.close()
+        finally:
+            self._on_close({"size": self._pos, "algorithm": ALGORITHM, "segments": self.segments})
+
+
+class RecordingFileSystem:
+    """A DCP ``FileSystemBase`` whose write streams are :class:`ChecksumStream` s.
+
+    ``records`` maps each written file's name (renames followed, so ``.metadata``
+    and not its temporary name) to what the marker keeps of it.
+    """
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.records: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with self.inner.create_stream(path, mode) as s:
+                yield s
+            return
+        name = posixpath.basename(str(path))
+
+        def keep(record: dict[str, Any]) -> None:
+            with self._lock:
+                self.records[name] = record
+
+        with self.inner.create_stream(path, mode) as raw:
+            stream = ChecksumStream(raw, keep)
+            try:
+                yield stream
+            finally:
+                stream.close()
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        self.inner.rename(path, new_path)
+        with self._lock:
+            rec = self.records.pop(posixpath.basename(str(path)), None)
+            if rec is not None:
+                self.records[posixpath.basename(str(new_path))] = rec
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def record_writer(writer: Any) -> RecordingFileSystem:
+    """Make DCP storage ``writer`` checksum everything it writes; the records' holder."""
+    fs = RecordingFileSystem(writer.fs)
+    writer.fs = fs
+    return fs
+
+
+def item_checksums(files: dict[str, dict[str, Any]]) -> dict[tuple[str, int], tuple[int, int, str]]:
+    """``(file, offset) -> (length, checksum, algorithm)`` of every recorded segment."""
+    out = {}
+    for name, rec in files.items():
+        for off, length, crc in rec.get("segments", ()):
+            out[(name, int(off))] = (int(length), int(crc), rec.get("algorithm", "crc32"))
+    return out
+
+
+def file_problem(fs: Any, path: str, name: str, rec: dict[str, Any], block: int = 8 << 20) -> str | None:
+    """None when the file at ``path`` has the recorded checksums; else what differs.
+
+    Reads the file once, front to back (segments tile it; an old record has one
+    whole-file ``crc32``).
+    """
+    if "segments" not in rec:
+        if "crc32" not in rec:
+            return None
+        crc = 0
+        with fs.open(path, "rb") as f:
+            while b := f.read(block):
+                crc = zlib.crc32(b, crc)
+        return None if crc == rec["crc32"] else (
+            f"file {name!r} is corrupt (CRC-32 {crc:08x}, {rec['crc32']:08x} was written)")
+    algorithm = rec.get("algorithm", "crc32")
+    with fs.open(path, "rb") as f:
+        for off, length, want in rec["segments"]:
+            f.seek(off)
+            crc, left = 0, length
+            while left > 0:
+                b = f.read(min(block, left))
+                if not b:
+                    return f"file {name!r} is truncated at byte {off + length - left}"
+                crc = checksum(b, crc, algorithm)
+                left -= len(b)
+            if crc != want:
+                return (f"file {name!r} is corrupt in bytes {off}-{off + length} "
+                        f"({algorithm} {crc:08x}, {want:08x} was written)")
+    return None
+
+
+def check_item(data: bytes, name: str, offset: int, want: tuple[int, int, str]) -> None:
+    """Raise ChecksumMismatch unless ``data`` is the item written at ``offset`` of ``name``."""
+    length, crc, algorithm = want
+    if len(data) != length:
+        raise ChecksumMismatch(f"file {name!r}: {len(data)} bytes at byte {offset}, {length} were written (truncated)")
+    got = checksum(data, 0, algorithm)
+    if got != crc:
+        raise ChecksumMismatch(f"file {name!r} is corrupt in bytes {offset}-{offset + length} "
+                               f"({algorithm} {got:08x}, {crc:08x} was written)")

@@ -1,0 +1,249 @@
+"""``fsdp_nb.export_safetensors``: a checkpoint's model weights in Hugging Face's layout.
+
+Offline, in one process, tensor by tensor: each weight is read alone (from a sharded
+folder through DCP, only the chunks of that tensor; from a full file, only that
+entry) and appended to the output file, whose header is written first from the
+checkpoint's metadata, so no more than one tensor is in memory at a time. The output
+is what ``safetensors`` and ``transformers`` read: the model's own parameter names (no
+``model.`` prefix, no optimizer state), ``model.safetensors``, or
+``model-0000k-of-0000n.safetensors`` files and ``model.safetensors.index.json`` when
+larger than ``max_shard_size``.
+
+Why not DCP's Hugging Face writer: ``HuggingFaceStorageWriter`` and its consolidation
+write a state dict held in memory (or merge shards that writer saved), while here the
+source is any fsdp_nb or plain DCP checkpoint, read piece by piece.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..dtypes import FLOATING, itemsize, to_safetensors
+from .info import CheckpointError
+from .inspect import inspect
+from .keys import MODEL
+from .storage import url_to_fs
+
+__all__ = ["export_safetensors", "parse_size"]
+
+log = logging.getLogger("fsdp_nb")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+def parse_size(size: int | str) -> int:
+    """Bytes of ``5_000_000_000``, ``"5GB"`` (10^9, as Hugging Face counts) or ``"2GiB"``."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    m = _SIZE.match(size) if isinstance(size, str) else None
+    if m is None or float(m.group(1)) <= 0:
+        raise ValueError(f"max_shard_size must be a positive number of bytes or a size such as "
+                         f"'5GB', '500MB' or '2GiB', got {size!r}")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+
+
+def _check_dtype(dtype: Any) -> str | None:
+    if dtype is None:
+        return None
+    name = str(dtype).replace("torch.", "")
+    if name not in FLOATING:
+        raise ValueError(f"dtype must be a floating dtype (one of {list(FLOATING)}) or None, got {dtype!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class _Entry:
+    key: str
+    """Name in the checkpoint (``model.l1.weight``)."""
+    name: str
+    """Name in the export (``l1.weight``)."""
+    shape: tuple[int, ...]
+    dtype: str
+    """dtype written (after the cast)."""
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * itemsize(self.dtype)
+
+
+def _model_entries(info: Any, cast: str | None) -> list[_Entry]:
+    keys = [k for k in info.tensors if k.startswith(MODEL)]
+    prefix = MODEL
+    if not keys:  # a plain DCP folder (torchtitan): top-level names, optimizer keys aside
+        keys = [k for k in info.tensors if not k.startswith(("optim", "optimizer", "lr_scheduler"))]
+        prefix = ""
+    out = []
+    for k in keys:
+        t = info.tensors[k]
+        dt = cast if cast and t.dtype.startswith(("float", "bfloat")) else t.dtype
+        if to_safetensors(dt) is None:
+            raise CheckpointError(f"tensor {k!r} has dtype {t.dtype}, which safetensors cannot store")
+        out.append(_Entry(k, k[len(prefix):], tuple(t.shape), dt))
+    if not out:
+        raise CheckpointError(f"checkpoint {info.path!r} holds no model tensors to export")
+    return out
+
+
+def _plan_files(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
+    files: list[list[_Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if files[-1] and size + e.nbytes > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(e)
+        size += e.nbytes
+    return files
+
+
+def _tensors(path: str, info: Any, entries: list[_Entry], storage_options: dict | None) -> Iterator[Any]:
+    """Each entry's tensor, one at a time, in ``entries`` order."""
+    fs, p = url_to_fs(path, storage_options)
+    p = p.rstrip("/")
+    if info.kind == "full":
+        from .fullfile import full_suffix
+
+        if full_suffix(p) == ".safetensors":
+            from safetensors import safe_open
+
+            if not os.path.exists(p):
+                raise CheckpointError("exporting a full .safetensors file needs it on a local path")
+            with safe_open(p, framework="pt") as f:
+                for e in entries:
+                    yield f.get_tensor(e.key)
+            return
+        import torch
+
+        obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+        for e in entries:
+            yield obj["model"][e.key[len(MODEL):]]
+        return
+    yield from _sharded_tensors(fs, p, path, info, entries, storage_options)
+
+
+def _sharded_tensors(fs: Any, p: str, url: str, info: Any, entries: list[_Entry],
+                     storage_options: dict | None) -> Iterator[Any]:
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from .atomic import read_marker
+    from .checksums import item_checksums
+    from .inspect import read_dcp_metadata
+    from .restricted import safe_reader
+
+    files = (read_marker(fs, p) or {}).get("files", {})
+    per_item = bool(files) and all("segments" in rec for rec in files.values())
+    md = read_dcp_metadata(fs, p, url, files.get(".metadata"))
+    reader = safe_reader(fs, p, storage_options or {}, metadata=md,
+                         checks=item_checksums(files) if per_item else None)
+    for e in entries:
+        t = info.tensors[e.key]
+        buf = torch.empty(t.shape, dtype=getattr(torch, t.dtype))
+        sd: dict[str, Any] = {"model": {e.name: buf}} if e.key.startswith(MODEL) else {e.key: buf}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _load_state_dict(sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True),
+                             no_dist=True)
+        yield buf
+
+
+def _header(entries: list[_Entry]) -> bytes:
+    head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for e in entries:
+        head[e.name] = {"dtype": to_safetensors(e.dtype), "shape": list(e.shape), "data_offsets": [off, off + e.nbytes]}
+        off += e.nbytes
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def export_safetensors(
+    path: str,
+    out_dir: str,
+    *,
+    dtype: Any = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+    progress: bool | None = None,
+) -> list[str]:
+    """Write the model weights of checkpoint ``path`` to folder ``out_dir`` as safetensors.
+
+    ``dtype="bfloat16"`` casts floating weights on the way. ``max_shard_size`` splits the
+    output into files of at most that size (a bigger tensor gets a file of its own) with
+    ``model.safetensors.index.json``. ``out_dir`` must not exist unless ``overwrite``.
+    Checks every argument before reading or writing anything. Returns the files written.
+    """
+    import torch
+
+    from ..progress import Progress
+
+    cast = _check_dtype(dtype)
+    max_bytes = parse_size(max_shard_size)
+    if not isinstance(out_dir, str) or not out_dir or "://" in out_dir:
+        raise ValueError(f"out_dir must be a local folder path, got {out_dir!r}")
+    out_dir = out_dir.rstrip("/")
+    if os.path.exists(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir!r} already exists; pass overwrite=True to replace it (nothing was written)")
+    info = inspect(path, storage_options=storage_options)
+    if not info.valid:
+        raise CheckpointError(f"checkpoint {path!r} is not valid ({info.problem}); refusing to export it")
+    entries = _model_entries(info, cast)
+    plan = _plan_files(entries, max_bytes)
+    n = len(plan)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    tmp = posixpath.join(posixpath.dirname(out_dir) or ".", f".{posixpath.basename(out_dir)}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    total = sum(e.nbytes for e in entries)
+    try:
+        tensors = _tensors(path, info, entries, storage_options)
+        with Progress(total, f"export {posixpath.basename(out_dir)}", enabled=progress) as bar:
+            for name, group in zip(names, plan):
+                with open(posixpath.join(tmp, name), "wb") as f:
+                    f.write(_header(group))
+                    for e in group:
+                        t = next(tensors)
+                        if tuple(t.shape) != e.shape:
+                            raise CheckpointError(f"tensor {e.key!r} read with shape {tuple(t.shape)}, "
+                                                  f"the checkpoint records {e.shape}")
+                        if cast and t.dtype.is_floating_point:
+                            t = t.to(getattr(torch, cast))
+                        f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+                        bar.update(e.nbytes)
+                        del t
+                    f.flush()
+                    os.fsync(f.fileno())
+        if n > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {e.name: name for name, group in zip(names, plan) for e in group}}
+            with open(posixpath.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    written = [posixpath.join(out_dir, nm) for nm in names]
+    if n > 1:
+        written.append(posixpath.join(out_dir, "model.safetensors.index.json"))
+    log.debug("exported %s -> %s (%d files, %.1f MB) at %s", path, out_dir, n, total / 1e6, time.ctime())
+    return written
