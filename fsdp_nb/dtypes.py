@@ -7,7 +7,9 @@ element takes and which name a safetensors header code (``"F32"``) stands for.
 
 from __future__ import annotations
 
-__all__ = ["FLOATING", "from_safetensors", "itemsize", "to_safetensors"]
+import math
+
+__all__ = ["FLOATING", "from_safetensors", "itemsize", "tensor_bytes", "to_safetensors"]
 
 # name: (bytes per element, safetensors header code)
 _DTYPES: dict[str, tuple[int, str]] = {
@@ -24,6 +26,11 @@ FLOATING = tuple(name for name in _DTYPES if name.startswith(("float", "bfloat")
 def itemsize(dtype: str) -> int:
     """Bytes per element of the dtype named ``dtype`` (``"float32"`` -> 4); 0 if unknown."""
     return _DTYPES.get(dtype.removeprefix("torch."), (0, ""))[0]
+
+
+def tensor_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes of a dense tensor of ``shape`` and the dtype named ``dtype``."""
+    return math.prod(shape) * itemsize(dtype)
 
 
 def from_safetensors(code: str) -> str:

@@ -6,6 +6,7 @@ Filled on the engines (``fsdp_nb.engine``) from DTensor placements, read by
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .dtypes import itemsize
@@ -38,10 +39,7 @@ class ParamShard:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.global_shape:
-            n *= d
-        return n
+        return math.prod(self.global_shape)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..dtypes import FLOATING, itemsize, to_safetensors
+from ..dtypes import FLOATING, tensor_bytes, to_safetensors
 from .info import CheckpointError
 from .inspect import inspect
 from .keys import MODEL
@@ -73,10 +73,7 @@ class _Entry:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * itemsize(self.dtype)
+        return tensor_bytes(self.shape, self.dtype)
 
 
 def _model_entries(info: Any, cast: str | None) -> list[_Entry]:

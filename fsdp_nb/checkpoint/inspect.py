@@ -13,7 +13,7 @@ import json
 import posixpath
 from typing import Any
 
-from ..dtypes import itemsize
+from ..dtypes import tensor_bytes
 from .atomic import read_marker, validate_files
 from .checksums import ChecksumMismatch, check_item, file_problem
 from .fullfile import full_suffix, read_full_meta
@@ -135,9 +135,6 @@ def _inspect_sharded(fs: Any, p: str, url: str, verify: bool) -> CheckpointInfo:
                 continue  # bytes (non-tensor) entries: param groups etc.
             shape = tuple(tmd.size)
             dtype = _dtype_name(tmd.properties.dtype)
-            n = 1
-            for d in shape:
-                n *= d
             chunks = []
             for idx, si in sorted(by_fqn.get(fqn, []), key=lambda x: tuple(x[0].offset or ())):
                 sizes = next(
@@ -147,7 +144,7 @@ def _inspect_sharded(fs: Any, p: str, url: str, verify: bool) -> CheckpointInfo:
                 chunks.append(ChunkInfo(
                     tuple(idx.offset or ()), sizes, si.relative_path, si.offset, si.length
                 ))
-            infos[fqn] = TensorInfo(fqn, shape, dtype, n * itemsize(dtype), tuple(chunks))
+            infos[fqn] = TensorInfo(fqn, shape, dtype, tensor_bytes(shape, dtype), tuple(chunks))
     files = {k: int(v["size"]) for k, v in (marker or {}).get("files", {}).items()}
     if not files:
         try:
