@@ -146,32 +146,27 @@ def test_error_on_all_ranks_first_failure_first(sess, tmp_path):
     from fsdp_nb.dispatch import _completed
 
     release = tmp_path / "release"
-
-    def fail_when_released(path):
-        import os
-        import time
-
-        if rank == 0:  # noqa: F821
-            while not os.path.exists(path) or not open(path).read():
-                time.sleep(0.01)
-            after = float(open(path).read())  # rank 1's recorded completion time
-            while time.time() <= after:
-                time.sleep(0.001)
-        raise KeyError(f"rank {rank}")  # noqa: F821
-
+    code = (  # engine code: rank 0 fails only after the moment rank 1's failure was recorded
+        "import os as _os, time as _t\n"
+        "if rank == 0:\n"
+        f"    while not _os.path.exists({str(release)!r}) or not open({str(release)!r}).read():\n"
+        "        _t.sleep(0.01)\n"
+        f"    _after = float(open({str(release)!r}).read())\n"
+        "    while _t.time() <= _after:\n"
+        "        _t.sleep(0.001)\n"
+        "raise KeyError(f'rank {rank}')\n"
+    )
     d = sess.dispatcher
-    pending = d.apply("fail", fail_when_released, args=(str(release),))
-    deadline = time.monotonic() + 30  # rank 1 has failed before rank 0 is let go
+    pending = d.execute(code)
+    deadline = time.monotonic() + 30
     while not pending.results[1].ready() and time.monotonic() < deadline:
         time.sleep(0.01)
     first = _completed(pending.results[1])
     assert first != float("inf"), pending.results[1].metadata  # the engine said when it finished
-    release.write_text(repr(first))  # rank 0 fails only after that moment
+    release.write_text(repr(first))
     with pytest.raises(RankError) as ei:
         d.gather(pending)
-    # both failures reported; which one comes first is not yet reliable (about one run in
-    # three lists rank 0 first although it failed later): see the closing note of issue 12
-    assert sorted(ei.value.ranks) == [0, 1] and "KeyError" in str(ei.value)
+    assert ei.value.ranks == [1, 0] and "KeyError: 'rank 1'" in str(ei.value.first)
     assert sess.run(lambda: 1) == [1, 1]
 
 
