@@ -113,8 +113,14 @@ class Dispatcher:
         self.observers: list[Callable[[CallEvent], None]] = []
         """Called on the notebook's thread as calls start, change, end and recover."""
 
-    def notify(self, event: CallEvent) -> None:
-        """Tell every observer; one that fails is logged and kept out of the call's way."""
+    def notify(self, what: str, phase: str, ranks: Sequence[int] = (), *,
+               failures: Sequence[RankFailure] = (), note: str = "") -> None:
+        """Tell every observer a ``CallEvent`` (built only when someone listens: this is
+        on every call's path); ``ranks`` defaults to the failing ones. An observer that
+        fails is logged and kept out of the call's way."""
+        if not self.observers:
+            return
+        event = CallEvent(what, phase, tuple(ranks or (f.rank for f in failures)), tuple(failures), note)
         for fn in list(self.observers):
             try:
                 fn(event)
@@ -165,7 +171,7 @@ class Dispatcher:
                 return self._gather(pending, timeout, ctrl_c)
             except KeyboardInterrupt:
                 running = [r for r, ar in pending.results.items() if not ar.ready()]
-                self.notify(CallEvent(pending.what, "interrupted", tuple(running)))
+                self.notify(pending.what, "interrupted", running)
                 self.policy.on_interrupt(pending, running)
                 raise
 
@@ -180,7 +186,7 @@ class Dispatcher:
             running = [r for r, ar in pending.results.items() if not ar.ready()]
             if self.observers and running != shown:
                 shown = running
-                self.notify(CallEvent(pending.what, "running", tuple(running)))
+                self.notify(pending.what, "running", running)
             if not running:
                 break
             now = time.monotonic()
@@ -188,15 +194,14 @@ class Dispatcher:
                 first_failure_at = now
             if first_failure_at is not None and now - first_failure_at >= self.policy.grace:
                 failed = self.failures(pending)
-                self.notify(CallEvent(pending.what, "failed", tuple(f.rank for f in failed),
-                                      tuple(failed)))
+                self.notify(pending.what, "failed", failures=failed)
                 self.policy.on_partial_failure(pending, failed, running)
                 first_failure_at = None  # policy chose to keep waiting
             if now >= next_liveness:
                 next_liveness = now + self.liveness_every
                 dead = [r for r in self.cluster.dead_ranks() if r in running]
                 if dead:
-                    self.notify(CallEvent(pending.what, "dead", tuple(dead)))
+                    self.notify(pending.what, "dead", dead)
                     self.policy.on_dead(pending, dead)
             if timeout is not None and now - pending.started > timeout:
                 self.policy.on_timeout(pending, running, timeout)
@@ -214,12 +219,11 @@ class Dispatcher:
         if failures:
             dead = [r for r in self.cluster.dead_ranks() if r in pending.results]
             if dead:  # the controller reported the death before our pid check did
-                self.notify(CallEvent(pending.what, "dead", tuple(dead)))
+                self.notify(pending.what, "dead", dead)
                 self.policy.on_dead(pending, dead)
-            self.notify(CallEvent(pending.what, "failed", tuple(f.rank for f in failures),
-                                  tuple(failures)))
+            self.notify(pending.what, "failed", failures=failures)
             raise RankError(pending.what, failures, self.cluster.world_size)
-        self.notify(CallEvent(pending.what, "done"))
+        self.notify(pending.what, "done")
         return [pending.results[r].get() for r in sorted(pending.results)]
 
     def failures(self, pending: Pending) -> list[RankFailure]:

@@ -28,7 +28,7 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
-from .dispatch import CallEvent, FailurePolicy, Pending
+from .dispatch import FailurePolicy, Pending
 from .engine import health as _health
 from .errors import DeadRankError, RankError, RankFailure, RankTimeoutError
 from .recovery import reform, restart
@@ -88,7 +88,7 @@ class RecoveringPolicy(FailurePolicy):
             sess.cluster.kill(wedged)
         sess.lifecycle.to("degraded")
         gone = tuple(sorted(set(all_dead) | set(wedged)))
-        sess.dispatcher.notify(CallEvent("session", "degraded", gone, note="sess.restart() brings them back"))
+        sess.dispatcher.notify("session", "degraded", gone, note="sess.restart() brings them back")
         others = [f for f in sess.dispatcher.failures(pending) if f.rank not in all_dead]
         err = DeadRankError(
             sorted(set(all_dead) | set(wedged)),
@@ -116,7 +116,7 @@ class RecoveringPolicy(FailurePolicy):
         """Stop ``running`` ranks, re-form the group on every rank; a note saying what happened."""
         d = self.sess.dispatcher
         everyone = tuple(range(self.sess.world_size))
-        d.notify(CallEvent("session", "recovering", everyone, note=cause))
+        d.notify("session", "recovering", everyone, note=cause)
         try:
             note = self._recover_or_raise(pending, running, interrupt=interrupt, cause=cause)
         except Exception as exc:  # noqa: BLE001 - the original error must still reach the user
@@ -125,9 +125,9 @@ class RecoveringPolicy(FailurePolicy):
                 f"fsdp_nb could not recover the session ({cause}): {type(exc).__name__}: {exc}. "
                 "Call sess.restart()."
             )
-            d.notify(CallEvent("session", "degraded", everyone, note=note))
+            d.notify("session", "degraded", everyone, note=note)
             return note
-        d.notify(CallEvent("session", "recovered", everyone, note=note))
+        d.notify("session", "recovered", everyone, note=note)
         return note
 
     def _recover_or_raise(

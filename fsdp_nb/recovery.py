@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import rendezvous
-from .dispatch import CallEvent
 from .engine import health as _health
 
 if TYPE_CHECKING:
@@ -55,8 +54,8 @@ def restart(sess: Session, restore: str | None = None, drop: tuple[str, ...] = (
     dead = sess.cluster.dead_ranks()
     check_replayable(sess, restore, drop, replaying=bool(dead))
     everyone = tuple(range(sess.world_size))
-    sess.dispatcher.notify(CallEvent("restart", "recovering", everyone,
-                                     note=f"replacing rank(s) {dead}" if dead else "re-forming the group"))
+    sess.dispatcher.notify("restart", "recovering", everyone,
+                           note=f"replacing rank(s) {dead}" if dead else "re-forming the group")
     if dead:
         sess.cluster.replace(dead)
         sess.health.install(sess.plain_dispatcher, dead, nccl=sess.backend == "nccl")
@@ -73,6 +72,6 @@ def restart(sess: Session, restore: str | None = None, drop: tuple[str, ...] = (
             )
         sess.load(restore, names[-1])
     what = f"rank(s) {', '.join(map(str, dead))} replaced" if dead else "group re-formed"
-    sess.dispatcher.notify(CallEvent("restart", "recovered", everyone,
-                                     note=what + (f", {restore} loaded" if restore else "")))
+    sess.dispatcher.notify("restart", "recovered", everyone,
+                           note=what + (f", {restore} loaded" if restore else ""))
     return sess

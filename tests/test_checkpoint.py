@@ -163,6 +163,10 @@ def test_refusals_write_nothing(sess, tmp_path):
     assert {f: os.stat(path / f).st_mtime_ns for f in os.listdir(path)} == before
     assert sorted(os.listdir(tmp_path)) == ["c"]
     assert sess.save(str(path), "ck_r", extra={"v": 3}, overwrite=True).extra == {"v": 3}
+    assert [n for n in os.listdir(tmp_path) if not n.startswith(".")] == ["c"]
+    deadline = time.monotonic() + 30  # the replaced folder is removed in the background
+    while sorted(os.listdir(tmp_path)) != ["c"] and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert sorted(os.listdir(tmp_path)) == ["c"]
     sess.all_reduce_check()  # the session is still usable
 

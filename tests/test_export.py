@@ -118,3 +118,15 @@ def test_torch_dcp_to_torch_save_reads_an_fsdp_nb_checkpoint(saved, tmp_path):
     assert sorted(obj["model"]) == sorted(weights)
     assert all(torch.equal(obj["model"][k], weights[k]) for k in weights)
     assert "exp_avg" in next(iter(obj["optim"]["state"].values()))
+
+
+def test_progress_only_where_asked_or_in_a_notebook():
+    from fsdp_nb.progress import Progress
+
+    with Progress(10**10, "big") as p:  # a test is no notebook: nothing drawn, still counted
+        p.update(5)
+    assert p.bar is None and p.done == 5
+    with Progress(100, "asked", enabled=True) as p:
+        p.update(60)
+        p.update(40)
+    assert p.bar.n == 100 and p.bar.total == 100

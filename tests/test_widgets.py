@@ -272,6 +272,8 @@ def test_dashboard_status_busy_idle(sess, browser_model, tmp_path):
         assert db.tabs.titles == ("Status", "Memory", "Layout: model", "Checkpoints")
         assert [e.name for e in db.checkpoints.entries] == ["step1"]
         assert db.refresh_status().ranks[0].state == "idle"
+        sess.run(lambda: 1)  # the status tab is the live widget: it saw the call
+        assert all(r.activity.startswith("run(") and r.state == "idle" for r in db.status.ranks)
         text = repr(db)
         assert "backend gloo, 2 ranks" in text and "blocks.0.lin.weight" in text
     finally:
@@ -292,6 +294,11 @@ NOTEBOOK_CELLS = [
     "root = tempfile.mkdtemp()\nsess.checkpoints(root)",
     "print(repr(mem).splitlines()[0])",
     "mem.close()\nsess.shutdown()\nprint('feed running after shutdown:', mem.feed.running)",
+    "from fsdp_nb.progress import Progress, in_notebook\n"
+    "with Progress(1 << 30, 'big') as big, Progress(1 << 20, 'small') as small:\n"
+    "    big.update(1 << 30)\n"
+    "print('in notebook:', in_notebook(), 'bar for 1 GiB:', big.bar is not None, "
+    "'bar for 1 MiB:', small.bar is not None)",
 ]
 
 
@@ -327,5 +334,7 @@ def test_notebook_headless_stores_widget_state(tmp_path):
     assert "fsdp_nb memory (process RSS)" in outs[6][0]["text"]
     last = "".join(o.get("text", "") for o in outs[7])
     assert "feed running after shutdown: False" in last
+    shown = "".join(o.get("text", "") for o in outs[8])
+    assert "in notebook: True bar for 1 GiB: True bar for 1 MiB: False" in shown
     print({i: (c.metadata.get("execution", {}).get("shell.execute_reply", "")[11:23])
            for i, c in enumerate(nb.cells)})

@@ -30,7 +30,9 @@ from .storage import is_local, sibling
 
 log = logging.getLogger("fsdp_nb")
 
-__all__ = ["commit_full", "commit_sharded", "read_marker", "retain_last", "validate_files"]
+__all__ = [
+    "commit_full", "commit_sharded", "read_marker", "replace_folder", "retain_last", "validate_files",
+]
 
 
 def _fsync_dir(path: str) -> None:
@@ -65,14 +67,7 @@ def commit_sharded(
     old = sibling(target, "old", token)
     if is_local(fs):
         _write(fs, posixpath.join(tmp, MARKER), marker)
-        _fsync_dir(tmp)
-        had_old = os.path.exists(target)
-        if had_old:
-            os.replace(target, old)
-        os.replace(tmp, target)
-        _fsync_dir(os.path.dirname(target) or ".")
-        if had_old:  # already out of sight: removed while the save returns
-            _remove_later(fs, old)
+        replace_folder(tmp, target, token)
         return
     had_old = fs.exists(target)
     if had_old:
@@ -83,17 +78,32 @@ def commit_sharded(
         fs.rm(old, recursive=True)
 
 
-def _remove_later(fs: Any, path: str) -> None:
-    """Remove a replaced checkpoint in the background (a warning if that fails)."""
+def replace_folder(tmp: str, target: str, token: str) -> None:
+    """Make the fully written local folder ``tmp`` the folder ``target``, atomically.
+
+    An existing ``target`` is renamed aside first and removed in the background (it
+    is out of sight already; the process waits for the removal before it exits).
+    """
+    import shutil
     import threading
+
+    _fsync_dir(tmp)
+    old = sibling(target, "old", token)
+    had_old = os.path.exists(target)
+    if had_old:
+        os.replace(target, old)
+    os.replace(tmp, target)
+    _fsync_dir(os.path.dirname(target) or ".")
+    if not had_old:
+        return
 
     def rm() -> None:
         try:
-            fs.rm(path, recursive=True)
-        except Exception as exc:
-            log.warning("could not remove the replaced checkpoint %s: %s", path, exc)
+            shutil.rmtree(old)
+        except OSError as exc:
+            log.warning("could not remove the replaced folder %s: %s", old, exc)
 
-    threading.Thread(target=rm, name="fsdp_nb-remove-old", daemon=True).start()
+    threading.Thread(target=rm, name="fsdp_nb-remove-old").start()
 
 
 def _move_tree(fs: Any, src: str, dst: str) -> None:

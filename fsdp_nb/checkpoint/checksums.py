@@ -31,21 +31,16 @@ __all__ = [
 
 log = logging.getLogger("fsdp_nb")
 
+_UPDATE: dict[str, Callable[[Any, int], int]] = {"crc32": zlib.crc32}
 try:
     import crc32c as _crc32c
 
-    def _crc32c_update(data: Any, value: int = 0) -> int:
-        return _crc32c.crc32c(data, value=value)
-
-    ALGORITHM = "crc32c"
+    _UPDATE["crc32c"] = lambda data, value=0: _crc32c.crc32c(data, value=value)
 except ImportError:  # pragma: no cover - crc32c is a dependency; zlib is the fallback
-    _crc32c_update = None  # type: ignore[assignment]
-    ALGORITHM = "crc32"
-"""The algorithm new checkpoints record (``crc32c``, or ``crc32`` without the package)."""
+    log.warning("the crc32c package is missing: checkpoints are checksummed with zlib's slower CRC-32")
 
-_UPDATE: dict[str, Callable[[Any, int], int]] = {"crc32": lambda d, v=0: zlib.crc32(d, v)}
-if _crc32c_update is not None:
-    _UPDATE["crc32c"] = _crc32c_update
+ALGORITHM = "crc32c" if "crc32c" in _UPDATE else "crc32"
+"""The algorithm new checkpoints record."""
 
 
 class ChecksumMismatch(ValueError):
@@ -176,24 +171,25 @@ def item_checksums(files: dict[str, dict[str, Any]]) -> dict[tuple[str, int], tu
     return out
 
 
+def _mismatch(name: str, offset: int, length: int, algorithm: str, got: int, want: int) -> str:
+    return (f"file {name!r} is corrupt in bytes {offset}-{offset + length} "
+            f"({algorithm} {got:08x}, {want:08x} was written)")
+
+
 def file_problem(fs: Any, path: str, name: str, rec: dict[str, Any], block: int = 8 << 20) -> str | None:
     """None when the file at ``path`` has the recorded checksums; else what differs.
 
-    Reads the file once, front to back (segments tile it; an old record has one
-    whole-file ``crc32``).
+    Reads the file once, front to back: its segments tile it (an older record's one
+    whole-file ``crc32`` is one segment).
     """
-    if "segments" not in rec:
-        if "crc32" not in rec:
-            return None
-        crc = 0
-        with fs.open(path, "rb") as f:
-            while b := f.read(block):
-                crc = zlib.crc32(b, crc)
-        return None if crc == rec["crc32"] else (
-            f"file {name!r} is corrupt (CRC-32 {crc:08x}, {rec['crc32']:08x} was written)")
-    algorithm = rec.get("algorithm", "crc32")
+    if "segments" in rec:
+        segments, algorithm = rec["segments"], rec.get("algorithm", "crc32")
+    elif "crc32" in rec:
+        segments, algorithm = [[0, rec["size"], rec["crc32"]]], "crc32"
+    else:
+        return None
     with fs.open(path, "rb") as f:
-        for off, length, want in rec["segments"]:
+        for off, length, want in segments:
             f.seek(off)
             crc, left = 0, length
             while left > 0:
@@ -203,8 +199,7 @@ def file_problem(fs: Any, path: str, name: str, rec: dict[str, Any], block: int 
                 crc = checksum(b, crc, algorithm)
                 left -= len(b)
             if crc != want:
-                return (f"file {name!r} is corrupt in bytes {off}-{off + length} "
-                        f"({algorithm} {crc:08x}, {want:08x} was written)")
+                return _mismatch(name, off, length, algorithm, crc, want)
     return None
 
 
@@ -215,5 +210,4 @@ def check_item(data: bytes, name: str, offset: int, want: tuple[int, int, str]) 
         raise ChecksumMismatch(f"file {name!r}: {len(data)} bytes at byte {offset}, {length} were written (truncated)")
     got = checksum(data, 0, algorithm)
     if got != crc:
-        raise ChecksumMismatch(f"file {name!r} is corrupt in bytes {offset}-{offset + length} "
-                               f"({algorithm} {got:08x}, {crc:08x} was written)")
+        raise ChecksumMismatch(_mismatch(name, offset, length, algorithm, got, crc))

@@ -16,13 +16,13 @@ import time
 import uuid
 from typing import Any
 
-from .atomic import commit_full, commit_sharded, read_marker, validate_files
-from .checksums import item_checksums, record_writer
+from .atomic import commit_full, commit_sharded, read_marker
+from .checksums import record_writer
 from .fullfile import full_suffix, read_full, write_full
-from .info import CheckpointError, CheckpointInfo, CorruptCheckpointError
-from .inspect import inspect, read_dcp_metadata, verify_checksums
+from .info import CheckpointError, CheckpointInfo
+from .inspect import inspect
 from .metadata import FORMAT, META_FILE
-from .restricted import safe_reader
+from .reader import named_corruption, open_sharded
 from .storage import dcp_writer, options_for, sibling, url_to_fs
 
 __all__ = ["consolidate", "read_sharded"]
@@ -39,20 +39,12 @@ def read_sharded(path: str, storage_options: dict | None = None) -> tuple[dict, 
     marker = read_marker(fs, p)
     if marker is None:
         raise CheckpointError(f"checkpoint {path!r} is incomplete (no completion marker); refusing to read it")
-    files = marker.get("files", {})
-    per_item = bool(files) and all("segments" in rec for rec in files.values())
-    if per_item:  # each item is checked as it is read
-        problem = validate_files(fs, p, marker)
-        if problem:
-            raise CorruptCheckpointError(f"checkpoint {path!r}: {problem}")
-    else:
-        verify_checksums(fs, p, path, marker)
-    md = read_dcp_metadata(fs, p, path, files.get(".metadata"))
+    _, reader = open_sharded(fs, p, path, marker, so)
     sd: dict[str, Any] = {}
     # dcp.load only fills keys already in ``sd``; the private loader with the empty
     # planner rebuilds the whole nested state dict from the metadata (as dcp_to_torch_save).
-    reader = safe_reader(fs, p, so, metadata=md, checks=item_checksums(files) if per_item else None)
-    _load_state_dict(sd, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    with named_corruption(path):
+        _load_state_dict(sd, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     try:
         meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
     except FileNotFoundError:

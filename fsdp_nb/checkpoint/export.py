@@ -7,11 +7,11 @@ checkpoint's metadata, so no more than one tensor is in memory at a time. The ou
 is what ``safetensors`` and ``transformers`` read: the model's own parameter names (no
 ``model.`` prefix, no optimizer state), ``model.safetensors``, or
 ``model-0000k-of-0000n.safetensors`` files and ``model.safetensors.index.json`` when
-larger than ``max_shard_size``.
+larger than ``max_shard_size``. The source is a valid fsdp_nb checkpoint, sharded or full.
 
 Why not DCP's Hugging Face writer: ``HuggingFaceStorageWriter`` and its consolidation
 write a state dict held in memory (or merge shards that writer saved), while here the
-source is any fsdp_nb or plain DCP checkpoint, read piece by piece.
+source is read piece by piece.
 """
 
 from __future__ import annotations
@@ -22,16 +22,17 @@ import os
 import posixpath
 import re
 import shutil
-import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..dtypes import FLOATING, tensor_bytes, to_safetensors
+from .atomic import replace_folder
 from .info import CheckpointError
 from .inspect import inspect
 from .keys import MODEL
-from .storage import url_to_fs
+from .storage import sibling, url_to_fs
 
 __all__ = ["export_safetensors", "parse_size"]
 
@@ -77,18 +78,14 @@ class _Entry:
 
 
 def _model_entries(info: Any, cast: str | None) -> list[_Entry]:
-    keys = [k for k in info.tensors if k.startswith(MODEL)]
-    prefix = MODEL
-    if not keys:  # a plain DCP folder (torchtitan): top-level names, optimizer keys aside
-        keys = [k for k in info.tensors if not k.startswith(("optim", "optimizer", "lr_scheduler"))]
-        prefix = ""
     out = []
-    for k in keys:
-        t = info.tensors[k]
-        dt = cast if cast and t.dtype.startswith(("float", "bfloat")) else t.dtype
+    for k, t in info.tensors.items():
+        if not k.startswith(MODEL):
+            continue  # optimizer state stays behind
+        dt = cast if cast and t.dtype in FLOATING else t.dtype
         if to_safetensors(dt) is None:
             raise CheckpointError(f"tensor {k!r} has dtype {t.dtype}, which safetensors cannot store")
-        out.append(_Entry(k, k[len(prefix):], tuple(t.shape), dt))
+        out.append(_Entry(k, k[len(MODEL):], tuple(t.shape), dt))
     if not out:
         raise CheckpointError(f"checkpoint {info.path!r} holds no model tensors to export")
     return out
@@ -126,7 +123,7 @@ def _tensors(path: str, info: Any, entries: list[_Entry], storage_options: dict 
 
         obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
         for e in entries:
-            yield obj["model"][e.key[len(MODEL):]]
+            yield obj["model"][e.name]
         return
     yield from _sharded_tensors(fs, p, path, info, entries, storage_options)
 
@@ -140,23 +137,16 @@ def _sharded_tensors(fs: Any, p: str, url: str, info: Any, entries: list[_Entry]
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from .atomic import read_marker
-    from .checksums import item_checksums
-    from .inspect import read_dcp_metadata
-    from .restricted import safe_reader
+    from .reader import named_corruption, open_sharded
 
-    files = (read_marker(fs, p) or {}).get("files", {})
-    per_item = bool(files) and all("segments" in rec for rec in files.values())
-    md = read_dcp_metadata(fs, p, url, files.get(".metadata"))
-    reader = safe_reader(fs, p, storage_options or {}, metadata=md,
-                         checks=item_checksums(files) if per_item else None)
+    _, reader = open_sharded(fs, p, url, read_marker(fs, p) or {}, storage_options)
     for e in entries:
         t = info.tensors[e.key]
         buf = torch.empty(t.shape, dtype=getattr(torch, t.dtype))
-        sd: dict[str, Any] = {"model": {e.name: buf}} if e.key.startswith(MODEL) else {e.key: buf}
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), named_corruption(url):
             warnings.simplefilter("ignore")
-            _load_state_dict(sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True),
-                             no_dist=True)
+            _load_state_dict({"model": {e.name: buf}}, storage_reader=reader,
+                             planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
         yield buf
 
 
@@ -206,8 +196,8 @@ def export_safetensors(
     plan = _plan_files(entries, max_bytes)
     n = len(plan)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    tmp = posixpath.join(posixpath.dirname(out_dir) or ".", f".{posixpath.basename(out_dir)}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    token = uuid.uuid4().hex[:12]
+    tmp = sibling(out_dir, "tmp", token)
     os.makedirs(tmp)
     total = sum(e.nbytes for e in entries)
     try:
@@ -218,9 +208,6 @@ def export_safetensors(
                     f.write(_header(group))
                     for e in group:
                         t = next(tensors)
-                        if tuple(t.shape) != e.shape:
-                            raise CheckpointError(f"tensor {e.key!r} read with shape {tuple(t.shape)}, "
-                                                  f"the checkpoint records {e.shape}")
                         if cast and t.dtype.is_floating_point:
                             t = t.to(getattr(torch, cast))
                         f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
@@ -233,14 +220,12 @@ def export_safetensors(
                      "weight_map": {e.name: name for name, group in zip(names, plan) for e in group}}
             with open(posixpath.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        replace_folder(tmp, out_dir, token)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     written = [posixpath.join(out_dir, nm) for nm in names]
     if n > 1:
         written.append(posixpath.join(out_dir, "model.safetensors.index.json"))
-    log.debug("exported %s -> %s (%d files, %.1f MB) at %s", path, out_dir, n, total / 1e6, time.ctime())
+    log.debug("exported %s -> %s (%d files, %.1f MB)", path, out_dir, n, total / 1e6)
     return written

@@ -131,8 +131,7 @@ def _model_meta(model: Any, spec: SaveSpec) -> dict[str, Any]:
                 "device_type": dm.device_type,
             }
             break
-    inner = model
-    cls = type(inner)
+    cls = type(model)
     meta.update(
         world_size=ws,
         mesh=mesh,

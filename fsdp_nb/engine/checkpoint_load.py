@@ -1,9 +1,8 @@
 """Loading a checkpoint on the ranks: verify, check, read into fresh tensors, then copy.
 
 Called by ``fsdp_nb.checkpoint.load`` on every rank at once. Files are verified first
-(sizes up front; each stored item's checksum as it is read, or an older
-checkpoint's whole-file CRC-32s first, each rank a share), keys and shapes are checked against the
-model, every problem is agreed by all ranks (one clear error), and the data is read
+(``fsdp_nb.checkpoint.reader``: sizes up front, each stored item's checksum as it is
+read), keys and shapes are checked against the model, every problem is agreed by all ranks (one clear error), and the data is read
 into fresh tensors; only when every rank read everything is it copied into the model,
 so a failure leaves the model as it was. Resharding is DCP's. Collectives run on the
 checkpoint group (``checkpoint_io.checkpoint_group``).
@@ -15,14 +14,13 @@ import posixpath
 import time
 from typing import Any
 
-from ..checkpoint.atomic import read_marker, validate_files
-from ..checkpoint.checksums import item_checksums
+from ..checkpoint.atomic import read_marker
 from ..checkpoint.contract import LoadSpec, Outcome
 from ..checkpoint.fullfile import full_suffix, read_full
 from ..checkpoint.info import CheckpointError, CorruptCheckpointError
-from ..checkpoint.inspect import read_dcp_metadata, verify_checksums
 from ..checkpoint.keys import MODEL, OPTIM_STATE, flat_optim_state
-from ..checkpoint.restricted import safe_reader
+from ..checkpoint.metadata import META_FILE
+from ..checkpoint.reader import named_corruption, open_sharded
 from ..checkpoint.storage import url_to_fs
 from .checkpoint_io import begin, checkpoint_group, rank_and_world
 
@@ -127,18 +125,9 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
         )
         return bad or Outcome(ok=False)
     problem = None
-    files = marker.get("files", {})
-    # checksums taken per item as it was written are checked as each item is read (no
-    # pass of its own); an older marker's whole-file CRCs are checked first, a share per rank
-    per_item = bool(files) and all("segments" in rec for rec in files.values())
     try:
-        if per_item:
-            problem = validate_files(fs, p, marker)
-            if problem:
-                raise CorruptCheckpointError(f"checkpoint {url!r}: {problem}")
-        else:
-            verify_checksums(fs, p, url, marker, names=sorted(files)[rank::ws])
-        md = read_dcp_metadata(fs, p, url, files.get(".metadata"))
+        md, reader = open_sharded(fs, p, url, marker, spec.storage_options,
+                                  share=sorted(marker.get("files", {}))[rank::ws])
     except CorruptCheckpointError as exc:
         problem = str(exc)
     bad = _agree(problem, CorruptCheckpointError)
@@ -166,27 +155,22 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
     if optim is not None:
         fresh_o = tree_map_only(torch.Tensor, torch.empty_like, osd)
         sd["optim"] = fresh_o
-    reader = safe_reader(fs, p, spec.storage_options, metadata=md,
-                         checks=item_checksums(files) if per_item else None)
     # dcp.load ends in a collective that raises on every rank if any rank failed
     try:
-        dcp.load(
-            sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=not strict),
-            process_group=checkpoint_group(),
-        )
-    except BaseException as exc:  # DCP's CheckpointException wraps each rank's error
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        if "ChecksumMismatch" in f"{exc!r}{exc}":
-            return Outcome.failed(f"checkpoint {url!r}: {exc}", CorruptCheckpointError)
-        raise
+        with named_corruption(url):
+            dcp.load(
+                sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=not strict),
+                process_group=checkpoint_group(),
+            )
+    except CorruptCheckpointError as exc:
+        return Outcome.failed(exc)
     set_state_dict(
         model, [optim] if optim is not None else [],
         model_state_dict=fresh_m,
         optim_state_dict=fresh_o if optim is not None else {},
         options=StateDictOptions(strict=strict),
     )
-    meta = json.loads(fs.cat_file(posixpath.join(p, "fsdp_nb.json")))
+    meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
     return Outcome(extra=meta.get("extra", {}), world_size=meta.get("world_size"))
 
 

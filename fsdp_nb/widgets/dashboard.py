@@ -1,9 +1,7 @@
 """One dashboard: session status, live memory, shard layouts and checkpoints.
 
-``sess.dashboard()`` returns a :class:`Dashboard` (tabs). The status table renders from
-:class:`fsdp_nb.status.SessionStatus`, filled by :func:`session_status` from the session's
-status (the controller's queue status and the engines' pids: it answers while
-engines run a cell).
+``sess.dashboard()`` returns a :class:`Dashboard` (tabs), each tab one of the widgets
+(the status tab is the live :class:`fsdp_nb.widgets.status.StatusWidget`).
 """
 
 from __future__ import annotations
@@ -12,16 +10,11 @@ from typing import Any
 
 import ipywidgets as W
 
-from ..status import SessionStatus, read_status
+from ..status import SessionStatus
 from ._render import StaticForm
+from .status import StatusWidget, session_status
 
 __all__ = ["Dashboard", "dashboard", "session_status"]
-
-
-def session_status(sess: Any) -> SessionStatus:
-    """Busy / idle / dead per rank (``fsdp_nb.status.read_status``), without stacks:
-    the dashboard does not show them, and taking them signals every busy rank."""
-    return read_status(sess, with_stacks=False)
 
 
 class Dashboard(StaticForm, W.VBox):
@@ -34,11 +27,8 @@ class Dashboard(StaticForm, W.VBox):
         from .memory import memory_widget
 
         self.sess = sess
-        self.status = session_status(sess)
-        self.status_view = W.HTML(self.status.to_html())
-        self.b_status = W.Button(description="Refresh status", icon="refresh")
-        self.b_status.on_click(lambda _b: self.refresh_status())
-        children: list[W.Widget] = [W.VBox([self.status_view, self.b_status])]
+        self.status_widget = StatusWidget(sess)
+        children: list[W.Widget] = [self.status_widget]
         titles = ["Status"]
         self.memory = memory_widget(sess, interval=interval) if memory else None
         if self.memory is not None:
@@ -61,10 +51,13 @@ class Dashboard(StaticForm, W.VBox):
         super().__init__([self.tabs])
         self.add_class("fsdp-nb-dashboard")
 
+    @property
+    def status(self) -> SessionStatus:
+        """What the status tab shows now."""
+        return self.status_widget.status
+
     def refresh_status(self) -> SessionStatus:
-        self.status = session_status(self.sess)
-        self.status_view.value = self.status.to_html()
-        return self.status
+        return self.status_widget.refresh()
 
     def to_text(self) -> str:
         parts = [self.status.to_text()]
@@ -77,6 +70,7 @@ class Dashboard(StaticForm, W.VBox):
         return "<hr>".join(parts)
 
     def close(self) -> None:
+        self.status_widget.close()
         if self.memory is not None:
             self.memory.close()
         super().close()

@@ -19,9 +19,15 @@ from ..dispatch import CallEvent
 from ..status import SessionStatus, apply_event, read_status
 from ._render import StaticForm
 
-__all__ = ["StatusWidget", "status_widget"]
+__all__ = ["StatusWidget", "session_status", "status_widget"]
 
 log = logging.getLogger("fsdp_nb")
+
+
+def session_status(sess: Any) -> SessionStatus:
+    """Busy / idle / dead per rank (``fsdp_nb.status.read_status``), without stacks:
+    the widgets do not show them, and taking them signals every busy rank."""
+    return read_status(sess, with_stacks=False)
 
 
 class StatusWidget(StaticForm, W.VBox):
@@ -29,7 +35,7 @@ class StatusWidget(StaticForm, W.VBox):
 
     def __init__(self, sess: Any, **kwargs: Any):
         self.sess = sess
-        self.status: SessionStatus = read_status(sess, with_stacks=False)
+        self.status: SessionStatus = session_status(sess)
         """What the table shows now."""
         self.view = W.HTML(self.status.to_html())
         self.b_refresh = W.Button(description="Refresh", icon="refresh")
@@ -44,7 +50,7 @@ class StatusWidget(StaticForm, W.VBox):
         """Move the table on by one dispatcher event and redraw it."""
         status = apply_event(self.status, event, state=self.sess.state)
         if event.phase == "recovered":  # replaced engines have new pids and engine ids
-            fresh = {r.rank: r for r in read_status(self.sess, with_stacks=False).ranks}
+            fresh = {r.rank: r for r in session_status(self.sess).ranks}
             status = replace(status, ranks=tuple(
                 replace(r, pid=fresh[r.rank].pid, engine_id=fresh[r.rank].engine_id) if r.rank in fresh else r
                 for r in status.ranks))
@@ -53,7 +59,7 @@ class StatusWidget(StaticForm, W.VBox):
 
     def refresh(self) -> SessionStatus:
         """Read the ranks afresh (controller queues and pids), keeping the event log."""
-        self.status = replace(read_status(self.sess, with_stacks=False), events=self.status.events)
+        self.status = replace(session_status(self.sess), events=self.status.events)
         self.view.value = self.status.to_html()
         return self.status
 
