@@ -306,12 +306,18 @@ class Session:
         *,
         optimizer: str | None = None,
         strict: bool = True,
+        verify: bool = True,
     ) -> dict[str, Any]:
-        """Load a sharded or full checkpoint onto this world size; returns its ``extra``."""
+        """Load a checkpoint onto this world size; returns its ``extra``.
+
+        ``path``: an fsdp_nb checkpoint (sharded folder, full file), a folder of plain
+        ``dcp.save``, or safetensors weights (a file, or a Hugging Face folder).
+        ``verify=False`` loads one whose files cannot be verified.
+        """
         from .checkpoint import load
 
         self._check_open()
-        return load(self, path, model, optimizer=optimizer, strict=strict)
+        return load(self, path, model, optimizer=optimizer, strict=strict, verify=verify)
 
     # -- failures (fsdp_nb.recovery) ----------------------------------------------
 

@@ -20,7 +20,7 @@ import fsdp_nb
 from fsdp_nb.checkpoint.export import parse_size
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_checkpoint import BUILD, build, snapshot  # noqa: E402
+from test_checkpoint import BUILD, build, same, snapshot  # noqa: E402
 
 
 def _unwrapped(dim=16, layers=2):
@@ -130,3 +130,136 @@ def test_progress_only_where_asked_or_in_a_notebook():
         p.update(60)
         p.update(40)
     assert p.bar.n == 100 and p.bar.total == 100
+
+
+def test_full_safetensors_holds_the_models_own_names_optimizer_beside(sess, saved, tmp_path):
+    _, weights = saved
+    full = tmp_path / "full.safetensors"
+    info = sess.save(str(full), "ex_m", optimizer="ex_m_opt", sharded=False, extra={"step": 1})
+    assert info.valid and info.has_optimizer and info.files.keys() == {"full.safetensors", "full.optim.safetensors"}
+    sd = load_file(str(full))
+    net = _unwrapped()
+    net.load_state_dict(sd, strict=True)  # no prefix, no optimizer state inside
+    assert all(torch.equal(sd[k], weights[k]) for k in weights)
+    assert sorted(i.name for i in fsdp_nb.list_checkpoints(str(tmp_path))) == ["ck", "full.safetensors"]
+    # the optimizer file of another save is refused by its token; the weights still load
+    other = tmp_path / "other.safetensors"
+    sess.save(str(other), "ex_m", optimizer="ex_m_opt", sharded=False)
+    (tmp_path / "full.optim.safetensors").write_bytes((tmp_path / "other.optim.safetensors").read_bytes())
+    with pytest.raises(fsdp_nb.checkpoint.CorruptCheckpointError, match="written by another save"):
+        sess.load(str(full), "ex_m", optimizer="ex_m_opt")
+    assert not fsdp_nb.inspect(str(full)).valid
+    # a save without optimizer state replaces the pair: no stale optimizer file stays
+    sess.save(str(full), "ex_m", sharded=False, overwrite=True)
+    assert not (tmp_path / "full.optim.safetensors").exists()
+    assert sess.load(str(full), "ex_m") == {}
+    # keep_last counts the pair once and removes both files
+    sess.save(str(tmp_path / "newest.safetensors"), "ex_m", optimizer="ex_m_opt", sharded=False, keep_last=1)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
+        "newest.optim.safetensors", "newest.safetensors"]
+
+
+READS = """
+import fsdp_nb.checkpoint.safetensors_layout as _sl
+_reads = []
+_plain_read = _sl.PieceReader.read
+def _logged_read(self, st, offsets=None, sizes=None):
+    _reads.append((st.key, offsets, sizes))
+    return _plain_read(self, st, offsets, sizes)
+_sl.PieceReader.read = _logged_read
+"""
+
+
+def test_load_hugging_face_folder_each_rank_reads_its_slice(sess, saved, tmp_path):
+    path, weights = saved
+    out = tmp_path / "hf"
+    fsdp_nb.export_safetensors(str(path), str(out), max_shard_size=1200)
+    assert (out / "model.safetensors.index.json").exists()
+    build(sess, "ex_n", dim=16, layers=2, seed=9)
+    sess.execute(READS)
+    try:
+        assert sess.load(str(out), "ex_n") == {}
+        reads = sess.pull("_reads")
+    finally:
+        sess.execute("_sl.PieceReader.read = _plain_read")
+    assert same(snapshot(sess, "ex_n")[0], weights)
+    for rank, rank_reads in enumerate(reads):  # 16 rows of blocks.0.weight: 8 per rank, no more
+        assert ("blocks.0.weight", (8 * rank, 0), (8, 16)) in rank_reads
+        assert all(key != "blocks.0.weight" or off == (8 * rank, 0) for key, off, _ in rank_reads)
+    # a cast export loads into the float32 model, each value cast back
+    fsdp_nb.export_safetensors(str(path), str(tmp_path / "bf16"), dtype="bfloat16")
+    sess.load(str(tmp_path / "bf16" / "model.safetensors"), "ex_n")
+    got = snapshot(sess, "ex_n")[0]
+    assert all(torch.equal(got[k], weights[k].to(torch.bfloat16).float()) for k in weights)
+    sess.execute("del ex_n, ex_n_opt")
+
+
+def test_load_safetensors_keys_and_shapes_checked_before_any_rank_changes(sess, saved, tmp_path):
+    path, weights = saved
+    out = tmp_path / "hf"
+    fsdp_nb.export_safetensors(str(path), str(out))
+    build(sess, "ex_x", dim=16, layers=2, seed=3, extra=True)
+    before = snapshot(sess, "ex_x")
+    with pytest.raises(fsdp_nb.checkpoint.CheckpointError, match=r"(?s)missing keys \(2\): tail.bias, tail.weight.*strict=False"):
+        sess.load(str(out), "ex_x")
+    with pytest.raises(fsdp_nb.checkpoint.CheckpointError, match="no optimizer state"):
+        sess.load(str(out), "ex_x", optimizer="ex_x_opt", strict=False)
+    assert same(snapshot(sess, "ex_x"), before)
+    sess.load(str(out), "ex_x", strict=False)
+    got = snapshot(sess, "ex_x")[0]
+    assert all(torch.equal(got[k], weights[k]) for k in weights) and torch.equal(got["tail.weight"], before[0]["tail.weight"])
+    build(sess, "ex_8", dim=8, layers=2)
+    before = snapshot(sess, "ex_8")
+    with pytest.raises(fsdp_nb.checkpoint.CheckpointError,
+                       match=r"shape mismatch blocks.0.weight: checkpoint \[16, 16\], model \[8, 8\]"):
+        sess.load(str(out / "model.safetensors"), "ex_8", strict=False)
+    assert same(snapshot(sess, "ex_8"), before)
+    sess.execute("del ex_x, ex_x_opt, ex_8, ex_8_opt")
+
+
+PLAIN_DCP = """
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+_msd, _osd = get_state_dict(ex_m, [ex_m_opt])
+dcp.save({{"model": _msd, "optim": _osd}}, checkpoint_id={nested!r})
+dcp.save(get_model_state_dict(ex_m), checkpoint_id={bare!r})  # torchtitan's layout: the model's keys at the top
+"""
+
+
+def test_plain_dcp_folders_are_inspected_and_loaded(sess, saved, tmp_path):
+    _, weights = saved
+    nested, bare = tmp_path / "nested", tmp_path / "bare"
+    sess.execute(PLAIN_DCP.format(nested=str(nested), bare=str(bare)))
+    full = snapshot(sess, "ex_m")
+    for folder in (nested, bare):
+        info = fsdp_nb.inspect(str(folder))
+        assert info.valid and info.source == "dcp" and info.world_size == 2
+        assert sorted(info.model_keys) == sorted(weights)
+    assert fsdp_nb.inspect(str(nested)).has_optimizer
+    build(sess, "ex_p", dim=16, layers=2, seed=5)
+    sess.load(str(nested), "ex_p", optimizer="ex_p_opt")
+    assert same(snapshot(sess, "ex_p"), full)
+    build(sess, "ex_p", dim=16, layers=2, seed=5)
+    sess.load(str(bare), "ex_p")
+    assert same(snapshot(sess, "ex_p")[0], weights)
+    fsdp_nb.export_safetensors(str(bare), str(tmp_path / "hf"))
+    _unwrapped().load_state_dict(load_file(str(tmp_path / "hf" / "model.safetensors")), strict=True)
+    # what cannot be verified is refused, naming why and the opt-in
+    (bare / "__1_0.distcp").unlink()
+    assert "'__1_0.distcp' is missing" in fsdp_nb.inspect(str(bare)).problem
+    with pytest.raises(fsdp_nb.checkpoint.CheckpointError, match=r"plain dcp.save.*'__1_0.distcp' is missing.*verify=False"):
+        sess.load(str(bare), "ex_p")
+    sess.execute("del ex_p, ex_p_opt")
+
+
+def test_unverifiable_fsdp_nb_checkpoint_loads_only_when_asked(sess, saved):
+    path, weights = saved
+    (path / ".fsdp_nb_complete").unlink()
+    build(sess, "ex_v", dim=16, layers=2, seed=5)
+    with pytest.raises(fsdp_nb.checkpoint.CheckpointError, match="no completion marker.*verify=False"):
+        sess.load(str(path), "ex_v")
+    sess.load(str(path), "ex_v", verify=False)
+    assert same(snapshot(sess, "ex_v")[0], weights)
+    with pytest.raises(TypeError, match="verify must be True or False"):
+        sess.load(str(path), "ex_v", verify="no")
+    sess.execute("del ex_v, ex_v_opt")

@@ -26,12 +26,14 @@ from typing import Any
 
 from .fullfile import full_suffix
 from .metadata import MARKER, META_FILE, dumps
+from .safetensors_layout import is_optim_file, optim_file
 from .storage import is_local, sibling
 
 log = logging.getLogger("fsdp_nb")
 
 __all__ = [
-    "commit_full", "commit_sharded", "read_marker", "replace_folder", "retain_last", "validate_files",
+    "commit_full", "commit_sharded", "read_marker", "remove", "replace_folder", "retain_last",
+    "validate_files",
 ]
 
 
@@ -177,7 +179,7 @@ def retain_last(fs: Any, target: str, k: int) -> list[str]:
     found = []
     for e in fs.ls(parent, detail=False):
         name = posixpath.basename(e.rstrip("/"))
-        if name.startswith(".") or full_suffix(name) != suffix:
+        if name.startswith(".") or full_suffix(name) != suffix or is_optim_file(name):
             continue
         t = _created(fs, e.rstrip("/"))
         if t is not None:
@@ -188,6 +190,14 @@ def retain_last(fs: Any, target: str, k: int) -> list[str]:
     removed = []
     for _, _, p in found:
         if p not in keep and posixpath.basename(p) != posixpath.basename(target.rstrip("/")):
-            fs.rm(p, recursive=True)
+            remove(fs, p)
             removed.append(p)
     return removed
+
+
+def remove(fs: Any, p: str) -> None:
+    """Delete the checkpoint at ``p``: a folder, or a full file with its optimizer file."""
+    isdir = fs.isdir(p)
+    fs.rm(p, recursive=isdir)
+    if not isdir and full_suffix(p) == ".safetensors" and fs.exists(optim_file(p)):
+        fs.rm(optim_file(p))

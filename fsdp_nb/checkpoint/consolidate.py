@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from .atomic import commit_full, commit_sharded, read_marker
+from .atomic import commit_sharded, read_marker
 from .checksums import record_writer
 from .fullfile import full_suffix, read_full, write_full
 from .info import CheckpointError, CheckpointInfo
@@ -90,15 +90,8 @@ def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options
             warnings.simplefilter("ignore")
             model_sd, optim_sd, meta = read_sharded(path, so_in)
         meta = dict(meta, kind="full", consolidated_from=path, consolidated=time.time())
-        tmp = sibling(o, "tmp", token) + (full_suffix(o) or "")
         ofs.makedirs(posixpath.dirname(o) or ".", exist_ok=True)
-        try:
-            write_full(ofs, tmp, model_sd, optim_sd, meta)
-            commit_full(ofs, tmp, o)
-        except BaseException:
-            if ofs.exists(tmp):
-                ofs.rm(tmp)
-            raise
+        write_full(ofs, o, token, model_sd, optim_sd, meta)
         return inspect(out, storage_options=so_out)
     if not full_suffix(p):
         raise ValueError(f"{path!r} is neither a checkpoint folder nor a .pt / .safetensors file")

@@ -55,6 +55,9 @@ class LoadSpec(_Target):
 
     strict: bool
     """Every key must match (else: load the keys both have)."""
+    verify: bool = True
+    """Refuse what cannot be verified (no completion marker, missing or short files);
+    False loads it anyway, and skips the per-item checksums."""
 
 
 @dataclass

@@ -7,7 +7,8 @@ checkpoint's metadata, so no more than one tensor is in memory at a time. The ou
 is what ``safetensors`` and ``transformers`` read: the model's own parameter names (no
 ``model.`` prefix, no optimizer state), ``model.safetensors``, or
 ``model-0000k-of-0000n.safetensors`` files and ``model.safetensors.index.json`` when
-larger than ``max_shard_size``. The source is a valid fsdp_nb checkpoint, sharded or full.
+larger than ``max_shard_size``. The source is any checkpoint ``fsdp_nb.inspect`` finds
+valid: fsdp_nb's sharded folders and full files, plain ``dcp.save`` folders, safetensors.
 
 Why not DCP's Hugging Face writer: ``HuggingFaceStorageWriter`` and its consolidation
 write a state dict held in memory (or merge shards that writer saved), while here the
@@ -29,9 +30,11 @@ from typing import Any
 
 from ..dtypes import FLOATING, tensor_bytes, to_safetensors
 from .atomic import replace_folder
+from .fullfile import full_suffix
 from .info import CheckpointError
 from .inspect import inspect
 from .keys import MODEL
+from .safetensors_layout import PieceReader, read_layout
 from .storage import sibling, url_to_fs
 
 __all__ = ["export_safetensors", "parse_size"]
@@ -108,22 +111,17 @@ def _tensors(path: str, info: Any, entries: list[_Entry], storage_options: dict 
     fs, p = url_to_fs(path, storage_options)
     p = p.rstrip("/")
     if info.kind == "full":
-        from .fullfile import full_suffix
+        if full_suffix(p) == ".pt":
+            import torch
 
-        if full_suffix(p) == ".safetensors":
-            from safetensors import safe_open
-
-            if not os.path.exists(p):
-                raise CheckpointError("exporting a full .safetensors file needs it on a local path")
-            with safe_open(p, framework="pt") as f:
-                for e in entries:
-                    yield f.get_tensor(e.key)
+            obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+            for e in entries:
+                yield obj["model"][e.name]
             return
-        import torch
-
-        obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
-        for e in entries:
-            yield obj["model"][e.name]
+        ck = read_layout(fs, p, path)
+        with PieceReader(fs) as r:
+            for e in entries:
+                yield r.read(ck.model[e.name])
         return
     yield from _sharded_tensors(fs, p, path, info, entries, storage_options)
 
@@ -139,13 +137,14 @@ def _sharded_tensors(fs: Any, p: str, url: str, info: Any, entries: list[_Entry]
     from .atomic import read_marker
     from .reader import named_corruption, open_sharded
 
-    _, reader = open_sharded(fs, p, url, read_marker(fs, p) or {}, storage_options)
+    md, reader = open_sharded(fs, p, url, read_marker(fs, p) or {}, storage_options)
+    bare = not any(k.startswith(MODEL) for k in md.state_dict_metadata)  # a plain dcp.save of the model
     for e in entries:
         t = info.tensors[e.key]
         buf = torch.empty(t.shape, dtype=getattr(torch, t.dtype))
         with warnings.catch_warnings(), named_corruption(url):
             warnings.simplefilter("ignore")
-            _load_state_dict({"model": {e.name: buf}}, storage_reader=reader,
+            _load_state_dict({e.name: buf} if bare else {"model": {e.name: buf}}, storage_reader=reader,
                              planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
         yield buf
 

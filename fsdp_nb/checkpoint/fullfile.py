@@ -1,25 +1,33 @@
 """One-file ("full") checkpoints: ``.pt`` (torch.save) or ``.safetensors``, by suffix.
 
-Layout, both formats carry the same three parts:
-
 - ``.pt``: ``{"model": {fqn: tensor}, "optim": {"state": ..., "param_groups": ...}, "fsdp_nb": meta}``,
   loaded with ``torch.load(weights_only=True)``.
-- ``.safetensors``: tensors ``model.<fqn>`` and ``optim.state.<fqn>.<key>``; the
-  metadata JSON and the optimizer's non-tensor parts (param groups, scalar states)
-  in the header's ``__metadata__`` (``fsdp_nb`` and ``fsdp_nb.optim``).
+- ``.safetensors``: the model's weights under their own names, so ``safetensors`` +
+  ``model.load_state_dict`` and Hugging Face tools read it; fsdp_nb's metadata in the
+  header. The optimizer state goes beside it, never inside: ``X.optim.safetensors``
+  (``fsdp_nb.checkpoint.safetensors_layout``).
+
+``write_full`` writes to hidden siblings and renames them into place (the optimizer
+file first, the model file last, both carrying the save's token), so a reader sees
+the old pair, or the new one, or a mismatch it refuses; never a half-written file.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import posixpath
 from typing import Any
 
-from ..dtypes import from_safetensors
 from .info import CorruptCheckpointError
 from .keys import MODEL, OPTIM_STATE, flat_optim_state, split_optim_key
+from .safetensors_layout import OPTIM_TENSOR, PieceReader, optim_file, read_layout
+from .storage import is_local, sibling
 
 __all__ = ["FULL_SUFFIXES", "full_suffix", "read_full", "read_full_meta", "write_full"]
+
+log = logging.getLogger("fsdp_nb")
 
 FULL_SUFFIXES = (".pt", ".safetensors")
 """File suffixes of full checkpoints."""
@@ -33,101 +41,130 @@ def full_suffix(path: str) -> str | None:
     return None
 
 
-def _to_safetensors(model_sd: dict, optim_sd: dict | None, meta: dict) -> tuple[dict, dict]:
+def _unshared(tensors: dict[str, Any]) -> dict[str, Any]:
+    """safetensors refuses tensors sharing storage: clone those that do."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in tensors.items():
+        v = v.detach().contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen and v.numel() else v
+        seen.add(ptr)
+    return out
+
+
+def _safetensors_parts(model_sd: dict, optim_sd: dict | None, meta: dict, token: str,
+                       optim_name: str) -> tuple[dict, dict, dict | None, dict | None]:
+    """(model tensors, model header, optimizer tensors, optimizer header)."""
     import torch
 
-    tensors: dict[str, Any] = {}
     for k, v in model_sd.items():
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"model state {k!r} is not a tensor; use a .pt file")
-        tensors[MODEL + k] = v.detach().contiguous()
-    other: dict[str, Any] = {}
-    if optim_sd:
-        scalars: dict[str, Any] = {}
-        for flat, fqn, key, v in flat_optim_state(optim_sd.get("state", {})):
-            if isinstance(v, torch.Tensor):
-                tensors[flat] = v.detach().contiguous()
-            else:
-                scalars.setdefault(fqn, {})[key] = v
-        other = {"param_groups": optim_sd.get("param_groups", []), "scalars": scalars}
-    header = {"fsdp_nb": json.dumps(meta)}
-    if optim_sd:
-        header["fsdp_nb.optim"] = json.dumps(other)
-    # safetensors refuses tensors sharing storage: clone those that do.
-    seen: set[int] = set()
-    for k, v in tensors.items():
-        ptr = v.untyped_storage().data_ptr()
-        if ptr in seen and v.numel():
-            tensors[k] = v.clone()
-        seen.add(ptr)
-    return tensors, header
+    meta = dict(meta, token=token, optimizer_file=optim_name if optim_sd else None)
+    header = {"format": "pt", "fsdp_nb": json.dumps(meta)}
+    if not optim_sd:
+        return _unshared(model_sd), header, None, None
+    tensors: dict[str, Any] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for flat, fqn, key, v in flat_optim_state(optim_sd.get("state", {})):
+        if isinstance(v, torch.Tensor):
+            tensors[OPTIM_TENSOR + flat[len(OPTIM_STATE):]] = v
+        else:
+            scalars.setdefault(fqn, {})[key] = v
+    other = {"param_groups": optim_sd.get("param_groups", []), "scalars": scalars}
+    oheader = {"format": "pt", "fsdp_nb.optim": json.dumps(other), "fsdp_nb.token": token}
+    return _unshared(model_sd), header, _unshared(tensors), oheader
 
 
-def write_full(fs: Any, path: str, model_sd: dict, optim_sd: dict | None, meta: dict) -> None:
-    """Write a full checkpoint file at ``path`` on ``fs`` (the caller handles atomicity)."""
+def _write_safetensors(fs: Any, path: str, tensors: dict, header: dict) -> None:
+    from safetensors.torch import save, save_file
+
+    if is_local(fs):
+        save_file(tensors, path, metadata=header)
+        _fsync(path)
+    else:
+        with fs.open(path, "wb") as f:
+            f.write(save(tensors, metadata=header))
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_full(fs: Any, target: str, token: str, model_sd: dict, optim_sd: dict | None, meta: dict) -> None:
+    """Write the full checkpoint ``target`` on ``fs`` atomically (``.safetensors``: with its
+    optimizer file beside it); temporaries are removed if anything fails."""
     import torch
 
-    from .storage import is_local
+    from .atomic import commit_full
 
-    if full_suffix(path) == ".safetensors":
-        from safetensors.torch import save, save_file
-
-        tensors, header = _to_safetensors(model_sd, optim_sd, meta)
-        if is_local(fs):
-            save_file(tensors, path, metadata=header)
+    suffix = full_suffix(target) or ""
+    tmp = sibling(target, "tmp", token) + suffix
+    moves = [(tmp, target)]
+    try:
+        if suffix == ".safetensors":
+            opath = optim_file(target)
+            tensors, header, otensors, oheader = _safetensors_parts(
+                model_sd, optim_sd, meta, token, posixpath.basename(opath))
+            if otensors is not None:
+                otmp = sibling(opath, "tmp", token) + suffix
+                moves.insert(0, (otmp, opath))
+                _write_safetensors(fs, otmp, otensors, oheader)
+            _write_safetensors(fs, tmp, tensors, header)
         else:
-            with fs.open(path, "wb") as f:
-                f.write(save(tensors, metadata=header))
-    else:
-        obj = {"model": model_sd, "fsdp_nb": meta}
-        if optim_sd:
-            obj["optim"] = optim_sd
-        with fs.open(path, "wb") as f:
-            torch.save(obj, f)
-    if is_local(fs):
-        import os
-
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            obj = {"model": model_sd, "fsdp_nb": dict(meta, token=token)}
+            if optim_sd:
+                obj["optim"] = optim_sd
+            with fs.open(tmp, "wb") as f:
+                torch.save(obj, f)
+            if is_local(fs):
+                _fsync(tmp)
+        for src, dst in moves:
+            commit_full(fs, src, dst)
+    except BaseException:
+        for src, _ in moves:
+            try:
+                if fs.exists(src):
+                    fs.rm(src)
+            except Exception as exc:
+                log.warning("could not remove the unfinished file %s: %s", src, exc)
+        raise
+    if suffix == ".safetensors" and not optim_sd and fs.exists(optim_file(target)):
+        fs.rm(optim_file(target))  # the replaced checkpoint's optimizer state, now stale
 
 
 def read_full(fs: Any, path: str, url: str) -> tuple[dict, dict | None, dict]:
-    """(model state dict, optimizer state dict or None, metadata) of a full checkpoint.
+    """(model state dict, optimizer state dict or None, metadata) of a full checkpoint, in memory.
 
-    Any failure to parse raises CorruptCheckpointError naming ``url``.
+    Any failure to parse raises CorruptCheckpointError naming the file.
     """
     import torch
 
-    from .storage import is_local
-
     name = posixpath.basename(path)
+    if full_suffix(path) == ".safetensors":
+        ck = read_layout(fs, path, url)
+        try:
+            with PieceReader(fs) as r:
+                model_sd = {k: r.read(s) for k, s in ck.model.items()}
+                optim_sd = None
+                if ck.optim_other is not None:
+                    state: dict[str, dict[str, Any]] = {
+                        fqn: dict(vals) for fqn, vals in ck.optim_other.get("scalars", {}).items()}
+                    for flat, s in ck.optim.items():
+                        fqn, key = split_optim_key(flat)
+                        state.setdefault(fqn, {})[key] = r.read(s)
+                    optim_sd = {"state": state, "param_groups": ck.optim_other.get("param_groups", [])}
+        except Exception as exc:
+            raise CorruptCheckpointError(
+                f"checkpoint {url!r}: file {name!r} is corrupt or truncated ({type(exc).__name__}: {exc})"
+            ) from exc
+        return model_sd, optim_sd, ck.meta
     try:
-        if full_suffix(path) == ".safetensors":
-            from safetensors.torch import load, load_file
-
-            if is_local(fs):
-                flat = load_file(path)
-            else:
-                with fs.open(path, "rb") as f:
-                    flat = load(f.read())
-            header = read_safetensors_header(fs, path)
-            meta = json.loads(header.get("fsdp_nb", "{}"))
-            model_sd = {k[len(MODEL):]: v for k, v in flat.items() if k.startswith(MODEL)}
-            optim_sd = None
-            if "fsdp_nb.optim" in header:
-                other = json.loads(header["fsdp_nb.optim"])
-                state: dict[str, dict[str, Any]] = {
-                    fqn: dict(vals) for fqn, vals in other.get("scalars", {}).items()
-                }
-                for k, v in flat.items():
-                    if k.startswith(OPTIM_STATE):
-                        fqn, key = split_optim_key(k)
-                        state.setdefault(fqn, {})[key] = v
-                optim_sd = {"state": state, "param_groups": other.get("param_groups", [])}
-            return model_sd, optim_sd, meta
         if is_local(fs):
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         else:
@@ -148,53 +185,34 @@ def read_full(fs: Any, path: str, url: str) -> tuple[dict, dict | None, dict]:
     return obj["model"], obj.get("optim"), obj.get("fsdp_nb", {})
 
 
-def read_safetensors_header(fs: Any, path: str) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors file (reads only its header)."""
-    return _safetensors_json(fs, path).get("__metadata__", {}) or {}
+def read_full_meta(
+    fs: Any, path: str, url: str | None = None,
+) -> tuple[dict, dict[str, tuple[tuple[int, ...], str, str, int | None, int]]]:
+    """(metadata, key -> (shape, dtype, file name, byte offset, length)) without tensor data.
 
-
-def _safetensors_json(fs: Any, path: str) -> dict[str, Any]:
-    with fs.open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError("file shorter than a safetensors header")
-        n = int.from_bytes(head, "little")
-        if n > 100 << 20:
-            raise ValueError(f"safetensors header claims {n} bytes")
-        raw = f.read(n)
-        if len(raw) != n:
-            raise ValueError("safetensors header is truncated")
-    return json.loads(raw)
-
-
-def read_full_meta(fs: Any, path: str) -> tuple[dict, dict[str, tuple[tuple[int, ...], str, int, int]]]:
-    """(metadata, key -> (shape, dtype, byte offset, length)) without loading tensor data."""
-    if full_suffix(path) == ".safetensors":
-        js = _safetensors_json(fs, path)
-        header = js.pop("__metadata__", {}) or {}
-        meta = json.loads(header.get("fsdp_nb", "{}"))
+    Keys are spelled as in a sharded checkpoint (``model.<fqn>``, ``optim.state.<fqn>.<key>``).
+    ``path``: a ``.safetensors`` / ``.pt`` file, or a Hugging Face safetensors folder.
+    """
+    if full_suffix(path) != ".pt":
+        ck = read_layout(fs, path, url or path)
         out = {}
-        for k, v in js.items():
-            start, end = v["data_offsets"]
-            out[k] = (tuple(v["shape"]), from_safetensors(v["dtype"]), start, end - start)
-        size = fs.size(path)
-        need = max((o + n for (_, _, o, n) in out.values()), default=0)
-        if size < need:
-            raise ValueError(f"file is truncated: {size} bytes, tensors need more than {need}")
-        return meta, out
+        for prefix, entries in ((MODEL, ck.model), ("", ck.optim)):
+            for k, s in entries.items():
+                out[prefix + k] = (s.shape, s.dtype, posixpath.basename(s.file), s.offset, s.length)
+        return ck.meta, out
     import torch
-
-    from .storage import is_local
 
     if is_local(fs):
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     else:
         with fs.open(path, "rb") as f:
             obj = torch.load(f, map_location="cpu", weights_only=True)
-    out = {}
+    name = posixpath.basename(path)
+    outp = {}
     flat = [(MODEL + k, v) for k, v in obj.get("model", {}).items()]
     flat += [(f, v) for f, _, _, v in flat_optim_state((obj.get("optim") or {}).get("state", {}))]
     for key, t in flat:
         if isinstance(t, torch.Tensor):
-            out[key] = (tuple(t.shape), str(t.dtype).replace("torch.", ""), None, t.numel() * t.element_size())
-    return obj.get("fsdp_nb", {}), out
+            outp[key] = (tuple(t.shape), str(t.dtype).replace("torch.", ""), name, None,
+                         t.numel() * t.element_size())
+    return obj.get("fsdp_nb", {}), outp

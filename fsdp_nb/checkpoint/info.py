@@ -101,6 +101,10 @@ class CheckpointInfo:
     """File name -> size in bytes, as recorded at commit."""
     has_optimizer: bool = False
     """Whether optimizer state is included."""
+    source: str = "fsdp_nb"
+    """Who wrote it: ``"fsdp_nb"``; ``"dcp"``, a folder of plain ``dcp.save`` (no checksums:
+    only its files' presence and sizes are checked); ``"safetensors"``, a file or Hugging
+    Face folder fsdp_nb did not write."""
 
     @property
     def name(self) -> str:

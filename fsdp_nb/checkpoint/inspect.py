@@ -18,11 +18,13 @@ from .atomic import read_marker, validate_files
 from .checksums import ChecksumMismatch, check_item, file_problem
 from .fullfile import full_suffix, read_full_meta
 from .info import CheckpointInfo, ChunkInfo, CorruptCheckpointError, TensorInfo
+from .keys import MODEL
 from .metadata import META_FILE
 from .restricted import load_dcp_metadata
+from .safetensors_layout import is_safetensors_folder
 from .storage import url_to_fs
 
-__all__ = ["inspect", "read_dcp_metadata", "verify_checksums"]
+__all__ = ["dcp_files_problem", "inspect", "read_dcp_metadata", "verify_checksums"]
 
 def read_dcp_metadata(fs: Any, path: str, url: str, record: dict | None = None) -> Any:
     """DCP ``Metadata`` of the folder ``path``; CorruptCheckpointError naming the file if
@@ -64,11 +66,32 @@ def _dtype_name(dt: Any) -> str:
     return str(dt).replace("torch.", "")
 
 
+def dcp_files_problem(fs: Any, path: str, md: Any) -> str | None:
+    """None if every file DCP's metadata ``md`` names is in folder ``path`` and long enough
+    for the items it holds; else what is wrong (what can be checked without checksums)."""
+    need: dict[str, int] = {}
+    for si in (md.storage_data or {}).values():
+        need[si.relative_path] = max(need.get(si.relative_path, 0), int(si.offset) + int(si.length))
+    try:
+        sizes = {posixpath.basename(e["name"].rstrip("/")): int(e.get("size") or 0)
+                 for e in fs.ls(path, detail=True)}
+    except FileNotFoundError:
+        return f"folder {path!r} is missing"
+    for name, n in sorted(need.items()):
+        if name not in sizes:
+            return f"file {name!r} is missing"
+        if sizes[name] < n:
+            return f"file {name!r} has {sizes[name]} bytes, its items need {n} (truncated)"
+    return None
+
+
 def inspect(path: str, *, verify: bool = False, storage_options: dict | None = None) -> CheckpointInfo:
     """Describe the checkpoint at ``path`` (local path or fsspec URL) without loading it.
 
-    ``valid`` is False (with ``problem``) for an unfinished or damaged checkpoint;
-    ``verify=True`` also reads every file and checks the checksums taken as it was written.
+    Reads fsdp_nb checkpoints (sharded folders, full files), folders written by plain
+    ``dcp.save`` and safetensors files or Hugging Face folders. ``valid`` is False (with
+    ``problem``) for an unfinished or damaged checkpoint; ``verify=True`` also reads every
+    file and checks the checksums taken as it was written.
     Raises FileNotFoundError when nothing is at ``path``.
     """
     fs, p = url_to_fs(path, storage_options)
@@ -76,6 +99,8 @@ def inspect(path: str, *, verify: bool = False, storage_options: dict | None = N
     if not fs.exists(p):
         raise FileNotFoundError(f"no checkpoint at {path!r}")
     if fs.isdir(p):
+        if not fs.exists(posixpath.join(p, ".metadata")) and is_safetensors_folder(fs, p):
+            return _inspect_full(fs, p, path)
         return _inspect_sharded(fs, p, path, verify)
     if full_suffix(p):
         return _inspect_full(fs, p, path)
@@ -85,40 +110,41 @@ def inspect(path: str, *, verify: bool = False, storage_options: dict | None = N
 
 
 def _inspect_full(fs: Any, p: str, url: str) -> CheckpointInfo:
-    name = posixpath.basename(p)
-    size = fs.size(p)
+    folder = p if fs.isdir(p) else posixpath.dirname(p)
     try:
-        meta, tensors = read_full_meta(fs, p)
+        meta, tensors = read_full_meta(fs, p, url)
     except Exception as exc:
-        return CheckpointInfo(
-            path=url, kind="full", valid=False, files={name: size},
-            problem=f"file {name!r} is corrupt or truncated ({type(exc).__name__}: {exc})",
-        )
+        problem = str(exc) if isinstance(exc, CorruptCheckpointError) else (
+            f"file {posixpath.basename(p)!r} is corrupt or truncated ({type(exc).__name__}: {exc})")
+        size = 0 if fs.isdir(p) else fs.size(p)
+        return CheckpointInfo(path=url, kind="full", valid=False, problem=problem,
+                              files={posixpath.basename(p): size}, source="safetensors")
     infos: dict[str, TensorInfo] = {}
-    for k, (shape, dtype, off, length) in tensors.items():
-        infos[k] = TensorInfo(
-            k, shape, dtype, length,
-            (ChunkInfo((0,) * len(shape), shape, name, off, length),),
-        )
-    return _with_meta(url, "full", True, None, meta, infos, {name: size})
+    for k, (shape, dtype, file, off, length) in tensors.items():
+        infos[k] = TensorInfo(k, shape, dtype, length, (ChunkInfo((0,) * len(shape), shape, file, off, length),))
+    names = sorted({c.file for t in infos.values() for c in t.chunks}) or [posixpath.basename(p)]
+    files = {n: fs.size(posixpath.join(folder, n)) for n in names}
+    ours = str(meta.get("format", "")).startswith("fsdp_nb")
+    return _with_meta(url, "full", True, None, meta, infos, files, "fsdp_nb" if ours else "safetensors")
 
 
 def _inspect_sharded(fs: Any, p: str, url: str, verify: bool) -> CheckpointInfo:
     marker = read_marker(fs, p)
+    try:
+        meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
+    except Exception:
+        meta = {}
+    plain = marker is None and not meta  # written by dcp.save itself: no fsdp_nb files
     problem = None
-    if marker is None:
+    if marker is None and not plain:
         problem = "not committed (no completion marker): an unfinished or interrupted save"
-    else:
+    elif marker is not None:
         problem = validate_files(fs, p, marker)
         if problem is None and verify:
             try:
                 verify_checksums(fs, p, url, marker)
             except CorruptCheckpointError as exc:
                 problem = str(exc)
-    try:
-        meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
-    except Exception:
-        meta = {}
     infos: dict[str, TensorInfo] = {}
     try:
         md = read_dcp_metadata(fs, p, url)
@@ -126,35 +152,45 @@ def _inspect_sharded(fs: Any, p: str, url: str, verify: bool) -> CheckpointInfo:
         problem = problem or str(exc)
         md = None
     if md is not None:
-        storage = md.storage_data or {}
-        by_fqn: dict[str, list[Any]] = {}
-        for idx, si in storage.items():
-            by_fqn.setdefault(idx.fqn, []).append((idx, si))
-        for fqn, tmd in md.state_dict_metadata.items():
-            if not hasattr(tmd, "chunks"):
-                continue  # bytes (non-tensor) entries: param groups etc.
-            shape = tuple(tmd.size)
-            dtype = _dtype_name(tmd.properties.dtype)
-            chunks = []
-            for idx, si in sorted(by_fqn.get(fqn, []), key=lambda x: tuple(x[0].offset or ())):
-                sizes = next(
-                    (tuple(c.sizes) for c in tmd.chunks if tuple(c.offsets) == tuple(idx.offset or ())),
-                    (),
-                )
-                chunks.append(ChunkInfo(
-                    tuple(idx.offset or ()), sizes, si.relative_path, si.offset, si.length
-                ))
-            infos[fqn] = TensorInfo(fqn, shape, dtype, tensor_bytes(shape, dtype), tuple(chunks))
+        if plain:
+            problem = dcp_files_problem(fs, p, md)
+        infos = _tensor_infos(md)
     files = {k: int(v["size"]) for k, v in (marker or {}).get("files", {}).items()}
     if not files:
         try:
             files = {posixpath.basename(e["name"]): int(e.get("size") or 0) for e in fs.ls(p, detail=True)}
         except Exception:
             files = {}
-    return _with_meta(url, "sharded", problem is None, problem, meta, infos, files)
+    return _with_meta(url, "sharded", problem is None, problem, meta, infos, files, "dcp" if plain else "fsdp_nb")
 
 
-def _with_meta(url, kind, valid, problem, meta, infos, files) -> CheckpointInfo:
+def _tensor_infos(md: Any) -> dict[str, TensorInfo]:
+    """Each stored tensor of DCP metadata ``md``, with its chunks; a plain DCP save's
+    top-level keys (torchtitan's layout) are named as model keys (``model.<fqn>``)."""
+    storage = md.storage_data or {}
+    by_fqn: dict[str, list[Any]] = {}
+    for idx, si in storage.items():
+        by_fqn.setdefault(idx.fqn, []).append((idx, si))
+    bare = not any(k.startswith(("model.", "optim.")) for k in md.state_dict_metadata)
+    infos: dict[str, TensorInfo] = {}
+    for fqn, tmd in md.state_dict_metadata.items():
+        if not hasattr(tmd, "chunks"):
+            continue  # bytes (non-tensor) entries: param groups etc.
+        shape = tuple(tmd.size)
+        dtype = _dtype_name(tmd.properties.dtype)
+        chunks = []
+        for idx, si in sorted(by_fqn.get(fqn, []), key=lambda x: tuple(x[0].offset or ())):
+            sizes = next(
+                (tuple(c.sizes) for c in tmd.chunks if tuple(c.offsets) == tuple(idx.offset or ())),
+                (),
+            )
+            chunks.append(ChunkInfo(tuple(idx.offset or ()), sizes, si.relative_path, si.offset, si.length))
+        name = MODEL + fqn if bare else fqn
+        infos[name] = TensorInfo(name, shape, dtype, tensor_bytes(shape, dtype), tuple(chunks))
+    return infos
+
+
+def _with_meta(url, kind, valid, problem, meta, infos, files, source) -> CheckpointInfo:
     ws = meta.get("world_size")
     if ws is None and kind == "sharded":
         ranks = {f.split("_")[2] for f in files if f.startswith("__") and f.endswith(".distcp")}
@@ -175,8 +211,5 @@ def _with_meta(url, kind, valid, problem, meta, infos, files) -> CheckpointInfo:
         mesh=meta.get("mesh", {}),
         files=files,
         has_optimizer=any(k.startswith("optim.") for k in infos) or bool(meta.get("optimizer")),
+        source=source,
     )
-
-
-
-

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 
+from .atomic import remove
 from .info import CheckpointError, CheckpointInfo
 from .inspect import inspect
+from .safetensors_layout import is_optim_file
 from .storage import url_to_fs
 
 __all__ = ["list_checkpoints", "remove_checkpoint"]
@@ -19,8 +21,9 @@ log = logging.getLogger("fsdp_nb")
 
 
 def _is_candidate(leaf: str) -> bool:
-    """Hidden names, ``_``-prefixed ones and unfinished saves' temporaries are never listed."""
-    return not (leaf.startswith((".", "_")) or ".tmp" in leaf)
+    """Hidden names, ``_``-prefixed ones, unfinished saves' temporaries and the optimizer
+    files beside full checkpoints are never listed on their own."""
+    return not (leaf.startswith((".", "_")) or ".tmp" in leaf or is_optim_file(leaf))
 
 
 def list_checkpoints(root: str, *, storage_options: dict | None = None) -> list[CheckpointInfo]:
@@ -56,6 +59,6 @@ def list_checkpoints(root: str, *, storage_options: dict | None = None) -> list[
 
 
 def remove_checkpoint(path: str, *, storage_options: dict | None = None) -> None:
-    """Delete the checkpoint at ``path`` (a folder or a full file)."""
+    """Delete the checkpoint at ``path`` (a folder, or a full file with its optimizer file)."""
     fs, p = url_to_fs(path, storage_options)
-    fs.rm(p, recursive=fs.isdir(p))
+    remove(fs, p.rstrip("/"))

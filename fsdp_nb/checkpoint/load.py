@@ -1,9 +1,11 @@
-"""``sess.load``: load a sharded or full checkpoint onto the session's world size.
+"""``sess.load``: load a checkpoint onto the session's world size.
 
-Resharding is DCP's: each rank reads the pieces of the stored chunks that overlap
-its own shards, whatever the world size that wrote them. Files are verified and
-keys/shapes checked on the ranks first; the model is written only after every
-rank has read everything into fresh tensors, so a failure leaves it as it was.
+Sharded folders (fsdp_nb's, or plain ``dcp.save``'s), full files and safetensors
+weights (a Hugging Face folder too). Each rank reads only the pieces of the stored
+tensors that overlap its own shards, whatever the world size that wrote them (DCP's
+resharding; a safetensors slice per tensor). Files are verified and keys/shapes
+checked on the ranks first; the model is written only after every rank has read
+everything into fresh tensors, so a failure leaves it as it was.
 """
 
 from __future__ import annotations
@@ -27,21 +29,26 @@ def load(
     *,
     optimizer: str | None = None,
     strict: bool = True,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Load ``path`` into engine module ``model`` (and optimizer); returns the saved ``extra``.
 
     Raises FileNotFoundError (nothing there), CheckpointError (incomplete, keys or
     shapes differ: listed), CorruptCheckpointError (a file is damaged: named).
+    ``verify=False`` loads a checkpoint that cannot be verified (no marker; a plain
+    DCP folder whose files look incomplete) and skips the per-item checksums.
     """
     from ..engine import checkpoint_load
 
     name = model_name(model)
     optim = check_optimizer(optimizer)
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be True or False, got {strict!r}")
+    for flag, v in (("strict", strict), ("verify", verify)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{flag} must be True or False, got {v!r}")
     url_to_fs(path)
     wait_pending(sess)
-    spec = LoadSpec(url=path, storage_options=options_for(path), model=name, optimizer=optim, strict=strict)
+    spec = LoadSpec(url=path, storage_options=options_for(path), model=name, optimizer=optim, strict=strict,
+                    verify=verify)
     d = sess.dispatcher
     outs = d.gather(d.apply("checkpoint load", checkpoint_load.load, args=(spec,)))
     raise_outcomes(outs)

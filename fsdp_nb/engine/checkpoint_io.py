@@ -28,10 +28,10 @@ import logging
 import time
 from typing import Any
 
-from ..checkpoint.atomic import commit_full, commit_sharded, retain_last
+from ..checkpoint.atomic import commit_sharded, retain_last
 from ..checkpoint.checksums import record_writer
 from ..checkpoint.contract import LoadSpec, Outcome, SaveSpec
-from ..checkpoint.fullfile import full_suffix, write_full
+from ..checkpoint.fullfile import write_full
 from ..checkpoint.inspect import inspect
 from ..checkpoint.storage import dcp_writer, sibling, url_to_fs
 from .async_saves import drain, stager, submit
@@ -257,7 +257,6 @@ def _save_full(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
         took = time.perf_counter() - t0
         return Outcome(blocked=took, seconds=took)
     fs, target = url_to_fs(spec.url, spec.storage_options)
-    tmp = sibling(target, "tmp", spec.token) + (full_suffix(target) or "")
     if spec.async_save:
         # The background write must not see training's in-place updates: copy
         # anything that still shares storage with the live model or optimizer.
@@ -271,10 +270,8 @@ def _save_full(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
 
     def write() -> Outcome:
         try:
-            write_full(fs, tmp, msd, osd if optim is not None else None, meta)
-            commit_full(fs, tmp, target)
+            write_full(fs, target, spec.token, msd, osd if optim is not None else None, meta)
         except BaseException as exc:
-            _cleanup(fs, tmp)
             return Outcome.failed(f"saving {spec.url!r} failed: {type(exc).__name__}: {exc}")
         removed = retain_last(fs, target, spec.keep_last) if spec.keep_last else []
         return Outcome(

@@ -2,14 +2,22 @@
 
 Called by ``fsdp_nb.checkpoint.load`` on every rank at once. Files are verified first
 (``fsdp_nb.checkpoint.reader``: sizes up front, each stored item's checksum as it is
-read), keys and shapes are checked against the model, every problem is agreed by all ranks (one clear error), and the data is read
-into fresh tensors; only when every rank read everything is it copied into the model,
-so a failure leaves the model as it was. Resharding is DCP's. Collectives run on the
-checkpoint group (``checkpoint_io.checkpoint_group``).
+read), keys and shapes are checked against the model, every problem is agreed by all
+ranks (one clear error), and the data is read into fresh tensors; only when every rank
+read everything is it copied into the model, so a failure leaves the model as it was.
+
+- a DCP folder (fsdp_nb's, or plain ``dcp.save``'s): DCP reads and reshards;
+- safetensors (fsdp_nb's full file, a Hugging Face file or folder): each rank reads
+  the slice of every tensor it owns (``safetensors_layout.PieceReader``);
+- a ``.pt`` file: rank 0 reads it and broadcasts.
+
+Collectives run on the checkpoint group (``checkpoint_io.checkpoint_group``).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import posixpath
 import time
 from typing import Any
@@ -18,15 +26,21 @@ from ..checkpoint.atomic import read_marker
 from ..checkpoint.contract import LoadSpec, Outcome
 from ..checkpoint.fullfile import full_suffix, read_full
 from ..checkpoint.info import CheckpointError, CorruptCheckpointError
-from ..checkpoint.keys import MODEL, OPTIM_STATE, flat_optim_state
+from ..checkpoint.inspect import dcp_files_problem, read_dcp_metadata
+from ..checkpoint.keys import MODEL, OPTIM_STATE, flat_optim_state, optim_key
 from ..checkpoint.metadata import META_FILE
 from ..checkpoint.reader import named_corruption, open_sharded
+from ..checkpoint.restricted import safe_reader
+from ..checkpoint.safetensors_layout import PieceReader, Stored, is_safetensors_folder, read_layout
 from ..checkpoint.storage import url_to_fs
 from .checkpoint_io import begin, checkpoint_group, rank_and_world
 
 __all__ = ["load"]
 
+log = logging.getLogger("fsdp_nb")
 
+_OPTIM_PREFIXES = ("optim.", "optimizer.")
+"""Top-level keys of a plain DCP save that are not the model's."""
 
 def _agree(problem: str | None, cls: type[BaseException] = CheckpointError) -> Outcome | None:
     """All ranks learn every rank's problem; the same failure outcome (or None) on each."""
@@ -72,7 +86,7 @@ def _shape_problems(
 
 
 def load(spec: LoadSpec) -> Outcome:
-    """Load a sharded or full checkpoint into the model (and optimizer) on every rank."""
+    """Load a checkpoint into the model (and optimizer) on every rank."""
     got = begin(spec)
     if isinstance(got, Outcome):
         return got
@@ -88,8 +102,12 @@ def load(spec: LoadSpec) -> Outcome:
         return Outcome.failed(f"no checkpoint at {spec.url!r}", FileNotFoundError)
     t0 = time.perf_counter()
     try:
-        if isdir:
+        if isdir and not fs.exists(posixpath.join(p, ".metadata")) and is_safetensors_folder(fs, p):
+            out = _load_safetensors(spec, fs, p, model, optim)
+        elif isdir:
             out = _load_sharded(spec, fs, p, model, optim)
+        elif full_suffix(p) == ".safetensors":
+            out = _load_safetensors(spec, fs, p, model, optim)
         elif full_suffix(p):
             out = _load_full(spec, fs, p, model, optim)
         else:
@@ -102,9 +120,39 @@ def load(spec: LoadSpec) -> Outcome:
     return out
 
 
-def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome:
-    import json
+def _open_folder(spec: LoadSpec, fs: Any, p: str) -> tuple[Any, Any, dict]:
+    """(DCP metadata, reader, fsdp_nb metadata) of a sharded folder, checked as far as
+    ``spec.verify`` asks; CheckpointError / CorruptCheckpointError saying why not."""
+    url = spec.url
+    rank, ws = rank_and_world()
+    marker = read_marker(fs, p)
+    try:
+        meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
+    except (FileNotFoundError, ValueError):
+        meta = {}
+    anyway = "; pass verify=False to load it anyway"
+    if marker is not None and spec.verify:
+        md, reader = open_sharded(fs, p, url, marker, spec.storage_options,
+                                  share=sorted(marker.get("files", {}))[rank::ws])
+        return md, reader, meta
+    if marker is None and meta and spec.verify:
+        raise CheckpointError(
+            f"checkpoint {url!r} is incomplete: it has no completion marker "
+            f"(an interrupted or unfinished save); refusing to load it{anyway}"
+        )
+    md = read_dcp_metadata(fs, p, url)
+    if marker is None and spec.verify:  # a plain dcp.save folder: what can be checked is
+        problem = dcp_files_problem(fs, p, md)
+        if problem:
+            raise CheckpointError(
+                f"checkpoint {url!r} (written by plain dcp.save, without checksums) cannot be "
+                f"verified: {problem}{anyway}"
+            )
+        log.info("%s was written by plain dcp.save: its files are complete, but carry no checksums", url)
+    return md, safe_reader(fs, p, spec.storage_options or {}, metadata=md), meta
 
+
+def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -116,41 +164,37 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
     from torch.utils._pytree import tree_map_only
 
     url, strict = spec.url, spec.strict
-    rank, ws = rank_and_world()
-    marker = read_marker(fs, p)
-    if marker is None:
-        bad = _agree(
-            f"checkpoint {url!r} is incomplete: it has no completion marker "
-            "(an interrupted or unfinished save); refusing to load it"
-        )
-        return bad or Outcome(ok=False)
-    problem = None
+    problem: str | None = None
+    cls: type[BaseException] = CheckpointError
     try:
-        md, reader = open_sharded(fs, p, url, marker, spec.storage_options,
-                                  share=sorted(marker.get("files", {}))[rank::ws])
-    except CorruptCheckpointError as exc:
-        problem = str(exc)
-    bad = _agree(problem, CorruptCheckpointError)
-    if bad:
-        return bad
-    stored = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
-    msd, osd = get_state_dict(model, [optim] if optim is not None else [])
-    expected = {MODEL + k: tuple(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
-    found = {k: s for k, s in stored.items() if k.startswith(MODEL)}
-    problem, usable = _shape_problems(url, expected, found, "model", strict)
-    if problem is None and optim is not None:
-        exp_o = {k: tuple(v.shape) for k, v in _flat_optim(osd).items() if isinstance(v, torch.Tensor)}
-        found_o = {k: s for k, s in stored.items() if k.startswith(OPTIM_STATE)}
-        if not found_o and not any(k.startswith("optim.") for k in md.state_dict_metadata):
-            problem = f"checkpoint {url!r} has no optimizer state (it was saved without optimizer=)"
-        else:
-            problem, _ = _shape_problems(url, exp_o, found_o, "optimizer", True)
-    bad = _agree(problem)
+        md, reader, meta = _open_folder(spec, fs, p)
+    except CheckpointError as exc:
+        problem, cls = str(exc), type(exc)
+    usable: set[str] = set()
+    bare = False
+    if problem is None:
+        stored = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+        # fsdp_nb and get_state_dict users nest under "model."; torchtitan saves the model's keys bare
+        bare = not any(k.startswith(MODEL) for k in stored)
+        prefix = "" if bare else MODEL
+        msd, osd = get_state_dict(model, [optim] if optim is not None else [])
+        expected = {prefix + k: tuple(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
+        found = {k: s for k, s in stored.items()
+                 if (k.startswith(MODEL) if not bare else not k.startswith(_OPTIM_PREFIXES))}
+        problem, usable = _shape_problems(url, expected, found, "model", strict)
+        if problem is None and optim is not None:
+            exp_o = {k: tuple(v.shape) for k, v in _flat_optim(osd).items() if isinstance(v, torch.Tensor)}
+            found_o = {k: s for k, s in stored.items() if k.startswith(OPTIM_STATE)}
+            if not found_o and not any(k.startswith("optim.") for k in md.state_dict_metadata):
+                problem = f"checkpoint {url!r} has no optimizer state (it was saved without optimizer=)"
+            else:
+                problem, _ = _shape_problems(url, exp_o, found_o, "optimizer", True)
+    bad = _agree(problem, cls)
     if bad:
         return bad
     # Read into fresh tensors; the model is touched only after every rank read everything.
-    fresh_m = {k: torch.empty_like(v) for k, v in msd.items() if MODEL + k in usable}
-    sd: dict[str, Any] = {"model": fresh_m}
+    fresh_m = {k: torch.empty_like(v) for k, v in msd.items() if prefix + k in usable}
+    sd: dict[str, Any] = dict(fresh_m) if bare else {"model": fresh_m}
     fresh_o = None
     if optim is not None:
         fresh_o = tree_map_only(torch.Tensor, torch.empty_like, osd)
@@ -170,8 +214,75 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
         optim_state_dict=fresh_o if optim is not None else {},
         options=StateDictOptions(strict=strict),
     )
-    meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
     return Outcome(extra=meta.get("extra", {}), world_size=meta.get("world_size"))
+
+
+def _load_safetensors(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome:
+    """Safetensors weights (fsdp_nb's full file, or a Hugging Face file / folder): each rank
+    reads only the slices of each tensor it owns, into fresh tensors, then sets them."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    url, strict = spec.url, spec.strict
+    problem: str | None = None
+    cls: type[BaseException] = CheckpointError
+    try:
+        ck = read_layout(fs, p, url)
+    except CorruptCheckpointError as exc:
+        problem, cls = str(exc), CorruptCheckpointError
+    if problem is None:
+        msd, osd = get_state_dict(model, [optim] if optim is not None else [])
+        expected = {k: tuple(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
+        problem, usable = _shape_problems(url, expected, {k: s.shape for k, s in ck.model.items()}, "model", strict)
+        if problem is None and optim is not None:
+            if ck.optim_other is None:
+                problem = f"checkpoint {url!r} has no optimizer state (model weights only)"
+            else:
+                exp_o = {k: tuple(v.shape) for k, v in _flat_optim(osd).items() if isinstance(v, torch.Tensor)}
+                problem, _ = _shape_problems(url, exp_o, {k: s.shape for k, s in ck.optim.items()}, "optimizer", True)
+    bad = _agree(problem, cls)
+    if bad:
+        return bad
+    fresh_o: dict[str, Any] = {}
+    try:
+        with PieceReader(fs) as r:
+            fresh_m = {k: _read_owned(r, ck.model[k], msd[k]) for k in usable}
+            if optim is not None:
+                state: dict[str, dict[str, Any]] = {
+                    fqn: dict(vals) for fqn, vals in ck.optim_other.get("scalars", {}).items()}
+                for fqn, entries in osd["state"].items():
+                    for key, like in entries.items():
+                        if isinstance(like, torch.Tensor):
+                            state.setdefault(fqn, {})[key] = _read_owned(r, ck.optim[optim_key(fqn, key)], like)
+                fresh_o = {"state": state, "param_groups": ck.optim_other.get("param_groups", [])}
+    except Exception as exc:
+        problem, cls = (f"checkpoint {url!r}: reading failed ({type(exc).__name__}: {exc}); "
+                        "the model is unchanged"), CorruptCheckpointError
+    bad = _agree(problem, cls)
+    if bad:
+        return bad
+    set_state_dict(model, [optim] if optim is not None else [], model_state_dict=fresh_m,
+                   optim_state_dict=fresh_o, options=StateDictOptions(strict=strict))
+    return Outcome(extra=ck.meta.get("extra", {}), world_size=ck.meta.get("world_size"))
+
+
+def _read_owned(r: PieceReader, st: Stored, like: Any) -> Any:
+    """The part of stored tensor ``st`` this rank owns in ``like`` (a DTensor shard, or a
+    whole tensor), as a new tensor of ``like``'s kind, dtype and device."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(like, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+        local = r.read(st, tuple(offset), tuple(shape)).to(device=like.device, dtype=like.dtype)
+        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
+    return r.read(st).to(device=like.device, dtype=like.dtype)
 
 
 def _load_full(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome:
