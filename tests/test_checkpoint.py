@@ -281,6 +281,50 @@ def test_async_save_commits_staged_state(sess, tmp_path):
     assert h2.done() and inspect(str(tmp_path / "b.pt")).valid
 
 
+GATE = """
+import os as _os, time as _time
+import fsdp_nb.checkpoint.checksums as _cs
+_plain_write = _cs.ChecksumStream.write
+def _gated_write(self, b, _release={release!r}):
+    n = _plain_write(self, b)
+    while not _os.path.exists(_release):  # the test lets the write go on
+        _time.sleep(0.01)
+    return n
+_cs.ChecksumStream.write = _gated_write
+"""
+UNGATE = "_cs.ChecksumStream.write = _plain_write"
+
+
+def _wait_for(cond, timeout=60.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_async_save_progress_writing_then_committed(sess, tmp_path):
+    build(sess, "ck_g")
+    release = tmp_path / "release"
+    sess.execute(GATE.format(release=str(release)))
+    try:
+        h = sess.save(str(tmp_path / "g"), "ck_g", optimizer="ck_g_opt", async_save=True)
+        assert _wait_for(lambda: h.progress().written > 0)  # each rank's first write done, the rest held
+        p = h.progress()
+        assert p.phase == "writing" and 0 < p.written < p.total and h.phase == "writing"
+        assert p.total >= 3 * (2 * (16 * 16 + 16) + 16 * 3 + 3) * 4  # weights and AdamW's two moments
+        assert "writing" in repr(h) and not h.done()
+        release.touch()
+        assert h.wait().valid
+    finally:
+        release.touch()
+        sess.execute(UNGATE)
+    p = h.progress()
+    assert p.phase == "committed" == h.phase and p.written == p.total
+    sess.execute("del ck_g, ck_g_opt")
+
+
 def test_keep_last(sess, tmp_path):
     build(sess, "ck_k")
     (tmp_path / "notes.txt").write_text("not a checkpoint")

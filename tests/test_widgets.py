@@ -22,6 +22,7 @@ from fsdp_nb.widgets.layout import LayoutData, LayoutWidget
 from fsdp_nb.widgets.memory import MemorySnapshot
 
 sys.path.insert(0, os.path.dirname(__file__))
+from test_checkpoint import GATE, UNGATE  # noqa: E402
 from widget_data import TABLE_CODE, hand_table, hybrid_table  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -238,9 +239,21 @@ def test_checkpoint_browser_real_save_load_consolidate(sess, tmp_path):
     assert (tmp_path / "ck" / "step5.safetensors").exists()
     (tmp_path / "ck" / "notes").mkdir()  # a plain folder: not listed
     b.save_name.value, b.async_save.value, b.extra = "step6", True, {"step": 6}
-    b.b_save.click()  # async: staged, then written in the background
-    assert b.save_handle is not None and b.progress.description == "writing"
-    assert _wait_for(b.check_save, timeout=60)
+    release = tmp_path / "release"
+    sess.execute(GATE.format(release=str(release)))  # holds each rank after its first write
+    try:
+        b.b_save.click()  # async: staged, then written in the background
+        assert b.save_handle is not None and b.progress.description == "writing"
+        h = b.save_handle
+        assert _wait_for(lambda: h.progress().written > 0, timeout=60)
+        assert not b.check_save()  # still in flight: the bar shows the bytes written so far
+        assert b.progress.description.startswith("writing ") and b.progress.description.endswith("%")
+        assert 0.1 < b.progress.value <= 0.95
+        release.touch()
+        assert _wait_for(b.check_save, timeout=60)
+    finally:
+        release.touch()
+        sess.execute(UNGATE)
     assert b.last_message[0] == "ok", b.last_message
     assert [e.name for e in b.entries] == ["step5", "step5.safetensors", "step6"]
     assert b.selected.name == "step6" and b.progress.value == 1.0

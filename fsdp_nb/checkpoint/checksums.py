@@ -62,10 +62,12 @@ def checksum(data: Any, value: int = 0, algorithm: str = ALGORITHM) -> int:
 class ChecksumStream(io.RawIOBase):
     """A binary writer that checksums what passes through, one segment per ``tell()``."""
 
-    def __init__(self, raw: Any, on_close: Callable[[dict[str, Any]], None]):
+    def __init__(self, raw: Any, on_close: Callable[[dict[str, Any]], None],
+                 on_write: Callable[[int], None] | None = None):
         super().__init__()
         self.raw = raw
         self._on_close = on_close
+        self._on_write = on_write
         self._pos = 0
         self._start = 0
         self._crc = 0
@@ -86,6 +88,8 @@ class ChecksumStream(io.RawIOBase):
         n = len(view) if n is None else n
         self._crc = checksum(view[:n], self._crc)
         self._pos += n
+        if self._on_write is not None:
+            self._on_write(n)
         return n
 
     def tell(self) -> int:
@@ -117,13 +121,19 @@ class RecordingFileSystem:
     """A DCP ``FileSystemBase`` whose write streams are :class:`ChecksumStream` s.
 
     ``records`` maps each written file's name (renames followed, so ``.metadata``
-    and not its temporary name) to what the marker keeps of it.
+    and not its temporary name) to what the marker keeps of it; ``written`` counts
+    the bytes written so far (a save's progress).
     """
 
     def __init__(self, inner: Any):
         self.inner = inner
         self.records: dict[str, dict[str, Any]] = {}
+        self.written = 0
         self._lock = threading.Lock()
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.written += n
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -138,7 +148,7 @@ class RecordingFileSystem:
                 self.records[name] = record
 
         with self.inner.create_stream(path, mode) as raw:
-            stream = ChecksumStream(raw, keep)
+            stream = ChecksumStream(raw, keep, self._count)
             try:
                 yield stream
             finally:

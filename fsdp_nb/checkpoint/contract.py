@@ -14,7 +14,9 @@ from typing import Any
 
 from .info import CheckpointError, CheckpointInfo
 
-__all__ = ["LoadSpec", "Outcome", "SaveSpec", "check_optimizer", "model_name", "raise_outcomes"]
+__all__ = [
+    "LoadSpec", "Outcome", "SaveProgress", "SaveSpec", "check_optimizer", "model_name", "raise_outcomes",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +95,20 @@ class Outcome:
         if isinstance(exc, BaseException):
             return cls(ok=False, error=error or type(exc), message=str(exc))
         return cls(ok=False, error=error or CheckpointError, message=exc)
+
+
+@dataclass
+class SaveProgress:
+    """Where one rank's part of an async save is (``AsyncCheckpoint.progress`` sums them)."""
+
+    phase: str = "writing"
+    """``"writing"`` (bytes going out), ``"committing"`` (written; the ranks gather and
+    rank 0 commits), ``"done"`` (this rank's part finished; on rank 0: committed) or
+    ``"failed"``. Summed over the ranks: ``"committed"`` once every rank is done."""
+    written: int = 0
+    """Bytes this rank has written so far."""
+    total: int = 0
+    """Bytes of tensor data this rank staged (what it will write, files' framing aside)."""
 
 
 def raise_outcomes(outs: list[Outcome]) -> None:

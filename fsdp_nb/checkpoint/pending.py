@@ -10,7 +10,7 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from .contract import raise_outcomes
+from .contract import SaveProgress, raise_outcomes
 from .info import CheckpointInfo
 
 if TYPE_CHECKING:
@@ -28,11 +28,12 @@ def wait_pending(sess: Session) -> None:
 
 
 class AsyncCheckpoint:
-    """A checkpoint being written in the background on the ranks.
+    """A checkpoint being written in the background on the ranks (staging is over
+    when the handle is returned).
 
-    ``done()`` asks the ranks without blocking; ``wait()`` blocks until every rank
-    finished and rank 0 committed, then returns the ``CheckpointInfo``. The next
-    ``sess.save`` / ``sess.load`` waits for it too.
+    ``done()`` and ``progress()`` (phase, bytes written) ask the ranks without blocking;
+    ``wait()`` blocks until every rank finished and rank 0 committed, then returns the
+    ``CheckpointInfo``. The next ``sess.save`` / ``sess.load`` waits for it too.
     """
 
     def __init__(self, sess: Session, path: str, token: str, blocked: float):
@@ -45,6 +46,8 @@ class AsyncCheckpoint:
         self._info: CheckpointInfo | None = None
         self._error: BaseException | None = None
         self._finished = False
+        self._total = 0
+        self._phase = "writing"
 
     def done(self) -> bool:
         """True when every rank finished writing (the commit happened or failed)."""
@@ -54,6 +57,32 @@ class AsyncCheckpoint:
 
         d = self._sess.dispatcher
         return all(d.gather(d.apply("checkpoint async_done", jobs.async_done, args=(self.token,))))
+
+    def progress(self) -> SaveProgress:
+        """Where the save is, asked of the ranks without blocking: ``phase`` (``"writing"``,
+        ``"committing"``, ``"committed"`` or ``"failed"``) and the bytes written of the
+        bytes staged, summed over the ranks."""
+        if self._finished:
+            return SaveProgress(phase="failed" if self._error else "committed",
+                                written=self._total, total=self._total)
+        from ..engine import async_saves as jobs
+
+        d = self._sess.dispatcher
+        parts = d.gather(d.apply("checkpoint async_progress", jobs.async_progress, args=(self.token,)))
+        self._total = sum(p.total for p in parts)
+        phases = {p.phase for p in parts}
+        phase = ("failed" if "failed" in phases else "writing" if "writing" in phases
+                 else "committed" if phases == {"done"} else "committing")
+        self._phase = phase
+        return SaveProgress(phase=phase, written=sum(p.written for p in parts), total=self._total)
+
+    @property
+    def phase(self) -> str:
+        """``"writing"`` (or committing) while in flight, then ``"committed"`` or ``"failed"``,
+        as last seen from the notebook (``progress()`` asks the ranks)."""
+        if self._finished:
+            return "failed" if self._error else "committed"
+        return self._phase
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until committed; returns its CheckpointInfo (raises if the save failed)."""
@@ -81,8 +110,7 @@ class AsyncCheckpoint:
         return self._info
 
     def __repr__(self) -> str:
-        state = "committed" if self._info else ("failed" if self._error else "in flight")
-        return f"<AsyncCheckpoint {self.path!r}: {state}, training blocked {self.blocked_s:.3f} s>"
+        return f"<AsyncCheckpoint {self.path!r}: {self.phase}, training blocked {self.blocked_s:.3f} s>"
 
 
 def register(sess: Session, handle: AsyncCheckpoint) -> AsyncCheckpoint:

@@ -14,23 +14,43 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..checkpoint.contract import Outcome
+from ..checkpoint.contract import Outcome, SaveProgress
 
-__all__ = ["async_done", "async_wait", "drain", "stager", "submit"]
+__all__ = ["async_done", "async_progress", "async_wait", "drain", "stager", "submit"]
 
 log = logging.getLogger("fsdp_nb")
 
 _EXEC: ThreadPoolExecutor | None = None
 _JOBS: dict[str, Future] = {}
+_PROGRESS: dict[str, tuple[SaveProgress, Callable[[], int]]] = {}
 _STAGER: Any = None
 
 
-def submit(token: str, job: Callable[[], Outcome]) -> None:
-    """Run ``job`` (write and commit) in this engine's checkpoint thread, as ``token``."""
+def submit(token: str, job: Callable[[], Outcome], progress: SaveProgress | None = None,
+           written: Callable[[], int] | None = None) -> None:
+    """Run ``job`` (write and commit) in this engine's checkpoint thread, as ``token``.
+
+    ``progress``: the job's phase, which it updates; ``written``: bytes written so far.
+    """
     global _EXEC
     if _EXEC is None:
         _EXEC = ThreadPoolExecutor(1, thread_name_prefix="fsdp_nb-ckpt")
+    if progress is not None:
+        _PROGRESS[token] = (progress, written or (lambda: 0))
     _JOBS[token] = _EXEC.submit(job)
+
+
+def async_progress(token: str) -> SaveProgress:
+    """This rank's part of async save ``token``: phase and bytes written (a job already
+    collected, or unknown here, reads as done)."""
+    fut = _JOBS.get(token)
+    if fut is None:
+        return SaveProgress(phase="done")
+    p, written = _PROGRESS.get(token, (SaveProgress(), lambda: 0))
+    phase = p.phase
+    if fut.done():
+        phase = "done" if fut.result().ok else "failed"
+    return SaveProgress(phase=phase, written=written(), total=p.total)
 
 
 def drain() -> None:
@@ -43,6 +63,7 @@ def drain() -> None:
         except BaseException as exc:
             log.warning("an async checkpoint save failed on this rank: %s", exc)
         _JOBS.pop(token, None)
+        _PROGRESS.pop(token, None)
 
 
 def async_done(token: str) -> bool:
@@ -58,6 +79,7 @@ def async_wait(token: str) -> Outcome:
         return Outcome()
     out = fut.result()
     _JOBS.pop(token, None)
+    _PROGRESS.pop(token, None)
     return out
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..checkpoint.atomic import commit_sharded, retain_last
 from ..checkpoint.checksums import record_writer
-from ..checkpoint.contract import LoadSpec, Outcome, SaveSpec
+from ..checkpoint.contract import LoadSpec, Outcome, SaveProgress, SaveSpec
 from ..checkpoint.fullfile import write_full
 from ..checkpoint.inspect import inspect
 from ..checkpoint.storage import dcp_writer, sibling, url_to_fs
@@ -202,7 +202,8 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
         sd["optim"] = osd
     meta = _model_meta(model, spec)
     writer = dcp_writer(fs, tmp, spec.storage_options)
-    written = record_writer(writer).records
+    recorder = record_writer(writer)
+    written = recorder.records
     rank, _ = rank_and_world()
     group = checkpoint_group()
     if not spec.async_save:
@@ -221,6 +222,7 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
     if staging is not None:
         staging.result()
     blocked = time.perf_counter() - t0
+    progress = SaveProgress(total=_tensor_bytes(sd))
 
     def finish() -> Outcome:
         try:
@@ -229,12 +231,26 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
             if rank == 0:
                 _cleanup(fs, tmp)
             return Outcome.failed(f"async save of {spec.url!r} failed: {type(exc).__name__}: {exc}")
+        progress.phase = "committing"
         out = _finish_sharded(spec, meta, group, written)
         out.seconds = time.perf_counter() - t0
         return out
 
-    submit(spec.token, finish)
+    submit(spec.token, finish, progress, lambda: recorder.written)
     return Outcome(blocked=blocked, pending=True)
+
+
+def _tensor_bytes(sd: Any) -> int:
+    """Bytes of this rank's tensors in state dict ``sd`` (a DTensor counts its local shard)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    n = 0
+    for t in tree_leaves(sd):
+        if isinstance(t, torch.Tensor):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            n += local.numel() * local.element_size()
+    return n
 
 
 def _cleanup(fs: Any, path: str) -> None:

@@ -3,8 +3,8 @@
 ``sess.checkpoints(root)`` returns a :class:`CheckpointBrowser`: a list (step, time,
 size, world size), details of the selected one (tensor tree; which rank file holds each
 chunk; ``extra``), and buttons to save now, load, consolidate and delete (delete asks
-for a confirmation first). A progress bar follows saves; async saves show staging vs
-writing. It renders ``fsdp_nb.CheckpointInfo`` as ``fsdp_nb.inspect`` returns it; the
+for a confirmation first). A progress bar follows saves; an async save shows staging,
+then the bytes written so far while training goes on, then the commit. It renders ``fsdp_nb.CheckpointInfo`` as ``fsdp_nb.inspect`` returns it; the
 folder scan is ``fsdp_nb.checkpoint.listing``, the drawing ``_checkpoint_view``.
 """
 
@@ -185,8 +185,11 @@ class CheckpointBrowser(StaticForm, W.VBox):
         h = self.save_handle
         if h is None:
             return True
-        ok, done = self._attempt("async save", h.done)
-        if ok and not done:
+        ok, prog = self._attempt("async save", h.progress)
+        if ok and prog.phase in ("writing", "committing"):
+            frac = min(prog.written / prog.total, 1.0) if prog.total else 0.0
+            label = f"writing {100 * frac:.0f}%" if prog.phase == "writing" else "committing"
+            self._progress(0.1 + 0.85 * frac, label)
             return False
         self.save_handle = None
         if ok and self._attempt("async save", h.wait)[0]:
