@@ -11,7 +11,8 @@ Plain DCP: ``dcp.save`` / ``dcp.load`` of the same ``get_state_dict(model, optim
 on the same engines, interleaved with fsdp_nb's save and load (medians of ``--reps``).
 Async: the time ``sess.save(..., async_save=True)`` blocks the notebook (and
 training) vs the synchronous sharded save. The model carries AdamW state, so a save
-holds three times ``--mb``. Prints a table and writes
+holds three times ``--mb``. Safetensors: the peak memory each rank adds while loading
+the weights from one ``.safetensors`` file, against size / N + the largest tensor. Prints a table and writes
 benchmarks/out/checkpoint_io.json.
 """
 
@@ -57,6 +58,55 @@ def plain_load(path):
     _dcp.load(sd, checkpoint_id=path)
     _ssd(bench, [bench_opt], model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 """
+
+
+PEAK = """
+def _proc_bytes(field):
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith(field + ':'):
+                return int(line.split()[1]) * 1024
+
+def peak_reset():
+    global _rss0
+    import gc
+    gc.collect()
+    with open('/proc/self/clear_refs', 'w') as f:
+        f.write('5')  # resets this process's peak resident size (VmHWM)
+    _rss0 = _proc_bytes('VmRSS')
+
+def peak_delta():
+    return _proc_bytes('VmHWM') - _rss0
+"""
+
+
+def safetensors_load_memory(n: int, folder: str, layers: int, dim: int) -> dict:
+    """Peak memory a rank adds while ``sess.load`` reads a weights-only ``.safetensors``,
+    against the bound size / N + the largest tensor.
+
+    Its own session, whose engines return freed memory at once (a fixed malloc mmap
+    threshold): else memory freed by earlier calls is reused unseen and the peak reads low.
+    """
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    try:
+        sess = fsdp_nb.Session(n, backend="gloo", activate=False)
+    finally:
+        del os.environ["MALLOC_MMAP_THRESHOLD_"]
+    try:
+        sess.execute(BUILD.format(dim=dim, layers=layers))
+        path = os.path.join(folder, f"weights{n}.safetensors")
+        sess.save(path, "bench", sharded=False)
+        sess.execute(PEAK)
+        sess.execute("peak_reset()")
+        t, _ = timed(lambda: sess.load(path, "bench"))
+        sess.execute("_peak = peak_delta()")
+        peaks = sess.pull("_peak")
+    finally:
+        sess.shutdown()
+    size, largest = layers * dim * dim * 4, dim * dim * 4
+    bound = size / n + largest
+    return {"bytes": size, "seconds": t, "peak_added_per_rank": peaks, "bound": bound,
+            "peak_vs_bound": max(peaks) / bound}
 
 
 def drop_caches() -> bool:
@@ -109,9 +159,14 @@ def _median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def bench_ranks(n: int, folder: str, mb: int, cold: bool, reps: int) -> dict:
+def model_shape(mb: int) -> tuple[int, int]:
+    """(width, layers) of the benchmark's stack of square fp32 linears holding ``mb`` MiB."""
     dim = 2048
-    layers = max(1, (mb << 20) // (dim * dim * 4))
+    return dim, max(1, (mb << 20) // (dim * dim * 4))
+
+
+def bench_ranks(n: int, folder: str, mb: int, cold: bool, reps: int) -> dict:
+    dim, layers = model_shape(mb)
     sess = fsdp_nb.Session(n, backend="gloo", activate=False)
     try:
         sess.execute(BUILD.format(dim=dim, layers=layers))
@@ -178,6 +233,8 @@ def main() -> None:
         cold = drop_caches()
         disk = disk_speed(folder, 3 * args.mb)
         rows = [bench_ranks(n, folder, args.mb, cold, args.reps) for n in args.ranks]
+        for r in rows:
+            r["safetensors_load"] = safetensors_load_memory(r["ranks"], folder, *model_shape(args.mb)[::-1])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     out = {"disk": disk, "cold_loads": cold, "model_MiB": args.mb, "runs": rows,
@@ -196,6 +253,11 @@ def main() -> None:
               f"{r['load_sharded_GBps']:>6.3f}GB/s {r['plain_dcp_load_GBps']:>6.3f}GB/s {r['load_vs_dcp']:>6.2f} "
               f"{r['load_sharded_GBps'] / disk['read_GBps']:>6.2f} | {r['save_full_GBps']:>6.3f}GB/s "
               f"{r['load_full_GBps']:>6.3f}GB/s | {r['async_blocked_s']:>8.3f}s {100 * r['async_blocked_vs_sync']:.1f}%")
+    for r in rows:
+        m = r["safetensors_load"]
+        print(f"{r['ranks']} ranks: load of {m['bytes'] / 1e6:.0f} MB of .safetensors weights took {m['seconds']:.2f} s; "
+              f"peak added per rank {[round(p / 1e6, 1) for p in m['peak_added_per_rank']]} MB, bound "
+              f"(size/N + largest tensor) {m['bound'] / 1e6:.1f} MB: {m['peak_vs_bound']:.2f}x (target <= 1.1)")
     os.makedirs(os.path.join(os.path.dirname(__file__), "out"), exist_ok=True)
     dest = os.path.join(os.path.dirname(__file__), "out", "checkpoint_io.json")
     with open(dest, "w") as f:

@@ -48,6 +48,8 @@ class Pending:
     results: dict[int, ipp.AsyncResult]
     """rank -> its AsyncResult."""
     started: float = field(default_factory=time.monotonic)
+    on_poll: Callable[[], None] | None = None
+    """Called after each wait while ranks still run (a progress bar's update)."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,8 @@ class Dispatcher:
                 self.policy.on_timeout(pending, running, timeout)
             poll = self.poll if now - pending.started < 1.0 else self.slow_poll
             client.wait([pending.results[r] for r in running], timeout=poll)
+            if pending.on_poll is not None:
+                pending.on_poll()
             if echo:
                 echo.flush()
         if echo:

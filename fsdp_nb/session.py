@@ -289,14 +289,19 @@ class Session:
         overwrite: bool = False,
         async_save: bool = False,
         keep_last: int | None = None,
+        progress: bool | None = None,
     ) -> Any:
-        """Write a checkpoint of ``model`` (and engine global ``optimizer``) atomically."""
+        """Write a checkpoint of ``model`` (and engine global ``optimizer``) atomically.
+
+        ``progress``: a bar of the bytes written (default: in a notebook, for more than a
+        few hundred MB).
+        """
         from .checkpoint import save
 
         self._check_open()
         return save(
             self, path, model, optimizer=optimizer, extra=extra, sharded=sharded,
-            overwrite=overwrite, async_save=async_save, keep_last=keep_last,
+            overwrite=overwrite, async_save=async_save, keep_last=keep_last, progress=progress,
         )
 
     def load(
@@ -307,17 +312,20 @@ class Session:
         optimizer: str | None = None,
         strict: bool = True,
         verify: bool = True,
+        progress: bool | None = None,
     ) -> dict[str, Any]:
         """Load a checkpoint onto this world size; returns its ``extra``.
 
         ``path``: an fsdp_nb checkpoint (sharded folder, full file), a folder of plain
         ``dcp.save``, or safetensors weights (a file, or a Hugging Face folder).
-        ``verify=False`` loads one whose files cannot be verified.
+        ``verify=False`` loads one whose files cannot be verified. ``progress``: a bar of
+        the bytes read (default: in a notebook, for more than a few hundred MB).
         """
         from .checkpoint import load
 
         self._check_open()
-        return load(self, path, model, optimizer=optimizer, strict=strict, verify=verify)
+        return load(self, path, model, optimizer=optimizer, strict=strict, verify=verify,
+                    progress=progress)
 
     # -- failures (fsdp_nb.recovery) ----------------------------------------------
 

@@ -325,6 +325,26 @@ def test_async_save_progress_writing_then_committed(sess, tmp_path):
     sess.execute("del ck_g, ck_g_opt")
 
 
+def test_progress_bars_follow_save_load_consolidate(sess, tmp_path, capsys):
+    import re
+
+    build(sess, "ck_b")
+    path = str(tmp_path / "b")
+    sess.save(path, "ck_b", optimizer="ck_b_opt", progress=True)  # bars from what the ranks publish
+    sess.load(path, "ck_b", optimizer="ck_b_opt", progress=True)
+    fsdp_nb.consolidate(path, str(tmp_path / "b.safetensors"), progress=True)
+    err = capsys.readouterr().err
+    for what in ("save b", "load b", "consolidate b"):
+        assert re.search(rf"{what}: 100%", err), err
+    sess.save(str(tmp_path / "quiet"), "ck_b")  # a test is no notebook: nothing drawn by default
+    sess.load(str(tmp_path / "quiet"), "ck_b")
+    assert "100%" not in capsys.readouterr().err
+    with pytest.raises(TypeError, match="progress must be True, False or None"):
+        sess.save(str(tmp_path / "x"), "ck_b", progress="yes")
+    assert not (tmp_path / "x").exists()
+    sess.execute("del ck_b, ck_b_opt")
+
+
 def test_keep_last(sess, tmp_path):
     build(sess, "ck_k")
     (tmp_path / "notes.txt").write_text("not a checkpoint")

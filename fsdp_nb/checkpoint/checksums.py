@@ -125,15 +125,18 @@ class RecordingFileSystem:
     the bytes written so far (a save's progress).
     """
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: Any, on_write: Callable[[int], None] | None = None):
         self.inner = inner
         self.records: dict[str, dict[str, Any]] = {}
         self.written = 0
+        self._on_write = on_write
         self._lock = threading.Lock()
 
     def _count(self, n: int) -> None:
         with self._lock:
             self.written += n
+        if self._on_write is not None:
+            self._on_write(n)
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -165,9 +168,10 @@ class RecordingFileSystem:
         return getattr(self.inner, name)
 
 
-def record_writer(writer: Any) -> RecordingFileSystem:
-    """Make DCP storage ``writer`` checksum everything it writes; the records' holder."""
-    fs = RecordingFileSystem(writer.fs)
+def record_writer(writer: Any, on_write: Callable[[int], None] | None = None) -> RecordingFileSystem:
+    """Make DCP storage ``writer`` checksum everything it writes; the records' holder.
+    ``on_write(n)`` is told each write's size (a progress count)."""
+    fs = RecordingFileSystem(writer.fs, on_write)
     writer.fs = fs
     return fs
 

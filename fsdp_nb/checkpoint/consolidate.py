@@ -16,6 +16,7 @@ import time
 import uuid
 from typing import Any
 
+from ..progress import Progress, check_progress
 from .atomic import commit_sharded, read_marker
 from .checksums import record_writer
 from .fullfile import full_suffix, read_full, write_full
@@ -28,8 +29,10 @@ from .storage import dcp_writer, options_for, sibling, url_to_fs
 __all__ = ["consolidate", "read_sharded"]
 
 
-def read_sharded(path: str, storage_options: dict | None = None) -> tuple[dict, dict | None, dict]:
-    """(model state dict, optimizer state dict or None, metadata) of a sharded checkpoint, in full."""
+def read_sharded(path: str, storage_options: dict | None = None,
+                 on_read: Any = None) -> tuple[dict, dict | None, dict]:
+    """(model state dict, optimizer state dict or None, metadata) of a sharded checkpoint, in
+    full; ``on_read(n)`` is told each item's size as it is read."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -39,7 +42,7 @@ def read_sharded(path: str, storage_options: dict | None = None) -> tuple[dict, 
     marker = read_marker(fs, p)
     if marker is None:
         raise CheckpointError(f"checkpoint {path!r} is incomplete (no completion marker); refusing to read it")
-    _, reader = open_sharded(fs, p, path, marker, so)
+    _, reader = open_sharded(fs, p, path, marker, so, on_read=on_read)
     sd: dict[str, Any] = {}
     # dcp.load only fills keys already in ``sd``; the private loader with the empty
     # planner rebuilds the whole nested state dict from the metadata (as dcp_to_torch_save).
@@ -63,14 +66,17 @@ def _lists(osd: dict) -> dict:
     return osd
 
 
-def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options: dict | None = None) -> CheckpointInfo:
+def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options: dict | None = None,
+                progress: bool | None = None) -> CheckpointInfo:
     """Convert the checkpoint at ``path`` into ``out`` and return ``out``'s CheckpointInfo.
 
     A sharded folder becomes one file (``out`` ends in ``.pt`` or ``.safetensors``);
-    a full file becomes a sharded folder (``out`` without those suffixes).
+    a full file becomes a sharded folder (``out`` without those suffixes). ``progress``:
+    a bar of the bytes read and written (default: in a notebook, above a few hundred MB).
     """
     import warnings
 
+    check_progress(progress)
     # resolve the options once, so every reader and writer below uses the same ones
     so_in = options_for(path) if storage_options is None else storage_options
     so_out = options_for(out) if storage_options is None else storage_options
@@ -83,37 +89,41 @@ def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options
         raise FileExistsError(f"{out!r} already exists; pass overwrite=True to replace it")
     token = uuid.uuid4().hex[:12]
     src_sharded = fs.isdir(p)
-    if src_sharded:
-        if not full_suffix(o):
-            raise ValueError(f"consolidating a sharded checkpoint gives one file: {out!r} must end in .pt or .safetensors")
+    if src_sharded and not full_suffix(o):
+        raise ValueError(f"consolidating a sharded checkpoint gives one file: {out!r} must end in .pt or .safetensors")
+    if not src_sharded and not full_suffix(p):
+        raise ValueError(f"{path!r} is neither a checkpoint folder nor a .pt / .safetensors file")
+    if not src_sharded and full_suffix(o):
+        raise ValueError(f"converting a full checkpoint gives a sharded folder: {out!r} must not end in {full_suffix(o)}")
+    nbytes = inspect(path, storage_options=so_in).total_bytes
+    with Progress(2 * nbytes, f"consolidate {posixpath.basename(p)}", enabled=progress) as bar:
+        if not src_sharded:
+            return _to_sharded(fs, p, path, ofs, o, out, token, so_out, bar)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model_sd, optim_sd, meta = read_sharded(path, so_in)
+            model_sd, optim_sd, meta = read_sharded(path, so_in, on_read=bar.update)
         meta = dict(meta, kind="full", consolidated_from=path, consolidated=time.time())
         ofs.makedirs(posixpath.dirname(o) or ".", exist_ok=True)
         write_full(ofs, o, token, model_sd, optim_sd, meta)
-        return inspect(out, storage_options=so_out)
-    if not full_suffix(p):
-        raise ValueError(f"{path!r} is neither a checkpoint folder nor a .pt / .safetensors file")
-    if full_suffix(o):
-        raise ValueError(f"converting a full checkpoint gives a sharded folder: {out!r} must not end in {full_suffix(o)}")
-    return _to_sharded(fs, p, path, ofs, o, out, token, so_out)
+        bar.update(nbytes)
+    return inspect(out, storage_options=so_out)
 
 
 def _to_sharded(
-    fs: Any, p: str, url: str, ofs: Any, o: str, out: str, token: str, so_out: dict[str, Any]
+    fs: Any, p: str, url: str, ofs: Any, o: str, out: str, token: str, so_out: dict[str, Any], bar: Progress,
 ) -> CheckpointInfo:
     import warnings
 
     import torch.distributed.checkpoint as dcp
 
     model_sd, optim_sd, meta = read_full(fs, p, url)
+    bar.update(bar.total // 2)
     sd: dict[str, Any] = {"model": model_sd}
     if optim_sd:
         sd["optim"] = optim_sd
     tmp = sibling(o, "tmp", token)
     writer = dcp_writer(ofs, tmp, so_out)
-    files = record_writer(writer).records  # checksums taken as the bytes are written
+    files = record_writer(writer, bar.update).records  # checksums taken as the bytes are written
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -10,8 +10,10 @@ everything into fresh tensors, so a failure leaves it as it was.
 
 from __future__ import annotations
 
+import posixpath
 from typing import TYPE_CHECKING, Any
 
+from ..progress import check_progress, follow
 from .contract import LoadSpec, check_optimizer, model_name, raise_outcomes
 from .pending import wait_pending
 from .storage import options_for, url_to_fs
@@ -30,6 +32,7 @@ def load(
     optimizer: str | None = None,
     strict: bool = True,
     verify: bool = True,
+    progress: bool | None = None,
 ) -> dict[str, Any]:
     """Load ``path`` into engine module ``model`` (and optimizer); returns the saved ``extra``.
 
@@ -37,6 +40,7 @@ def load(
     shapes differ: listed), CorruptCheckpointError (a file is damaged: named).
     ``verify=False`` loads a checkpoint that cannot be verified (no marker; a plain
     DCP folder whose files look incomplete) and skips the per-item checksums.
+    ``progress``: a bar of the bytes read (default: in a notebook, above a few hundred MB).
     """
     from ..engine import checkpoint_load
 
@@ -45,11 +49,14 @@ def load(
     for flag, v in (("strict", strict), ("verify", verify)):
         if not isinstance(v, bool):
             raise TypeError(f"{flag} must be True or False, got {v!r}")
+    check_progress(progress)
     url_to_fs(path)
     wait_pending(sess)
     spec = LoadSpec(url=path, storage_options=options_for(path), model=name, optimizer=optim, strict=strict,
                     verify=verify)
     d = sess.dispatcher
-    outs = d.gather(d.apply("checkpoint load", checkpoint_load.load, args=(spec,)))
+    pending = d.apply("checkpoint load", checkpoint_load.load, args=(spec,))
+    with follow(pending, f"load {posixpath.basename(path.rstrip('/'))}", enabled=progress):
+        outs = d.gather(pending)
     raise_outcomes(outs)
     return outs[0].extra or {}

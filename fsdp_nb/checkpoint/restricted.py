@@ -53,13 +53,14 @@ def load_dcp_metadata(data: bytes) -> Any:
 
 
 def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
-                checks: dict[tuple[str, int], tuple[int, int, str]] | None = None) -> Any:
+                checks: dict[tuple[str, int], tuple[int, int, str]] | None = None,
+                on_read: Any = None) -> Any:
     """A DCP storage reader for folder ``path`` on ``fs`` that unpickles ``.metadata`` safely.
 
     ``metadata``: the ``.metadata`` already read (and checked), so it is not read again.
     ``checks``: ``(file, offset) -> (length, checksum, algorithm)`` of the stored items
     (``checksums.item_checksums``): each item is checked as it is read, and one without
-    a record is refused.
+    a record is refused. ``on_read(n)`` is told each item's size as it is read.
     """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -91,6 +92,8 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
             return md
 
         def _slice_file(self, file: Any, sinfo: Any) -> Any:
+            if on_read is not None:
+                on_read(int(sinfo.length))
             if checks is None:
                 return super()._slice_file(file, sinfo)
             from .checksums import check_item

@@ -217,6 +217,7 @@ def _folder(fs: Any, path: str, url: str) -> SafetensorsCheckpoint:
 
 class PieceReader:
     """Reads rectangular pieces of stored tensors; a context manager closing its files.
+    ``on_read(n)`` is told the bytes of each piece read (a progress count).
 
     A piece of whole rows (FSDP's dim-0 shards, whole tensors) is one contiguous byte
     range, read straight into a new tensor: nothing else of the file enters memory (a
@@ -225,9 +226,10 @@ class PieceReader:
     disk, or through the covering rows elsewhere.
     """
 
-    def __init__(self, fs: Any) -> None:
+    def __init__(self, fs: Any, on_read: Any = None) -> None:
         from .storage import is_local
 
+        self._on_read = on_read
         self._fs = fs
         self._local = is_local(fs)
         self._files: dict[str, Any] = {}
@@ -252,6 +254,12 @@ class PieceReader:
     def read(self, st: Stored, offsets: tuple[int, ...] | None = None,
              sizes: tuple[int, ...] | None = None) -> Any:
         """The piece of ``st`` at ``offsets`` with shape ``sizes`` (default: all of it), a new tensor."""
+        out = self._read(st, offsets, sizes)
+        if self._on_read is not None:
+            self._on_read(out.numel() * out.element_size())
+        return out
+
+    def _read(self, st: Stored, offsets: tuple[int, ...] | None, sizes: tuple[int, ...] | None) -> Any:
         if not st.shape:
             return self._rows(st, 0, 1).reshape(())
         if offsets is None or sizes is None:

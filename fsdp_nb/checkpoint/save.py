@@ -8,9 +8,11 @@ copy); the write and the commit continue in the background on the engines.
 
 from __future__ import annotations
 
+import posixpath
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from ..progress import check_progress, follow
 from .contract import SaveSpec, check_optimizer, model_name, raise_outcomes
 from .fullfile import full_suffix
 from .info import CheckpointError, CheckpointInfo
@@ -35,6 +37,7 @@ def save(
     overwrite: bool = False,
     async_save: bool = False,
     keep_last: int | None = None,
+    progress: bool | None = None,
 ) -> CheckpointInfo | AsyncCheckpoint:
     """Write a checkpoint of engine module ``model`` (and optimizer) at ``path``, atomically.
 
@@ -42,7 +45,8 @@ def save(
     written by rank 0, ``.pt`` or ``.safetensors`` by the path's suffix. An existing
     path raises FileExistsError unless ``overwrite``. ``keep_last=k`` keeps the newest
     k checkpoints in the path's folder. Returns the CheckpointInfo, or with
-    ``async_save=True`` an ``AsyncCheckpoint`` (``wait()`` / ``done()``).
+    ``async_save=True`` an ``AsyncCheckpoint`` (``wait()`` / ``done()``). ``progress``:
+    a bar of the bytes written (default: in a notebook, for more than a few hundred MB).
     """
     from ..engine import checkpoint_io as cio
 
@@ -54,6 +58,7 @@ def save(
             raise TypeError(f"{flag} must be True or False, got {v!r}")
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
+    check_progress(progress)
     url_to_fs(path)  # a bad URL or a missing filesystem package fails here
     suffix = full_suffix(path)
     if not sharded and suffix is None:
@@ -80,7 +85,9 @@ def save(
             f"a checkpoint already exists at {path!r}; pass overwrite=True to replace it "
             "(nothing was written)"
         )
-    outs = d.gather(d.apply("checkpoint save", cio.save, args=(spec,)))
+    pending = d.apply("checkpoint save", cio.save, args=(spec,))
+    with follow(pending, f"save {posixpath.basename(path.rstrip('/'))}", enabled=progress):
+        outs = d.gather(pending)
     raise_outcomes(outs)
     if async_save:
         return register(sess, AsyncCheckpoint(sess, path, spec.token, max(o.blocked or 0.0 for o in outs)))

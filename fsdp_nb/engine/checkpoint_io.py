@@ -34,13 +34,16 @@ from ..checkpoint.contract import LoadSpec, Outcome, SaveProgress, SaveSpec
 from ..checkpoint.fullfile import write_full
 from ..checkpoint.inspect import inspect
 from ..checkpoint.storage import dcp_writer, sibling, url_to_fs
+from . import progress_feed
 from .async_saves import drain, stager, submit
 from .namespace import user_ns
 from .wrap import param_sizes
 
 log = logging.getLogger("fsdp_nb")
 
-__all__ = ["begin", "checkpoint_group", "named_objects", "preflight", "rank_and_world", "save"]
+__all__ = [
+    "begin", "checkpoint_group", "named_objects", "preflight", "rank_and_world", "save", "tensor_bytes",
+]
 
 _GROUP: tuple[Any, Any] | None = None
 
@@ -161,6 +164,8 @@ def save(spec: SaveSpec) -> Outcome:
         if isinstance(exc, KeyboardInterrupt):
             raise
         return Outcome.failed(f"saving {spec.url!r} failed: {type(exc).__name__}: {exc}")
+    finally:
+        progress_feed.finish()
 
 
 def _finish_sharded(spec: SaveSpec, model_meta: dict[str, Any], group: Any,
@@ -202,11 +207,12 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
         sd["optim"] = osd
     meta = _model_meta(model, spec)
     writer = dcp_writer(fs, tmp, spec.storage_options)
-    recorder = record_writer(writer)
+    recorder = record_writer(writer, None if spec.async_save else progress_feed.add)
     written = recorder.records
     rank, _ = rank_and_world()
     group = checkpoint_group()
     if not spec.async_save:
+        progress_feed.start(tensor_bytes(sd))
         try:
             dcp.save(sd, storage_writer=writer, process_group=group)
         except BaseException:
@@ -222,7 +228,7 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
     if staging is not None:
         staging.result()
     blocked = time.perf_counter() - t0
-    progress = SaveProgress(total=_tensor_bytes(sd))
+    progress = SaveProgress(total=tensor_bytes(sd))
 
     def finish() -> Outcome:
         try:
@@ -240,7 +246,7 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
     return Outcome(blocked=blocked, pending=True)
 
 
-def _tensor_bytes(sd: Any) -> int:
+def tensor_bytes(sd: Any) -> int:
     """Bytes of this rank's tensors in state dict ``sd`` (a DTensor counts its local shard)."""
     import torch
     from torch.utils._pytree import tree_leaves
@@ -272,6 +278,8 @@ def _save_full(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
     if rank != 0:
         took = time.perf_counter() - t0
         return Outcome(blocked=took, seconds=took)
+    if not spec.async_save:
+        progress_feed.start(tensor_bytes([msd, osd]))
     fs, target = url_to_fs(spec.url, spec.storage_options)
     if spec.async_save:
         # The background write must not see training's in-place updates: copy
@@ -300,5 +308,6 @@ def _save_full(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
         submit(spec.token, write)
         return Outcome(blocked=blocked, pending=True)
     out = write()
+    progress_feed.add(tensor_bytes([msd, osd]))
     out.blocked = out.seconds or 0.0
     return out

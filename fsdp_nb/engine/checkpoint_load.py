@@ -33,7 +33,8 @@ from ..checkpoint.reader import named_corruption, open_sharded
 from ..checkpoint.restricted import safe_reader
 from ..checkpoint.safetensors_layout import PieceReader, Stored, is_safetensors_folder, read_layout
 from ..checkpoint.storage import url_to_fs
-from .checkpoint_io import begin, checkpoint_group, rank_and_world
+from . import progress_feed
+from .checkpoint_io import begin, checkpoint_group, rank_and_world, tensor_bytes
 
 __all__ = ["load"]
 
@@ -116,6 +117,8 @@ def load(spec: LoadSpec) -> Outcome:
         if isinstance(exc, KeyboardInterrupt):
             raise
         return Outcome.failed(f"loading {spec.url!r} failed: {type(exc).__name__}: {exc}")
+    finally:
+        progress_feed.finish()
     out.seconds = time.perf_counter() - t0
     return out
 
@@ -133,7 +136,7 @@ def _open_folder(spec: LoadSpec, fs: Any, p: str) -> tuple[Any, Any, dict]:
     anyway = "; pass verify=False to load it anyway"
     if marker is not None and spec.verify:
         md, reader = open_sharded(fs, p, url, marker, spec.storage_options,
-                                  share=sorted(marker.get("files", {}))[rank::ws])
+                                  share=sorted(marker.get("files", {}))[rank::ws], on_read=progress_feed.add)
         return md, reader, meta
     if marker is None and meta and spec.verify:
         raise CheckpointError(
@@ -149,7 +152,7 @@ def _open_folder(spec: LoadSpec, fs: Any, p: str) -> tuple[Any, Any, dict]:
                 f"verified: {problem}{anyway}"
             )
         log.info("%s was written by plain dcp.save: its files are complete, but carry no checksums", url)
-    return md, safe_reader(fs, p, spec.storage_options or {}, metadata=md), meta
+    return md, safe_reader(fs, p, spec.storage_options or {}, metadata=md, on_read=progress_feed.add), meta
 
 
 def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome:
@@ -199,6 +202,7 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
     if optim is not None:
         fresh_o = tree_map_only(torch.Tensor, torch.empty_like, osd)
         sd["optim"] = fresh_o
+    progress_feed.start(tensor_bytes(sd))
     # dcp.load ends in a collective that raises on every rank if any rank failed
     try:
         with named_corruption(url):
@@ -248,8 +252,9 @@ def _load_safetensors(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -
     if bad:
         return bad
     fresh_o: dict[str, Any] = {}
+    progress_feed.start(tensor_bytes([{k: msd[k] for k in usable}, osd]))
     try:
-        with PieceReader(fs) as r:
+        with PieceReader(fs, progress_feed.add) as r:
             fresh_m = {k: _read_owned(r, ck.model[k], msd[k]) for k in usable}
             if optim is not None:
                 state: dict[str, dict[str, Any]] = {

@@ -1,0 +1,58 @@
+"""A rank's bytes done in a save or load, published to the notebook as they go.
+
+``start(total)`` opens a count for the call running now, ``add(n)`` adds the bytes
+just written or read and publishes the running count at most every ``INTERVAL``
+seconds (ipyparallel's data channel: the call's ``AsyncResult.data`` in the notebook,
+where ``fsdp_nb.progress.follow`` sums the ranks into one bar). Only the engine's
+main thread publishes: an async save's background writes belong to no call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from ..progress import KEY
+
+__all__ = ["INTERVAL", "add", "finish", "start"]
+
+log = logging.getLogger("fsdp_nb")
+
+INTERVAL = 0.2
+"""Seconds between publications."""
+
+_count: dict[str, Any] = {"done": 0, "total": 0, "at": 0.0, "on": False}
+
+
+def start(total: int) -> None:
+    """Begin counting this call's bytes (``total`` expected on this rank)."""
+    _count.update(done=0, total=int(total), at=0.0, on=threading.current_thread() is threading.main_thread())
+    _publish()
+
+
+def add(n: int) -> None:
+    """``n`` more bytes written or read."""
+    _count["done"] += n
+    if _count["on"] and time.monotonic() - _count["at"] >= INTERVAL:
+        _publish()
+
+
+def finish() -> None:
+    """The call's work is done: publish the final count."""
+    _publish()
+    _count["on"] = False
+
+
+def _publish() -> None:
+    if not _count["on"] or threading.current_thread() is not threading.main_thread():
+        return
+    _count["at"] = time.monotonic()
+    try:
+        from ipyparallel.datapub import publish_data
+
+        publish_data({KEY: {"done": _count["done"], "total": _count["total"]}})
+    except Exception as exc:  # not inside an engine (a plain process): nothing to tell
+        log.debug("progress not published: %s", exc)
+        _count["on"] = False
