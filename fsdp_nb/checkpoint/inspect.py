@@ -22,7 +22,7 @@ from .keys import MODEL
 from .metadata import META_FILE
 from .restricted import load_dcp_metadata
 from .safetensors_layout import is_safetensors_folder
-from .storage import url_to_fs
+from .storage import is_temporary, url_to_fs
 
 __all__ = ["dcp_files_problem", "inspect", "read_dcp_metadata", "verify_checksums"]
 
@@ -134,7 +134,8 @@ def _inspect_sharded(fs: Any, p: str, url: str, verify: bool) -> CheckpointInfo:
         meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
     except Exception:
         meta = {}
-    plain = marker is None and not meta  # written by dcp.save itself: no fsdp_nb files
+    # written by dcp.save itself: no fsdp_nb files, and not one of our unfinished saves
+    plain = marker is None and not meta and not is_temporary(p)
     problem = None
     if marker is None and not plain:
         problem = "not committed (no completion marker): an unfinished or interrupted save"

@@ -84,6 +84,13 @@ def sibling(path: str, prefix: str, token: str) -> str:
     return posixpath.join(head, f".{name}.{prefix}-{token}") if head else f".{name}.{prefix}-{token}"
 
 
+def is_temporary(path: str) -> bool:
+    """True for a save's temporary sibling (``.<name>.tmp-<token>``): an unfinished save,
+    never a checkpoint of its own, even once DCP has written its ``.metadata``."""
+    name = posixpath.basename(path.rstrip("/"))
+    return name.startswith(".") and ".tmp-" in name
+
+
 def dcp_writer(fs: fsspec.AbstractFileSystem, path: str, options: dict[str, Any]) -> Any:
     """A torch.distributed.checkpoint writer for folder ``path`` on ``fs``."""
     from torch.distributed.checkpoint import FileSystemWriter

@@ -32,7 +32,7 @@ from ..checkpoint.metadata import META_FILE
 from ..checkpoint.reader import named_corruption, open_sharded
 from ..checkpoint.restricted import safe_reader
 from ..checkpoint.safetensors_layout import PieceReader, Stored, is_safetensors_folder, read_layout
-from ..checkpoint.storage import url_to_fs
+from ..checkpoint.storage import is_temporary, url_to_fs
 from . import progress_feed
 from .checkpoint_io import begin, checkpoint_group, rank_and_world, tensor_bytes
 
@@ -138,7 +138,7 @@ def _open_folder(spec: LoadSpec, fs: Any, p: str) -> tuple[Any, Any, dict]:
         md, reader = open_sharded(fs, p, url, marker, spec.storage_options,
                                   share=sorted(marker.get("files", {}))[rank::ws], on_read=progress_feed.add)
         return md, reader, meta
-    if marker is None and meta and spec.verify:
+    if marker is None and (meta or is_temporary(p)) and spec.verify:
         raise CheckpointError(
             f"checkpoint {url!r} is incomplete: it has no completion marker "
             f"(an interrupted or unfinished save); refusing to load it{anyway}"
