@@ -79,7 +79,7 @@ def gpu_available() -> bool:
 def pytest_collection_modifyitems(config, items):
     if gpu_available():
         return
-    skip = pytest.mark.skip(reason="needs CUDA (run with the device tool where a GPU is lent)")
+    skip = pytest.mark.skip(reason="needs CUDA (run on a machine with a GPU)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
