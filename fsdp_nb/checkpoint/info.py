@@ -76,7 +76,8 @@ class CheckpointInfo:
     kind: str
     """``"sharded"`` (a DCP folder, one file per rank) or ``"full"`` (one .pt/.safetensors file)."""
     valid: bool
-    """True when the checkpoint was committed completely (marker present, files of the recorded sizes)."""
+    """True when the checkpoint is complete: committed (marker present, files of the recorded
+    sizes); for a plain DCP folder, every file its metadata names present and long enough."""
     problem: str | None = None
     """Why it is not valid (None when valid)."""
     world_size: int | None = None
