@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["KEY", "MIN_BYTES", "Progress", "check_progress", "follow", "in_notebook"]
+__all__ = ["KEY", "MIN_BYTES", "Progress", "check_progress", "follow", "in_notebook", "may_show"]
 
 KEY = "fsdp_nb.progress"
 """The key under which a rank publishes ``{"done": bytes, "total": bytes}``."""
@@ -28,6 +28,12 @@ def check_progress(progress: Any) -> bool | None:
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(f"progress must be True, False or None (a bar in notebooks for big work), got {progress!r}")
     return progress
+
+
+def may_show(enabled: bool | None) -> bool:
+    """Whether a bar could be drawn at all (asked for, or by default in a notebook): when
+    not, callers skip the work of counting."""
+    return bool(enabled) or (enabled is None and in_notebook())
 
 
 def in_notebook() -> bool:
@@ -70,7 +76,7 @@ class Progress:
 def follow(pending: Any, what: str, *, enabled: bool | None = None) -> Iterator[None]:
     """While inside, one bar sums what the ranks of ``pending`` (a dispatcher call)
     publish; drawn once their total is known and worth it (see ``Progress``)."""
-    if enabled is False or (enabled is None and not in_notebook()):
+    if not may_show(enabled):
         yield
         return
     state: dict[str, Any] = {"bar": None}
@@ -85,8 +91,7 @@ def follow(pending: Any, what: str, *, enabled: bool | None = None) -> Iterator[
             if not total or (enabled is None and total < MIN_BYTES):
                 return
             state["bar"] = Progress(total, what, enabled=True)
-        bar = state["bar"]
-        bar.update(max(0, min(done, bar.total) - bar.done))
+        state["bar"].update(done - state["bar"].done)
 
     pending.on_poll = poll
     try:

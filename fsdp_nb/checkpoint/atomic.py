@@ -159,7 +159,7 @@ def _created(fs: Any, p: str) -> float | None:
         if full_suffix(p):
             from .fullfile import read_full_meta
 
-            meta, _ = read_full_meta(fs, p)
+            meta = read_full_meta(fs, p)[0]
             if meta.get("format", "").startswith("fsdp_nb"):
                 return float(meta.get("created", 0))
     except Exception:

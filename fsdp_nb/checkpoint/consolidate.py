@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from ..progress import Progress, check_progress
+from ..progress import Progress, check_progress, may_show
 from .atomic import commit_sharded, read_marker
 from .checksums import record_writer
 from .fullfile import full_suffix, read_full, write_full
@@ -95,7 +95,8 @@ def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options
         raise ValueError(f"{path!r} is neither a checkpoint folder nor a .pt / .safetensors file")
     if not src_sharded and full_suffix(o):
         raise ValueError(f"converting a full checkpoint gives a sharded folder: {out!r} must not end in {full_suffix(o)}")
-    nbytes = inspect(path, storage_options=so_in).total_bytes
+    # the bar's total: only worth an extra look at the source when a bar may be drawn
+    nbytes = inspect(path, storage_options=so_in).total_bytes if may_show(progress) else 0
     with Progress(2 * nbytes, f"consolidate {posixpath.basename(p)}", enabled=progress) as bar:
         if not src_sharded:
             return _to_sharded(fs, p, path, ofs, o, out, token, so_out, bar)

@@ -187,8 +187,9 @@ def read_full(fs: Any, path: str, url: str) -> tuple[dict, dict | None, dict]:
 
 def read_full_meta(
     fs: Any, path: str, url: str | None = None,
-) -> tuple[dict, dict[str, tuple[tuple[int, ...], str, str, int | None, int]]]:
-    """(metadata, key -> (shape, dtype, file name, byte offset, length)) without tensor data.
+) -> tuple[dict, dict[str, tuple[tuple[int, ...], str, str, int | None, int]], dict[str, int]]:
+    """(metadata, key -> (shape, dtype, file name, byte offset, length), file name -> size)
+    without tensor data.
 
     Keys are spelled as in a sharded checkpoint (``model.<fqn>``, ``optim.state.<fqn>.<key>``).
     ``path``: a ``.safetensors`` / ``.pt`` file, or a Hugging Face safetensors folder.
@@ -199,7 +200,7 @@ def read_full_meta(
         for prefix, entries in ((MODEL, ck.model), ("", ck.optim)):
             for k, s in entries.items():
                 out[prefix + k] = (s.shape, s.dtype, posixpath.basename(s.file), s.offset, s.length)
-        return ck.meta, out
+        return ck.meta, out, {posixpath.basename(f): n for f, n in ck.files.items()}
     import torch
 
     if is_local(fs):
@@ -215,4 +216,4 @@ def read_full_meta(
         if isinstance(t, torch.Tensor):
             outp[key] = (tuple(t.shape), str(t.dtype).replace("torch.", ""), name, None,
                          t.numel() * t.element_size())
-    return obj.get("fsdp_nb", {}), outp
+    return obj.get("fsdp_nb", {}), outp, {name: fs.size(path)}

@@ -99,7 +99,7 @@ def inspect(path: str, *, verify: bool = False, storage_options: dict | None = N
     if not fs.exists(p):
         raise FileNotFoundError(f"no checkpoint at {path!r}")
     if fs.isdir(p):
-        if not fs.exists(posixpath.join(p, ".metadata")) and is_safetensors_folder(fs, p):
+        if is_safetensors_folder(fs, p):
             return _inspect_full(fs, p, path)
         return _inspect_sharded(fs, p, path, verify)
     if full_suffix(p):
@@ -110,20 +110,17 @@ def inspect(path: str, *, verify: bool = False, storage_options: dict | None = N
 
 
 def _inspect_full(fs: Any, p: str, url: str) -> CheckpointInfo:
-    folder = p if fs.isdir(p) else posixpath.dirname(p)
     try:
-        meta, tensors = read_full_meta(fs, p, url)
+        meta, tensors, files = read_full_meta(fs, p, url)
     except Exception as exc:
         problem = str(exc) if isinstance(exc, CorruptCheckpointError) else (
             f"file {posixpath.basename(p)!r} is corrupt or truncated ({type(exc).__name__}: {exc})")
-        size = 0 if fs.isdir(p) else fs.size(p)
+        size = fs.size(p) if full_suffix(p) else 0
         return CheckpointInfo(path=url, kind="full", valid=False, problem=problem,
                               files={posixpath.basename(p): size}, source="safetensors")
     infos: dict[str, TensorInfo] = {}
     for k, (shape, dtype, file, off, length) in tensors.items():
         infos[k] = TensorInfo(k, shape, dtype, length, (ChunkInfo((0,) * len(shape), shape, file, off, length),))
-    names = sorted({c.file for t in infos.values() for c in t.chunks}) or [posixpath.basename(p)]
-    files = {n: fs.size(posixpath.join(folder, n)) for n in names}
     ours = str(meta.get("format", "")).startswith("fsdp_nb")
     return _with_meta(url, "full", True, None, meta, infos, files, "fsdp_nb" if ours else "safetensors")
 

@@ -125,7 +125,10 @@ def _damaged(url: str, path: str, exc: Exception) -> CorruptCheckpointError:
 
 
 def is_safetensors_folder(fs: Any, path: str) -> bool:
-    """True when folder ``path`` holds a Hugging Face export (an index, or ``model.safetensors``)."""
+    """True when folder ``path`` holds a Hugging Face export (an index, or ``model.safetensors``)
+    and no DCP checkpoint (``.metadata``), which would be read first."""
+    if fs.exists(posixpath.join(path, ".metadata")):
+        return False
     return fs.exists(posixpath.join(path, INDEX)) or fs.exists(posixpath.join(path, SINGLE))
 
 
@@ -186,8 +189,7 @@ def _folder(fs: Any, path: str, url: str) -> SafetensorsCheckpoint:
             raise CorruptCheckpointError(
                 f"{url!r} holds neither {SINGLE!r} nor {INDEX!r} (nor a DCP checkpoint)"
             )
-        ck = read_layout(fs, single, url)
-        return SafetensorsCheckpoint(model=ck.model, meta=ck.meta, files=ck.files)
+        return read_layout(fs, single, url)
     try:
         weight_map = json.loads(fs.cat_file(index))["weight_map"]
         if not isinstance(weight_map, dict):

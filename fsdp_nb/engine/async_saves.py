@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint.contract import Outcome, SaveProgress
@@ -21,9 +22,21 @@ __all__ = ["async_done", "async_progress", "async_wait", "drain", "stager", "sub
 log = logging.getLogger("fsdp_nb")
 
 _EXEC: ThreadPoolExecutor | None = None
-_JOBS: dict[str, Future] = {}
-_PROGRESS: dict[str, tuple[SaveProgress, Callable[[], int]]] = {}
 _STAGER: Any = None
+
+
+@dataclass
+class _Job:
+    """One async save on this rank: its background future and what it reports."""
+
+    future: Future
+    progress: SaveProgress = field(default_factory=SaveProgress)
+    """Phase (updated by the job) and the bytes it stages."""
+    written: Callable[[], int] = lambda: 0
+    """Bytes written so far."""
+
+
+_JOBS: dict[str, _Job] = {}
 
 
 def submit(token: str, job: Callable[[], Outcome], progress: SaveProgress | None = None,
@@ -35,51 +48,46 @@ def submit(token: str, job: Callable[[], Outcome], progress: SaveProgress | None
     global _EXEC
     if _EXEC is None:
         _EXEC = ThreadPoolExecutor(1, thread_name_prefix="fsdp_nb-ckpt")
-    if progress is not None:
-        _PROGRESS[token] = (progress, written or (lambda: 0))
-    _JOBS[token] = _EXEC.submit(job)
+    _JOBS[token] = _Job(_EXEC.submit(job), progress or SaveProgress(), written or (lambda: 0))
 
 
 def async_progress(token: str) -> SaveProgress:
     """This rank's part of async save ``token``: phase and bytes written (a job already
     collected, or unknown here, reads as done)."""
-    fut = _JOBS.get(token)
-    if fut is None:
+    job = _JOBS.get(token)
+    if job is None:
         return SaveProgress(phase="done")
-    p, written = _PROGRESS.get(token, (SaveProgress(), lambda: 0))
-    phase = p.phase
-    if fut.done():
-        phase = "done" if fut.result().ok else "failed"
-    return SaveProgress(phase=phase, written=written(), total=p.total)
+    phase = job.progress.phase
+    if job.future.done():
+        phase = "done" if job.future.result().ok else "failed"
+    return SaveProgress(phase=phase, written=job.written(), total=job.progress.total)
 
 
 def drain() -> None:
     """Finish (and commit) every async save still running on this rank."""
-    for token, fut in list(_JOBS.items()):
+    for token, job in list(_JOBS.items()):
         try:
-            out = fut.result()
+            out = job.future.result()
             if not out.ok:
                 log.warning("an async checkpoint save failed on this rank: %s", out.message)
         except BaseException as exc:
             log.warning("an async checkpoint save failed on this rank: %s", exc)
         _JOBS.pop(token, None)
-        _PROGRESS.pop(token, None)
 
 
 def async_done(token: str) -> bool:
     """Whether this rank's part of async save ``token`` has finished (committed on rank 0)."""
-    fut = _JOBS.get(token)
-    return fut is None or fut.done()
+    job = _JOBS.get(token)
+    return job is None or job.future.done()
 
 
 def async_wait(token: str) -> Outcome:
     """Block until this rank's part of async save ``token`` finished; its outcome."""
-    fut = _JOBS.get(token)
-    if fut is None:
+    job = _JOBS.get(token)
+    if job is None:
         return Outcome()
-    out = fut.result()
+    out = job.future.result()
     _JOBS.pop(token, None)
-    _PROGRESS.pop(token, None)
     return out
 
 

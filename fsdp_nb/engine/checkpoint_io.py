@@ -278,8 +278,6 @@ def _save_full(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
     if rank != 0:
         took = time.perf_counter() - t0
         return Outcome(blocked=took, seconds=took)
-    if not spec.async_save:
-        progress_feed.start(tensor_bytes([msd, osd]))
     fs, target = url_to_fs(spec.url, spec.storage_options)
     if spec.async_save:
         # The background write must not see training's in-place updates: copy
@@ -307,7 +305,9 @@ def _save_full(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
         blocked = time.perf_counter() - t0
         submit(spec.token, write)
         return Outcome(blocked=blocked, pending=True)
+    nbytes = tensor_bytes([msd, osd])
+    progress_feed.start(nbytes)  # one file, written at once: the bar jumps to the end
     out = write()
-    progress_feed.add(tensor_bytes([msd, osd]))
+    progress_feed.add(nbytes)
     out.blocked = out.seconds or 0.0
     return out

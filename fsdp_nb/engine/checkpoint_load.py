@@ -86,6 +86,25 @@ def _shape_problems(
     return "\n".join(lines), usable
 
 
+def _match(url: str, strict: bool, msd: dict, osd: dict, optim: Any, prefix: str,
+           model_found: dict[str, tuple], optim_found: dict[str, tuple] | None,
+           no_optim: str) -> tuple[str | None, set[str]]:
+    """(problem or None, stored model keys to load): the stored keys and shapes against this
+    rank's model state dict (keys spelled ``prefix + fqn``) and, when loading one, optimizer.
+    ``optim_found`` is None when the checkpoint has no optimizer state (``no_optim`` says why)."""
+    import torch
+
+    expected = {prefix + k: tuple(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
+    problem, usable = _shape_problems(url, expected, model_found, "model", strict)
+    if problem is None and optim is not None:
+        if optim_found is None:
+            problem = f"checkpoint {url!r} has no optimizer state ({no_optim})"
+        else:
+            exp_o = {k: tuple(v.shape) for k, v in _flat_optim(osd).items() if isinstance(v, torch.Tensor)}
+            problem, _ = _shape_problems(url, exp_o, optim_found, "optimizer", True)
+    return problem, usable
+
+
 def load(spec: LoadSpec) -> Outcome:
     """Load a checkpoint into the model (and optimizer) on every rank."""
     got = begin(spec)
@@ -103,7 +122,7 @@ def load(spec: LoadSpec) -> Outcome:
         return Outcome.failed(f"no checkpoint at {spec.url!r}", FileNotFoundError)
     t0 = time.perf_counter()
     try:
-        if isdir and not fs.exists(posixpath.join(p, ".metadata")) and is_safetensors_folder(fs, p):
+        if isdir and is_safetensors_folder(fs, p):
             out = _load_safetensors(spec, fs, p, model, optim)
         elif isdir:
             out = _load_sharded(spec, fs, p, model, optim)
@@ -181,17 +200,12 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
         bare = not any(k.startswith(MODEL) for k in stored)
         prefix = "" if bare else MODEL
         msd, osd = get_state_dict(model, [optim] if optim is not None else [])
-        expected = {prefix + k: tuple(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
         found = {k: s for k, s in stored.items()
                  if (k.startswith(MODEL) if not bare else not k.startswith(_OPTIM_PREFIXES))}
-        problem, usable = _shape_problems(url, expected, found, "model", strict)
-        if problem is None and optim is not None:
-            exp_o = {k: tuple(v.shape) for k, v in _flat_optim(osd).items() if isinstance(v, torch.Tensor)}
-            found_o = {k: s for k, s in stored.items() if k.startswith(OPTIM_STATE)}
-            if not found_o and not any(k.startswith("optim.") for k in md.state_dict_metadata):
-                problem = f"checkpoint {url!r} has no optimizer state (it was saved without optimizer=)"
-            else:
-                problem, _ = _shape_problems(url, exp_o, found_o, "optimizer", True)
+        found_o = {k: s for k, s in stored.items() if k.startswith(OPTIM_STATE)}
+        has_optim = bool(found_o) or any(k.startswith("optim.") for k in md.state_dict_metadata)
+        problem, usable = _match(url, strict, msd, osd, optim, prefix, found, found_o if has_optim else None,
+                                 "it was saved without optimizer=")
     bad = _agree(problem, cls)
     if bad:
         return bad
@@ -240,14 +254,10 @@ def _load_safetensors(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -
         problem, cls = str(exc), CorruptCheckpointError
     if problem is None:
         msd, osd = get_state_dict(model, [optim] if optim is not None else [])
-        expected = {k: tuple(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
-        problem, usable = _shape_problems(url, expected, {k: s.shape for k, s in ck.model.items()}, "model", strict)
-        if problem is None and optim is not None:
-            if ck.optim_other is None:
-                problem = f"checkpoint {url!r} has no optimizer state (model weights only)"
-            else:
-                exp_o = {k: tuple(v.shape) for k, v in _flat_optim(osd).items() if isinstance(v, torch.Tensor)}
-                problem, _ = _shape_problems(url, exp_o, {k: s.shape for k, s in ck.optim.items()}, "optimizer", True)
+        problem, usable = _match(
+            url, strict, msd, osd, optim, "", {k: s.shape for k, s in ck.model.items()},
+            {k: s.shape for k, s in ck.optim.items()} if ck.optim_other is not None else None,
+            "model weights only")
     bad = _agree(problem, cls)
     if bad:
         return bad
