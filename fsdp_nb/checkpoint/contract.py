@@ -31,6 +31,8 @@ class _Target:
     """Engine global name of the model."""
     optimizer: str | None
     """Engine global name of the optimizer, if saved / loaded."""
+    report_progress: bool = False
+    """Publish the bytes done as they go (the notebook may draw a bar); else publish nothing."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import posixpath
 from typing import TYPE_CHECKING, Any
 
-from ..progress import check_progress, follow
+from ..progress import check_progress, follow, may_show
 from .contract import LoadSpec, check_optimizer, model_name, raise_outcomes
 from .pending import wait_pending
 from .storage import options_for, url_to_fs
@@ -53,7 +53,7 @@ def load(
     url_to_fs(path)
     wait_pending(sess)
     spec = LoadSpec(url=path, storage_options=options_for(path), model=name, optimizer=optim, strict=strict,
-                    verify=verify)
+                    verify=verify, report_progress=may_show(progress))
     d = sess.dispatcher
     pending = d.apply("checkpoint load", checkpoint_load.load, args=(spec,))
     with follow(pending, f"load {posixpath.basename(path.rstrip('/'))}", enabled=progress):

@@ -12,7 +12,7 @@ import posixpath
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from ..progress import check_progress, follow
+from ..progress import check_progress, follow, may_show
 from .contract import SaveSpec, check_optimizer, model_name, raise_outcomes
 from .fullfile import full_suffix
 from .info import CheckpointError, CheckpointInfo
@@ -75,7 +75,7 @@ def save(
         url=path, storage_options=options_for(path), model=name, optimizer=optim,
         sharded=sharded, async_save=async_save, keep_last=keep_last,
         token=uuid.uuid4().hex[:12], meta=base_metadata(extra, "sharded" if sharded else "full"),
-        check_exists=not overwrite,
+        check_exists=not overwrite, report_progress=may_show(progress) and not async_save,
     )
     d = sess.dispatcher
     pre = d.gather(d.apply("checkpoint preflight", cio.preflight, args=(spec,)))

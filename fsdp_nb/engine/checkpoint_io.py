@@ -212,7 +212,7 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
     rank, _ = rank_and_world()
     group = checkpoint_group()
     if not spec.async_save:
-        progress_feed.start(tensor_bytes(sd))
+        progress_feed.start(tensor_bytes(sd), spec.report_progress)
         try:
             dcp.save(sd, storage_writer=writer, process_group=group)
         except BaseException:
@@ -306,7 +306,7 @@ def _save_full(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
         submit(spec.token, write)
         return Outcome(blocked=blocked, pending=True)
     nbytes = tensor_bytes([msd, osd])
-    progress_feed.start(nbytes)  # one file, written at once: the bar jumps to the end
+    progress_feed.start(nbytes, spec.report_progress)  # one file, written at once: the bar jumps to the end
     out = write()
     progress_feed.add(nbytes)
     out.blocked = out.seconds or 0.0

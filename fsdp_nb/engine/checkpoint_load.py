@@ -216,7 +216,7 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
     if optim is not None:
         fresh_o = tree_map_only(torch.Tensor, torch.empty_like, osd)
         sd["optim"] = fresh_o
-    progress_feed.start(tensor_bytes(sd))
+    progress_feed.start(tensor_bytes(sd), spec.report_progress)
     # dcp.load ends in a collective that raises on every rank if any rank failed
     try:
         with named_corruption(url):
@@ -262,7 +262,7 @@ def _load_safetensors(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -
     if bad:
         return bad
     fresh_o: dict[str, Any] = {}
-    progress_feed.start(tensor_bytes([{k: msd[k] for k in usable}, osd]))
+    progress_feed.start(tensor_bytes([{k: msd[k] for k in usable}, osd]), spec.report_progress)
     try:
         with PieceReader(fs, progress_feed.add) as r:
             fresh_m = {k: _read_owned(r, ck.model[k], msd[k]) for k in usable}

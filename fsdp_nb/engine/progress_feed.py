@@ -26,9 +26,11 @@ INTERVAL = 0.2
 _count: dict[str, Any] = {"done": 0, "total": 0, "at": 0.0, "on": False}
 
 
-def start(total: int) -> None:
-    """Begin counting this call's bytes (``total`` expected on this rank)."""
-    _count.update(done=0, total=int(total), at=0.0, on=threading.current_thread() is threading.main_thread())
+def start(total: int, publish: bool) -> None:
+    """Begin counting this call's bytes (``total`` expected on this rank); ``publish``:
+    the notebook may draw a bar (else nothing is sent)."""
+    _count.update(done=0, total=int(total), at=0.0,
+                  on=publish and threading.current_thread() is threading.main_thread())
     _publish()
 
 
