@@ -50,6 +50,8 @@ class Pending:
     started: float = field(default_factory=time.monotonic)
     on_poll: Callable[[], None] | None = None
     """Called after each wait while ranks still run (a progress bar's update)."""
+    interrupted: bool = False
+    """Ctrl-C came while the call was being sent: ``gather`` raises it at its first check."""
 
 
 @dataclass(frozen=True)
@@ -144,20 +146,22 @@ class Dispatcher:
         ranks = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
         self._check_alive(what, ranks)
         results = {}
-        for i, r in enumerate(ranks):
-            a = args_by_rank[i] if args_by_rank is not None else args
-            results[r] = self.cluster.client[self.cluster.engine_ids[r]].apply_async(fn, *a)
-        return Pending(what, results)
+        with _CtrlC() as ctrl_c:  # every rank gets the call; a Ctrl-C meanwhile waits for gather
+            for i, r in enumerate(ranks):
+                a = args_by_rank[i] if args_by_rank is not None else args
+                results[r] = self.cluster.client[self.cluster.engine_ids[r]].apply_async(fn, *a)
+        return Pending(what, results, interrupted=ctrl_c.hit)
 
     def execute(self, code: str, *, ranks: Sequence[int] | None = None) -> Pending:
         """Run ``code`` in every rank's namespace, as ``%%px`` does."""
         ranks = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
         self._check_alive("execute", ranks)
-        results = {
-            r: self.cluster.client[self.cluster.engine_ids[r]].execute(code, block=False, silent=False)
-            for r in ranks
-        }
-        return Pending("execute", results)
+        with _CtrlC() as ctrl_c:  # as in apply
+            results = {
+                r: self.cluster.client[self.cluster.engine_ids[r]].execute(code, block=False, silent=False)
+                for r in ranks
+            }
+        return Pending("execute", results, interrupted=ctrl_c.hit)
 
     def _check_alive(self, what: str, ranks: Sequence[int]) -> None:
         dead = [r for r in self.cluster.dead_ranks() if r in ranks]
@@ -169,6 +173,7 @@ class Dispatcher:
     def gather(self, pending: Pending, timeout: float | None = None) -> list[Any]:
         """Wait for every rank; return results in rank order or raise the failures."""
         with _CtrlC() as ctrl_c:
+            ctrl_c.hit = pending.interrupted
             try:
                 return self._gather(pending, timeout, ctrl_c)
             except KeyboardInterrupt:
@@ -241,11 +246,14 @@ class Dispatcher:
 
 
 class _CtrlC:
-    """While gathering, Ctrl-C sets a flag that the poll loop turns into KeyboardInterrupt.
+    """While sending a call and gathering it, Ctrl-C sets a flag that the poll loop turns
+    into KeyboardInterrupt.
 
     A KeyboardInterrupt raised at an arbitrary point can land inside a destructor
-    (zmq frames) and be swallowed, leaving the notebook waiting; checking a flag at
-    the top of each poll makes the interrupt reliable. A second Ctrl-C raises at once.
+    (zmq frames) and be swallowed, leaving the notebook waiting, or stop a call sent to
+    some ranks only; checking a flag at the top of each poll makes the interrupt
+    reliable (one that came while sending is carried to the gather in
+    ``Pending.interrupted``). A second Ctrl-C raises at once.
     Only active in the main thread and when SIGINT has Python's default handler.
     """
 

@@ -11,7 +11,9 @@ blocked leave the process group, a rank blocked in a gloo collective with them g
    (``fsdp_nb.health.RankHealth.abort``; one GPU shows abort and re-form, several
    GPUs blocking each other have not been run);
 2. ranks still running after ``nudge`` seconds get SIGINT (for Python code that is
-   not in a collective); after ``wedge_timeout`` they count as wedged: killed (only
+   not in a collective; once more after an interrupt, whose SIGINT is lost on an
+   engine that had not yet started the call: a Ctrl-C right after sending); after
+   ``wedge_timeout`` they count as wedged: killed (only
    engines this session started) and replaced as for a dead engine;
 3. every rank joins a new group on a fresh port and every DeviceMesh / FSDP2 module
    is re-pointed at the new groups (``fsdp_nb.recovery``): trained weights and
@@ -183,7 +185,7 @@ class RecoveringPolicy(FailurePolicy):
             # are aborted (from its listener thread): closing peers' sockets is not enough
             sess.health.abort(running)
         start = time.monotonic()
-        nudged = interrupt
+        nudged = False
         next_liveness = start + 0.5
         still = list(running)
         while True:
@@ -200,7 +202,9 @@ class RecoveringPolicy(FailurePolicy):
                 if not still:
                     return []
             if not nudged and now - start > self.nudge:
-                c.signal(still, signal.SIGINT)
+                late = [r for r in still if not pending.results[r].ready()]
+                if late:
+                    c.signal(late, signal.SIGINT)
                 nudged = True
             if now - start > self.wedge_timeout:
                 return still

@@ -165,6 +165,34 @@ def test_ctrl_c_during_collective_stops_every_rank_and_keeps_state(quick, tmp_pa
     _assert_recovered(quick, before)
 
 
+class _CtrlCWhileSending:
+    """Pickles as the number it holds; pressing Ctrl-C in this process (once) as it is
+    sent to the first rank, so the other ranks are sent to after it."""
+
+    def __init__(self, n):
+        self.n = n
+        self.pressed = False
+
+    def __reduce__(self):
+        if not self.pressed:
+            self.pressed = True
+            _thread.interrupt_main()
+        return (int, (self.n,))
+
+
+def test_ctrl_c_while_a_call_is_sent_reaches_every_rank_then_stops_it(quick):
+    before = _weights(quick)
+    d = quick.dispatcher
+    # raised by the gather, after every rank got the call. The ranks may get the SIGINT
+    # before they start the call: it is sent again until they return, so no rank sleeps
+    # until it counts as wedged (killed, its state lost).
+    with pytest.raises(KeyboardInterrupt):
+        d.gather(d.apply("sleep", time.sleep, args=(_CtrlCWhileSending(3600),)))
+    assert quick.status().busy == []
+    assert quick.cluster.dead_ranks() == []
+    _assert_recovered(quick, before)
+
+
 def test_timeout_names_pending_ranks_with_stacks_and_recovers(quick):
     before = _weights(quick)
     code = "if rank == 0:\n    time.sleep(30)\n" + BLOCKED
