@@ -9,8 +9,10 @@ the page cache, when permitted) for reading. Loads run after dropping the page
 cache when that is permitted, else they read warm pages (the JSON says which).
 Plain DCP: ``dcp.save`` / ``dcp.load`` of the same ``get_state_dict(model, optimizer)``
 on the same engines, interleaved with fsdp_nb's save and load (medians of ``--reps``).
-Async: the time ``sess.save(..., async_save=True)`` blocks the notebook (and
-training) vs the synchronous sharded save. The model carries AdamW state, so a save
+Async: the time ``sess.save(..., async_save=True)`` blocks the notebook vs the
+synchronous sharded save, and how much longer the training step right after it takes
+than a plain step (its optimizer step waits for the background copy, and it shares the
+cores with the write), also as a fraction of the sync save. The model carries AdamW state, so a save
 holds three times ``--mb``. Safetensors: the peak memory each rank adds while loading
 the weights from one ``.safetensors`` file, against size / N + the largest tensor. Prints a table and writes
 benchmarks/out/checkpoint_io.json.
@@ -42,6 +44,11 @@ fully_shard(bench, mesh=_mesh)
 bench_opt = torch.optim.AdamW(bench.parameters(), lr=1e-4)
 bench(torch.randn(2, {dim})).sum().backward()
 bench_opt.step()  # AdamW state: twice the model's bytes again
+
+def bench_step():
+    bench(torch.randn(2, {dim})).sum().backward()
+    bench_opt.step()
+    bench_opt.zero_grad()
 """
 
 PLAIN_DCP = """
@@ -199,16 +206,22 @@ def bench_ranks(n: int, folder: str, mb: int, cold: bool, reps: int) -> dict:
         res["load_vs_dcp"] = res["plain_dcp_load_s"] / res["load_sharded_s"]
         t, _ = timed(lambda: sess.save(full, "bench", optimizer="bench_opt", sharded=False))
         res["save_full_s"] = t
-        blocked = []
+        # async: the call, then one training step right away (its optimizer step waits
+        # for the copy, and it shares the cores with the write), against a plain step
+        blocked, steps, plain_steps = [], [], []
         for i in range(reps):
+            plain_steps.append(timed(lambda: sess.execute("bench_step()"))[0])
             t_block, h = timed(lambda i=i: sess.save(os.path.join(folder, f"a{n}-{i}"), "bench",
                                                      optimizer="bench_opt", async_save=True))
+            steps.append(timed(lambda: sess.execute("bench_step()"))[0])
             t_wait, _ = timed(h.wait)
             blocked.append(t_block)
         res["async_blocked_s"] = _median(blocked)
         res["async_blocked_on_ranks_s"] = h.blocked_s
         res["async_total_s"] = t_block + t_wait
         res["async_blocked_vs_sync"] = res["async_blocked_s"] / res["save_sharded_s"]
+        res["step_s"], res["step_after_async_save_s"] = _median(plain_steps), _median(steps)
+        res["async_step_delay_vs_sync"] = max(0.0, res["step_after_async_save_s"] - res["step_s"]) / res["save_sharded_s"]
         if cold:
             drop_caches()
         t, _ = timed(lambda: sess.load(full, "bench", optimizer="bench_opt"))
@@ -253,6 +266,10 @@ def main() -> None:
               f"{r['load_sharded_GBps']:>6.3f}GB/s {r['plain_dcp_load_GBps']:>6.3f}GB/s {r['load_vs_dcp']:>6.2f} "
               f"{r['load_sharded_GBps'] / disk['read_GBps']:>6.2f} | {r['save_full_GBps']:>6.3f}GB/s "
               f"{r['load_full_GBps']:>6.3f}GB/s | {r['async_blocked_s']:>8.3f}s {100 * r['async_blocked_vs_sync']:.1f}%")
+    for r in rows:
+        print(f"{r['ranks']} ranks: async save blocked the notebook {100 * r['async_blocked_vs_sync']:.1f}% of a sync save "
+              f"(target <= 5%); the training step right after it took {r['step_after_async_save_s']:.3f} s vs "
+              f"{r['step_s']:.3f} s for a plain step: {100 * r['async_step_delay_vs_sync']:.1f}% of a sync save more")
     for r in rows:
         m = r["safetensors_load"]
         print(f"{r['ranks']} ranks: load of {m['bytes'] / 1e6:.0f} MB of .safetensors weights took {m['seconds']:.2f} s; "

@@ -281,6 +281,60 @@ def test_async_save_commits_staged_state(sess, tmp_path):
     assert h2.done() and inspect(str(tmp_path / "b.pt")).valid
 
 
+HOLD_STAGING = """
+import sys as _sys, threading as _th, time as _time
+from fsdp_nb.engine import async_saves as _as
+_staging_go = _th.Event()
+_waited_before = _as.waited_s
+_stager = _as.stager(False)
+_plain_stage = _stager._stage
+def _held_stage(sd, **kw):
+    _staging_go.wait(120)  # the copy waits until the test lets it go
+    return _plain_stage(sd, **kw)
+_stager._stage = _held_stage
+
+def _main_thread_waits_for_staging():
+    f = _sys._current_frames().get(_th.main_thread().ident)
+    while f is not None and f.f_code.co_name != "wait_staged":
+        f = f.f_back
+    return f is not None
+
+def held_step(name):
+    # Let the copy go once this thread waits for it in the optimizer's step, or, if the
+    # step does not wait, once the step is over (then the copy sees the stepped weights).
+    stepped = _th.Event()
+    def release():
+        while not (stepped.is_set() or _main_thread_waits_for_staging()):
+            _time.sleep(0.002)
+        _staging_go.set()
+    _th.Thread(target=release, daemon=True).start()
+    ck_step(name)
+    stepped.set()
+"""
+
+
+def test_async_save_returns_before_the_copy_and_the_next_step_waits_for_it(sess, tmp_path):
+    build(sess, "ck_h")
+    step(sess, "ck_h")
+    s0 = snapshot(sess, "ck_h")
+    path = str(tmp_path / "h")
+    sess.execute(HOLD_STAGING)
+    try:
+        h = sess.save(path, "ck_h", optimizer="ck_h_opt", async_save=True)
+        # returned while every rank's copy is held
+        assert h.progress().phase == "staging" == h.phase and not h.done()
+        sess.execute("held_step('ck_h')")  # training goes on: its step waits for the copy
+        assert not same(snapshot(sess, "ck_h"), s0)
+        assert h.wait().valid
+        sess.execute("_waited = _as.waited_s - _waited_before")
+        assert all(w > 0 for w in sess.pull("_waited"))  # each rank's step did wait
+    finally:
+        sess.execute("_staging_go.set(); del _stager._stage")
+    sess.load(path, "ck_h", optimizer="ck_h_opt")
+    assert same(snapshot(sess, "ck_h"), s0)  # the state at save time, not after the step
+    sess.execute("del ck_h, ck_h_opt")
+
+
 GATE = """
 import os as _os, time as _time
 import fsdp_nb.checkpoint.checksums as _cs

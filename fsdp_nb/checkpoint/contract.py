@@ -77,7 +77,7 @@ class Outcome:
     info: CheckpointInfo | None = None
     """rank 0, after a commit: what was written."""
     exists: bool = False
-    """preflight, rank 0: the target already exists."""
+    """save: the target already exists (agreed by every rank; nothing was written)."""
     removed: list[str] = field(default_factory=list)
     """``keep_last``: older checkpoints removed."""
     seconds: float | None = None
@@ -104,7 +104,8 @@ class SaveProgress:
     """Where one rank's part of an async save is (``AsyncCheckpoint.progress`` sums them)."""
 
     phase: str = "writing"
-    """``"writing"`` (bytes going out), ``"committing"`` (written; the ranks gather and
+    """``"staging"`` (the CPU copy is being taken; the optimizer's next step waits for
+    it), ``"writing"`` (bytes going out), ``"committing"`` (written; the ranks gather and
     rank 0 commits), ``"done"`` (this rank's part finished; on rank 0: committed) or
     ``"failed"``. Summed over the ranks: ``"committed"`` once every rank is done."""
     written: int = 0

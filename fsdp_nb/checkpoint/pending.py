@@ -1,7 +1,7 @@
 """Async saves still being written: the notebook's handle and the session's registry.
 
 ``sess.save(..., async_save=True)`` returns an :class:`AsyncCheckpoint` once every rank
-staged its state; the ranks write and commit in the background. The next save, load
+handed its state dict to the background; the ranks copy, write and commit there. The next save, load
 or ``shutdown`` of that session waits for it first (:func:`wait_pending`).
 """
 
@@ -28,8 +28,10 @@ def wait_pending(sess: Session) -> None:
 
 
 class AsyncCheckpoint:
-    """A checkpoint being written in the background on the ranks (staging is over
-    when the handle is returned).
+    """A checkpoint being copied and written in the background on the ranks.
+
+    The handle comes back as soon as the ranks hold the state dict; the CPU copy
+    (staging) runs in the background, and the optimizer's next step waits for it.
 
     ``done()`` and ``progress()`` (phase, bytes written) ask the ranks without blocking;
     ``wait()`` blocks until every rank finished and rank 0 committed, then returns the
@@ -42,12 +44,12 @@ class AsyncCheckpoint:
         """Where the checkpoint is being written."""
         self.token = token
         self.blocked_s = blocked
-        """Seconds training was blocked (slowest rank's staging)."""
+        """Seconds the save call held the ranks (the slowest rank's)."""
         self._info: CheckpointInfo | None = None
         self._error: BaseException | None = None
         self._finished = False
         self._total = 0
-        self._phase = "writing"
+        self._phase = "staging"
 
     def done(self) -> bool:
         """True when every rank finished writing (the commit happened or failed)."""
@@ -59,9 +61,9 @@ class AsyncCheckpoint:
         return all(d.gather(d.apply("checkpoint async_done", jobs.async_done, args=(self.token,))))
 
     def progress(self) -> SaveProgress:
-        """Where the save is, asked of the ranks without blocking: ``phase`` (``"writing"``,
-        ``"committing"``, ``"committed"`` or ``"failed"``) and the bytes written of the
-        bytes staged, summed over the ranks."""
+        """Where the save is, asked of the ranks without blocking: ``phase`` (``"staging"``,
+        ``"writing"``, ``"committing"``, ``"committed"`` or ``"failed"``) and the bytes
+        written of the bytes staged, summed over the ranks."""
         if self._finished:
             return SaveProgress(phase="failed" if self._error else "committed",
                                 written=self._total, total=self._total)
@@ -71,15 +73,16 @@ class AsyncCheckpoint:
         parts = d.gather(d.apply("checkpoint async_progress", jobs.async_progress, args=(self.token,)))
         self._total = sum(p.total for p in parts)
         phases = {p.phase for p in parts}
-        phase = ("failed" if "failed" in phases else "writing" if "writing" in phases
-                 else "committed" if phases == {"done"} else "committing")
+        phase = next((p for p in ("failed", "staging", "writing") if p in phases),
+                     "committed" if phases == {"done"} else "committing")
         self._phase = phase
         return SaveProgress(phase=phase, written=sum(p.written for p in parts), total=self._total)
 
     @property
     def phase(self) -> str:
-        """``"writing"`` (or committing) while in flight, then ``"committed"`` or ``"failed"``,
-        as last seen from the notebook (``progress()`` asks the ranks)."""
+        """``"staging"``, ``"writing"`` or ``"committing"`` while in flight, then
+        ``"committed"`` or ``"failed"``, as last seen from the notebook (``progress()``
+        asks the ranks)."""
         if self._finished:
             return "failed" if self._error else "committed"
         return self._phase

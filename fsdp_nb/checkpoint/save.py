@@ -78,17 +78,15 @@ def save(
         check_exists=not overwrite, report_progress=may_show(progress) and not async_save,
     )
     d = sess.dispatcher
-    pre = d.gather(d.apply("checkpoint preflight", cio.preflight, args=(spec,)))
-    raise_outcomes(pre)
-    if pre[0].exists:
-        raise FileExistsError(
-            f"a checkpoint already exists at {path!r}; pass overwrite=True to replace it "
-            "(nothing was written)"
-        )
     pending = d.apply("checkpoint save", cio.save, args=(spec,))
     with follow(pending, f"save {posixpath.basename(path.rstrip('/'))}", enabled=progress):
         outs = d.gather(pending)
     raise_outcomes(outs)
+    if outs[0].exists:  # the ranks agreed on it before writing anything
+        raise FileExistsError(
+            f"a checkpoint already exists at {path!r}; pass overwrite=True to replace it "
+            "(nothing was written)"
+        )
     if async_save:
         return register(sess, AsyncCheckpoint(sess, path, spec.token, max(o.blocked or 0.0 for o in outs)))
     info = outs[0].info

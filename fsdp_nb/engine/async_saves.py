@@ -1,28 +1,46 @@
-"""Async checkpoint saves on a rank: the background jobs and the staging buffers.
+"""Async checkpoint saves on a rank: the background jobs, the staging buffers, and
+the gate that keeps training from changing what is still being copied.
 
-``checkpoint_io`` stages a rank's state into CPU buffers (:func:`stager`, one per
-engine, so buffers are reused), then hands the write and the commit to :func:`submit`:
-one background thread per engine runs them in order. The notebook polls a job with
-:func:`async_done` and collects its outcome with :func:`async_wait`; the next save or
-load on the rank drains every job first (:func:`drain`).
+``checkpoint_io`` hands its state dict to DCP with this engine's stager
+(:func:`stager`, one per engine, so buffers are reused), which copies it to CPU in a
+background thread; the call returns at once. Until that copy is taken, the saved
+optimizer's next ``step`` (and the next forward of a model with persistent buffers)
+waits for it (:func:`hold_until_staged`): training overlaps the copy, but never
+changes a tensor before it is copied. The write and the commit then run in order in
+one background thread per engine (:func:`submit`). The notebook polls a job with
+:func:`async_done` / :func:`async_progress` and collects its outcome with
+:func:`async_wait`; the next save or load on the rank drains every job first
+(:func:`drain`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..checkpoint.contract import Outcome, SaveProgress
 
-__all__ = ["async_done", "async_progress", "async_wait", "drain", "stager", "submit"]
+__all__ = [
+    "async_done", "async_progress", "async_wait", "drain", "hold_until_staged", "stager", "submit",
+    "wait_staged",
+]
 
 log = logging.getLogger("fsdp_nb")
 
 _EXEC: ThreadPoolExecutor | None = None
 _STAGER: Any = None
+_STAGING: Future | None = None
+"""The copy of the latest async save, while the stager's thread takes it."""
+_GATED: weakref.WeakSet = weakref.WeakSet()
+"""Optimizers and models that already carry the gate hook (one each, for life)."""
+waited_s = 0.0
+"""Seconds training on this rank has waited for staging, in total (benchmarks)."""
 
 
 @dataclass
@@ -91,22 +109,50 @@ def async_wait(token: str) -> Outcome:
     return out
 
 
-def stager() -> Any:
+def stager(cuda: bool) -> Any:
     """This engine's stager, one for its lifetime, so staging buffers are reused.
 
     DCP's ``DefaultStager`` keeps a CPU copy per source storage and refreshes it with
     ``copy_`` on later saves (FSDP2 shards and optimizer state keep their storages
-    between steps): the first async save allocates, the next ones only copy. On CUDA
-    the copies are pinned and made with non-blocking copies.
+    between steps): the first async save allocates, the next ones only copy. It copies
+    in its own thread (``use_async_staging``); from ``cuda`` tensors into pinned
+    memory, with non-blocking copies on a side stream.
     """
     global _STAGER
     if _STAGER is None:
-        import torch
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        cuda = torch.cuda.is_available()
         _STAGER = DefaultStager(StagingOptions(
             use_pinned_memory=cuda, use_shared_memory=False,
-            use_async_staging=False, use_non_blocking_copy=cuda,
+            use_async_staging=True, use_non_blocking_copy=cuda,
         ))
     return _STAGER
+
+
+def hold_until_staged(staging: Future, optim: Any, model: Any = None) -> None:
+    """Make training wait for ``staging`` (the copy of an async save) before it changes
+    a saved tensor: a pre-hook on ``optim.step``, and on ``model``'s forward when one is
+    given (a model with persistent buffers: a forward may update them, as BatchNorm's
+    running stats do).
+
+    The hooks are added once per object and do nothing once the copy is taken.
+    """
+    global _STAGING
+    _STAGING = staging
+    if optim is not None and optim not in _GATED:
+        optim.register_step_pre_hook(lambda *_: wait_staged())
+        _GATED.add(optim)
+    if model is not None and model not in _GATED:
+        model.register_forward_pre_hook(lambda *_: wait_staged())
+        _GATED.add(model)
+
+
+def wait_staged() -> None:
+    """Block until the latest async save's copy is taken (a failed copy fails that save,
+    reported by its handle, not here)."""
+    global waited_s
+    f = _STAGING
+    if f is not None and not f.done():
+        t0 = time.perf_counter()
+        wait_futures([f])
+        waited_s += time.perf_counter() - t0

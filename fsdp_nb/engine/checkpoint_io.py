@@ -13,8 +13,9 @@ model tensor is touched.
   (``fsdp_nb.checkpoint.atomic``).
 - full: ``get_state_dict(full_state_dict=True, cpu_offload=True)`` gathers to rank
   0 only (the others hold nothing), which writes one ``.pt`` / ``.safetensors``.
-- async: staging (a CPU copy of this rank's shards) happens in the call; the
-  write and the commit run in a background thread.
+- async: the call returns once DCP has the state dict; the CPU copy of this rank's
+  shards (staging), the write and the commit run in background threads, and the
+  optimizer's next step waits for the copy (``fsdp_nb.engine.async_saves``).
 - checkpoint collectives (DCP's planning, the commit's gather, load's agreement) run
   on a dedicated gloo group (``checkpoint_group``), as torchtitan's do: it has the CPU
   backend DCP's async save requires on NCCL worlds, and background writes never
@@ -35,14 +36,14 @@ from ..checkpoint.fullfile import write_full
 from ..checkpoint.inspect import inspect
 from ..checkpoint.storage import dcp_writer, sibling, url_to_fs
 from . import progress_feed
-from .async_saves import drain, stager, submit
+from .async_saves import drain, hold_until_staged, stager, submit
 from .namespace import user_ns
 from .wrap import param_sizes
 
 log = logging.getLogger("fsdp_nb")
 
 __all__ = [
-    "begin", "checkpoint_group", "named_objects", "preflight", "rank_and_world", "save", "tensor_bytes",
+    "agree", "begin", "checkpoint_group", "named_objects", "rank_and_world", "save", "tensor_bytes",
 ]
 
 _GROUP: tuple[Any, Any] | None = None
@@ -89,17 +90,35 @@ def begin(spec: SaveSpec | LoadSpec) -> tuple[Any, Any] | Outcome:
     return objects
 
 
-def preflight(spec: SaveSpec) -> Outcome:
-    """Check names and the target before anything is written."""
+def agree(mine: Outcome | None) -> Outcome | None:
+    """Every rank learns every rank's outcome so far (None: nothing to report) and
+    returns the same one: the first failure, else the first report, else None. Run
+    before anything is written or changed, so no rank goes on alone into a collective."""
+    import torch.distributed as dist
+
+    _, ws = rank_and_world()
+    parts: list[Any] = [mine]
+    if ws > 1:
+        parts = [None] * ws
+        dist.all_gather_object(parts, mine, group=checkpoint_group())
+    reported = [p for p in parts if p is not None]
+    return next((p for p in reported if not p.ok), reported[0] if reported else None)
+
+
+def _checked(spec: SaveSpec) -> tuple[Any, Any] | Outcome:
+    """The spec's model and optimizer once every rank found them and rank 0 found no
+    checkpoint in the way (unless overwriting); else the same outcome on every rank."""
     got = begin(spec)
-    if isinstance(got, Outcome):
-        return got
+    mine = got if isinstance(got, Outcome) else None
     rank, _ = rank_and_world()
-    if rank == 0 and spec.check_exists:
-        fs, p = url_to_fs(spec.url, spec.storage_options)
-        if fs.exists(p.rstrip("/")):
-            return Outcome(exists=True)
-    return Outcome()
+    if mine is None and rank == 0 and spec.check_exists:
+        try:
+            fs, p = url_to_fs(spec.url, spec.storage_options)
+            if fs.exists(p.rstrip("/")):
+                mine = Outcome(exists=True)
+        except Exception as exc:
+            mine = Outcome.failed(f"cannot reach {spec.url!r}: {type(exc).__name__}: {exc}", OSError)
+    return agree(mine) or got
 
 
 def checkpoint_group() -> Any:
@@ -150,8 +169,12 @@ def _model_meta(model: Any, spec: SaveSpec) -> dict[str, Any]:
 
 
 def save(spec: SaveSpec) -> Outcome:
-    """Save the model (and optimizer) on every rank; returns timings and, on rank 0, the info."""
-    got = begin(spec)
+    """Save the model (and optimizer) on every rank; returns timings and, on rank 0, the info.
+
+    Names and the target are checked and agreed first, in the same call (an existing
+    target comes back as ``exists`` from every rank, nothing written).
+    """
+    got = _checked(spec)
     if isinstance(got, Outcome):
         return got
     model, optim = got
@@ -196,6 +219,7 @@ def _finish_sharded(spec: SaveSpec, model_meta: dict[str, Any], group: Any,
 
 
 def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -222,13 +246,21 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
         out = _finish_sharded(spec, meta, group, written)
         out.seconds = time.perf_counter() - t0
         return out
-    resp = dcp.async_save(sd, storage_writer=writer, process_group=group, async_stager=stager())
-    upload = getattr(resp, "upload_completion", resp)
-    staging = getattr(resp, "staging_completion", None)
-    if staging is not None:
-        staging.result()
+    progress = SaveProgress(phase="staging", total=tensor_bytes(sd))
+    cuda = any(p.device.type == "cuda" for p in model.parameters())
+    if cuda:
+        torch.cuda.current_stream().synchronize()  # the side stream copies finished values
+    resp = dcp.async_save(sd, storage_writer=writer, process_group=group, async_stager=stager(cuda))
+    upload, staging = resp.upload_completion, resp.staging_completion
+    buffers = set(msd) - {n for n, _ in model.named_parameters()}
+    hold_until_staged(staging, optim, model if buffers else None)
+
+    def staged(_: Any) -> None:
+        if progress.phase == "staging":
+            progress.phase = "writing"
+
+    staging.add_done_callback(staged)
     blocked = time.perf_counter() - t0
-    progress = SaveProgress(total=tensor_bytes(sd))
 
     def finish() -> Outcome:
         try:

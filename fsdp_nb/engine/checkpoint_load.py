@@ -34,7 +34,7 @@ from ..checkpoint.restricted import safe_reader
 from ..checkpoint.safetensors_layout import PieceReader, Stored, is_safetensors_folder, read_layout
 from ..checkpoint.storage import is_temporary, url_to_fs
 from . import progress_feed
-from .checkpoint_io import begin, checkpoint_group, rank_and_world, tensor_bytes
+from .checkpoint_io import agree, begin, checkpoint_group, rank_and_world, tensor_bytes
 
 __all__ = ["load"]
 
@@ -45,17 +45,7 @@ _OPTIM_PREFIXES = ("optim.", "optimizer.")
 
 def _agree(problem: str | None, cls: type[BaseException] = CheckpointError) -> Outcome | None:
     """All ranks learn every rank's problem; the same failure outcome (or None) on each."""
-    import torch.distributed as dist
-
-    rank, ws = rank_and_world()
-    parts: list[Any] = [(problem, cls)]
-    if ws > 1:
-        parts = [None] * ws
-        dist.all_gather_object(parts, (problem, cls), group=checkpoint_group())
-    for p, c in parts:
-        if p:
-            return Outcome.failed(p, c)
-    return None
+    return agree(Outcome.failed(problem, cls) if problem else None)
 
 
 def _flat_optim(osd: dict[str, Any]) -> dict[str, Any]:

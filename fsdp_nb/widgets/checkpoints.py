@@ -186,9 +186,9 @@ class CheckpointBrowser(StaticForm, W.VBox):
         if h is None:
             return True
         ok, prog = self._attempt("async save", h.progress)
-        if ok and prog.phase in ("writing", "committing"):
+        if ok and prog.phase in ("staging", "writing", "committing"):
             frac = min(prog.written / prog.total, 1.0) if prog.total else 0.0
-            label = f"writing {100 * frac:.0f}%" if prog.phase == "writing" else "committing"
+            label = f"writing {100 * frac:.0f}%" if prog.phase == "writing" else prog.phase
             self._progress(0.1 + 0.85 * frac, label)
             return False
         self.save_handle = None
