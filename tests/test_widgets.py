@@ -242,8 +242,8 @@ def test_checkpoint_browser_real_save_load_consolidate(sess, tmp_path):
     release = tmp_path / "release"
     sess.execute(GATE.format(release=str(release)))  # holds each rank after its first write
     try:
-        b.b_save.click()  # async: staged, then written in the background
-        assert b.save_handle is not None and b.progress.description == "writing"
+        b.b_save.click()  # async: copied, then written in the background
+        assert b.save_handle is not None and b.progress.description == "staging"
         h = b.save_handle
         assert _wait_for(lambda: h.progress().written > 0, timeout=60)
         assert not b.check_save()  # still in flight: the bar shows the bytes written so far

@@ -33,7 +33,7 @@ from .atomic import replace_folder
 from .fullfile import full_suffix
 from .info import CheckpointError
 from .inspect import inspect
-from .keys import MODEL
+from .keys import MODEL, is_bare
 from .safetensors_layout import PieceReader, read_layout
 from .storage import sibling, url_to_fs
 
@@ -138,7 +138,7 @@ def _sharded_tensors(fs: Any, p: str, url: str, info: Any, entries: list[_Entry]
     from .reader import named_corruption, open_sharded
 
     md, reader = open_sharded(fs, p, url, read_marker(fs, p) or {}, storage_options)
-    bare = not any(k.startswith(MODEL) for k in md.state_dict_metadata)  # a plain dcp.save of the model
+    bare = is_bare(md.state_dict_metadata)  # a plain dcp.save of the model's own keys
     for e in entries:
         t = info.tensors[e.key]
         buf = torch.empty(t.shape, dtype=getattr(torch, t.dtype))

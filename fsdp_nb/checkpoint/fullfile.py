@@ -22,7 +22,7 @@ from typing import Any
 
 from .info import CorruptCheckpointError
 from .keys import MODEL, OPTIM_STATE, flat_optim_state, split_optim_key
-from .safetensors_layout import OPTIM_TENSOR, PieceReader, optim_file, read_layout
+from .safetensors_layout import OPTIM_TENSOR, PieceReader, optim_file, optim_state, read_layout
 from .storage import is_local, sibling
 
 __all__ = ["FULL_SUFFIXES", "full_suffix", "read_full", "read_full_meta", "write_full"]
@@ -151,14 +151,8 @@ def read_full(fs: Any, path: str, url: str) -> tuple[dict, dict | None, dict]:
         try:
             with PieceReader(fs) as r:
                 model_sd = {k: r.read(s) for k, s in ck.model.items()}
-                optim_sd = None
-                if ck.optim_other is not None:
-                    state: dict[str, dict[str, Any]] = {
-                        fqn: dict(vals) for fqn, vals in ck.optim_other.get("scalars", {}).items()}
-                    for flat, s in ck.optim.items():
-                        fqn, key = split_optim_key(flat)
-                        state.setdefault(fqn, {})[key] = r.read(s)
-                    optim_sd = {"state": state, "param_groups": ck.optim_other.get("param_groups", [])}
+                optim_sd = None if ck.optim_other is None else optim_state(
+                    ck.optim_other, ((*split_optim_key(flat), r.read(s)) for flat, s in ck.optim.items()))
         except Exception as exc:
             raise CorruptCheckpointError(
                 f"checkpoint {url!r}: file {name!r} is corrupt or truncated ({type(exc).__name__}: {exc})"

@@ -18,7 +18,7 @@ from .atomic import read_marker, validate_files
 from .checksums import ChecksumMismatch, check_item, file_problem
 from .fullfile import full_suffix, read_full_meta
 from .info import CheckpointInfo, ChunkInfo, CorruptCheckpointError, TensorInfo
-from .keys import MODEL
+from .keys import MODEL, is_bare, is_model_key
 from .metadata import META_FILE
 from .restricted import load_dcp_metadata
 from .safetensors_layout import is_safetensors_folder
@@ -169,7 +169,7 @@ def _tensor_infos(md: Any) -> dict[str, TensorInfo]:
     by_fqn: dict[str, list[Any]] = {}
     for idx, si in storage.items():
         by_fqn.setdefault(idx.fqn, []).append((idx, si))
-    bare = not any(k.startswith(("model.", "optim.")) for k in md.state_dict_metadata)
+    bare = is_bare(md.state_dict_metadata)
     infos: dict[str, TensorInfo] = {}
     for fqn, tmd in md.state_dict_metadata.items():
         if not hasattr(tmd, "chunks"):
@@ -183,7 +183,7 @@ def _tensor_infos(md: Any) -> dict[str, TensorInfo]:
                 (),
             )
             chunks.append(ChunkInfo(tuple(idx.offset or ()), sizes, si.relative_path, si.offset, si.length))
-        name = MODEL + fqn if bare else fqn
+        name = MODEL + fqn if bare and is_model_key(fqn, bare) else fqn
         infos[name] = TensorInfo(name, shape, dtype, tensor_bytes(shape, dtype), tuple(chunks))
     return infos
 

@@ -8,15 +8,31 @@ parameter FQNs do, so a flat key splits at its last dot.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["MODEL", "OPTIM_STATE", "flat_optim_state", "optim_key", "split_optim_key"]
+__all__ = [
+    "MODEL", "OPTIM_PREFIXES", "OPTIM_STATE", "flat_optim_state", "is_bare", "is_model_key", "optim_key",
+    "split_optim_key",
+]
 
 MODEL = "model."
 """Prefix of model tensors."""
 OPTIM_STATE = "optim.state."
 """Prefix of optimizer state entries."""
+OPTIM_PREFIXES = ("optim.", "optimizer.")
+"""Top-level keys of a plain DCP save that hold optimizer state, not the model's."""
+
+
+def is_bare(keys: Iterable[str]) -> bool:
+    """True for a plain ``dcp.save`` of the model's own state dict (torchtitan's layout):
+    no key under ``model.``, where fsdp_nb and ``get_state_dict`` users nest the model."""
+    return not any(k.startswith(MODEL) for k in keys)
+
+
+def is_model_key(key: str, bare: bool) -> bool:
+    """Whether stored ``key`` is a model tensor, in a bare save (``is_bare``) or a nested one."""
+    return not key.startswith(OPTIM_PREFIXES) if bare else key.startswith(MODEL)
 
 
 def optim_key(fqn: str, key: str) -> str:

@@ -113,7 +113,7 @@ class AsyncCheckpoint:
         return self._info
 
     def __repr__(self) -> str:
-        return f"<AsyncCheckpoint {self.path!r}: {self.phase}, training blocked {self.blocked_s:.3f} s>"
+        return f"<AsyncCheckpoint {self.path!r}: {self.phase}, the ranks were held {self.blocked_s:.3f} s>"
 
 
 def register(sess: Session, handle: AsyncCheckpoint) -> AsyncCheckpoint:

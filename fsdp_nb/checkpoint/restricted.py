@@ -65,7 +65,7 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    from .storage import is_local, to_url
+    from .storage import is_local, read_into, to_url
 
     if is_local(fs):
         base: Any = FileSystemReader
@@ -142,13 +142,7 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
             if want is None:
                 raise ChecksumMismatch(f"file {key[0]!r}: no checksum was recorded for the item at byte {key[1]}")
             file.seek(sinfo.offset)
-            got = 0
-            while got < len(into):
-                n = file.readinto(into[got:])
-                if not n:
-                    break
-                got += n
-            check_item(into[:got], key[0], key[1], want)
+            check_item(into[:read_into(file, into)], key[0], key[1], want)
             return into
 
         def _slice_file(self, file: Any, sinfo: Any) -> Any:

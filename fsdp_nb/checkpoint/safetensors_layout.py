@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import json
 import posixpath
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..dtypes import from_safetensors
 from .info import CorruptCheckpointError
 from .keys import MODEL, OPTIM_STATE
+from .storage import is_local, read_into
 
 __all__ = [
     "INDEX", "OPTIM_SUFFIX", "PieceReader", "SafetensorsCheckpoint", "Stored", "is_optim_file",
-    "is_safetensors_folder", "optim_file", "read_header", "read_layout",
+    "is_safetensors_folder", "optim_file", "optim_state", "read_header", "read_layout",
 ]
 
 INDEX = "model.safetensors.index.json"
@@ -85,6 +87,15 @@ class SafetensorsCheckpoint:
     """fsdp_nb's metadata (empty for a file fsdp_nb did not write)."""
     files: dict[str, int] = field(default_factory=dict)
     """Path of each file read -> its size."""
+
+
+def optim_state(other: dict[str, Any], tensors: Iterable[tuple[str, str, Any]]) -> dict[str, Any]:
+    """An optimizer state dict from a checkpoint's ``optim_other`` (param groups, scalar
+    states) and its tensors, given as (fqn, key, tensor)."""
+    state: dict[str, dict[str, Any]] = {fqn: dict(vals) for fqn, vals in other.get("scalars", {}).items()}
+    for fqn, key, t in tensors:
+        state.setdefault(fqn, {})[key] = t
+    return {"state": state, "param_groups": other.get("param_groups", [])}
 
 
 def read_header(fs: Any, path: str) -> tuple[dict[str, Any], int]:
@@ -229,8 +240,6 @@ class PieceReader:
     """
 
     def __init__(self, fs: Any, on_read: Any = None) -> None:
-        from .storage import is_local
-
         self._on_read = on_read
         self._fs = fs
         self._local = is_local(fs)
@@ -289,10 +298,6 @@ class PieceReader:
         view = memoryview(out.view(-1).view(torch.uint8).numpy())
         f = self._file(st.file)
         f.seek(st.offset + first * (n // count))
-        got = 0
-        while got < n:
-            k = f.readinto(view[got:])
-            if not k:
-                raise ValueError(f"file {posixpath.basename(st.file)!r} ended inside tensor {st.key!r}")
-            got += k
+        if read_into(f, view) < n:
+            raise ValueError(f"file {posixpath.basename(st.file)!r} ended inside tensor {st.key!r}")
         return out

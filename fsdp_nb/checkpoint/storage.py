@@ -91,6 +91,18 @@ def is_temporary(path: str) -> bool:
     return name.startswith(".") and ".tmp-" in name
 
 
+def read_into(f: Any, view: memoryview) -> int:
+    """Fill ``view`` from file ``f`` at its position, in as many reads as it takes; the
+    bytes read (fewer than ``len(view)`` only where the file ends)."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
 def dcp_writer(fs: fsspec.AbstractFileSystem, path: str, options: dict[str, Any]) -> Any:
     """A torch.distributed.checkpoint writer for folder ``path`` on ``fs``."""
     from torch.distributed.checkpoint import FileSystemWriter

@@ -27,11 +27,17 @@ from ..checkpoint.contract import LoadSpec, Outcome
 from ..checkpoint.fullfile import full_suffix, read_full
 from ..checkpoint.info import CheckpointError, CorruptCheckpointError
 from ..checkpoint.inspect import dcp_files_problem, read_dcp_metadata
-from ..checkpoint.keys import MODEL, OPTIM_STATE, flat_optim_state, optim_key
+from ..checkpoint.keys import MODEL, OPTIM_STATE, flat_optim_state, is_bare, is_model_key, optim_key
 from ..checkpoint.metadata import META_FILE
 from ..checkpoint.reader import named_corruption, open_sharded
 from ..checkpoint.restricted import safe_reader
-from ..checkpoint.safetensors_layout import PieceReader, Stored, is_safetensors_folder, read_layout
+from ..checkpoint.safetensors_layout import (
+    PieceReader,
+    Stored,
+    is_safetensors_folder,
+    optim_state,
+    read_layout,
+)
 from ..checkpoint.storage import is_temporary, url_to_fs
 from . import progress_feed
 from .checkpoint_io import agree, begin, checkpoint_group, rank_and_world, tensor_bytes
@@ -40,8 +46,6 @@ __all__ = ["load"]
 
 log = logging.getLogger("fsdp_nb")
 
-_OPTIM_PREFIXES = ("optim.", "optimizer.")
-"""Top-level keys of a plain DCP save that are not the model's."""
 
 def _agree(problem: str | None, cls: type[BaseException] = CheckpointError) -> Outcome | None:
     """All ranks learn every rank's problem; the same failure outcome (or None) on each."""
@@ -168,11 +172,7 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_state_dict,
-        set_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.utils._pytree import tree_map_only
 
     url, strict = spec.url, spec.strict
@@ -186,12 +186,10 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
     bare = False
     if problem is None:
         stored = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
-        # fsdp_nb and get_state_dict users nest under "model."; torchtitan saves the model's keys bare
-        bare = not any(k.startswith(MODEL) for k in stored)
+        bare = is_bare(stored)
         prefix = "" if bare else MODEL
         msd, osd = get_state_dict(model, [optim] if optim is not None else [])
-        found = {k: s for k, s in stored.items()
-                 if (k.startswith(MODEL) if not bare else not k.startswith(_OPTIM_PREFIXES))}
+        found = {k: s for k, s in stored.items() if is_model_key(k, bare)}
         found_o = {k: s for k, s in stored.items() if k.startswith(OPTIM_STATE)}
         has_optim = bool(found_o) or any(k.startswith("optim.") for k in md.state_dict_metadata)
         problem, usable = _match(url, strict, msd, osd, optim, prefix, found, found_o if has_optim else None,
@@ -216,24 +214,14 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
             )
     except CorruptCheckpointError as exc:
         return Outcome.failed(exc)
-    set_state_dict(
-        model, [optim] if optim is not None else [],
-        model_state_dict=fresh_m,
-        optim_state_dict=fresh_o if optim is not None else {},
-        options=StateDictOptions(strict=strict),
-    )
-    return Outcome(extra=meta.get("extra", {}), world_size=meta.get("world_size"))
+    return _apply(model, optim, fresh_m, fresh_o, strict, meta)
 
 
 def _load_safetensors(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome:
     """Safetensors weights (fsdp_nb's full file, or a Hugging Face file / folder): each rank
     reads only the slices of each tensor it owns, into fresh tensors, then sets them."""
     import torch
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_state_dict,
-        set_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     url, strict = spec.url, spec.strict
     problem: str | None = None
@@ -257,22 +245,27 @@ def _load_safetensors(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -
         with PieceReader(fs, progress_feed.add) as r:
             fresh_m = {k: _read_owned(r, ck.model[k], msd[k]) for k in usable}
             if optim is not None:
-                state: dict[str, dict[str, Any]] = {
-                    fqn: dict(vals) for fqn, vals in ck.optim_other.get("scalars", {}).items()}
-                for fqn, entries in osd["state"].items():
-                    for key, like in entries.items():
-                        if isinstance(like, torch.Tensor):
-                            state.setdefault(fqn, {})[key] = _read_owned(r, ck.optim[optim_key(fqn, key)], like)
-                fresh_o = {"state": state, "param_groups": ck.optim_other.get("param_groups", [])}
+                fresh_o = optim_state(ck.optim_other, (
+                    (fqn, key, _read_owned(r, ck.optim[optim_key(fqn, key)], like))
+                    for fqn, entries in osd["state"].items() for key, like in entries.items()
+                    if isinstance(like, torch.Tensor)))
     except Exception as exc:
         problem, cls = (f"checkpoint {url!r}: reading failed ({type(exc).__name__}: {exc}); "
                         "the model is unchanged"), CorruptCheckpointError
     bad = _agree(problem, cls)
     if bad:
         return bad
-    set_state_dict(model, [optim] if optim is not None else [], model_state_dict=fresh_m,
-                   optim_state_dict=fresh_o, options=StateDictOptions(strict=strict))
-    return Outcome(extra=ck.meta.get("extra", {}), world_size=ck.meta.get("world_size"))
+    return _apply(model, optim, fresh_m, fresh_o, strict, ck.meta)
+
+
+def _apply(model: Any, optim: Any, msd: dict, osd: dict | None, strict: bool, meta: dict) -> Outcome:
+    """Copy what this rank read (every rank read all of it) into the model and optimizer;
+    the outcome carries the checkpoint's ``extra`` and world size."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, [optim] if optim is not None else [], model_state_dict=msd,
+                   optim_state_dict=osd if optim is not None else {}, options=StateDictOptions(strict=strict))
+    return Outcome(extra=meta.get("extra", {}), world_size=meta.get("world_size"))
 
 
 def _read_owned(r: PieceReader, st: Stored, like: Any) -> Any:

@@ -4,8 +4,8 @@
 size, world size), details of the selected one (tensor tree; which rank file holds each
 chunk; ``extra``), and buttons to save now, load, consolidate and delete (delete asks
 for a confirmation first). A progress bar follows saves; an async save shows staging,
-then the bytes written so far while training goes on, then the commit. It renders ``fsdp_nb.CheckpointInfo`` as ``fsdp_nb.inspect`` returns it; the
-folder scan is ``fsdp_nb.checkpoint.listing``, the drawing ``_checkpoint_view``.
+then the bytes written so far while training goes on, then the commit. It renders
+``fsdp_nb.CheckpointInfo`` as ``fsdp_nb.inspect`` returns it; the folder scan is ``fsdp_nb.checkpoint.listing``, the drawing ``_checkpoint_view``.
 """
 
 from __future__ import annotations
@@ -168,9 +168,9 @@ class CheckpointBrowser(StaticForm, W.VBox):
         if asyn and out is not None and hasattr(out, "done"):
             self.save_handle = out
             blocked = getattr(out, "blocked_s", None)
-            note = f" (training blocked {blocked:.2f} s)" if isinstance(blocked, float) else ""
-            self._progress(0.5, "writing")
-            self._say(f"staged {target}{note}; writing in the background", "info")
+            note = f" (the ranks were held {blocked:.2f} s)" if isinstance(blocked, float) else ""
+            self._progress(0.1, out.phase)
+            self._say(f"saving {target} in the background{note}", "info")
             self._poll_later()
         else:
             self._finish_save(target)
