@@ -22,6 +22,7 @@ _LAZY = {
     "consolidate": "checkpoint",
     "export_safetensors": "checkpoint",
     "list_checkpoints": "checkpoint",
+    "sessions": "keepalive",
 }
 
 
@@ -49,4 +50,5 @@ __all__ = [
     "inspect",
     "list_checkpoints",
     "load_ipython_extension",
+    "sessions",
 ]

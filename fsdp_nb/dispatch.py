@@ -52,6 +52,8 @@ class Pending:
     """Called after each wait while ranks still run (a progress bar's update)."""
     interrupted: bool = False
     """Ctrl-C came while the call was being sent: ``gather`` raises it at its first check."""
+    echoed: tuple[int, ...] | None = None
+    """Ranks whose output is streamed to the notebook (None: every rank)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,8 @@ class Dispatcher:
         self.echo = True
         self.observers: list[Callable[[CallEvent], None]] = []
         """Called on the notebook's thread as calls start, change, end and recover."""
+        self.last_error: RankError | None = None
+        """The last ``RankError`` a call raised: which rank failed first (``sess.debug``)."""
 
     def notify(self, what: str, phase: str, ranks: Sequence[int] = (), *,
                failures: Sequence[RankFailure] = (), note: str = "") -> None:
@@ -152,8 +156,11 @@ class Dispatcher:
                 results[r] = self.cluster.client[self.cluster.engine_ids[r]].apply_async(fn, *a)
         return Pending(what, results, interrupted=ctrl_c.hit)
 
-    def execute(self, code: str, *, ranks: Sequence[int] | None = None) -> Pending:
-        """Run ``code`` in every rank's namespace, as ``%%px`` does."""
+    def execute(
+        self, code: str, *, ranks: Sequence[int] | None = None, echoed: Sequence[int] | None = None
+    ) -> Pending:
+        """Run ``code`` in every rank's namespace (or ``ranks``'), as ``%%px`` does;
+        ``echoed``: the ranks whose output is streamed (None: all)."""
         ranks = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
         self._check_alive("execute", ranks)
         with _CtrlC() as ctrl_c:  # as in apply
@@ -161,7 +168,8 @@ class Dispatcher:
                 r: self.cluster.client[self.cluster.engine_ids[r]].execute(code, block=False, silent=False)
                 for r in ranks
             }
-        return Pending("execute", results, interrupted=ctrl_c.hit)
+        shown = None if echoed is None else tuple(echoed)
+        return Pending("execute", results, interrupted=ctrl_c.hit, echoed=shown)
 
     def _check_alive(self, what: str, ranks: Sequence[int]) -> None:
         dead = [r for r in self.cluster.dead_ranks() if r in ranks]
@@ -176,6 +184,9 @@ class Dispatcher:
             ctrl_c.hit = pending.interrupted
             try:
                 return self._gather(pending, timeout, ctrl_c)
+            except RankError as exc:
+                self.last_error = exc
+                raise
             except KeyboardInterrupt:
                 running = [r for r, ar in pending.results.items() if not ar.ready()]
                 self.notify(pending.what, "interrupted", running)
@@ -297,7 +308,10 @@ class _Echo:
         self.shown: dict[tuple[int, str], int] = {}
 
     def flush(self, final: bool = False) -> None:
+        echoed = self.pending.echoed
         for r in sorted(self.pending.results):
+            if echoed is not None and r not in echoed:
+                continue
             ar = self.pending.results[r]
             for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
                 text = getattr(ar, name)

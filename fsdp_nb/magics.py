@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shlex
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -16,7 +17,9 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 if TYPE_CHECKING:
     from .session import Session
 
-__all__ = ["activate_px", "active_session", "deactivate_px", "load_ipython_extension"]
+__all__ = [
+    "PxArgs", "activate_px", "active_session", "deactivate_px", "load_ipython_extension", "parse_px",
+]
 
 _active: weakref.ReferenceType[Session] | None = None
 
@@ -52,11 +55,12 @@ def deactivate_px(sess: Session) -> None:
         _active = None
 
 
-def _show_results(replies: list[Any]) -> None:
-    """Display each rank's ``Out`` value of a cell, tagged by rank."""
+def _show_results(replies: list[Any], ranks: list[int] | None = None) -> None:
+    """Display each rank's ``Out`` value of a cell, tagged by rank (``ranks``: the ranks
+    that ran it, in order; None: every rank)."""
     from IPython.display import display
 
-    for rank, reply in enumerate(replies):
+    for rank, reply in zip(ranks if ranks is not None else range(len(replies)), replies):
         data = getattr(reply, "execute_result", None) or {}
         data = data.get("data") if isinstance(data, dict) else None
         if data:
@@ -82,9 +86,16 @@ class PxMagics(Magics):
 
     @cell_magic
     def px(self, line: str, cell: str) -> None:
-        """Run the cell on every rank in rank order. ``%%px --timeout S`` bounds it."""
-        timeout = _timeout(line)
-        _show_results(self._session()._execute(cell, timeout))
+        """Run the cell on every rank in rank order.
+
+        ``%%px --ranks 0,2`` runs it on some ranks only, ``--output rank0`` shows one
+        rank's output, ``--timeout S`` bounds it.
+        """
+        args = parse_px(line)
+        _show_results(
+            self._session()._execute(cell, args.timeout, ranks=args.ranks, output=args.output),
+            sorted(args.ranks) if args.ranks is not None else None,
+        )
 
     @line_magic("px")
     def px_line(self, line: str) -> None:
@@ -93,21 +104,50 @@ class PxMagics(Magics):
 
     @line_magic
     def fsdp(self, line: str) -> Any:
-        """``%fsdp start [N] [--backend B]`` | ``%fsdp status`` | ``%fsdp stop``."""
+        """``%fsdp start [N] [--backend B]`` | ``status`` | ``stop`` | ``list`` |
+        ``attach [CLUSTER_ID]`` | ``debug [RANK]``."""
         return fsdp_command(line, self.shell)
 
 
-def _timeout(line: str) -> float | None:
+@dataclass(frozen=True)
+class PxArgs:
+    """The options of a ``%%px`` line."""
+
+    ranks: list[int] | None = None
+    """``--ranks 0,2``: the ranks to run on (None: every rank)."""
+    output: str = "all"
+    """``--output rank0``: whose output to show (``all``: every rank's)."""
+    timeout: float | None = None
+    """``--timeout S``: seconds before the cell is stopped on every rank."""
+
+
+_PX_USAGE = "%%px [--ranks 0,2] [--output all|rankN] [--timeout SECONDS]"
+
+
+def parse_px(line: str) -> PxArgs:
+    """Read ``%%px``'s options; a ValueError naming the usage for anything else."""
     args = shlex.split(line)
-    if not args:
-        return None
-    if len(args) == 2 and args[0] == "--timeout":
-        return float(args[1])
-    raise ValueError(f"%%px takes only `--timeout SECONDS`, got {line!r}")
+    if len(args) % 2:
+        raise ValueError(f"usage: {_PX_USAGE}; got {line!r}")
+    opts: dict[str, Any] = {}
+    for flag, value in zip(args[::2], args[1::2]):
+        try:
+            if flag == "--ranks":
+                opts["ranks"] = [int(r) for r in value.split(",")]
+            elif flag == "--output":
+                opts["output"] = value
+            elif flag == "--timeout":
+                opts["timeout"] = float(value)
+            else:
+                raise ValueError(flag)
+        except ValueError:
+            raise ValueError(f"usage: {_PX_USAGE}; cannot read {flag} {value!r}") from None
+    return PxArgs(**opts)
 
 
 def fsdp_command(line: str, shell: Any = None) -> Any:
-    """The ``%fsdp`` line magic: start, status or stop the session bound as ``sess``."""
+    """The ``%fsdp`` line magic: start, status or stop the session bound as ``sess``;
+    list kept-alive sessions, attach to one, debug the rank that failed."""
     from .session import Session
 
     args = shlex.split(line)
@@ -136,6 +176,27 @@ def fsdp_command(line: str, shell: Any = None) -> Any:
             print("no fsdp_nb session")
             return None
         return sess
+    if verb == "list":
+        from .keepalive import sessions
+
+        found = sessions()
+        print("\n".join(map(str, found)) or "no running fsdp_nb sessions")
+        return None
+    if verb == "attach":
+        if len(args) > 2:
+            raise ValueError(f"usage: %fsdp attach [CLUSTER_ID]; got {line!r}")
+        sess = Session.attach(args[1] if len(args) == 2 else None)
+        ns["sess"] = sess
+        return sess
+    if verb == "debug":
+        if len(args) > 2 or (len(args) == 2 and not args[1].isdigit()):
+            raise ValueError(f"usage: %fsdp debug [RANK]; got {line!r}")
+        sess = active_session()
+        if sess is None:
+            print("no fsdp_nb session")
+            return None
+        sess.debug(int(args[1]) if len(args) == 2 else None)
+        return None
     if verb == "stop":
         sess = active_session()
         if sess is None:
@@ -144,7 +205,9 @@ def fsdp_command(line: str, shell: Any = None) -> Any:
         sess.shutdown()
         print("session stopped")
         return None
-    raise ValueError(f"unknown %fsdp command {verb!r}; allowed: start, status, stop")
+    raise ValueError(
+        f"unknown %fsdp command {verb!r}; allowed: start, status, stop, list, attach, debug"
+    )
 
 
 def load_ipython_extension(ip: Any) -> None:

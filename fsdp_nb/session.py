@@ -23,9 +23,10 @@ from .dispatch import Dispatcher, FailurePolicy
 from .engine import namespace as _ns
 from .engine import process_group as _pg
 from .errors import SessionClosedError
+from .keepalive import Keeper, check_keep_alive
 from .lifecycle import Lifecycle
 from .rendezvous import RankInfo
-from .session_checks import check_grace, check_n_backend, validate
+from .session_checks import check_grace, check_n_backend, check_output, check_ranks, validate
 from .shipping import by_value
 
 log = logging.getLogger("fsdp_nb")
@@ -57,16 +58,21 @@ class Session:
         pg_timeout: float = 1800.0,
         activate: bool = True,
         grace: float = 3.0,
+        keep_alive: bool | float = False,
         **cluster_kwargs: Any,
     ):
         n, backend = validate(n, backend, launcher)
         check_grace(grace)
+        keep_alive = check_keep_alive(keep_alive)
         threads = max(1, (os.cpu_count() or 1) // n) if backend == "gloo" else None
         env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+        if keep_alive:
+            cluster_kwargs.setdefault("shutdown_atexit", False)
         cluster = EngineCluster.start(
             n, launcher, timeout=timeout, environment=env, **cluster_kwargs
         )
         self._adopt(cluster, backend, launcher, threads, pg_timeout, activate, grace)
+        self._keep(keep_alive, {"cluster_file": cluster.cluster.cluster_file})
 
     @classmethod
     def connect(
@@ -81,6 +87,7 @@ class Session:
         pg_timeout: float = 1800.0,
         activate: bool = True,
         grace: float = 3.0,
+        keep_alive: bool = False,
     ) -> Session:
         """Attach to a running ipyparallel cluster and form the process group on its engines.
 
@@ -88,10 +95,12 @@ class Session:
         file, or profile and cluster id); ``n`` waits for that many engines.
         ``backend=None`` picks nccl when every engine has a GPU of its own, else gloo
         (decided from the engines' probes before the group forms).
-        ``shutdown()`` leaves those engines running.
+        ``shutdown()`` leaves those engines running. ``keep_alive=True``: a later kernel
+        can ``Session.attach()`` to the group and models formed here.
         """
         check_n_backend(n, backend)
         check_grace(grace)
+        keep_alive = check_keep_alive(keep_alive)
         cluster = EngineCluster.connect(
             url_file, profile=profile, cluster_id=cluster_id, n=n, timeout=timeout
         )
@@ -100,7 +109,56 @@ class Session:
         self = cls.__new__(cls)
         # backend None: decided from the engines' probes (nccl if every rank has a GPU)
         self._adopt(cluster, backend, "connected", None, pg_timeout, activate, grace)
+        if keep_alive:
+            self._keep(True, {"url_file": url_file, "profile": profile, "cluster_id": cluster_id})
         return self
+
+    @classmethod
+    def attach(
+        cls,
+        cluster_id: str | None = None,
+        *,
+        timeout: float = 60.0,
+        activate: bool = True,
+        grace: float = 3.0,
+    ) -> Session:
+        """Take back a session whose engines outlived their kernel (``keep_alive=True``).
+
+        ``cluster_id``: which one (``fsdp_nb.sessions()`` lists them); default the most
+        recent that no running kernel holds. The ranks come back in the same order,
+        in the same process group (re-formed only if it broke), with every engine
+        variable; ``sess.models`` maps each wrapped name to its ``ShardedModel``.
+        """
+        from . import attach as _attach
+
+        check_grace(grace)
+        record = _attach.find(cluster_id)
+        if record.owner_pid == os.getpid():
+            for live in _LIVE:
+                keeper = live.keeper
+                if keeper is not None and keeper.record.cluster_id == record.cluster_id:
+                    return live
+        cluster = _attach.reconnect(record, timeout)
+        self = cls.__new__(cls)
+        self._adopt(
+            cluster, record.backend, record.launcher, record.omp_threads, record.pg_timeout,
+            activate, grace, formed=True,
+        )
+        note = _attach.adopt_group(self, timeout)
+        _attach.rebuild_models(self)
+        self.keeper = Keeper(record)
+        self.keeper.take(self)
+        log.info("attached to session %s: %s", record.cluster_id, note)
+        return self
+
+    def _keep(self, keep_alive: bool | float, connection: dict[str, Any]) -> None:
+        """Write the session record; start the watchdog (engines stop with the kernel
+        unless ``keep_alive``)."""
+        try:
+            self.keeper = Keeper.begin(self, keep_alive, connection)
+        except Exception:
+            self.shutdown()
+            raise
 
     def _adopt(
         self,
@@ -111,9 +169,11 @@ class Session:
         pg_timeout: float,
         activate: bool,
         grace: float,
+        formed: bool = False,
     ) -> None:
-        """Declare every attribute (``__init__`` and ``connect`` both come here), then
-        form the process group on ``cluster``'s engines and install the health hooks."""
+        """Declare every attribute (``__init__``, ``connect`` and ``attach`` come here),
+        then form the process group on ``cluster``'s engines (``formed``: it already
+        is: ``attach``) and install the health hooks."""
         from .failure_policy import RecoveringPolicy
         from .health import RankHealth
 
@@ -129,6 +189,10 @@ class Session:
         """The session's state machine (``state`` reads it)."""
         self.wraps: dict[str, Any] = {}
         """Engine global name -> ``sharding.WrapRecord``, replayed by ``restart()``."""
+        self.models: dict[str, ShardedModel] = {}
+        """Engine global name -> the ``ShardedModel`` of each model wrapped on the ranks."""
+        self.keeper: Keeper | None = None
+        """The session record and watchdog (None for a connected session not kept alive)."""
         self.health = RankHealth(cluster)
         """The engines' health hooks: stack dumps, NCCL abort listeners."""
         self._cluster = cluster
@@ -137,13 +201,15 @@ class Session:
         self._plain = Dispatcher(cluster, FailurePolicy())
         self._plain.echo = False
         try:
-            self.backend = rendezvous.form_group(
-                cluster, self._dispatch, backend, pg_timeout=pg_timeout, threads=threads
-            )
+            if not formed:
+                self.backend = rendezvous.form_group(
+                    cluster, self._dispatch, backend, pg_timeout=pg_timeout, threads=threads
+                )
             self.health.install(self._plain, nccl=self.backend == "nccl")
         except BaseException:
             self.lifecycle.to("failed")
-            cluster.stop()
+            if not formed:
+                cluster.stop()
             raise
         self.lifecycle.to("ready")
         _LIVE.add(self)
@@ -168,6 +234,11 @@ class Session:
     def state(self) -> str:
         """``ready``, ``degraded`` (a rank died: ``restart()``), ``closed``, ``failed`` (or ``starting``)."""
         return self.lifecycle.state
+
+    @property
+    def keep_alive(self) -> bool | float:
+        """Whether the engines outlive this kernel (seconds: until idle that long)."""
+        return self.keeper.keep_alive if self.keeper is not None else False
 
     @property
     def cluster(self) -> EngineCluster:
@@ -228,19 +299,37 @@ class Session:
         payload = (by_value(fn), by_value(args), by_value(kwargs))
         return d.gather(d.apply(what, _ns.call, args=payload), timeout)
 
-    def execute(self, code: str, *, timeout: float | None = None) -> None:
+    def execute(
+        self,
+        code: str,
+        *,
+        ranks: Sequence[int] | None = None,
+        output: str | None = "all",
+        timeout: float | None = None,
+    ) -> None:
         """Run ``code`` on every rank (as ``%%px`` does); raise the failing ranks' errors.
 
-        Output streams rank-tagged; use ``pull`` or ``run`` to get values back.
+        ``ranks``: run on these ranks only (the others stay idle; code that calls a
+        collective then waits for ranks that never join it). Output streams tagged by
+        rank; ``output="rank0"`` shows one rank's. Use ``pull`` or ``run`` to get values.
         """
-        self._execute(code, timeout)
+        self._execute(code, timeout, ranks=ranks, output=output)
 
-    def _execute(self, code: str, timeout: float | None) -> list[Any]:
+    def _execute(
+        self,
+        code: str,
+        timeout: float | None,
+        *,
+        ranks: Sequence[int] | None = None,
+        output: str | None = "all",
+    ) -> list[Any]:
         """``execute`` returning each rank's ExecuteReply (its ``Out`` value), for ``%%px``."""
         if not isinstance(code, str):
             raise TypeError(f"execute() needs source code as str, got {type(code).__name__}")
+        targets = check_ranks(ranks, self.world_size)
+        echoed = check_output(output, targets)
         d = self.dispatcher
-        return d.gather(d.execute(code), timeout)
+        return d.gather(d.execute(code, ranks=None if ranks is None else targets, echoed=echoed), timeout)
 
     def push(self, mapping: Mapping[str, Any]) -> None:
         """Bind ``mapping``'s names on every rank (values shipped by value)."""
@@ -347,7 +436,34 @@ class Session:
         if isinstance(drop, str) or not all(isinstance(n, str) for n in drop):
             raise TypeError(f"drop must be a list of wrapped model names, got {drop!r}")
         self._check_open()
-        return restart(self, restore=restore, drop=tuple(drop))
+        try:
+            return restart(self, restore=restore, drop=tuple(drop))
+        finally:
+            if self.keeper is not None and self.state != "closed":
+                self.keeper.refresh(self)  # new engines: the watchdog must know their pids
+
+    def debug(self, rank: int | None = None, commands: Sequence[str] | None = None) -> str | None:
+        """Post-mortem pdb on the frame where ``rank`` failed (default: the first rank
+        that failed in the last ``RankError``).
+
+        Interactive (commands read with ``input()``) unless ``commands`` is given, e.g.
+        ``["p y", "up", "p x"]``: then they run on that rank and their output is
+        returned. Each rank keeps its last failure until the next one.
+        """
+        from .postmortem import debug
+
+        self._check_open()
+        return debug(self, rank, commands)
+
+    def reload(self, module: str) -> list[int]:
+        """Reload ``module`` on every rank that imported it, and in the notebook, so the
+        next cell, ``run`` or ``wrap`` uses the edited code (models already built keep
+        theirs; names bound with ``from module import X`` are re-bound). Returns the
+        ranks it was reloaded on."""
+        from .reloading import reload
+
+        self._check_open()
+        return reload(self, module)
 
     # -- widgets (fsdp_nb.widgets) -------------------------------------------------
 
@@ -393,6 +509,8 @@ class Session:
                 warnings.warn(f"an async checkpoint did not finish: {exc}", stacklevel=2)
         self.lifecycle.to("closed")
         _LIVE.discard(self)
+        if self.keeper is not None:
+            self.keeper.end()
         try:
             if not self._cluster.owns_engines:
                 try:
@@ -447,7 +565,10 @@ class Session:
 
 @atexit.register
 def _shutdown_all() -> None:
+    """At interpreter exit, stop every open session except those kept alive."""
     for sess in list(_LIVE):
+        if sess.keeper is not None and sess.keeper.keep_alive:
+            continue
         try:
             sess.shutdown()
         except Exception as exc:

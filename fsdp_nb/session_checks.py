@@ -7,10 +7,12 @@ up front: the backend (local engines share this machine's GPUs) and the rank cou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .cluster import launcher_names
 from .engine.probe import _cuda_count
 
-__all__ = ["BACKENDS", "check_grace", "check_n_backend", "validate"]
+__all__ = ["BACKENDS", "check_grace", "check_n_backend", "check_output", "check_ranks", "validate"]
 
 BACKENDS = ("gloo", "nccl")
 """Process-group backends a session can form."""
@@ -51,3 +53,32 @@ def validate(n: int | None, backend: str | None, launcher: str) -> tuple[int, st
 def check_grace(grace: float) -> None:
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
         raise ValueError(f"grace must be a number of seconds >= 0, got {grace!r}")
+
+
+def check_ranks(ranks: Sequence[int] | None, world_size: int) -> list[int]:
+    """``ranks=`` of a call: distinct ranks of this session, sorted (None: every rank)."""
+    allowed = f"ranks 0..{world_size - 1}"
+    if ranks is None:
+        return list(range(world_size))
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+        raise TypeError(f"ranks must be a list of ints ({allowed}) or None, got {ranks!r}")
+    bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size]
+    if bad or not ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(
+            f"ranks={list(ranks)!r} is not a non-empty list of distinct ranks; this session "
+            f"has {allowed}"
+        )
+    return sorted(ranks)
+
+
+def check_output(output: str | None, ranks: Sequence[int]) -> tuple[int, ...] | None:
+    """``output=`` of a call: ``"all"`` (None too) streams every rank's output,
+    ``"rank<k>"`` only rank k's (one of ``ranks``). Returns the echoed ranks (None: all)."""
+    if output is None or output == "all":
+        return None
+    allowed = ", ".join(["'all'", *(f"'rank{r}'" for r in ranks)])
+    if isinstance(output, str) and output.startswith("rank") and output[4:].isdigit():
+        rank = int(output[4:])
+        if rank in ranks:
+            return (rank,)
+    raise ValueError(f"output={output!r} is not one of the running ranks' outputs; allowed: {allowed}")

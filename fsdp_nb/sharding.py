@@ -223,7 +223,8 @@ def _build(
     if source is not None:
         _stream_weights(d, sess.world_size, record.name, source.state_dict())
     sess.wraps[record.name] = record
-    return ShardedModel(sess, record.name, record.options, summaries[0])
+    model = sess.models[record.name] = ShardedModel(sess, record.name, record.options, summaries[0])
+    return model
 
 
 CHUNK_BYTES = 64 * 2**20
@@ -303,4 +304,5 @@ def replay_wraps(
         d.gather(d.apply(f"drop {', '.join(drop)}", _ew.forget_all, args=(tuple(drop),)))
         for name in drop:
             sess.wraps.pop(name, None)
+            sess.models.pop(name, None)
     return {r.name: _build(sess, r, dispatcher=d) for r in list(sess.wraps.values())}

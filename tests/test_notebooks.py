@@ -9,6 +9,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+import fsdp_nb
+
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 
 EXPECTED = {
@@ -21,6 +23,10 @@ EXPECTED = {
                     # the status widget's log, printed at the end
                     "execute failed (rank 1): rank 1: RuntimeError: rank 1 found bad data",
                     "execute interrupted (rank 0", "restart recovered: rank(s) 1 replaced"],
+    "05_workflow": ["no kernel attached, keep_alive", "attached: 2 ranks, models ['model']",
+                    "same weights: True", "[rank 1] step 2 on rank 1", "reloaded on ranks [0, 1]",
+                    "[rank 1] version 2, edited", "(Pdb rank 1) p scaled\ntensor([nan, nan, nan, nan])",
+                    "[rank 1] rank 1 batch sum: 0.0", "sessions left: []"],
 }
 
 
@@ -35,7 +41,9 @@ def _shown(nb) -> str:
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path, tmp_path):
+def test_notebook_runs(path, tmp_path, monkeypatch):
+    # its own IPYTHONDIR: the sessions a notebook keeps alive are found (and stopped) there
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
         nb,
@@ -47,7 +55,11 @@ def test_notebook_runs(path, tmp_path):
         # kernel and the engines it starts, so the suite passes on a GPU machine too
         env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
     )
-    client.execute()  # raises CellExecutionError on the first failing cell
+    try:
+        client.execute()  # raises CellExecutionError on the first failing cell
+    finally:
+        for left in fsdp_nb.sessions():  # a notebook that failed half-way: stop what it kept
+            fsdp_nb.Session.attach(left.cluster_id, activate=False).shutdown()
     shown = _shown(nb)
     missing = [text for text in EXPECTED[path.stem] if text not in shown]
     assert not missing, f"{path.name} did not show {missing}"

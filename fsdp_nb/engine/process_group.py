@@ -107,3 +107,13 @@ def all_reduce_rank() -> float:
     t = torch.tensor([float(dist.get_rank())], device=user_ns().get("device", "cpu"))
     dist.all_reduce(t)
     return float(t.item())
+
+
+def membership() -> tuple[int | None, int | None, int]:
+    """(rank, world size, pid) of this engine's process group (None, None, pid when it
+    is in none): how ``Session.attach`` tells whether the group outlived the kernel."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, None, os.getpid()
+    return dist.get_rank(), dist.get_world_size(), os.getpid()

@@ -51,6 +51,7 @@ __all__ = [
     "name_status",
     "param_sizes",
     "resolve",
+    "wrapped_models",
 ]
 
 
@@ -63,6 +64,11 @@ class Wrapped(NamedTuple):
     """Its ``DeviceMesh``."""
     options: Any
     """The ``WrapOptions`` it was wrapped with."""
+    summary: Any = None
+    """The ``WrapSummary`` its build returned."""
+    shipped: Any = None
+    """``(kind, payload, plan, seed)`` as the notebook sent them: a kernel that attaches
+    later rebuilds its ``WrapRecord`` from this (``wrapped_models``)."""
 
 
 MODELS: dict[str, Wrapped] = {}
@@ -302,7 +308,7 @@ def build(name: str, kind: str, payload: Any, plan: Any, seed: int) -> WrapSumma
 
     _forget(name)
     spec, args, kwargs, options = unship(payload)
-    del payload
+    shipped = payload  # kept: a kernel that attaches later reads it (wrapped_models)
     model = _construct(kind, spec, args, kwargs)
     del spec
     ns = user_ns()
@@ -351,9 +357,10 @@ def build(name: str, kind: str, payload: Any, plan: Any, seed: int) -> WrapSumma
             )
             full_sd = None
     gc.collect()
-    MODELS[name] = Wrapped(model, mesh, options)
+    summary = _summary(model, units, checkpointed, mesh)
+    MODELS[name] = Wrapped(model, mesh, options, summary, (kind, shipped, plan, seed))
     ns[name] = model
-    return _summary(model, units, checkpointed, mesh)
+    return summary
 
 
 def param_sizes(model: Any) -> tuple[int, int, int]:
@@ -393,6 +400,12 @@ def get(name: str) -> Wrapped:
             f"no model wrapped as {name!r} on this rank (wrapped: {wrapped}); use sess.wrap first"
         )
     return MODELS[name]
+
+
+def wrapped_models() -> dict[str, tuple[Any, Any]]:
+    """Name -> (``shipped``, summary) of every model wrapped on this rank, in wrap order:
+    what ``Session.attach`` needs to give a new kernel its ``sess.models``."""
+    return {name: (w.shipped, w.summary) for name, w in MODELS.items()}
 
 
 def resolve(name: str) -> Any:

@@ -1,0 +1,200 @@
+"""A session's life beyond its kernel: its record, its watchdog, and listing sessions.
+
+Every session fsdp_nb starts gets a ``Keeper``: it writes the session record
+(``fsdp_nb.session_record``) and starts the watchdog (``fsdp_nb.watchdog``), which
+stops the controller and engines when the kernel dies, unless ``keep_alive``. A
+kept-alive session's record is what ``Session.attach()`` reads in the next kernel;
+``sessions()`` lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .session_record import SessionRecord, list_records, process_alive, process_stamp
+
+if TYPE_CHECKING:
+    from .session import Session
+
+log = logging.getLogger("fsdp_nb")
+
+__all__ = ["Keeper", "SessionSummary", "check_keep_alive", "sessions"]
+
+
+def check_keep_alive(keep_alive: Any) -> bool | float:
+    """``keep_alive``: False, True, or seconds > 0 (stop after that long unattended)."""
+    if isinstance(keep_alive, bool):
+        return keep_alive
+    if isinstance(keep_alive, (int, float)) and keep_alive > 0:
+        return float(keep_alive)
+    raise ValueError(
+        f"keep_alive must be False, True or a number of seconds > 0 (how long the engines "
+        f"may stay idle with no kernel attached), got {keep_alive!r}"
+    )
+
+
+def _engine_pids(sess: Session) -> list[tuple[int, float | None]]:
+    here = socket.gethostname()
+    return [(r.pid, process_stamp(r.pid)) for r in sess.ranks if r.host == here]
+
+
+class Keeper:
+    """The notebook's side of one session's record and watchdog."""
+
+    def __init__(self, record: SessionRecord):
+        self.record = record
+        """The session record as last written."""
+        self._watchdog: subprocess.Popen | None = None
+
+    @classmethod
+    def begin(cls, sess: Session, keep_alive: bool | float, connection: dict[str, Any]) -> Keeper:
+        """Write ``sess``'s record; start its watchdog when fsdp_nb started the engines."""
+        cluster = sess.cluster
+        owns = cluster.owns_engines
+        cluster_id = cluster.cluster.cluster_id if owns else connection.get("cluster_id") or (
+            f"connected-{int(time.time())}-{os.getpid()}"
+        )
+        record = SessionRecord(
+            cluster_id=cluster_id,
+            owns_engines=owns,
+            connection=connection,
+            backend=str(sess.backend),
+            launcher=sess.launcher,
+            ranks=[dataclasses.asdict(r) for r in sess.ranks],
+            pg_timeout=sess.pg_timeout,
+            omp_threads=sess.omp_threads,
+            keep_alive=keep_alive,
+            owner_pid=os.getpid(),
+            owner_stamp=process_stamp(os.getpid()),
+            engine_pids=_engine_pids(sess),
+        )
+        keeper = cls(record)
+        keeper.take(sess)
+        return keeper
+
+    @property
+    def keep_alive(self) -> bool | float:
+        """The session's ``keep_alive`` setting."""
+        return self.record.keep_alive
+
+    def take(self, sess: Session) -> None:
+        """Make this kernel the owner (start or attach), with ``sess``'s ranks; start a
+        watchdog if none runs."""
+        rec = self.record
+        rec.owner_pid, rec.owner_stamp, rec.attached = os.getpid(), process_stamp(os.getpid()), time.time()
+        self.refresh(sess)
+        if rec.owns_engines and not (rec.watchdog_pid and process_alive(rec.watchdog_pid, None)):
+            self._start_watchdog()
+
+    def refresh(self, sess: Session) -> None:
+        """Write the record again with ``sess``'s current ranks (after a restart)."""
+        self.record.ranks = [dataclasses.asdict(r) for r in sess.ranks]
+        self.record.engine_pids = _engine_pids(sess)
+        self.record.write()
+
+    @property
+    def _logfile(self) -> str:
+        return self.record.path.removesuffix(".json") + ".watchdog.log"
+
+    def _start_watchdog(self) -> None:
+        rec = self.record
+        with open(self._logfile, "ab") as out, open(os.devnull, "rb") as devnull:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-m", "fsdp_nb.watchdog", rec.path],
+                stdin=devnull, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,  # a kernel's process-group kill must spare it
+            )
+        rec.watchdog_pid = self._watchdog.pid
+        rec.write()
+
+    def end(self) -> None:
+        """The session is over: remove the record; the watchdog sees that and exits."""
+        self.record.remove()
+        if self._watchdog is not None:
+            try:
+                self._watchdog.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.warning("the session watchdog (pid %d) did not exit; killing it", self._watchdog.pid)
+                self._watchdog.kill()
+                self._watchdog.wait()
+            self._watchdog = None
+        try:
+            os.remove(self._logfile)
+        except FileNotFoundError:
+            pass
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    """One session that ``Session.attach`` could reach (``fsdp_nb.sessions()``)."""
+
+    cluster_id: str
+    """``Session.attach(cluster_id=...)`` takes it."""
+    world_size: int
+    """Number of ranks."""
+    backend: str
+    """The process group's backend."""
+    keep_alive: bool | float
+    """Its ``keep_alive`` setting."""
+    started: str
+    """When it was started (local time)."""
+    owner_pid: int
+    """The kernel that holds it (or last held it)."""
+    attached: bool
+    """That kernel still runs; ``attach`` from another kernel is refused meanwhile."""
+
+    def __str__(self) -> str:
+        held = f"held by kernel pid {self.owner_pid}" if self.attached else "no kernel attached"
+        keep = {True: "keep_alive", False: "stops with its kernel"}.get(
+            self.keep_alive, f"keep_alive={self.keep_alive:g} s"  # type: ignore[arg-type]
+        )
+        return (
+            f"{self.cluster_id}: {self.world_size} ranks ({self.backend}), started "
+            f"{self.started}, {held}, {keep}"
+        )
+
+
+def _controller_alive(record: SessionRecord) -> bool:
+    """For a session fsdp_nb started: its cluster file is there and names a live
+    controller process (connected clusters are not ours to judge: True)."""
+    if not record.owns_engines:
+        return True
+    try:
+        with open(record.connection["cluster_file"]) as f:
+            pid = json.load(f)["controller"]["state"]["pid"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return process_alive(pid, None)
+
+
+def live_records() -> list[SessionRecord]:
+    """Records whose cluster is still there, newest first (stale ones are removed)."""
+    out = []
+    for rec in list_records():
+        if _controller_alive(rec):
+            out.append(rec)
+        else:
+            log.info("removing the record of stopped session %s", rec.cluster_id)
+            rec.remove()
+    return out
+
+
+def sessions() -> list[SessionSummary]:
+    """The sessions of this user that are still running, newest first."""
+    return [
+        SessionSummary(
+            r.cluster_id, len(r.ranks), r.backend, r.keep_alive,
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started)),
+            r.owner_pid, r.owner_alive,
+        )
+        for r in live_records()
+    ]

@@ -1,0 +1,137 @@
+"""The watchdog: a small process that stops a session's engines when its kernel dies.
+
+``python -m fsdp_nb.watchdog RECORD`` runs beside every session fsdp_nb starts, in a
+session of its own (so the signal that kills a kernel's process group spares it). It
+reads the session record (``fsdp_nb.session_record``) every ``POLL`` seconds:
+
+- record gone: the session was shut down (or the cluster stopped): exit;
+- owner kernel alive: nothing to do;
+- owner gone and ``keep_alive`` false: stop the controller and engines
+  (ipyparallel's own ``Cluster.stop_cluster``, then SIGKILL for any engine still
+  there), remove the record, exit: no orphans holding memory;
+- owner gone and ``keep_alive`` a number of seconds: once no kernel has held it and
+  no rank has run anything for that long, stop it the same way;
+- ``keep_alive=True``: keep it for the next ``Session.attach()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+
+from .session_record import SessionRecord, process_alive
+
+log = logging.getLogger("fsdp_nb.watchdog")
+
+POLL = 0.5
+"""Seconds between looks at the record and the owner."""
+KILL_AFTER = 10.0
+"""Seconds ipyparallel gets to stop the engines before the rest are killed."""
+
+
+class _Idle:
+    """Whether a kept-alive session is idle: no rank has a task queued or running
+    (asked of the controller through a client made on first use)."""
+
+    def __init__(self, record: SessionRecord):
+        self.record = record
+        self.client = None
+        self.since: float | None = None
+
+    def busy(self) -> bool:
+        try:
+            if self.client is None:
+                import ipyparallel as ipp
+
+                self.client = ipp.Cluster.from_file(
+                    self.record.connection["cluster_file"]
+                ).connect_client_sync()
+            status = self.client.queue_status()
+        except Exception as exc:  # noqa: BLE001 - an unreachable controller counts as idle
+            log.warning("cannot ask the controller whether ranks are busy: %s", exc)
+            return False
+        return any(
+            isinstance(v, dict) and (v.get("queue") or v.get("tasks")) for v in status.values()
+        ) or bool(status.get("unassigned"))
+
+    def expired(self, seconds: float) -> bool:
+        now = time.monotonic()
+        if self.busy():
+            self.since = None
+            return False
+        if self.since is None:
+            self.since = now
+        return now - self.since >= seconds
+
+    def reset(self) -> None:
+        self.since = None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+def stop(record: SessionRecord, why: str) -> None:
+    """Stop ``record``'s controller and engines, then remove the record."""
+    log.warning("stopping session %s: %s", record.cluster_id, why)
+    try:
+        import ipyparallel as ipp
+
+        ipp.Cluster.from_file(record.connection["cluster_file"]).stop_cluster_sync()
+    except Exception as exc:  # noqa: BLE001 - the pids below are the last resort
+        log.warning("ipyparallel could not stop cluster %s: %s", record.cluster_id, exc)
+    deadline = time.monotonic() + KILL_AFTER
+    left = [(p, s) for p, s in record.engine_pids if process_alive(p, s)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [(p, s) for p, s in left if process_alive(p, s)]
+    for pid, _ in left:
+        log.warning("engine pid %d did not stop; killing it", pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    record.remove()
+
+
+def watch(path: str) -> None:
+    """Watch the session whose record is ``path`` until it ends (see the module doc)."""
+    idle: _Idle | None = None
+    while True:
+        record = SessionRecord.read(path)
+        if record is None:
+            return
+        cluster_file = record.connection.get("cluster_file")
+        if cluster_file and not os.path.exists(cluster_file):
+            record.remove()  # the cluster was stopped by other means
+            return
+        if record.owner_alive:
+            if idle is not None:
+                idle.reset()
+                idle = None
+        elif record.keep_alive is False:
+            stop(record, f"the kernel that held it (pid {record.owner_pid}) is gone")
+            return
+        elif record.keep_alive is not True:
+            idle = idle or _Idle(record)
+            if idle.expired(float(record.keep_alive)):
+                stop(record, f"no kernel and no work for keep_alive={record.keep_alive} s")
+                return
+        time.sleep(POLL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m fsdp_nb.watchdog SESSION_RECORD.json", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a notebook's Ctrl-C is not for us
+    watch(argv[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""A session and its kernel, in a real Jupyter kernel driven through jupyter_client.
+
+- kept alive: wrap, train, restart the kernel (``restart_kernel(now=True)`` kills it),
+  ``Session.attach()`` in the new kernel: same ranks, weights, optimizer and
+  variables, ``%%px``, widgets and post-mortem pdb (answered through the kernel's
+  stdin channel) work, training goes on; ``shutdown()`` then stops the engines;
+- not kept alive: the controller and engines are gone within 30 s of the kernel's
+  death (the watchdog), and ``keep_alive=<seconds>`` stops an unattended session.
+
+Each test has its own IPYTHONDIR (profiles, cluster files, session records).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import time
+
+import psutil
+import pytest
+from jupyter_client.manager import KernelManager
+
+import fsdp_nb
+
+START_S = 180
+"""A kernel cell that starts a session gets this long."""
+
+
+class Kernel:
+    """A real IPython kernel and a blocking client; ``run`` returns a cell's stdout."""
+
+    def __init__(self, ipythondir: str):
+        env = dict(os.environ, IPYTHONDIR=ipythondir, OMP_NUM_THREADS="1")
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.pid
+
+    def run(self, code: str, timeout: float = 120, answers: list[str] | None = None) -> str:
+        """Run ``code``; its stdout (stderr too). A cell that raises fails the test
+        with the kernel's traceback. ``answers`` reply to ``input()`` prompts in order."""
+        out: list[str] = []
+        errors: list[str] = []
+        pending = list(answers or [])
+
+        def on_output(msg):
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                out.append(content["text"])
+            elif kind == "error":
+                errors.append("\n".join(content["traceback"]))
+
+        def on_stdin(msg):
+            out.append(msg["content"]["prompt"])
+            self.kc.input(pending.pop(0) if pending else "q")
+
+        reply = self.kc.execute_interactive(
+            code, timeout=timeout, output_hook=on_output, stdin_hook=on_stdin,
+            allow_stdin=answers is not None,
+        )
+        if reply["content"]["status"] != "ok":
+            pytest.fail(f"kernel cell failed:\n{code}\n{''.join(out)}\n" + "\n".join(errors))
+        return "".join(out)
+
+    def value(self, expr: str) -> object:
+        """A Python literal computed in the kernel."""
+        return ast.literal_eval(self.run(f"print(repr(({expr})))").strip().splitlines()[-1])
+
+    def restart(self) -> None:
+        """Kill the kernel process and start a new one (as Jupyter's restart does)."""
+        self.km.restart_kernel(now=True)
+        self.kc.wait_for_ready(timeout=60)
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel(tmp_path, monkeypatch):
+    """A kernel with its own IPYTHONDIR (this test process looks there too)."""
+    ipythondir = str(tmp_path / "ipython")
+    monkeypatch.setenv("IPYTHONDIR", ipythondir)
+    k = Kernel(ipythondir)
+    yield k
+    try:
+        k.run("import fsdp_nb.session as s\nfor x in list(s._LIVE): x.shutdown()", timeout=60)
+    finally:
+        k.close()
+    for rec in fsdp_nb.sessions():  # anything still running from this test's folder
+        fsdp_nb.Session.attach(rec.cluster_id).shutdown()
+
+
+def _gone(pids: list[int]) -> bool:
+    return not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def _wait_gone(pids: list[int], within: float) -> float:
+    """Seconds until every process in ``pids`` is gone; fails after ``within``."""
+    t0 = time.monotonic()
+    while not _gone(pids):
+        if time.monotonic() - t0 > within:
+            pytest.fail(f"processes {[p for p in pids if psutil.pid_exists(p)]} still run after {within} s")
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+_SETUP = """
+import torch, fsdp_nb
+sess = fsdp_nb.Session(2, backend="gloo", keep_alive={keep})
+
+class Net(torch.nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.a = torch.nn.Linear(d, d)
+        self.b = torch.nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+model = sess.wrap(Net, d=8, name="model")
+"""
+
+_STEP = """%%px
+torch.manual_seed(rank)
+loss = model(torch.randn(4, 8)).pow(2).sum()
+loss.backward()
+opt.step()
+opt.zero_grad()
+steps = steps + 1
+"""
+
+_WEIGHTS = "{k: v.tolist() for k, v in sess.models['model'].state_dict().items()}"
+
+
+def _processes(k: Kernel) -> list[int]:
+    """Engine pids and the controller's pid of the kernel's session."""
+    engines = k.value("[r.pid for r in sess.ranks]")
+    controller = k.value("sess.cluster.cluster.controller.pid")
+    return [*engines, controller]
+
+
+def test_kept_alive_session_survives_a_kernel_restart_and_attach_gets_it_back(kernel):
+    k = kernel
+    k.run(_SETUP.format(keep=True), timeout=START_S)
+    k.run("%%px\nopt = torch.optim.AdamW(model.parameters(), lr=0.01)\nsteps = 0\nnote = f'rank {rank}'")
+    k.run(_STEP)
+    before = k.value(_WEIGHTS)
+    pids = _processes(k)
+    cluster_id = k.value("sess.keeper.record.cluster_id")
+    # while its kernel runs, nobody else may take it
+    with pytest.raises(RuntimeError, match=f"held by the kernel with pid {k.pid}"):
+        fsdp_nb.Session.attach(cluster_id)
+
+    k.restart()
+    assert not _gone(pids)  # the engines outlived the kernel
+    assert [(s.cluster_id, s.attached) for s in fsdp_nb.sessions()] == [(cluster_id, False)]
+    k.run("import torch, fsdp_nb\nsess = fsdp_nb.Session.attach()", timeout=START_S)
+    assert k.value("sess.state") == "ready"
+    assert k.value("[r.pid for r in sess.ranks]") == pids[:2]  # same ranks, same order
+    assert k.value("sorted(sess.models)") == ["model"]
+    assert k.value(_WEIGHTS) == before
+    assert k.value("sess.pull('note'), sess.pull('steps')") == (["rank 0", "rank 1"], [1, 1])
+    assert "FSDPNet" in k.value("repr(sess.models['model'])")
+    # the group is the one formed before the restart (no new rendezvous) and works
+    assert k.value("sess.all_reduce_check()") == 1.0
+    # %%px and the optimizer still work: training goes on from where it was
+    k.run(_STEP)
+    after = k.value(_WEIGHTS)
+    assert after != before and k.value("sess.pull('steps')") == [2, 2]
+    assert k.value("len(sess.pull('opt')[0].state)") > 0
+    # widgets: live memory samples from every rank, the layout of the attached model
+    k.run("w = sess.memory(interval=0.2)\nsess.execute('import time; time.sleep(1.5)')\nw.close()")
+    got = k.value("[len(w.feed.samples(r)) for r in range(2)]")
+    assert all(c >= 3 for c in got), got
+    assert "a.weight" in k.value("sess.models['model'].layout().to_text()")
+    # post-mortem pdb in the kernel, commands answered on its stdin channel
+    k.run("try:\n    sess.execute('if rank == 1:\\n    secret = 41\\n    raise ValueError(\"x\")')\n"
+          "except fsdp_nb.RankError:\n    pass")
+    out = k.run("sess.debug()", answers=["p secret + 1", "q"])
+    assert "(Pdb rank 1) " in out and "42" in out
+    out = k.run("%fsdp debug 1", answers=["p secret", "q"])
+    assert "41" in out
+    assert cluster_id in k.run("%fsdp list")
+
+    k.run("sess.shutdown()", timeout=60)
+    assert _wait_gone(pids, 30) < 30
+    assert fsdp_nb.sessions() == []
+
+
+def test_without_keep_alive_the_engines_stop_when_the_kernel_dies(kernel):
+    k = kernel
+    k.run(_SETUP.format(keep=False), timeout=START_S)
+    pids = _processes(k)
+    k.restart()
+    took = _wait_gone(pids, 30)
+    assert took < 30
+    assert fsdp_nb.sessions() == []
+    with pytest.raises(LookupError, match="no kept-alive fsdp_nb session to attach to"):
+        fsdp_nb.Session.attach()
+
+
+def test_keep_alive_seconds_stops_an_unattended_idle_session(kernel, tmp_path):
+    k = kernel
+    k.run(_SETUP.format(keep=2), timeout=START_S)
+    pids = _processes(k)
+    record = k.value("sess.keeper.record.path")
+    k.restart()
+    _wait_gone(pids, 30)
+    log = open(record.removesuffix(".json") + ".watchdog.log").read()
+    assert "no kernel and no work for keep_alive=2.0 s" in log
+    assert fsdp_nb.sessions() == []
