@@ -117,15 +117,12 @@ class Keeper:
         rec.write()
 
     def end(self) -> None:
-        """The session is over: remove the record; the watchdog sees that and exits."""
+        """The session is over: remove the record and stop the watchdog (one a previous
+        kernel started sees the record gone and exits by itself)."""
         self.record.remove()
-        if self._watchdog is not None:
-            try:
-                self._watchdog.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                log.warning("the session watchdog (pid %d) did not exit; killing it", self._watchdog.pid)
-                self._watchdog.kill()
-                self._watchdog.wait()
+        if self._watchdog is not None:  # it has nothing left to watch: no need to wait a poll
+            self._watchdog.terminate()
+            self._watchdog.wait()
             self._watchdog = None
         try:
             os.remove(self._logfile)

@@ -222,7 +222,8 @@ def test_second_session_side_by_side_and_clean_shutdown(sess):
     assert sess.all_reduce_check() == 1.0  # the shared session is untouched
 
 
-def test_connect_to_running_cluster_leaves_its_engines(tmp_path):
+def test_connect_to_running_cluster_leaves_its_engines(tmp_path, monkeypatch):
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))  # its own session records
     profile_dir = tmp_path / "profile"
     import ipyparallel as ipp
 
@@ -243,6 +244,25 @@ def test_connect_to_running_cluster_leaves_its_engines(tmp_path):
         assert [r.pid for r in s2.ranks] == pids and all(psutil.pid_exists(p) for p in pids)
         assert s2.all_reduce_check() == 1.0
         s2.shutdown()
+        # kept alive: what a kernel formed on connected engines outlives it; attach takes
+        # it back (here the kernel is a process that exits without shutting down)
+        script = (
+            "import os, torch, fsdp_nb\n"
+            f"s = fsdp_nb.Session.connect({str(url_file)!r}, n=2, backend='gloo', keep_alive=True)\n"
+            "s.wrap(torch.nn.Linear(2, 2), name='kept')\n"
+            "s.execute('left_here = rank + 5')\n"
+            "os._exit(0)\n"
+        )
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+        (found,) = fsdp_nb.sessions()
+        assert not found.attached and found.world_size == 2
+        s3 = fsdp_nb.Session.attach(activate=False)
+        assert [r.pid for r in s3.ranks] == pids and s3.launcher == "connected"
+        assert s3.pull("left_here") == [5, 6] and sorted(s3.models) == ["kept"]
+        assert s3.all_reduce_check() == 1.0
+        s3.shutdown()  # leaves the engines (not ours) and forgets the session
+        assert fsdp_nb.sessions() == [] and all(psutil.pid_exists(p) for p in pids)
     finally:
         cluster.stop_cluster_sync()
 

@@ -206,3 +206,20 @@ def test_sessions_lists_running_sessions(sess):
     assert me in found and found[me].attached and found[me].world_size == 2
     assert found[me].keep_alive is False and "stops with its kernel" in str(found[me])
     assert torch.distributed.is_available()
+
+
+def test_a_notebook_class_defined_again_is_shipped_anew_on_the_next_wrap(sess, shell):
+    source = (
+        "import torch\n"
+        "class Redefined(torch.nn.Module):\n"
+        "    VERSION = {v}\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(2, 2)\n"
+    )
+    shell.run_cell(source.format(v=1))
+    sess.wrap(shell.user_ns["Redefined"], name="redefined_a")
+    shell.run_cell(source.format(v=2))
+    sess.wrap(shell.user_ns["Redefined"], name="redefined_b")
+    sess.execute("got = (type(redefined_a).VERSION, type(redefined_b).VERSION)")
+    assert sess.pull("got") == [(1, 2), (1, 2)]
