@@ -30,6 +30,7 @@ BENCHES = {
     "memory_sampler": ("memory_sampler.py", [], ["--rounds", "2", "--steps", "4"]),
     "failures": ("failures.py", [], ["--reps", "1"]),
     "launchers": ("launchers.py", [], ["--only", "local"]),
+    "kernel_restart": ("kernel_restart.py", [], ["--reps", "1"]),
     # the GPU path: a transformer on one engine per GPU (nccl), or the same code on 2 CPU ranks
     "gpu": ("gpu.py", [], ["--device", "cpu", "--steps", "3"]),
 }
