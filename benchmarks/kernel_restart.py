@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
+from fsdp_nb.session_record import process_alive
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -61,13 +61,7 @@ def _kernel(keep: bool, env: dict) -> tuple[subprocess.Popen, dict]:
 
 
 def _gone(pids: list[int]) -> bool:
-    for p in pids:
-        try:
-            if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            continue
-    return True
+    return not any(process_alive(p) for p in pids)
 
 
 def rep(env: dict) -> dict:

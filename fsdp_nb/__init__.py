@@ -7,14 +7,16 @@ without GPUs), each a rank of one process group; ``%%px`` runs cells on every ra
 from __future__ import annotations
 
 from .errors import DeadRankError, RankError, RankFailure, RankTimeoutError, SessionClosedError
-from .magics import load_ipython_extension
-from .rendezvous import RankInfo
-from .session import Session
 
 __version__ = "0.1.0"
 
-# Names served lazily from the layers that define them (keeps `import fsdp_nb` light).
+# Names served lazily from the layers that define them: `import fsdp_nb` stays light,
+# so a process that needs one small module (the session watchdog, an engine importing
+# fsdp_nb.engine) does not pay for ipyparallel and IPython.
 _LAZY = {
+    "Session": "session",
+    "RankInfo": "rendezvous",
+    "load_ipython_extension": "magics",
     "ShardedModel": "sharded_model",
     "WrapOptions": "wrap_options",
     "CheckpointInfo": "checkpoint",

@@ -116,7 +116,8 @@ def rebuild_models(sess: Session) -> None:
     from .sharding import WrapRecord
     from .wrap_options import WrapOptions
 
-    live = [r for r in range(sess.world_size) if r not in sess.cluster.dead_ranks()]
+    dead = set(sess.cluster.dead_ranks())
+    live = [r for r in range(sess.world_size) if r not in dead]
     if not live:
         return
     d = sess.plain_dispatcher

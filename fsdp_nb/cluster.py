@@ -22,6 +22,7 @@ import ipyparallel as ipp
 import psutil
 
 from .engine.health import whoami
+from .session_record import process_alive
 
 log = logging.getLogger("fsdp_nb")
 
@@ -362,13 +363,7 @@ class EngineCluster:
 
 
 def _local_pid_dead(pid: int) -> bool:
-    try:
-        p = psutil.Process(pid)
-        return p.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.AccessDenied:
-        return False
+    return not process_alive(pid)
 
 
 def wait_until(pred, timeout: float, interval: float = 0.05) -> bool:

@@ -58,27 +58,23 @@ class Keeper:
     @classmethod
     def begin(cls, sess: Session, keep_alive: bool | float, connection: dict[str, Any]) -> Keeper:
         """Write ``sess``'s record; start its watchdog when fsdp_nb started the engines."""
-        cluster = sess.cluster
-        owns = cluster.owns_engines
-        cluster_id = cluster.cluster.cluster_id if owns else connection.get("cluster_id") or (
-            f"connected-{int(time.time())}-{os.getpid()}"
-        )
+        owns = sess.cluster.owns_engines
+        if owns:
+            cluster_id = sess.cluster.cluster.cluster_id
+        else:  # a connected cluster may have no id (a url file): make one
+            cluster_id = connection.get("cluster_id") or f"connected-{int(time.time())}-{os.getpid()}"
         record = SessionRecord(
             cluster_id=cluster_id,
             owns_engines=owns,
             connection=connection,
             backend=str(sess.backend),
             launcher=sess.launcher,
-            ranks=[dataclasses.asdict(r) for r in sess.ranks],
             pg_timeout=sess.pg_timeout,
             omp_threads=sess.omp_threads,
             keep_alive=keep_alive,
-            owner_pid=os.getpid(),
-            owner_stamp=process_stamp(os.getpid()),
-            engine_pids=_engine_pids(sess),
         )
         keeper = cls(record)
-        keeper.take(sess)
+        keeper.take(sess)  # the owner, the ranks and their pids
         return keeper
 
     @property
@@ -92,7 +88,7 @@ class Keeper:
         rec = self.record
         rec.owner_pid, rec.owner_stamp, rec.attached = os.getpid(), process_stamp(os.getpid()), time.time()
         self.refresh(sess)
-        if rec.owns_engines and not (rec.watchdog_pid and process_alive(rec.watchdog_pid, None)):
+        if rec.owns_engines and not process_alive(rec.watchdog_pid):
             self._start_watchdog()
 
     def refresh(self, sess: Session) -> None:
@@ -114,7 +110,7 @@ class Keeper:
                 start_new_session=True,  # a kernel's process-group kill must spare it
             )
         rec.watchdog_pid = self._watchdog.pid
-        rec.write()
+        rec.write()  # again: the watchdog reads the record, so it was written first
 
     def end(self) -> None:
         """The session is over: remove the record and stop the watchdog (one a previous
@@ -151,9 +147,10 @@ class SessionSummary:
 
     def __str__(self) -> str:
         held = f"held by kernel pid {self.owner_pid}" if self.attached else "no kernel attached"
-        keep = {True: "keep_alive", False: "stops with its kernel"}.get(
-            self.keep_alive, f"keep_alive={self.keep_alive:g} s"  # type: ignore[arg-type]
-        )
+        if isinstance(self.keep_alive, bool):  # not a dict lookup: 1.0 == True
+            keep = "keep_alive" if self.keep_alive else "stops with its kernel"
+        else:
+            keep = f"keep_alive={self.keep_alive:g} s"
         return (
             f"{self.cluster_id}: {self.world_size} ranks ({self.backend}), started "
             f"{self.started}, {held}, {keep}"
@@ -170,7 +167,7 @@ def _controller_alive(record: SessionRecord) -> bool:
             pid = json.load(f)["controller"]["state"]["pid"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return process_alive(pid, None)
+    return process_alive(pid)
 
 
 def live_records() -> list[SessionRecord]:

@@ -34,28 +34,27 @@ def folder() -> str:
 
 def process_stamp(pid: int) -> float | None:
     """The start time of process ``pid`` (with the pid, it names one process even
-    after the pid is reused); None if there is no such process."""
+    after the pid is reused); None if it cannot be read (then only the pid is checked)."""
     try:
         return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+    except psutil.Error:
         return None
-    except psutil.AccessDenied:
-        return 0.0
 
 
-def process_alive(pid: int | None, stamp: float | None) -> bool:
-    """True if ``pid`` still runs and is the process that ``stamp`` was taken from."""
+def process_alive(pid: int | None, stamp: float | None = None) -> bool:
+    """True if ``pid`` runs (a zombie does not count) and, given ``stamp``, is the process
+    it was taken from. A process we may not look at counts as alive."""
     if not pid:
         return False
-    now = process_stamp(pid)
-    if now is None:
-        return False
     try:
-        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
             return False
-    except psutil.Error:
+        return stamp is None or abs(p.create_time() - stamp) < 1.0
+    except psutil.NoSuchProcess:
         return False
-    return stamp is None or now == 0.0 or abs(now - stamp) < 1.0
+    except psutil.AccessDenied:
+        return True
 
 
 @dataclass
@@ -72,8 +71,6 @@ class SessionRecord:
     """The process group's backend."""
     launcher: str
     """The engine launcher, or ``"connected"``."""
-    ranks: list[dict[str, Any]]
-    """``RankInfo`` of each rank, in rank order, as dicts."""
     pg_timeout: float
     """The group's collective timeout (seconds)."""
     omp_threads: int | None
@@ -81,9 +78,11 @@ class SessionRecord:
     keep_alive: bool | float
     """False: stopped when the owner dies; True: kept; seconds: kept, then stopped
     after that long with no kernel attached and no rank busy."""
-    owner_pid: int
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    """``RankInfo`` of each rank, in rank order, as dicts."""
+    owner_pid: int = 0
     """The kernel process that holds the session now."""
-    owner_stamp: float | None
+    owner_stamp: float | None = None
     """That process's start time (``process_stamp``)."""
     engine_pids: list[tuple[int, float | None]] = field(default_factory=list)
     """(pid, start time) of each engine on this host, for the watchdog's last resort."""

@@ -73,8 +73,17 @@ class _Idle:
             self.client = None
 
 
-def stop(record: SessionRecord, why: str) -> None:
-    """Stop ``record``'s controller and engines, then remove the record."""
+def _forget(path: str) -> None:
+    """Remove the record at ``path`` (by path: ``SessionRecord.path`` would import
+    IPython to find the folder, which this small process never needs)."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def stop(record: SessionRecord, path: str, why: str) -> None:
+    """Stop ``record``'s controller and engines, then remove the record at ``path``."""
     log.warning("stopping session %s: %s", record.cluster_id, why)
     try:
         import ipyparallel as ipp
@@ -93,7 +102,7 @@ def stop(record: SessionRecord, why: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    record.remove()
+    _forget(path)
 
 
 def watch(path: str) -> None:
@@ -105,19 +114,19 @@ def watch(path: str) -> None:
             return
         cluster_file = record.connection.get("cluster_file")
         if cluster_file and not os.path.exists(cluster_file):
-            record.remove()  # the cluster was stopped by other means
+            _forget(path)  # the cluster was stopped by other means
             return
         if record.owner_alive:
             if idle is not None:
                 idle.reset()
                 idle = None
         elif record.keep_alive is False:
-            stop(record, f"the kernel that held it (pid {record.owner_pid}) is gone")
+            stop(record, path, f"the kernel that held it (pid {record.owner_pid}) is gone")
             return
         elif record.keep_alive is not True:
             idle = idle or _Idle(record)
             if idle.expired(float(record.keep_alive)):
-                stop(record, f"no kernel and no work for keep_alive={record.keep_alive} s")
+                stop(record, path, f"no kernel and no work for keep_alive={record.keep_alive} s")
                 return
         time.sleep(POLL)
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import ast
 import os
-import time
 
-import psutil
 import pytest
 from jupyter_client.manager import KernelManager
 
 import fsdp_nb
+from fsdp_nb.cluster import wait_until
+from fsdp_nb.session_record import process_alive
 
 START_S = 180
 """A kernel cell that starts a session gets this long."""
@@ -97,21 +97,17 @@ def kernel(tmp_path, monkeypatch):
 
 
 def _gone(pids: list[int]) -> bool:
-    return not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    return not any(process_alive(p) for p in pids)
 
 
-def _wait_gone(pids: list[int], within: float) -> float:
-    """Seconds until every process in ``pids`` is gone; fails after ``within``."""
-    t0 = time.monotonic()
-    while not _gone(pids):
-        if time.monotonic() - t0 > within:
-            pytest.fail(f"processes {[p for p in pids if psutil.pid_exists(p)]} still run after {within} s")
-        time.sleep(0.2)
-    return time.monotonic() - t0
+def _wait_gone(pids: list[int], within: float) -> None:
+    """Wait until every process in ``pids`` is gone; fail after ``within`` seconds."""
+    if not wait_until(lambda: _gone(pids), within, 0.2):
+        pytest.fail(f"processes {[p for p in pids if process_alive(p)]} still run after {within} s")
 
 
 _SETUP = """
-import torch, fsdp_nb
+import os, torch, fsdp_nb
 sess = fsdp_nb.Session(2, backend="gloo", keep_alive={keep})
 
 class Net(torch.nn.Module):
@@ -152,6 +148,7 @@ def test_kept_alive_session_survives_a_kernel_restart_and_attach_gets_it_back(ke
     k.run(_STEP)
     before = k.value(_WEIGHTS)
     pids = _processes(k)
+    ports = k.value("sess.run(lambda: os.environ['MASTER_PORT'])")
     cluster_id = k.value("sess.keeper.record.cluster_id")
     # while its kernel runs, nobody else may take it
     with pytest.raises(RuntimeError, match=f"held by the kernel with pid {k.pid}"):
@@ -160,14 +157,16 @@ def test_kept_alive_session_survives_a_kernel_restart_and_attach_gets_it_back(ke
     k.restart()
     assert not _gone(pids)  # the engines outlived the kernel
     assert [(s.cluster_id, s.attached) for s in fsdp_nb.sessions()] == [(cluster_id, False)]
-    k.run("import torch, fsdp_nb\nsess = fsdp_nb.Session.attach()", timeout=START_S)
+    k.run("import os, torch, fsdp_nb\nsess = fsdp_nb.Session.attach()", timeout=START_S)
     assert k.value("sess.state") == "ready"
     assert k.value("[r.pid for r in sess.ranks]") == pids[:2]  # same ranks, same order
     assert k.value("sorted(sess.models)") == ["model"]
     assert k.value(_WEIGHTS) == before
     assert k.value("sess.pull('note'), sess.pull('steps')") == (["rank 0", "rank 1"], [1, 1])
     assert "FSDPNet" in k.value("repr(sess.models['model'])")
-    # the group is the one formed before the restart (no new rendezvous) and works
+    # the group is the one formed before the restart (a re-formed one would be on a
+    # fresh port) and it works
+    assert k.value("sess.run(lambda: os.environ['MASTER_PORT'])") == ports
     assert k.value("sess.all_reduce_check()") == 1.0
     # %%px and the optimizer still work: training goes on from where it was
     k.run(_STEP)
@@ -189,7 +188,7 @@ def test_kept_alive_session_survives_a_kernel_restart_and_attach_gets_it_back(ke
     assert cluster_id in k.run("%fsdp list")
 
     k.run("sess.shutdown()", timeout=60)
-    assert _wait_gone(pids, 30) < 30
+    _wait_gone(pids, 30)
     assert fsdp_nb.sessions() == []
 
 
@@ -198,8 +197,7 @@ def test_without_keep_alive_the_engines_stop_when_the_kernel_dies(kernel):
     k.run(_SETUP.format(keep=False), timeout=START_S)
     pids = _processes(k)
     k.restart()
-    took = _wait_gone(pids, 30)
-    assert took < 30
+    _wait_gone(pids, 30)
     assert fsdp_nb.sessions() == []
     with pytest.raises(LookupError, match="no kept-alive fsdp_nb session to attach to"):
         fsdp_nb.Session.attach()

@@ -257,10 +257,23 @@ def test_connect_to_running_cluster_leaves_its_engines(tmp_path, monkeypatch):
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
         (found,) = fsdp_nb.sessions()
         assert not found.attached and found.world_size == 2
+        # meanwhile the ranks left their group (as after a failed collective): attach
+        # sees it and forms the group again, keeping the engines' variables and models
+        from fsdp_nb.engine.process_group import destroy
+
+        read_port = "import os; group_port = os.environ['MASTER_PORT']"
+        direct = ipp.Client(str(url_file))
+        direct[:].execute(read_port, block=True)
+        port = direct[:].pull("group_port", block=True)
+        direct[:].apply_sync(destroy)
+        direct.close()
         s3 = fsdp_nb.Session.attach(activate=False)
         assert [r.pid for r in s3.ranks] == pids and s3.launcher == "connected"
+        s3.execute(read_port)
+        assert s3.pull("group_port") != port  # a new rendezvous
         assert s3.pull("left_here") == [5, 6] and sorted(s3.models) == ["kept"]
         assert s3.all_reduce_check() == 1.0
+        s3.execute("kept(torch.ones(1, 2)).sum().backward()")  # the model's mesh was re-pointed
         s3.shutdown()  # leaves the engines (not ours) and forgets the session
         assert fsdp_nb.sessions() == [] and all(psutil.pid_exists(p) for p in pids)
     finally:

@@ -150,6 +150,8 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
                 if on_read is not None:
                     on_read(int(sinfo.length))
                 return super()._slice_file(file, sinfo)
-            return io.BytesIO(bytes(self._checked_item(file, sinfo, memoryview(bytearray(sinfo.length)))))
+            data = bytearray(sinfo.length)
+            self._checked_item(file, sinfo, memoryview(data))
+            return io.BytesIO(data)
 
     return SafeReader(*args, **kw)

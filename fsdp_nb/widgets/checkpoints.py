@@ -5,7 +5,8 @@ size, world size), details of the selected one (tensor tree; which rank file hol
 chunk; ``extra``), and buttons to save now, load, consolidate and delete (delete asks
 for a confirmation first). A progress bar follows saves; an async save shows staging,
 then the bytes written so far while training goes on, then the commit. It renders
-``fsdp_nb.CheckpointInfo`` as ``fsdp_nb.inspect`` returns it; the folder scan is ``fsdp_nb.checkpoint.listing``, the drawing ``_checkpoint_view``.
+``fsdp_nb.CheckpointInfo`` as ``fsdp_nb.inspect`` returns it; the folder scan is
+``fsdp_nb.checkpoint.listing``, the drawing ``_checkpoint_view``.
 """
 
 from __future__ import annotations
