@@ -211,6 +211,39 @@ def test_checksums_taken_while_writing_tile_every_file(sess, tmp_path):
     sess.execute("del ck_s, ck_s_opt")
 
 
+class _ShortWrites(io.BytesIO):
+    """A raw file that takes at most ``cap`` bytes per write, as a raw stream may."""
+
+    cap = 5 << 20
+
+    def write(self, b):
+        return super().write(memoryview(b)[: self.cap])
+
+
+@pytest.mark.parametrize("raw", [io.BytesIO, _ShortWrites])
+def test_large_writes_are_checksummed_beside_the_write(raw):
+    """Writes over OVERLAP_BYTES are checksummed in a helper thread while the file takes
+    them; the segments are those of the bytes that reached the file, short writes too."""
+    from fsdp_nb.checkpoint.checksums import OVERLAP_BYTES, ChecksumStream, checksum
+
+    g = torch.Generator().manual_seed(3)
+    items = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
+             for n in (100, OVERLAP_BYTES + 3, 7, 3 * OVERLAP_BYTES)]
+    f, got = raw(), {}
+    s = ChecksumStream(f, got.update)
+    for item in items:
+        s.tell()  # DCP asks for the position at each item's start
+        view = memoryview(item)
+        while view:
+            view = view[s.write(view):]
+    s.close()
+    assert f.closed
+    assert got["size"] == sum(map(len, items))
+    assert [(off, n) for off, n, _ in got["segments"]] == [
+        (sum(map(len, items[:i])), len(item)) for i, item in enumerate(items)]
+    assert [crc for *_, crc in got["segments"]] == [checksum(item) for item in items]
+
+
 def test_corrupt_or_truncated_file_named_model_unchanged(sess, tmp_path):
     build(sess, "ck_c")
     path = tmp_path / "c"
@@ -334,6 +367,33 @@ def test_async_save_returns_before_the_copy_and_the_next_step_waits_for_it(sess,
     sess.load(path, "ck_h", optimizer="ck_h_opt")
     assert same(snapshot(sess, "ck_h"), s0)  # the state at save time, not after the step
     sess.execute("del ck_h, ck_h_opt")
+
+
+STAGED_BUFFERS = """
+from fsdp_nb.engine import async_saves as _as
+_staged = sorted(s.data_ptr() for s in _as.stager(False)._state_dict_stager._cached_storage_mapping.values())
+"""
+
+
+def test_async_saves_reuse_one_stager_that_outlives_close(sess, tmp_path):
+    """The second async save copies into the first one's CPU buffers, also where DCP
+    closes the stager (or its inner copier, as torch 2.11 does after every staging; the
+    second save then failed with "KeyError: <class 'type'>")."""
+    build(sess, "ck_r")
+    step(sess, "ck_r")
+    assert sess.save(str(tmp_path / "r1"), "ck_r", optimizer="ck_r_opt", async_save=True).wait().valid
+    sess.execute(STAGED_BUFFERS + "_as.stager(False).close()\n"
+                 "_as.stager(False)._state_dict_stager.close()\n_first = _staged")
+    step(sess, "ck_r")
+    s1 = snapshot(sess, "ck_r")
+    path = str(tmp_path / "r2")
+    assert sess.save(path, "ck_r", optimizer="ck_r_opt", async_save=True).wait().valid
+    sess.execute(STAGED_BUFFERS + "_reused = bool(_staged) and _staged == _first")
+    assert sess.pull("_reused") == [True] * sess.world_size
+    step(sess, "ck_r")
+    sess.load(path, "ck_r", optimizer="ck_r_opt")
+    assert same(snapshot(sess, "ck_r"), s1)
+    sess.execute("del ck_r, ck_r_opt")
 
 
 GATE = """

@@ -21,6 +21,7 @@ import posixpath
 import threading
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -59,6 +60,21 @@ def checksum(data: Any, value: int = 0, algorithm: str = ALGORITHM) -> int:
     return update(data, value)
 
 
+OVERLAP_BYTES = 4 << 20
+"""Writes at least this large are checksummed in a helper thread while the file takes
+them (both release the GIL), so the checksum adds no time to a large save."""
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _crc_pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(4, thread_name_prefix="fsdp_nb-crc")
+        return _POOL
+
+
 class ChecksumStream(io.RawIOBase):
     """A binary writer that checksums what passes through, one segment per ``tell()``."""
 
@@ -84,9 +100,15 @@ class ChecksumStream(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        n = self.raw.write(view)
-        n = len(view) if n is None else n
-        self._crc = checksum(view[:n], self._crc)
+        if len(view) >= OVERLAP_BYTES:  # checksum while the bytes go to the file
+            crc = _crc_pool().submit(checksum, view, self._crc)
+            n = self.raw.write(view)
+            n = len(view) if n is None else n
+            self._crc = crc.result() if n == len(view) else checksum(view[:n], self._crc)
+        else:
+            n = self.raw.write(view)
+            n = len(view) if n is None else n
+            self._crc = checksum(view[:n], self._crc)
         self._pos += n
         if self._on_write is not None:
             self._on_write(n)

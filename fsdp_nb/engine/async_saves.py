@@ -122,7 +122,22 @@ def stager(cuda: bool) -> Any:
     if _STAGER is None:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        _STAGER = DefaultStager(StagingOptions(
+        class KeptStager(DefaultStager):
+            """A stager that stays open across saves, for the engine's life. torch 2.11
+            closes the inner copier after every staging (``DefaultStager._stage``),
+            which empties its copy tables: the next save failed with "KeyError: <class
+            'type'>", and no buffer could be reused. Closing is a no-op here."""
+
+            def __init__(self, options: StagingOptions) -> None:
+                super().__init__(options)
+                inner = getattr(self, "_state_dict_stager", None)
+                if inner is not None:
+                    inner.close = lambda: None
+
+            def close(self) -> None:
+                pass
+
+        _STAGER = KeptStager(StagingOptions(
             use_pinned_memory=cuda, use_shared_memory=False,
             use_async_staging=True, use_non_blocking_copy=cuda,
         ))
