@@ -24,7 +24,7 @@ OUT = HERE / "out"
 
 BENCHES = {
     # name: (script, full args, quick args)
-    "session": ("session.py", [], ["--sizes", "2", "--repeats", "50", "--steps", "5"]),
+    "session": ("session.py", [], ["--sizes", "2", "--repeats", "50"]),
     "wrap_memory": ("wrap_memory.py", [], ["--dim", "2048", "--layers", "8", "--skip-naive"]),
     "checkpoint_io": ("checkpoint_io.py", [], ["--mb", "64", "--ranks", "2"]),
     "memory_sampler": ("memory_sampler.py", [], ["--rounds", "2", "--steps", "4"]),

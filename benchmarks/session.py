@@ -2,12 +2,15 @@
 
 - time to a ready session (engines up, process group formed) vs torchrun's time from
   launch to its first collective, same N;
-- empty-cell round trip (``sess.execute("pass")``) p50 / p99 for N = 2 and 4, next to
-  ipyparallel's own ``view.execute`` on the same engines;
-- training throughput of the same FSDP2 loop (benchmarks/_train_loop.py) in a session
-  cell vs under torchrun (ratio; target >= 0.98).
+- per call, p50, interleaved call by call on the same engines: ``sess.execute("pass")``
+  vs ipyparallel's own ``view.execute``; ``sess.run(int)`` (the direct call channel)
+  vs ``view.apply_sync(int)``; and ``sess.run`` with the channel off (the ipyparallel
+  path) vs ``view.apply_sync`` again; at N = 2 and 8;
+- the phases of the session start (``Session.start_phases``);
+- with ``--train``: training throughput of the same FSDP2 loop
+  (benchmarks/_train_loop.py) in a session cell vs under torchrun (target >= 0.98).
 
-    python benchmarks/session.py [--sizes 2 4] [--repeats 200] [--steps 20]
+    python benchmarks/session.py [--sizes 2 8] [--repeats 100] [--steps 20] [--train]
 """
 
 from __future__ import annotations
@@ -46,62 +49,83 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-def bench_size(n: int, repeats: int, steps: int) -> dict:
+def p50_pair(ours, theirs, repeats: int) -> tuple[float, float]:
+    """Median ms of ``ours()`` and ``theirs()``, interleaved call by call."""
+    a, b = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        ours()
+        a.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        theirs()
+        b.append(time.perf_counter() - t)
+    return percentile(a, 50) * 1e3, percentile(b, 50) * 1e3
+
+
+def bench_size(n: int, repeats: int, steps: int, train: bool) -> dict:
     import fsdp_nb
 
     t0 = time.perf_counter()
     sess = fsdp_nb.Session(n, backend="gloo", activate=False)
     ready = time.perf_counter() - t0
+    res: dict = {"n": n, "session_ready_s": ready, "phases": dict(sess.start_phases)}
     try:
-        sess.dispatcher.echo = False
-        rt, raw = [], []
         view = sess.view()
-        for _ in range(repeats):
-            t = time.perf_counter()
-            sess.execute("pass")
-            rt.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            view.execute("pass", block=True)
-            raw.append(time.perf_counter() - t)
-        sess.execute((HERE / "_train_loop.py").read_text())
-        train = sess.run(lambda s: bench_train(s), steps)  # noqa: F821 - defined on engines
+        view.block = True
+        sess.run(int)  # the direct channel's sockets
+        res["execute_p50_ms"], res["ipyparallel_execute_p50_ms"] = p50_pair(
+            lambda: sess.execute("pass"), lambda: view.execute("pass", block=True), repeats)
+        res["run_p50_ms"], res["ipyparallel_apply_p50_ms"] = p50_pair(
+            lambda: sess.run(int), lambda: view.apply_sync(int), repeats)
+        sess.channel.enabled = False
+        res["run_via_ipyparallel_p50_ms"], res["ipyparallel_apply_p50_ms_2"] = p50_pair(
+            lambda: sess.run(int), lambda: view.apply_sync(int), repeats)
+        sess.channel.enabled = True
+        if train:
+            sess.execute((HERE / "_train_loop.py").read_text())
+            out = sess.run(lambda s: bench_train(s), steps)  # noqa: F821 - defined on engines
+            res["session_tokens_per_s_per_rank"] = statistics.mean(t[1] for t in out)
     finally:
         sess.shutdown()
-    tr_start = torchrun(n, "start", [])
-    tr_train = torchrun(n, "train", [str(steps)])
-    nb_tps = statistics.mean(t[1] for t in train)
-    return {
-        "n": n,
-        "session_ready_s": ready,
-        "torchrun_first_collective_s": tr_start["to_first_collective_s"],
-        "execute_p50_ms": percentile(rt, 50) * 1e3,
-        "execute_p99_ms": percentile(rt, 99) * 1e3,
-        "ipyparallel_execute_p50_ms": percentile(raw, 50) * 1e3,
-        "ipyparallel_execute_p99_ms": percentile(raw, 99) * 1e3,
-        "session_tokens_per_s_per_rank": nb_tps,
-        "torchrun_tokens_per_s_per_rank": tr_train["tokens_per_s"],
-        "throughput_ratio": nb_tps / tr_train["tokens_per_s"],
-    }
+    res["torchrun_first_collective_s"] = torchrun(n, "start", [])["to_first_collective_s"]
+    res["ready_ratio"] = ready / res["torchrun_first_collective_s"]
+    res["execute_ratio"] = res["execute_p50_ms"] / res["ipyparallel_execute_p50_ms"]
+    res["run_ratio"] = res["run_p50_ms"] / res["ipyparallel_apply_p50_ms"]
+    res["run_via_ipyparallel_ratio"] = res["run_via_ipyparallel_p50_ms"] / res["ipyparallel_apply_p50_ms_2"]
+    if train:
+        tr = torchrun(n, "train", [str(steps)])
+        res["torchrun_tokens_per_s_per_rank"] = tr["tokens_per_s"]
+        res["throughput_ratio"] = res["session_tokens_per_s_per_rank"] / tr["tokens_per_s"]
+    return res
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--sizes", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--sizes", type=int, nargs="+", default=[2, 8])
+    p.add_argument("--repeats", type=int, default=100)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--train", action="store_true", help="also compare training throughput")
     a = p.parse_args(argv)
-    rows = [bench_size(n, a.repeats, a.steps) for n in a.sizes]
-    hdr = ("N", "ready s", "torchrun s", "exec p50 ms", "exec p99 ms", "ipp p50 ms",
-           "tok/s nb", "tok/s torchrun", "ratio")
+    rows = [bench_size(n, a.repeats, a.steps, a.train) for n in a.sizes]
+    hdr = ("N", "ready s", "torchrun s", "ratio", "exec ms", "ipp exec ms", "ratio",
+           "run ms (direct)", "ipp apply ms", "ratio", "run via ipp ms", "ratio")
     print(" | ".join(hdr))
     for r in rows:
         print(" | ".join([
             str(r["n"]), f"{r['session_ready_s']:.2f}", f"{r['torchrun_first_collective_s']:.2f}",
-            f"{r['execute_p50_ms']:.2f}", f"{r['execute_p99_ms']:.2f}",
-            f"{r['ipyparallel_execute_p50_ms']:.2f}",
-            f"{r['session_tokens_per_s_per_rank']:.0f}", f"{r['torchrun_tokens_per_s_per_rank']:.0f}",
-            f"{r['throughput_ratio']:.3f}",
+            f"{r['ready_ratio']:.2f}", f"{r['execute_p50_ms']:.2f}", f"{r['ipyparallel_execute_p50_ms']:.2f}",
+            f"{r['execute_ratio']:.2f}", f"{r['run_p50_ms']:.2f}", f"{r['ipyparallel_apply_p50_ms']:.2f}",
+            f"{r['run_ratio']:.2f}", f"{r['run_via_ipyparallel_p50_ms']:.2f}",
+            f"{r['run_via_ipyparallel_ratio']:.2f}",
         ]))
+        if "throughput_ratio" in r:
+            print(f"  training: {r['session_tokens_per_s_per_rank']:.0f} vs torchrun "
+                  f"{r['torchrun_tokens_per_s_per_rank']:.0f} tok/s/rank ({r['throughput_ratio']:.3f})")
+    print("\nsession start phases (s):")
+    names = list(rows[0]["phases"])
+    print("  " + " | ".join(["phase", *(f"N={r['n']}" for r in rows)]))
+    for name in names:
+        print("  " + " | ".join([name, *(f"{r['phases'].get(name, 0):.2f}" for r in rows)]))
     OUT.mkdir(exist_ok=True)
     (OUT / "session.json").write_text(json.dumps(rows, indent=2))
     return rows

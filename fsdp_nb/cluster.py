@@ -14,7 +14,9 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
+from collections.abc import Sequence
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -22,6 +24,7 @@ import ipyparallel as ipp
 import psutil
 
 from .engine.health import whoami
+from .phases import PhaseClock
 from .session_record import process_alive
 
 log = logging.getLogger("fsdp_nb")
@@ -112,6 +115,22 @@ def _batch_file_in_profile(cluster: ipp.Cluster, launcher: str) -> None:
     cluster.config = config
 
 
+def _boot_with_torch(cluster: ipp.Cluster, overlap: bool) -> None:
+    """Launch local engines as ``fsdp_nb.engine.boot`` (torch imported first) unless
+    the user set an engine command; ``overlap``: start them with the controller, not
+    once its connection files exist (they wait for the files themselves)."""
+    from ipyparallel.cluster.launcher import LocalEngineSetLauncher
+
+    name = LocalEngineSetLauncher.__name__
+    if "engine_cmd" in cluster.config.get(name, {}):
+        return
+    config = copy.deepcopy(cluster.config)  # never edit the IPython session's config
+    config[name].engine_cmd = [sys.executable, "-m", "fsdp_nb.engine.boot"]
+    cluster.config = config
+    if overlap:
+        cluster.send_engines_connection_env = False
+
+
 def ipp_log_level() -> int:
     """ipyparallel's log level for the clusters fsdp_nb starts: the ``fsdp_nb`` logger's
     when that is set to INFO or DEBUG (to see the launchers and engines), else ERROR.
@@ -136,6 +155,9 @@ class EngineCluster:
         self.hosts: list[str | None] = [None] * len(self.engine_ids)
         self.ranks: list[Any] = []
         """Per-rank ``rendezvous.RankInfo`` of the group last formed (``join_group``)."""
+        self._views: dict[Any, Any] = {}
+        """Kept views: engine id, or a tuple of them."""
+        self._procs: dict[int, psutil.Process] = {}
 
     # -- start / connect / stop -------------------------------------------------
 
@@ -147,6 +169,7 @@ class EngineCluster:
         *,
         timeout: float,
         environment: dict[str, str] | None = None,
+        clock: PhaseClock | None = None,
         **cluster_kwargs: Any,
     ) -> EngineCluster:
         """Start a controller and ``n`` engines with ``launcher``; wait for all of them.
@@ -154,10 +177,15 @@ class EngineCluster:
         ``cluster_kwargs`` go through :func:`split_cluster_kwargs`: ``Cluster`` traits
         as keywords, engine-launcher settings (``mpi_args``, ``batch_template``...)
         as config. ``environment`` is added to every launcher's environment; values
-        the user configured win.
+        the user configured win. ``clock`` marks the phases.
+
+        Local engines start with the controller rather than after it (ipyparallel
+        waits one fixed second, then for the controller's files) and import torch
+        while it comes up (``fsdp_nb.engine.boot``).
         """
         cluster_kwargs = split_cluster_kwargs(launcher, cluster_kwargs)
         config = cluster_kwargs["config"]
+        cluster_kwargs.setdefault("delay", 0)
         if environment:
             env = dict(environment)
             env.update(config.BaseLauncher.get("environment", {}))
@@ -170,10 +198,15 @@ class EngineCluster:
         cluster_kwargs.setdefault("log_level", ipp_log_level())
         cluster = ipp.Cluster(n=n, engines=launcher, **cluster_kwargs)
         _batch_file_in_profile(cluster, launcher)
+        if launcher == "local":
+            _boot_with_torch(cluster, overlap="send_engines_connection_env" not in cluster_kwargs)
+        clock = clock or PhaseClock()
         try:
             cluster.start_cluster_sync()
+            clock.mark("controller and engines launched")
             client = cluster.connect_client_sync()
             client.wait_for_engines(n, timeout=timeout, interactive=False)
+            clock.mark("engines registered")
         except BaseException as exc:
             try:
                 cluster.stop_cluster_sync()
@@ -255,6 +288,26 @@ class EngineCluster:
 
     # -- liveness ----------------------------------------------------------------
 
+    def ranks_view(self, ranks: Sequence[int]) -> Any:
+        """One kept view of these ranks' engines, in rank order: a call to all of them
+        leaves as ipyparallel's own multi-engine call does (one send)."""
+        if len(ranks) == 1:
+            return self.rank_view(ranks[0])  # one engine: its results are not lists
+        eids = tuple(self.engine_ids[r] for r in ranks)
+        v = self._views.get(eids)
+        if v is None:
+            v = self._views[eids] = self.client.direct_view(targets=list(eids))
+        return v
+
+    def rank_view(self, rank: int) -> Any:
+        """The ipyparallel view of ``rank``'s engine alone (kept: a view costs traitlets
+        set-up, and every call sends to each rank through one)."""
+        eid = self.engine_ids[rank]
+        v = self._views.get(eid)
+        if v is None:
+            v = self._views[eid] = self.client[eid]
+        return v
+
     def dead_ranks(self) -> list[int]:
         """Ranks whose engine process is gone.
 
@@ -266,11 +319,30 @@ class EngineCluster:
         dead = []
         for rank, eid in enumerate(self.engine_ids):
             pid, host = self.pids[rank], self.hosts[rank]
-            if pid is not None and host == here and _local_pid_dead(pid):
+            if pid is not None and host == here and not self._pid_alive(pid):
                 dead.append(rank)
             elif eid not in registered:
                 dead.append(rank)
         return dead
+
+    def _pid_alive(self, pid: int) -> bool:
+        """``process_alive`` with the process handle kept (this is on every call's path:
+        one read of the process's status instead of two, and no new handle)."""
+        proc = self._procs.get(pid)
+        if proc is None:
+            if not process_alive(pid):
+                return False
+            try:
+                proc = self._procs[pid] = psutil.Process(pid)
+            except psutil.NoSuchProcess:
+                return False
+        try:
+            return proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            self._procs.pop(pid, None)
+            return False
+        except psutil.AccessDenied:
+            return True
 
     def owns_pid(self, pid: int) -> bool:
         """True if ``pid`` is one of the engines this session started on this host."""
@@ -340,7 +412,7 @@ class EngineCluster:
             )
         new = sorted(set(self.client.ids) - known)
         for r, eid in zip(dead, new):
-            pid, host = self.client[eid].apply_sync(whoami)
+            pid, host = self.client[eid].apply_sync(whoami)  # a one-off view
             self.engine_ids[r], self.pids[r], self.hosts[r] = eid, pid, host
 
     def tcp_endpoints(self) -> dict[int, list[tuple[str, int]]]:

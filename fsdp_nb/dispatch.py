@@ -1,8 +1,8 @@
 """Send work to every rank at once and gather it back in rank order.
 
-One ``AsyncResult`` per rank (never a multi-engine one), so a failure, a death or a
-hang is seen per rank while the others are still running. ``gather`` polls instead of
-blocking, which is what lets the notebook stay responsive: it notices dead engines on
+One ``AsyncResult`` per rank (a multi-engine call split into its ranks' parts), so
+a failure, a death or a hang is seen per rank while the others are still running.
+``gather`` polls instead of blocking, which is what lets the notebook stay responsive: it notices dead engines on
 this host by pid within ``liveness_every`` (others when the controller drops them),
 honours ``timeout``, and hands Ctrl-C and ranks that failed while
 others wait in a collective to the session's failure policy (``FailurePolicy``).
@@ -23,6 +23,7 @@ from typing import Any
 
 import ipyparallel as ipp
 
+from .call_channel import CallChannel
 from .cluster import EngineCluster
 from .errors import DeadRankError, RankError, RankFailure, RankTimeoutError
 
@@ -54,6 +55,14 @@ class Pending:
     """Ctrl-C came while the call was being sent: ``gather`` raises it at its first check."""
     echoed: tuple[int, ...] | None = None
     """Ranks whose output is streamed to the notebook (None: every rank)."""
+    waiter: Callable[[list[Any], float], Any] | None = None
+    """Waits up to some seconds for some of ``results`` (``client.wait``, or the direct
+    call channel's)."""
+
+    def wait_for(self, ranks: Sequence[int], timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for these ranks' results."""
+        if self.waiter is not None:
+            self.waiter([self.results[r] for r in ranks], timeout)
 
 
 @dataclass(frozen=True)
@@ -112,9 +121,14 @@ class Dispatcher:
     liveness_every: float = 0.5
     """Seconds between pid checks of the engines while waiting."""
 
-    def __init__(self, cluster: EngineCluster, policy: FailurePolicy | None = None):
+    def __init__(
+        self, cluster: EngineCluster, policy: FailurePolicy | None = None,
+        channel: CallChannel | None = None,
+    ):
         self.cluster = cluster
         self.policy = policy or FailurePolicy()
+        self.channel = channel
+        """Direct sockets to the engines, for calls sent with ``fast=True``."""
         self.echo = True
         self.observers: list[Callable[[CallEvent], None]] = []
         """Called on the notebook's thread as calls start, change, end and recover."""
@@ -145,31 +159,48 @@ class Dispatcher:
         *,
         ranks: Sequence[int] | None = None,
         args: tuple = (),
+        fast: bool = False,
     ) -> Pending:
-        """Call ``fn(*args)`` on each rank (or ``fn(*args_by_rank[i])`` on ranks[i])."""
+        """Call ``fn(*args)`` on each rank (or ``fn(*args_by_rank[i])`` on ranks[i]).
+
+        ``fast``: over the direct call channel when every rank has one (a call that
+        publishes no progress data: that travels through ipyparallel only).
+        """
         ranks = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
         self._check_alive(what, ranks)
+        per_rank = [args_by_rank[i] if args_by_rank is not None else args for i in range(len(ranks))]
+        channel = self.channel
+        if fast and channel is not None and channel.ready_for(ranks):
+            with _CtrlC() as ctrl_c:
+                results: dict[int, Any] = channel.send(what, fn, per_rank, ranks)
+            return Pending(what, results, interrupted=ctrl_c.hit, waiter=channel.wait)
         results = {}
         with _CtrlC() as ctrl_c:  # every rank gets the call; a Ctrl-C meanwhile waits for gather
-            for i, r in enumerate(ranks):
-                a = args_by_rank[i] if args_by_rank is not None else args
-                results[r] = self.cluster.client[self.cluster.engine_ids[r]].apply_async(fn, *a)
-        return Pending(what, results, interrupted=ctrl_c.hit)
+            if args_by_rank is None:
+                results = _per_rank(ranks, self.cluster.ranks_view(ranks).apply_async(fn, *args))
+            else:
+                for r, a in zip(ranks, per_rank):
+                    results[r] = self.cluster.rank_view(r).apply_async(fn, *a)
+        return Pending(what, results, interrupted=ctrl_c.hit, waiter=self._client_wait)
+
+    def _client_wait(self, results: list[Any], timeout: float) -> None:
+        self.cluster.client.wait(results, timeout=timeout)
 
     def execute(
-        self, code: str, *, ranks: Sequence[int] | None = None, echoed: Sequence[int] | None = None
+        self, code: str, *, ranks: Sequence[int] | None = None, echoed: Sequence[int] | None = None,
+        silent: bool = False,
     ) -> Pending:
         """Run ``code`` in every rank's namespace (or ``ranks``'), as ``%%px`` does;
-        ``echoed``: the ranks whose output is streamed (None: all)."""
+        ``echoed``: the ranks whose output is streamed (None: all). ``silent``: no
+        ``Out`` value, history or execution count (as ipyparallel's ``view.execute``
+        sends it: fewer messages); printed output and errors come back either way."""
         ranks = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
         self._check_alive("execute", ranks)
         with _CtrlC() as ctrl_c:  # as in apply
-            results = {
-                r: self.cluster.client[self.cluster.engine_ids[r]].execute(code, block=False, silent=False)
-                for r in ranks
-            }
+            ar = self.cluster.ranks_view(ranks).execute(code, block=False, silent=silent)
+            results = _per_rank(ranks, ar)
         shown = None if echoed is None else tuple(echoed)
-        return Pending("execute", results, interrupted=ctrl_c.hit, echoed=shown)
+        return Pending("execute", results, interrupted=ctrl_c.hit, echoed=shown, waiter=self._client_wait)
 
     def _check_alive(self, what: str, ranks: Sequence[int]) -> None:
         dead = [r for r in self.cluster.dead_ranks() if r in ranks]
@@ -194,7 +225,6 @@ class Dispatcher:
                 raise
 
     def _gather(self, pending: Pending, timeout: float | None, ctrl_c: _CtrlC) -> list[Any]:
-        client = self.cluster.client
         echo = _Echo(pending) if self.echo else None
         first_failure_at: float | None = None
         next_liveness = time.monotonic() + self.liveness_every
@@ -224,7 +254,7 @@ class Dispatcher:
             if timeout is not None and now - pending.started > timeout:
                 self.policy.on_timeout(pending, running, timeout)
             poll = self.poll if now - pending.started < 1.0 else self.slow_poll
-            client.wait([pending.results[r] for r in running], timeout=poll)
+            pending.wait_for(running, poll)
             if pending.on_poll is not None:
                 pending.on_poll()
             if echo:
@@ -312,9 +342,9 @@ class _Echo:
         for r in sorted(self.pending.results):
             if echoed is not None and r not in echoed:
                 continue
-            ar = self.pending.results[r]
+            md = _raw_metadata(self.pending.results[r])
             for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-                text = getattr(ar, name)
+                text = md.get(name)
                 text = text if isinstance(text, str) else "".join(text or [])
                 key = (r, name)
                 start = self.offsets.get(key, 0)
@@ -336,6 +366,25 @@ class _Echo:
 def _any_failed(pending: Pending) -> bool:
     """Cheap check for the poll loop: has any rank finished with an error?"""
     return any(ar.ready() and not ar.successful() for ar in pending.results.values())
+
+
+def _per_rank(ranks: Sequence[int], ar: ipp.AsyncResult) -> dict[int, ipp.AsyncResult]:
+    """rank -> its own part of a multi-engine ``AsyncResult`` (sent in rank order), so
+    each rank's failure, death or hang is still seen on its own."""
+    return dict(zip(ranks, ar.split())) if len(ranks) > 1 else {ranks[0]: ar}
+
+
+def _raw_metadata(ar: Any) -> dict[str, Any]:
+    """One rank's result metadata (its output so far) as ipyparallel keeps it.
+
+    ``ar.metadata`` and ``ar.stdout`` parse the metadata's date strings with dateutil
+    on every look (about 0.3 ms a call, on every call's path); the output needs none.
+    """
+    md = getattr(ar, "_metadata", None)
+    if isinstance(md, list) and len(md) == 1 and isinstance(md[0], dict):
+        return md[0]
+    md = ar.metadata
+    return md[0] if isinstance(md, list) else md
 
 
 def _tag(rank: int, text: str) -> str:

@@ -208,4 +208,4 @@ class RecoveringPolicy(FailurePolicy):
                 nudged = True
             if now - start > self.wedge_timeout:
                 return still
-            c.client.wait([pending.results[r] for r in still], timeout=0.05)
+            pending.wait_for(still, 0.05)

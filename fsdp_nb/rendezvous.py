@@ -14,6 +14,7 @@ from .dispatch import Dispatcher
 from .engine import probe as _probe
 from .engine import process_group as _pg
 from .engine.probe import EngineProbe
+from .phases import PhaseClock
 
 __all__ = [
     "RankInfo",
@@ -235,14 +236,19 @@ def form_group(
     *,
     pg_timeout: float,
     threads: int | None,
+    clock: PhaseClock | None = None,
 ) -> str:
     """Probe, order and rendezvous every engine (per-rank info in ``cluster.ranks``);
     return the backend: ``backend``, or the one the probes call for when None
-    (``choose_backend``), decided before any rank joins a group."""
+    (``choose_backend``), decided before any rank joins a group. ``clock`` marks the
+    phases."""
+    clock = clock or PhaseClock()
     probes = probe_engines(cluster, dispatcher)
+    clock.mark("probe engines (torch imported)")
     order = rank_order(cluster.engine_ids, probes)
     cluster.engine_ids = [cluster.engine_ids[i] for i in order]
     probes = [probes[i] for i in order]
     backend = choose_backend(backend, probes)
     join_group(cluster, dispatcher, probes, backend, pg_timeout=pg_timeout, threads=threads)
+    clock.mark("process group formed")
     return backend

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import rendezvous
+from .call_channel import CallChannel
 from .cluster import EngineCluster
 from .dispatch import Dispatcher, FailurePolicy
 from .engine import namespace as _ns
@@ -25,6 +26,7 @@ from .engine import process_group as _pg
 from .errors import SessionClosedError
 from .keepalive import Keeper, check_keep_alive
 from .lifecycle import Lifecycle
+from .phases import PhaseClock
 from .rendezvous import RankInfo
 from .session_checks import check_grace, check_n_backend, check_output, check_ranks, validate
 from .shipping import by_value
@@ -59,8 +61,10 @@ class Session:
         activate: bool = True,
         grace: float = 3.0,
         keep_alive: bool | float = False,
+        verbose: bool = False,
         **cluster_kwargs: Any,
     ):
+        clock = PhaseClock()
         n, backend = validate(n, backend, launcher)
         check_grace(grace)
         keep_alive = check_keep_alive(keep_alive)
@@ -69,10 +73,15 @@ class Session:
         if keep_alive:
             cluster_kwargs.setdefault("shutdown_atexit", False)
         cluster = EngineCluster.start(
-            n, launcher, timeout=timeout, environment=env, **cluster_kwargs
+            n, launcher, timeout=timeout, environment=env, clock=clock, **cluster_kwargs
         )
-        self._adopt(cluster, backend, launcher, threads, pg_timeout, activate, grace)
+        self._adopt(cluster, backend, launcher, threads, pg_timeout, activate, grace, clock=clock)
         self._keep(keep_alive, {"cluster_file": cluster.cluster.cluster_file})
+        clock.mark("session record")
+        self.start_phases = clock.times
+        """Seconds each phase of this session's start took (``verbose=True`` prints them)."""
+        if verbose:
+            print(clock.table(), flush=True)
 
     @classmethod
     def connect(
@@ -170,6 +179,7 @@ class Session:
         activate: bool,
         grace: float,
         formed: bool = False,
+        clock: PhaseClock | None = None,
     ) -> None:
         """Declare every attribute (``__init__``, ``connect`` and ``attach`` come here),
         then form the process group on ``cluster``'s engines (``formed``: it already
@@ -197,15 +207,20 @@ class Session:
         """The engines' health hooks: stack dumps, NCCL abort listeners."""
         self._cluster = cluster
         self._policy = RecoveringPolicy(self, grace=grace)
-        self._dispatch = Dispatcher(cluster, self._policy)
-        self._plain = Dispatcher(cluster, FailurePolicy())
+        self.channel = CallChannel(cluster)
+        """Direct sockets to the engines: the fast path of ``run``, ``push`` and ``pull``."""
+        self._dispatch = Dispatcher(cluster, self._policy, self.channel)
+        self._plain = Dispatcher(cluster, FailurePolicy(), self.channel)
         self._plain.echo = False
         try:
+            clock = clock or PhaseClock()
             if not formed:
                 self.backend = rendezvous.form_group(
-                    cluster, self._dispatch, backend, pg_timeout=pg_timeout, threads=threads
+                    cluster, self._dispatch, backend, pg_timeout=pg_timeout, threads=threads,
+                    clock=clock,
                 )
             self.health.install(self._plain, nccl=self.backend == "nccl")
+            clock.mark("health hooks")
         except BaseException:
             self.lifecycle.to("failed")
             if not formed:
@@ -297,7 +312,7 @@ class Session:
         d = self.dispatcher
         what = f"run({getattr(fn, '__qualname__', type(fn).__name__)})"
         payload = (by_value(fn), by_value(args), by_value(kwargs))
-        return d.gather(d.apply(what, _ns.call, args=payload), timeout)
+        return d.gather(d.apply(what, _ns.call, args=payload, fast=True), timeout)
 
     def execute(
         self,
@@ -313,7 +328,7 @@ class Session:
         collective then waits for ranks that never join it). Output streams tagged by
         rank; ``output="rank0"`` shows one rank's. Use ``pull`` or ``run`` to get values.
         """
-        self._execute(code, timeout, ranks=ranks, output=output)
+        self._execute(code, timeout, ranks=ranks, output=output, silent=True)
 
     def _execute(
         self,
@@ -322,33 +337,38 @@ class Session:
         *,
         ranks: Sequence[int] | None = None,
         output: str | None = "all",
+        silent: bool = False,
     ) -> list[Any]:
-        """``execute`` returning each rank's ExecuteReply (its ``Out`` value), for ``%%px``."""
+        """``execute`` returning each rank's ExecuteReply (its ``Out`` value, unless
+        ``silent``), for ``%%px``."""
         if not isinstance(code, str):
             raise TypeError(f"execute() needs source code as str, got {type(code).__name__}")
         targets = check_ranks(ranks, self.world_size)
         echoed = check_output(output, targets)
         d = self.dispatcher
-        return d.gather(d.execute(code, ranks=None if ranks is None else targets, echoed=echoed), timeout)
+        return d.gather(
+            d.execute(code, ranks=None if ranks is None else targets, echoed=echoed, silent=silent),
+            timeout,
+        )
 
     def push(self, mapping: Mapping[str, Any]) -> None:
         """Bind ``mapping``'s names on every rank (values shipped by value)."""
         if not isinstance(mapping, Mapping) or not all(isinstance(k, str) for k in mapping):
             raise TypeError("push() needs a mapping of str names to values")
         d = self.dispatcher
-        d.gather(d.apply("push", _ns.assign, args=(by_value(dict(mapping)),)))
+        d.gather(d.apply("push", _ns.assign, args=(by_value(dict(mapping)),), fast=True))
 
     def pull(self, name: str) -> list[Any]:
         """The value of engine global ``name`` on every rank, in rank order."""
         if not isinstance(name, str):
             raise TypeError(f"pull() needs a name (str), got {type(name).__name__}")
         d = self.dispatcher
-        return d.gather(d.apply(f"pull({name!r})", _ns.get, args=(name,)))
+        return d.gather(d.apply(f"pull({name!r})", _ns.get, args=(name,), fast=True))
 
     def all_reduce_check(self) -> float:
         """Run one collective (sum of ranks) on every rank; return its result."""
         d = self.dispatcher
-        return d.gather(d.apply("all_reduce", _pg.all_reduce_rank))[0]
+        return d.gather(d.apply("all_reduce", _pg.all_reduce_rank, fast=True))[0]
 
     # -- models (fsdp_nb.sharding) -----------------------------------------------
 
@@ -520,6 +540,7 @@ class Session:
                 except Exception as exc:
                     log.warning("could not leave the process group on the connected engines: %s", exc)
         finally:
+            self.channel.close()
             self._cluster.stop()
             from .magics import deactivate_px
 

@@ -175,6 +175,27 @@ def test_ctrl_c_during_collective_stops_every_rank_and_keeps_state(quick, tmp_pa
     _assert_recovered(quick, before)
 
 
+def _sleep_on_rank_1_then_collective(marker):
+    """A direct ``sess.run``: rank 1 says it sleeps and sleeps; rank 0 blocks in a
+    collective rank 1 has not joined."""
+    import torch.distributed as dist
+
+    if rank == 1:  # noqa: F821 - engine global
+        open(marker, "w").close()
+        time.sleep(30)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_ctrl_c_during_a_direct_run_stops_every_rank_and_keeps_state(quick, tmp_path):
+    before = _weights(quick)
+    marker = tmp_path / "sleeping"
+    _on_marker(marker, _thread.interrupt_main)
+    with pytest.raises(KeyboardInterrupt):
+        quick.run(_sleep_on_rank_1_then_collective, str(marker))
+    assert quick.status().busy == []
+    _assert_recovered(quick, before)
+
+
 class _CtrlCWhileSending:
     """Pickles as the number it holds; pressing Ctrl-C in this process (once) as it is
     sent to the first rank, so the other ranks are sent to after it."""
@@ -314,6 +335,20 @@ def test_engine_killed_while_peer_waits_in_collective(fragile, tmp_path):
     assert s.all_reduce_check() == 1.0
     # the survivor kept its state; the replacement engine starts empty
     assert s.run(lambda: globals().get("fail_kept")) == [41, None]
+
+
+def test_engine_killed_during_a_direct_run(fragile, tmp_path):
+    s = fragile
+    victim = s.ranks[1].pid
+    marker = tmp_path / "sleeping"
+    _on_marker(marker, lambda: os.kill(victim, signal.SIGKILL))
+    with pytest.raises(DeadRankError) as info:
+        s.run(_sleep_on_rank_1_then_collective, str(marker))
+    assert info.value.dead_ranks == [1]
+    assert s.status().idle == [0]
+    s.restart()
+    assert s.ranks[1].pid != victim
+    assert s.run(lambda: rank) == [0, 1]  # noqa: F821 - the new engine serves direct calls too
 
 
 def test_kill_9_idle_engine_then_restart_brings_same_ranks_back(fragile):

@@ -78,7 +78,8 @@ def save(
         check_exists=not overwrite, report_progress=may_show(progress) and not async_save,
     )
     d = sess.dispatcher
-    pending = d.apply("checkpoint save", cio.save, args=(spec,))
+    # an async save publishes no progress: it may take the direct call path
+    pending = d.apply("checkpoint save", cio.save, args=(spec,), fast=async_save)
     with follow(pending, f"save {posixpath.basename(path.rstrip('/'))}", enabled=progress):
         outs = d.gather(pending)
     raise_outcomes(outs)

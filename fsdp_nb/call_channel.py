@@ -1,0 +1,185 @@
+"""The fast path for session calls: one direct socket per engine.
+
+An ipyparallel call goes notebook -> controller -> engine and back (about 10 ms on
+two busy cores). Session calls (``sess.run``, ``push``, ``pull``, saves, loads) can
+instead go straight to each engine's call server (``fsdp_nb.engine.call_server``),
+which runs them on the engine's main thread between cells: a round trip of a few
+hundred microseconds. The dispatcher keeps its failure handling: each rank's
+:class:`CallResult` answers as an ipyparallel ``AsyncResult`` does (``ready``,
+``successful``, ``get``, ``metadata`` with the output so far), and
+:meth:`CallChannel.wait` stands in for ``client.wait`` in the gather loop, so pid
+liveness, Ctrl-C, timeouts and partial failures are handled as for any call.
+
+The servers start on first use, through ipyparallel; an engine that cannot start
+one (or a replaced engine, until it has one) keeps the ipyparallel path.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+import ipyparallel as ipp
+import zmq
+
+from .engine import call_server
+
+if TYPE_CHECKING:
+    from .cluster import EngineCluster
+
+__all__ = ["CallChannel", "CallResult"]
+
+log = logging.getLogger("fsdp_nb")
+
+
+class CallResult:
+    """One rank's answer to a direct call, read like an ipyparallel ``AsyncResult``."""
+
+    def __init__(self, rank: int, what: str):
+        self.rank = rank
+        self.what = what
+        self.metadata: dict[str, Any] = {"stdout": "", "stderr": "", "completed": None}
+        """Output so far (``stdout``, ``stderr``) and, once done, ``completed`` (UTC)."""
+        self._done = False
+        self._value: Any = None
+        self._error: tuple[str, str, str] | None = None
+
+    def ready(self) -> bool:
+        return self._done
+
+    def successful(self) -> bool:
+        if not self._done:
+            raise RuntimeError("Cannot check successful() if not done.")
+        return self._error is None
+
+    def wait_for_output(self, timeout: float = -1) -> bool:
+        return True  # output comes before the reply on the same socket
+
+    def get(self, timeout: float | None = None) -> Any:
+        if not self._done:
+            raise TimeoutError("Result not ready.")
+        if self._error is not None:
+            ename, evalue, tb = self._error
+            raise ipp.error.RemoteError(ename, evalue, tb)
+        return self._value
+
+    def _resolve(self, status: bytes, body: bytes, finished: bytes) -> None:
+        self.metadata["completed"] = datetime.fromtimestamp(float(finished), timezone.utc)
+        if status == b"ok":
+            self._value = pickle.loads(body)
+        else:
+            self._error = pickle.loads(body)
+        self._done = True
+
+
+class CallChannel:
+    """A DEALER socket per engine to its call server, used from one thread at a time."""
+
+    def __init__(self, cluster: EngineCluster):
+        self.cluster = cluster
+        self.enabled = True
+        """False: every call takes the ipyparallel path (benchmarks compare the two)."""
+        self._ctx = zmq.Context.instance()
+        self._socks: dict[int, zmq.Socket] = {}
+        """engine id -> its socket (an engine replaced under a rank gets a new one)."""
+        self._pending: dict[bytes, CallResult] = {}
+        self._failed: set[int] = set()
+        """Engine ids whose server could not start: they keep the ipyparallel path."""
+        self._lock = threading.RLock()
+
+    # -- set-up ---------------------------------------------------------------------
+
+    def ready_for(self, ranks: Sequence[int]) -> bool:
+        """Start the servers these ranks' engines lack; True if every one has a socket."""
+        if not self.enabled:
+            return False
+        eids = [self.cluster.engine_ids[r] for r in ranks]
+        missing = [r for r, e in zip(ranks, eids) if e not in self._socks and e not in self._failed]
+        if missing:
+            self._start(missing)
+        return all(e in self._socks for e in eids)
+
+    def _start(self, ranks: list[int]) -> None:
+        infos = self.cluster.ranks
+        if len(infos) != self.cluster.world_size:
+            return  # no group formed yet: nothing says where each engine listens
+        ars = {r: self.cluster.rank_view(r).apply_async(call_server.serve, infos[r].addr) for r in ranks}
+        for r, ar in ars.items():
+            eid = self.cluster.engine_ids[r]
+            try:
+                url = ar.get(timeout=30)
+            except Exception as exc:  # noqa: BLE001 - that engine keeps ipyparallel
+                log.warning("rank %d: no direct call socket (%s); its calls go through ipyparallel", r, exc)
+                self._failed.add(eid)
+                continue
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(url)
+            self._socks[eid] = sock
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._socks.values():
+                sock.close(linger=0)
+            self._socks.clear()
+            self._pending.clear()
+
+    # -- calls ------------------------------------------------------------------------
+
+    def send(self, what: str, fn: Any, args_by_rank: Sequence[tuple], ranks: Sequence[int]) -> dict[int, CallResult]:
+        """Send ``fn(*args_by_rank[i])`` to ``ranks[i]``; their results (not waited for)."""
+        with self._lock:
+            out: dict[int, CallResult] = {}
+            payloads: dict[int, bytes] = {}
+            for r, args in zip(ranks, args_by_rank):
+                key = id(args)
+                if key not in payloads:
+                    payloads[key] = cloudpickle.dumps((fn, tuple(args)))
+                res = CallResult(r, what)
+                call_id = uuid.uuid4().bytes
+                self._pending[call_id] = res
+                self._socks[self.cluster.engine_ids[r]].send_multipart([call_id, payloads[key]], copy=False)
+                out[r] = res
+            return out
+
+    def wait(self, results: Sequence[CallResult], timeout: float) -> bool:
+        """Take what the engines sent until every one of ``results`` is done or
+        ``timeout`` seconds pass; True when all are done."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._lock:
+            poller = zmq.Poller()
+            socks = {self._socks[self.cluster.engine_ids[r.rank]] for r in results
+                     if self.cluster.engine_ids[r.rank] in self._socks}
+            for s in socks:
+                poller.register(s, zmq.POLLIN)
+            while not all(r.ready() for r in results):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                for s, _ in poller.poll(left * 1000):
+                    self._drain(s)
+            return True
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            res = self._pending.get(frames[0])
+            if res is None:
+                log.debug("a reply to a call no longer waited for was dropped")
+                continue
+            kind = frames[1]
+            if kind in (b"stdout", b"stderr"):
+                res.metadata[kind.decode()] += frames[2].decode("utf-8", "replace")
+            else:
+                del self._pending[frames[0]]
+                res._resolve(kind, frames[2], frames[3])

@@ -1,0 +1,70 @@
+"""Session calls over the direct call channel (``fsdp_nb.call_channel``): what ``run``,
+``push`` and ``pull`` answer is what the ipyparallel path answers, output and errors
+included; Ctrl-C, timeouts and dead engines on this path are in test_failures."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_nb.call_channel import CallResult
+from fsdp_nb.engine.namespace import call
+from fsdp_nb.errors import RankError
+from fsdp_nb.shipping import by_value
+
+
+def chatty(n):
+    print("line", n, rank)  # noqa: F821 - engine global
+    print("half", end="")
+    return n * 10 + rank  # noqa: F821
+
+
+def broken(n):
+    return n / 0
+
+
+def both_paths(sess, fn):
+    """``fn()`` over the direct channel, then over ipyparallel: both results."""
+    direct = fn()
+    sess.channel.enabled = False
+    try:
+        through_ipp = fn()
+    finally:
+        sess.channel.enabled = True
+    return direct, through_ipp
+
+
+def test_run_push_pull_go_direct_and_answer_as_ipyparallel_does(sess, capsys):
+    d = sess.dispatcher
+    shipped = (by_value(chatty), by_value((1,)), by_value({}))
+    pending = d.apply("chatty", call, args=shipped, fast=True)
+    assert all(isinstance(r, CallResult) for r in pending.results.values())
+    assert d.gather(pending) == [10, 11]
+    lines = capsys.readouterr().out.splitlines()  # streamed as written: ranks interleave
+    assert sorted(lines) == ["[rank 0] half", "[rank 0] line 1 0", "[rank 1] half", "[rank 1] line 1 1"]
+
+    direct, via_ipp = both_paths(sess, lambda: sess.run(chatty, 2))
+    assert direct == via_ipp == [20, 21]
+    out = capsys.readouterr().out
+    assert out.count("[rank 0] line 2 0\n") == 2 and out.count("[rank 1] line 2 1\n") == 2
+
+    sess.push({"calls_x": {"a": [1, 2]}})
+    assert both_paths(sess, lambda: sess.pull("calls_x")) == ([{"a": [1, 2]}] * 2,) * 2
+    sess.execute("del calls_x")
+
+
+def test_a_failing_direct_run_names_the_rank_error_and_frame(sess):
+    errors = []
+    for enabled in (True, False):
+        sess.channel.enabled = enabled
+        try:
+            with pytest.raises(RankError) as info:
+                sess.run(broken, 3)
+        finally:
+            sess.channel.enabled = True
+        errors.append(info.value)
+    for err in errors:
+        assert sorted(f.rank for f in err.failures) == [0, 1]
+        assert {f.ename for f in err.failures} == {"ZeroDivisionError"}
+        assert "broken" in err.failures[0].traceback
+    assert "call_server" not in errors[0].failures[0].traceback  # the user's frames only
+    assert sess.run(int) == [0, 0]  # usable right after
