@@ -47,6 +47,9 @@ class CallResult:
         self.what = what
         self.metadata: dict[str, Any] = {"stdout": "", "stderr": "", "completed": None}
         """Output so far (``stdout``, ``stderr``) and, once done, ``completed`` (UTC)."""
+        self.data: dict[str, Any] = {}
+        """Data the engine published during the call: none on this path (a progress bar
+        finds nothing to draw; progress rides ipyparallel's data channel)."""
         self._done = False
         self._value: Any = None
         self._error: tuple[str, str, str] | None = None
