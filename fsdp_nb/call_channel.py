@@ -1,7 +1,7 @@
 """The fast path for session calls: one direct socket per engine.
 
 An ipyparallel call goes notebook -> controller -> engine and back (about 10 ms on
-two busy cores). Session calls (``sess.run``, ``push``, ``pull``, saves, loads) can
+two busy cores). Session calls (``sess.run``, ``push``, ``pull``, async saves) can
 instead go straight to each engine's call server (``fsdp_nb.engine.call_server``),
 which runs them on the engine's main thread between cells: a round trip of a few
 hundred microseconds. The dispatcher keeps its failure handling: each rank's
@@ -42,14 +42,10 @@ log = logging.getLogger("fsdp_nb")
 class CallResult:
     """One rank's answer to a direct call, read like an ipyparallel ``AsyncResult``."""
 
-    def __init__(self, rank: int, what: str):
+    def __init__(self, rank: int):
         self.rank = rank
-        self.what = what
         self.metadata: dict[str, Any] = {"stdout": "", "stderr": "", "completed": None}
         """Output so far (``stdout``, ``stderr``) and, once done, ``completed`` (UTC)."""
-        self.data: dict[str, Any] = {}
-        """Data the engine published during the call: none on this path (a progress bar
-        finds nothing to draw; progress rides ipyparallel's data channel)."""
         self._done = False
         self._value: Any = None
         self._error: tuple[str, str, str] | None = None
@@ -136,8 +132,9 @@ class CallChannel:
 
     # -- calls ------------------------------------------------------------------------
 
-    def send(self, what: str, fn: Any, args_by_rank: Sequence[tuple], ranks: Sequence[int]) -> dict[int, CallResult]:
-        """Send ``fn(*args_by_rank[i])`` to ``ranks[i]``; their results (not waited for)."""
+    def send(self, fn: Any, args_by_rank: Sequence[tuple], ranks: Sequence[int]) -> dict[int, CallResult]:
+        """Send ``fn(*args_by_rank[i])`` to ``ranks[i]``; their results (not waited for).
+        Ranks given the same args object share one pickled payload."""
         with self._lock:
             out: dict[int, CallResult] = {}
             payloads: dict[int, bytes] = {}
@@ -145,7 +142,7 @@ class CallChannel:
                 key = id(args)
                 if key not in payloads:
                     payloads[key] = cloudpickle.dumps((fn, tuple(args)))
-                res = CallResult(r, what)
+                res = CallResult(r)
                 call_id = uuid.uuid4().bytes
                 self._pending[call_id] = res
                 self._socks[self.cluster.engine_ids[r]].send_multipart([call_id, payloads[key]], copy=False)

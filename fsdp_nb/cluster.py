@@ -25,7 +25,7 @@ import psutil
 
 from .engine.health import whoami
 from .phases import PhaseClock
-from .session_record import process_alive
+from .session_record import handle_alive, process_alive
 
 log = logging.getLogger("fsdp_nb")
 
@@ -326,23 +326,15 @@ class EngineCluster:
         return dead
 
     def _pid_alive(self, pid: int) -> bool:
-        """``process_alive`` with the process handle kept (this is on every call's path:
-        one read of the process's status instead of two, and no new handle)."""
+        """``process_alive`` with the engine's process handle kept: this is on every
+        call's path (one status read, no new handle)."""
         proc = self._procs.get(pid)
         if proc is None:
-            if not process_alive(pid):
-                return False
             try:
                 proc = self._procs[pid] = psutil.Process(pid)
             except psutil.NoSuchProcess:
                 return False
-        try:
-            return proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            self._procs.pop(pid, None)
-            return False
-        except psutil.AccessDenied:
-            return True
+        return handle_alive(proc)
 
     def owns_pid(self, pid: int) -> bool:
         """True if ``pid`` is one of the engines this session started on this host."""

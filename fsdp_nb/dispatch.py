@@ -1,11 +1,12 @@
 """Send work to every rank at once and gather it back in rank order.
 
-One ``AsyncResult`` per rank (a multi-engine call split into its ranks' parts), so
-a failure, a death or a hang is seen per rank while the others are still running.
-``gather`` polls instead of blocking, which is what lets the notebook stay responsive: it notices dead engines on
-this host by pid within ``liveness_every`` (others when the controller drops them),
-honours ``timeout``, and hands Ctrl-C and ranks that failed while
-others wait in a collective to the session's failure policy (``FailurePolicy``).
+One result per rank (a multi-engine ipyparallel call split into its ranks' parts, or
+a direct call's ``CallResult``), so a failure, a death or a hang is seen per rank while
+the others are still running. ``gather`` polls instead of blocking, which is what lets
+the notebook stay responsive: it notices dead engines on this host by pid within
+``liveness_every`` (others when the controller drops them), honours ``timeout``, and
+hands Ctrl-C and ranks that failed while others wait in a collective to the session's
+failure policy (``FailurePolicy``).
 """
 
 from __future__ import annotations
@@ -55,14 +56,13 @@ class Pending:
     """Ctrl-C came while the call was being sent: ``gather`` raises it at its first check."""
     echoed: tuple[int, ...] | None = None
     """Ranks whose output is streamed to the notebook (None: every rank)."""
-    waiter: Callable[[list[Any], float], Any] | None = None
-    """Waits up to some seconds for some of ``results`` (``client.wait``, or the direct
-    call channel's)."""
+    waiter: Callable[[list[Any], float], Any] = field(kw_only=True)
+    """Waits up to some seconds for some of ``results``: ``client.wait``, or the direct
+    call channel's."""
 
     def wait_for(self, ranks: Sequence[int], timeout: float) -> None:
         """Wait up to ``timeout`` seconds for these ranks' results."""
-        if self.waiter is not None:
-            self.waiter([self.results[r] for r in ranks], timeout)
+        self.waiter([self.results[r] for r in ranks], timeout)
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ class Dispatcher:
         channel = self.channel
         if fast and channel is not None and channel.ready_for(ranks):
             with _CtrlC() as ctrl_c:
-                results: dict[int, Any] = channel.send(what, fn, per_rank, ranks)
+                results: dict[int, Any] = channel.send(fn, per_rank, ranks)
             return Pending(what, results, interrupted=ctrl_c.hit, waiter=channel.wait)
         results = {}
         with _CtrlC() as ctrl_c:  # every rank gets the call; a Ctrl-C meanwhile waits for gather

@@ -22,7 +22,9 @@ import psutil
 
 log = logging.getLogger("fsdp_nb")
 
-__all__ = ["SessionRecord", "folder", "list_records", "process_alive", "process_stamp"]
+__all__ = [
+    "SessionRecord", "folder", "handle_alive", "list_records", "process_alive", "process_stamp",
+]
 
 
 def folder() -> str:
@@ -47,7 +49,14 @@ def process_alive(pid: int | None, stamp: float | None = None) -> bool:
     if not pid:
         return False
     try:
-        p = psutil.Process(pid)
+        return handle_alive(psutil.Process(pid), stamp)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def handle_alive(p: psutil.Process, stamp: float | None = None) -> bool:
+    """:func:`process_alive` for a process handle already held (one status read)."""
+    try:
         if p.status() == psutil.STATUS_ZOMBIE:
             return False
         return stamp is None or abs(p.create_time() - stamp) < 1.0

@@ -62,7 +62,7 @@ def checksum(data: Any, value: int = 0, algorithm: str = ALGORITHM) -> int:
 
 OVERLAP_BYTES = 4 << 20
 """Writes at least this large are checksummed in a helper thread while the file takes
-them (both release the GIL), so the checksum adds no time to a large save."""
+them (both release the GIL): the checksum overlaps the write instead of following it."""
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 

@@ -78,9 +78,11 @@ def save(
         check_exists=not overwrite, report_progress=may_show(progress) and not async_save,
     )
     d = sess.dispatcher
-    # an async save publishes no progress: it may take the direct call path
+    # an async save publishes no progress (its bar would have nothing to follow), so it
+    # may take the direct call path
     pending = d.apply("checkpoint save", cio.save, args=(spec,), fast=async_save)
-    with follow(pending, f"save {posixpath.basename(path.rstrip('/'))}", enabled=progress):
+    name = f"save {posixpath.basename(path.rstrip('/'))}"
+    with follow(pending, name, enabled=False if async_save else progress):
         outs = d.gather(pending)
     raise_outcomes(outs)
     if outs[0].exists:  # the ranks agreed on it before writing anything

@@ -24,7 +24,7 @@ import time
 import traceback
 from typing import Any
 
-__all__ = ["endpoint", "serve"]
+__all__ = ["serve"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -38,11 +38,6 @@ def serve(addr: str) -> str:
     if _SERVER is None:
         _SERVER = _Server(addr)
     return _SERVER.endpoint
-
-
-def endpoint() -> str | None:
-    """This engine's call server endpoint, if one runs."""
-    return None if _SERVER is None else _SERVER.endpoint
 
 
 class _Server:
@@ -79,8 +74,8 @@ class _Server:
             status, body = b"ok", _dumps(result)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the notebook
             sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
-            frames = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
-            tb = "".join(traceback.format_exception(type(exc), exc, frames))  # from fn down
+            below = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+            tb = "".join(traceback.format_exception(type(exc), exc, below))  # from fn down
             status, body = b"error", pickle.dumps((type(exc).__name__, str(exc), tb))
         finally:
             sys.stdout, sys.stderr = old_out, old_err
