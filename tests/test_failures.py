@@ -11,6 +11,7 @@ from __future__ import annotations
 import _thread
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -194,6 +195,30 @@ def test_ctrl_c_during_a_direct_run_stops_every_rank_and_keeps_state(quick, tmp_
         quick.run(_sleep_on_rank_1_then_collective, str(marker))
     assert quick.status().busy == []
     _assert_recovered(quick, before)
+
+
+def test_sigint_interrupts_the_call_never_the_kernel_bookkeeping(sess):
+    """While a request runs, SIGINT raises KeyboardInterrupt in its code; landing in the
+    kernel's (or the call server's) own dispatch frames it is dropped, where it used to
+    stop the engine (seen under load: one rank gone, the shared session degraded)."""
+    from fsdp_nb.engine import interrupts
+
+    def bookkeeping():
+        return sys._getframe()
+
+    def user_code():
+        return sys._getframe()
+
+    interrupts.own(bookkeeping)
+    assert interrupts.guarded(signal.SIGINT, bookkeeping()) is None
+    with pytest.raises(KeyboardInterrupt):
+        interrupts.guarded(signal.SIGINT, user_code())
+    # the engines' kernels install it for a cell, and the call server for a direct call
+    check = "__import__('signal').getsignal(2) is __import__('fsdp_nb.engine.interrupts').engine.interrupts.guarded"
+    sess.execute(f"_guarded = {check}")
+    assert sess.pull("_guarded") == [True, True]
+    assert sess.run(lambda: eval(check)) == [True, True]
+    sess.execute("del _guarded")
 
 
 class _CtrlCWhileSending:

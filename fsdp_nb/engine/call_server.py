@@ -7,7 +7,8 @@ ipyparallel's ``apply`` run, but without the controller's hop each way.
 
 A request is ``[call id, cloudpickle of (fn, args)]``; ``fn(*args)`` runs with
 SIGINT raising ``KeyboardInterrupt`` (as in a cell, so Ctrl-C and the recovery's
-interrupt reach it), its printed lines travel back as they are written
+interrupt reach it; not in the server's own bookkeeping: ``interrupts``), its
+printed lines travel back as they are written
 (``[id, b"stdout" | b"stderr", text]``), then one reply: ``[id, b"ok", result]``
 or ``[id, b"error", (ename, evalue, traceback)]``, with the finish time.
 """
@@ -23,6 +24,8 @@ import threading
 import time
 import traceback
 from typing import Any
+
+from . import interrupts
 
 __all__ = ["serve"]
 
@@ -65,12 +68,12 @@ class _Server:
         old_int = signal.getsignal(signal.SIGINT)
         old_out, old_err = sys.stdout, sys.stderr
         try:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, interrupts.guarded)
             sys.stdout, sys.stderr = out, err
             import cloudpickle
 
             fn, args = cloudpickle.loads(payload)
-            result = fn(*args)
+            result = _invoke(fn, args)
             status, body = b"ok", _dumps(result)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the notebook
             sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
@@ -83,6 +86,15 @@ class _Server:
             out.flush()
             err.flush()
         self._send([ident, call_id, status, body, str(time.time()).encode()])
+
+
+def _invoke(fn: Any, args: tuple) -> Any:
+    """The call, in a frame of its own: a SIGINT while ``fn`` runs (a builtin such as
+    ``time.sleep`` has no frame) lands here, not in ``_on_request``'s bookkeeping."""
+    return fn(*args)
+
+
+interrupts.own(_Server._on_request)
 
 
 def _dumps(result: Any) -> bytes:

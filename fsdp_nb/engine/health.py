@@ -48,10 +48,14 @@ def stack_file(folder: str, pid: int) -> str:
 
 def install(folder: str) -> str:
     """Dump all threads' stacks to ``stack_file(folder, pid)`` on SIGUSR1; return its path.
+    Also guard the kernel's request bookkeeping against SIGINT (``interrupts``).
 
     The file is opened for appending, so the notebook can truncate it before each
     request and read only the new dump.
     """
+    from . import interrupts
+
+    interrupts.install()
     os.makedirs(folder, exist_ok=True)
     path = stack_file(folder, os.getpid())
     old = _state.get("file")
