@@ -77,8 +77,7 @@ class _Server:
             status, body = b"ok", _dumps(result)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the notebook
             sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
-            below = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
-            tb = "".join(traceback.format_exception(type(exc), exc, below))  # from fn down
+            tb = "".join(traceback.format_exception(type(exc), exc, _below_server(exc.__traceback__)))
             status, body = b"error", pickle.dumps((type(exc).__name__, str(exc), tb))
         finally:
             sys.stdout, sys.stderr = old_out, old_err
@@ -95,6 +94,14 @@ def _invoke(fn: Any, args: tuple) -> Any:
 
 
 interrupts.own(_Server._on_request)
+
+
+def _below_server(tb: Any) -> Any:
+    """The traceback from the call down: the server's own frames left out."""
+    own = (_Server._on_request.__code__, _invoke.__code__)
+    while tb is not None and tb.tb_frame.f_code in own and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb
 
 
 def _dumps(result: Any) -> bytes:
