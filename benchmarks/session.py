@@ -7,6 +7,10 @@
   vs ``view.apply_sync(int)``; and ``sess.run`` with the channel off (the ipyparallel
   path) vs ``view.apply_sync`` again; at N = 2 and 8;
 - the phases of the session start (``Session.start_phases``);
+- ``restart(restore=)`` after kill -9 of rank 0 vs the sum of its parts measured on
+  the same session: one more engine started and registered, ``restart()`` of a
+  healthy session (the group re-formed), a second ``wrap`` of the model, a ``load``
+  (target <= 1.0), with the restart's own phases (``Session.restart_phases``);
 - with ``--train``: training throughput of the same FSDP2 loop
   (benchmarks/_train_loop.py) in a session cell vs under torchrun (target >= 0.98).
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,6 +67,52 @@ def p50_pair(ours, theirs, repeats: int) -> tuple[float, float]:
     return percentile(a, 50) * 1e3, percentile(b, 50) * 1e3
 
 
+def small_model():
+    """The model the restart measurement wraps, saves and restores (33 MB of fp32)."""
+    import torch
+
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+
+
+def timed(fn) -> tuple[float, object]:
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def bench_restart(sess, folder: str) -> dict:
+    """``restart(restore=)`` of a killed rank 0 against its parts, each timed alone."""
+    import fsdp_nb
+
+    sess.wrap(small_model, name="warm_model")  # first-wrap imports, on every rank
+    res: dict = {}
+    res["wrap_s"], model = timed(lambda: sess.wrap(small_model, name="restart_model"))
+    path = os.path.join(folder, "restart_ck")
+    sess.save(path, model)
+    res["load_s"], _ = timed(lambda: sess.load(path, model))
+    res["rejoin_s"], _ = timed(sess.restart)
+    cluster, client = sess.cluster.cluster, sess.cluster.client
+
+    def one_engine() -> str:
+        want = len(client.ids) + 1
+        esid = cluster.start_engines_sync(n=1)
+        client.wait_for_engines(want, timeout=120, interactive=False)
+        return esid
+
+    res["one_engine_s"], esid = timed(one_engine)
+    cluster.stop_engines_sync(esid)
+    os.kill(sess.ranks[0].pid, signal.SIGKILL)
+    try:
+        sess.all_reduce_check()
+    except fsdp_nb.DeadRankError:
+        pass
+    res["restart_restore_s"], _ = timed(lambda: sess.restart(restore=path, drop=["warm_model"]))
+    res["restart_phases"] = dict(sess.restart_phases)
+    res["restart_parts_s"] = res["one_engine_s"] + res["rejoin_s"] + res["wrap_s"] + res["load_s"]
+    res["restart_ratio"] = res["restart_restore_s"] / res["restart_parts_s"]
+    return res
+
+
 def bench_size(n: int, repeats: int, steps: int, train: bool) -> dict:
     import fsdp_nb
 
@@ -85,6 +136,8 @@ def bench_size(n: int, repeats: int, steps: int, train: bool) -> dict:
             sess.execute((HERE / "_train_loop.py").read_text())
             out = sess.run(lambda s: bench_train(s), steps)  # noqa: F821 - defined on engines
             res["session_tokens_per_s_per_rank"] = statistics.mean(t[1] for t in out)
+        with tempfile.TemporaryDirectory(prefix="fsdp_nb_bench_restart_") as folder:
+            res.update(bench_restart(sess, folder))
     finally:
         sess.shutdown()
     res["torchrun_first_collective_s"] = torchrun(n, "start", [])["to_first_collective_s"]
@@ -121,6 +174,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if "throughput_ratio" in r:
             print(f"  training: {r['session_tokens_per_s_per_rank']:.0f} vs torchrun "
                   f"{r['torchrun_tokens_per_s_per_rank']:.0f} tok/s/rank ({r['throughput_ratio']:.3f})")
+    print("\nrestart(restore=) after kill -9 of rank 0 vs its parts (s):")
+    print("  N | restart | one engine | rejoin | wrap | load | parts | ratio")
+    for r in rows:
+        print("  " + " | ".join([str(r["n"]), *(f"{r[k]:.2f}" for k in (
+            "restart_restore_s", "one_engine_s", "rejoin_s", "wrap_s", "load_s", "restart_parts_s",
+            "restart_ratio"))]))
+    for r in rows:
+        print(f"  N={r['n']} restart phases: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in r["restart_phases"].items()))
     print("\nsession start phases (s):")
     names = list(rows[0]["phases"])
     print("  " + " | ".join(["phase", *(f"N={r['n']}" for r in rows)]))

@@ -109,19 +109,32 @@ class CallChannel:
         infos = self.cluster.ranks
         if len(infos) != self.cluster.world_size:
             return  # no group formed yet: nothing says where each engine listens
-        ars = {r: self.cluster.rank_view(r).apply_async(call_server.serve, infos[r].addr) for r in ranks}
+        ars = {}
+        for r in ranks:
+            try:
+                ars[r] = self.cluster.rank_view(r).apply_async(call_server.serve, infos[r].addr)
+            except Exception as exc:  # noqa: BLE001 - e.g. the controller dropped a dead engine
+                self._no_server(r, exc)
         for r, ar in ars.items():
             eid = self.cluster.engine_ids[r]
             try:
                 url = ar.get(timeout=30)
             except Exception as exc:  # noqa: BLE001 - that engine keeps ipyparallel
-                log.warning("rank %d: no direct call socket (%s); its calls go through ipyparallel", r, exc)
-                self._failed.add(eid)
+                self._no_server(r, exc)
                 continue
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(url)
             self._socks[eid] = sock
+
+    def _no_server(self, rank: int, exc: BaseException) -> None:
+        """``rank``'s server did not start: a dead rank is left for the caller's liveness
+        check to report (its replacement gets a server); a live one keeps ipyparallel."""
+        if rank in self.cluster.dead_ranks():
+            log.debug("rank %d died before its call server started: %s", rank, exc)
+            return
+        log.warning("rank %d: no direct call socket (%s); its calls go through ipyparallel", rank, exc)
+        self._failed.add(self.cluster.engine_ids[rank])
 
     def close(self) -> None:
         with self._lock:

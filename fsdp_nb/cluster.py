@@ -131,6 +131,26 @@ def _boot_with_torch(cluster: ipp.Cluster, overlap: bool) -> None:
         cluster.send_engines_connection_env = False
 
 
+HEARTBEAT_MS = 500
+"""The controller's heartbeat period for clusters fsdp_nb starts (ipyparallel's: 3000).
+
+The controller counts an engine as registered only on the beat after its heart first
+answers, so each start (and each replaced engine) waited 3-6 s for it."""
+HEARTBEAT_MISSES = 60
+"""Beats an engine may miss before the controller drops it: 30 s, as ipyparallel's.
+(Engines quit after 50 of their checks without a beat; local ones, started by
+``fsdp_nb.engine.boot``, after 180: about 3 minutes, as with ipyparallel's period.)"""
+
+
+def _quick_heartbeat(cluster_kwargs: dict[str, Any]) -> None:
+    """Add the heartbeat period and misses to ``controller_args`` unless the user set them."""
+    args = list(cluster_kwargs.get("controller_args") or [])
+    if not any(a.startswith("--HeartMonitor.") for a in args):
+        args += [f"--HeartMonitor.period={HEARTBEAT_MS}",
+                 f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
+    cluster_kwargs["controller_args"] = args
+
+
 def ipp_log_level() -> int:
     """ipyparallel's log level for the clusters fsdp_nb starts: the ``fsdp_nb`` logger's
     when that is set to INFO or DEBUG (to see the launchers and engines), else ERROR.
@@ -181,11 +201,13 @@ class EngineCluster:
 
         Local engines start with the controller rather than after it (ipyparallel
         waits one fixed second, then for the controller's files) and import torch
-        while it comes up (``fsdp_nb.engine.boot``).
+        while it comes up (``fsdp_nb.engine.boot``); the controller beats every
+        ``HEARTBEAT_MS``, so registrations complete soon after the engines are up.
         """
         cluster_kwargs = split_cluster_kwargs(launcher, cluster_kwargs)
         config = cluster_kwargs["config"]
         cluster_kwargs.setdefault("delay", 0)
+        _quick_heartbeat(cluster_kwargs)
         if environment:
             env = dict(environment)
             env.update(config.BaseLauncher.get("environment", {}))
@@ -397,7 +419,7 @@ class EngineCluster:
                 "cluster's launcher, then call sess.restart()."
             )
         known = set(self.client.ids) | set(self.engine_ids)
-        self.cluster.start_engines_sync(n=len(dead))
+        self.cluster.start_engines_sync(n=len(dead), environment=self._preloading_env())
         if not wait_until(lambda: len(set(self.client.ids) - known) >= len(dead), timeout, 0.1):
             raise TimeoutError(
                 f"replacement engine(s) for rank(s) {dead} did not register within {timeout:g} s"
@@ -406,6 +428,16 @@ class EngineCluster:
         for r, eid in zip(dead, new):
             pid, host = self.client[eid].apply_sync(whoami)  # a one-off view
             self.engine_ids[r], self.pids[r], self.hosts[r] = eid, pid, host
+
+    def _preloading_env(self) -> dict[str, str]:
+        """The engine launcher's environment, plus the flag that has a replacement
+        engine import what the restart will need while it registers."""
+        from .engine.boot import PRELOAD_ENV
+
+        c = self.cluster
+        launcher = c.engine_launcher_class(parent=c, log=c.log, profile_dir=c.profile_dir,
+                                           cluster_id=c.cluster_id)
+        return {**launcher.environment, PRELOAD_ENV: "1"}
 
     def tcp_endpoints(self) -> dict[int, list[tuple[str, int]]]:
         """Each local engine's TCP socket addresses, read from its pid (no engine round

@@ -174,6 +174,8 @@ class Dispatcher:
             with _CtrlC() as ctrl_c:
                 results: dict[int, Any] = channel.send(fn, per_rank, ranks)
             return Pending(what, results, interrupted=ctrl_c.hit, waiter=channel.wait)
+        if fast and channel is not None and channel.enabled:
+            self._check_alive(what, ranks)  # a rank may have died as its server was started
         results = {}
         with _CtrlC() as ctrl_c:  # every rank gets the call; a Ctrl-C meanwhile waits for gather
             if args_by_rank is None:

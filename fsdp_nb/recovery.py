@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from . import rendezvous
 from .engine import health as _health
+from .phases import PhaseClock
 
 if TYPE_CHECKING:
     from .session import Session
@@ -47,9 +48,11 @@ def restart(sess: Session, restore: str | None = None, drop: tuple[str, ...] = (
     instance can only come back through ``restore`` (no copy of its weights is kept);
     ``drop`` names wraps to forget instead of replaying them. A replay that cannot be
     done is refused before anything changes (``sharding.check_replayable``).
+    The time of each phase is kept in ``sess.restart_phases``.
     """
     from .sharding import check_replayable, replay_wraps
 
+    clock = PhaseClock()
     drop = tuple(drop)
     dead = sess.cluster.dead_ranks()
     check_replayable(sess, restore, drop, replaying=bool(dead))
@@ -58,11 +61,16 @@ def restart(sess: Session, restore: str | None = None, drop: tuple[str, ...] = (
                            note=f"replacing rank(s) {dead}" if dead else "re-forming the group")
     if dead:
         sess.cluster.replace(dead)
+        clock.mark("engines replaced")
         sess.health.install(sess.plain_dispatcher, dead, nccl=sess.backend == "nccl")
+        clock.mark("health hooks")
     reform(sess)
+    clock.mark("group re-formed")
     if dead and sess.wraps:
         replay_wraps(sess, drop, sess.plain_dispatcher)
+        clock.mark("wraps replayed")
     sess.lifecycle.to("ready")
+    sess.restart_phases = clock.times
     if restore is not None:
         names = list(sess.wraps)
         if not names:
@@ -71,6 +79,7 @@ def restart(sess: Session, restore: str | None = None, drop: tuple[str, ...] = (
                 "has no wrapped model; call sess.wrap(...) then sess.load(path, model)."
             )
         sess.load(restore, names[-1])
+        clock.mark("checkpoint loaded")
     what = f"rank(s) {', '.join(map(str, dead))} replaced" if dead else "group re-formed"
     sess.dispatcher.notify("restart", "recovered", everyone,
                            note=what + (f", {restore} loaded" if restore else ""))

@@ -205,6 +205,8 @@ class Session:
         """The session record and watchdog (None for a connected session not kept alive)."""
         self.health = RankHealth(cluster)
         """The engines' health hooks: stack dumps, NCCL abort listeners."""
+        self.restart_phases: dict[str, float] = {}
+        """Seconds each phase of the last ``restart()`` took (empty before one)."""
         self._cluster = cluster
         self._policy = RecoveringPolicy(self, grace=grace)
         self.channel = CallChannel(cluster)

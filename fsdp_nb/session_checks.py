@@ -7,6 +7,8 @@ up front: the backend (local engines share this machine's GPUs) and the rank cou
 
 from __future__ import annotations
 
+import glob
+import sys
 from collections.abc import Sequence
 
 from .cluster import launcher_names
@@ -16,6 +18,17 @@ __all__ = ["BACKENDS", "check_grace", "check_n_backend", "check_output", "check_
 
 BACKENDS = ("gloo", "nccl")
 """Process-group backends a session can form."""
+
+GPU_DEVICE_NODES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
+"""Device files a host with a CUDA (or ROCm, or WSL) GPU has."""
+
+
+def local_gpu_count() -> int:
+    """GPUs torch sees on this host. Without a GPU device file, 0 without importing
+    torch: the import takes seconds that a CPU session's engines can use instead."""
+    if "torch" not in sys.modules and not any(glob.glob(p) for p in GPU_DEVICE_NODES):
+        return 0
+    return _cuda_count()
 
 
 def check_n_backend(n: int | None, backend: str | None) -> None:
@@ -37,7 +50,7 @@ def validate(n: int | None, backend: str | None, launcher: str) -> tuple[int, st
     names = launcher_names()
     if launcher not in names:
         raise ValueError(f"unknown launcher {launcher!r}; allowed: {', '.join(names)}")
-    gpus = _cuda_count() if launcher == "local" else None
+    gpus = local_gpu_count() if launcher == "local" and backend != "gloo" else None
     if backend is None and gpus is not None:
         backend = "nccl" if gpus else "gloo"
     if n is None:

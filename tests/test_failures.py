@@ -9,6 +9,7 @@ engines share their own 2-rank session (``fragile``).
 from __future__ import annotations
 
 import _thread
+import logging
 import os
 import signal
 import sys
@@ -376,17 +377,40 @@ def test_engine_killed_during_a_direct_run(fragile, tmp_path):
     assert s.run(lambda: rank) == [0, 1]  # noqa: F821 - the new engine serves direct calls too
 
 
-def test_kill_9_idle_engine_then_restart_brings_same_ranks_back(fragile):
+def _engine_env():
+    import os
+    import sys
+    import threading
+
+    for t in threading.enumerate():
+        if t.name == "fsdp_nb-preload":
+            t.join(60)
+    return (os.environ.get("FSDP_NB_ENGINE_PRELOAD"), os.environ.get("OMP_NUM_THREADS"),
+            "torch.distributed.checkpoint.state_dict" in sys.modules)
+
+
+THREADS = str(max(1, (os.cpu_count() or 1) // 2))
+"""OMP_NUM_THREADS a 2-rank gloo session gives its engines."""
+
+
+def test_kill_9_idle_engine_then_restart_brings_same_ranks_back(fragile, caplog):
     s = fragile
     _build(s, shape="(2, 1)", names='("dp", "shard")')  # 2-D mesh (HSDP) on the survivor
     before = _weights(s)
     victim, survivor = s.ranks[0].pid, s.ranks[1].pid
+    s.channel.close()  # the next direct call starts the call servers again: one on a dead rank
     os.kill(victim, signal.SIGKILL)
-    with pytest.raises(DeadRankError) as info:
-        s.all_reduce_check()
+    with caplog.at_level(logging.WARNING, logger="fsdp_nb"):
+        with pytest.raises(DeadRankError) as info:
+            s.all_reduce_check()
     assert info.value.dead_ranks == [0]
+    assert not [r for r in caplog.records if "direct call socket" in r.getMessage()]
     s.restart()
     assert s.ranks[0].pid != victim and s.ranks[1].pid == survivor  # only the dead rank replaced
+    assert list(s.restart_phases) == ["engines replaced", "health hooks", "group re-formed"]
+    # the replacement has the launcher's environment, and imported DCP while registering
+    assert s.run(_engine_env)[0] == ("1", THREADS, True)
+    assert s.channel.ready_for([0, 1])
     assert s.all_reduce_check() == 1.0
     assert s.pull("rank") == [0, 1]
     # the new rank 0 has no model; rank 1 kept its shards

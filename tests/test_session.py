@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 import fsdp_nb
+from fsdp_nb.cluster import HEARTBEAT_MS, _quick_heartbeat
 from fsdp_nb.errors import RankError
 
 
@@ -200,9 +201,46 @@ def test_nccl_beyond_gpu_count_is_refused():
         fsdp_nb.Session(gpus + 1, backend="nccl")
 
 
-def test_second_session_side_by_side_and_clean_shutdown(sess):
+def test_heartbeat_settings_the_user_gave_win():
+    kw = {"controller_args": ["--ip=*"]}
+    _quick_heartbeat(kw)
+    assert kw["controller_args"][0] == "--ip=*" and any("HeartMonitor.period" in a for a in kw["controller_args"])
+    kw = {"controller_args": ["--HeartMonitor.period=3000"]}
+    _quick_heartbeat(kw)
+    assert kw["controller_args"] == ["--HeartMonitor.period=3000"]
+
+
+def test_a_cpu_session_needs_no_torch_in_the_notebook_to_start():
+    """Counting GPUs imports torch (seconds); without GPU device files, or with
+    backend="gloo", the engines start without waiting for it."""
+    import glob
+
+    from fsdp_nb.session_checks import GPU_DEVICE_NODES
+
+    gpu_host = any(glob.glob(p) for p in GPU_DEVICE_NODES)
+    code = ("import sys; from fsdp_nb.session_checks import validate; "
+            "print(validate(2, 'gloo', 'local'), 'torch' in sys.modules)"
+            + ("" if gpu_host else "; print(validate(None, None, 'local'), 'torch' in sys.modules)"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    want = "(2, 'gloo') False\n" + ("" if gpu_host else "(2, 'gloo') False\n")
+    assert out == want
+
+
+def test_second_session_side_by_side_and_clean_shutdown(sess, capsys):
     ours = {p.pid for p in psutil.Process().children(recursive=True)}
-    with fsdp_nb.Session(2, backend="gloo", activate=False) as other:
+    with fsdp_nb.Session(2, backend="gloo", activate=False, verbose=True) as other:
+        # verbose: the start's phases, printed and kept
+        phases = ["controller and engines launched", "engines registered",
+                  "probe engines (torch imported)", "process group formed", "health hooks",
+                  "session record"]
+        assert list(other.start_phases) == phases
+        printed = capsys.readouterr().out
+        assert printed.startswith("session start:") and all(p in printed for p in [*phases, "total"])
+        # engines boot with torch first; the controller beats fast, so registration is quick
+        engine_cmd = psutil.Process(other.ranks[0].pid).cmdline()
+        assert engine_cmd[1:3] == ["-m", "fsdp_nb.engine.boot"]
+        controller = psutil.Process(other.cluster.cluster.controller.process.pid).cmdline()
+        assert f"--HeartMonitor.period={HEARTBEAT_MS}" in controller
         p1 = sess.run(lambda: __import__("os").environ["MASTER_PORT"])[0]
         p2 = other.run(lambda: __import__("os").environ["MASTER_PORT"])[0]
         assert p1 != p2

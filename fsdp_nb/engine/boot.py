@@ -5,22 +5,54 @@ instead of ``python -m ipyparallel.engine``: torch (seconds of imports) loads fi
 at the same time as the controller comes up, then ipyparallel's engine starts and
 waits for the controller's connection file (up to ``FSDP_NB_ENGINE_WAIT`` seconds,
 default 120, not ipyparallel's 5), so no engine waits for the controller before its
-imports, nor the group for the engines' imports.
+imports, nor the group for the engines' imports. The controller fsdp_nb starts beats
+faster than ipyparallel's (``cluster.HEARTBEAT_MS``); an engine still waits about
+3 minutes for a silent controller before it quits, as with ipyparallel's period.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 import sys
+import threading
+
+PRELOAD = (
+    "fsdp_nb.engine.probe", "fsdp_nb.engine.process_group", "fsdp_nb.engine.health",
+    "fsdp_nb.engine.call_server", "torch.distributed.fsdp", "fsdp_nb.engine.wrap",
+    "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+)
+"""What a rank imports to join the group and to wrap, save and load (about a second)."""
+PRELOAD_ENV = "FSDP_NB_ENGINE_PRELOAD"
+"""Set for engines that replace dead ranks (``EngineCluster.replace``): they import
+``PRELOAD`` in a thread while they register, which is mostly waiting, since a restart
+re-forms the group and replays the wraps on them at once. Not for a session's first
+engines: on few cores the imports slow the start, and a wrap may be minutes away."""
+
+
+def _preload() -> None:
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - the real import raises it again, in context
+            logging.getLogger("fsdp_nb").debug("preloading %s failed: %s", name, exc)
 
 
 def main() -> None:
     import torch  # noqa: F401 - the point: loaded before registration
     import torch.distributed  # noqa: F401
 
-    wait = os.environ.get("FSDP_NB_ENGINE_WAIT", "120")
-    if not any(a.startswith("--IPEngine.wait_for_url_file") for a in sys.argv):
-        sys.argv.append(f"--IPEngine.wait_for_url_file={wait}")
+    if os.environ.get(PRELOAD_ENV):
+        threading.Thread(target=_preload, name="fsdp_nb-preload", daemon=True).start()
+
+    defaults = {
+        "wait_for_url_file": os.environ.get("FSDP_NB_ENGINE_WAIT", "120"),
+        "max_heartbeat_misses": "180",  # checks every beat + 0.5 s: 1 s, so 3 minutes
+    }
+    for trait, value in defaults.items():
+        if not any(a.startswith(f"--IPEngine.{trait}") for a in sys.argv):
+            sys.argv.append(f"--IPEngine.{trait}={value}")
     from ipyparallel.engine.app import main as engine_main
 
     engine_main()
