@@ -419,7 +419,7 @@ class EngineCluster:
                 "cluster's launcher, then call sess.restart()."
             )
         known = set(self.client.ids) | set(self.engine_ids)
-        self.cluster.start_engines_sync(n=len(dead), environment=self._preloading_env())
+        self.cluster.start_engines_sync(n=len(dead), **self._replacement_settings())
         if not wait_until(lambda: len(set(self.client.ids) - known) >= len(dead), timeout, 0.1):
             raise TimeoutError(
                 f"replacement engine(s) for rank(s) {dead} did not register within {timeout:g} s"
@@ -429,15 +429,19 @@ class EngineCluster:
             pid, host = self.client[eid].apply_sync(whoami)  # a one-off view
             self.engine_ids[r], self.pids[r], self.hosts[r] = eid, pid, host
 
-    def _preloading_env(self) -> dict[str, str]:
-        """The engine launcher's environment, plus the flag that has a replacement
-        engine import what the restart will need while it registers."""
+    def _replacement_settings(self) -> dict[str, Any]:
+        """For local engines (``fsdp_nb.engine.boot``): the launcher's environment plus
+        the flag that has a replacement import what the restart needs while it registers."""
+        from ipyparallel.cluster.launcher import LocalEngineSetLauncher
+
         from .engine.boot import PRELOAD_ENV
 
         c = self.cluster
+        if not issubclass(c.engine_launcher_class, LocalEngineSetLauncher):
+            return {}
         launcher = c.engine_launcher_class(parent=c, log=c.log, profile_dir=c.profile_dir,
                                            cluster_id=c.cluster_id)
-        return {**launcher.environment, PRELOAD_ENV: "1"}
+        return {"environment": {**launcher.environment, PRELOAD_ENV: "1"}}
 
     def tcp_endpoints(self) -> dict[int, list[tuple[str, int]]]:
         """Each local engine's TCP socket addresses, read from its pid (no engine round
