@@ -17,7 +17,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -174,10 +175,9 @@ class Dispatcher:
             with _CtrlC() as ctrl_c:
                 results: dict[int, Any] = channel.send(fn, per_rank, ranks)
             return Pending(what, results, interrupted=ctrl_c.hit, waiter=channel.wait)
-        if fast and channel is not None and channel.enabled:
-            self._check_alive(what, ranks)  # a rank may have died as its server was started
         results = {}
-        with _CtrlC() as ctrl_c:  # every rank gets the call; a Ctrl-C meanwhile waits for gather
+        # every rank gets the call; a Ctrl-C meanwhile waits for gather
+        with _CtrlC() as ctrl_c, self._sending(what, ranks):
             if args_by_rank is None:
                 results = _per_rank(ranks, self.cluster.ranks_view(ranks).apply_async(fn, *args))
             else:
@@ -198,11 +198,21 @@ class Dispatcher:
         sends it: fewer messages); printed output and errors come back either way."""
         ranks = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
         self._check_alive("execute", ranks)
-        with _CtrlC() as ctrl_c:  # as in apply
+        with _CtrlC() as ctrl_c, self._sending("execute", ranks):  # as in apply
             ar = self.cluster.ranks_view(ranks).execute(code, block=False, silent=silent)
             results = _per_rank(ranks, ar)
         shown = None if echoed is None else tuple(echoed)
         return Pending("execute", results, interrupted=ctrl_c.hit, echoed=shown, waiter=self._client_wait)
+
+    @contextmanager
+    def _sending(self, what: str, ranks: Sequence[int]) -> Iterator[None]:
+        """A send that fails because a rank died since the last check (ipyparallel has
+        dropped its engine: a ``KeyError`` for its id) raises that rank's death."""
+        try:
+            yield
+        except Exception:
+            self._check_alive(what, ranks)
+            raise
 
     def _check_alive(self, what: str, ranks: Sequence[int]) -> None:
         dead = [r for r in self.cluster.dead_ranks() if r in ranks]

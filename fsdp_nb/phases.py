@@ -1,4 +1,5 @@
-"""How long each phase of a session start took (``Session(..., verbose=True)`` prints it).
+"""How long each phase of a session start (``Session(..., verbose=True)`` prints it) or
+of a restart (``sess.restart_phases``) took.
 
 Phases are marked in order as they end; each one's time runs from the previous mark,
 so together they add up to the whole start.

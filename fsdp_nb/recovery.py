@@ -56,6 +56,7 @@ def restart(sess: Session, restore: str | None = None, drop: tuple[str, ...] = (
     drop = tuple(drop)
     dead = sess.cluster.dead_ranks()
     check_replayable(sess, restore, drop, replaying=bool(dead))
+    sess.restart_phases = clock.times  # filled as the phases end, a failed restart's too
     everyone = tuple(range(sess.world_size))
     sess.dispatcher.notify("restart", "recovering", everyone,
                            note=f"replacing rank(s) {dead}" if dead else "re-forming the group")
@@ -70,7 +71,6 @@ def restart(sess: Session, restore: str | None = None, drop: tuple[str, ...] = (
         replay_wraps(sess, drop, sess.plain_dispatcher)
         clock.mark("wraps replayed")
     sess.lifecycle.to("ready")
-    sess.restart_phases = clock.times
     if restore is not None:
         names = list(sess.wraps)
         if not names:

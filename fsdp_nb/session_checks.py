@@ -14,7 +14,10 @@ from collections.abc import Sequence
 from .cluster import launcher_names
 from .engine.probe import _cuda_count
 
-__all__ = ["BACKENDS", "check_grace", "check_n_backend", "check_output", "check_ranks", "validate"]
+__all__ = [
+    "BACKENDS", "GPU_DEVICE_NODES", "check_grace", "check_n_backend", "check_output", "check_ranks",
+    "local_gpu_count", "validate",
+]
 
 BACKENDS = ("gloo", "nccl")
 """Process-group backends a session can form."""

@@ -100,15 +100,12 @@ class ChecksumStream(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        if len(view) >= OVERLAP_BYTES:  # checksum while the bytes go to the file
-            crc = _crc_pool().submit(checksum, view, self._crc)
-            n = self.raw.write(view)
-            n = len(view) if n is None else n
-            self._crc = crc.result() if n == len(view) else checksum(view[:n], self._crc)
-        else:
-            n = self.raw.write(view)
-            n = len(view) if n is None else n
-            self._crc = checksum(view[:n], self._crc)
+        # a large write is checksummed in a helper thread while the bytes go to the file
+        ahead = _crc_pool().submit(checksum, view, self._crc) if len(view) >= OVERLAP_BYTES else None
+        n = self.raw.write(view)
+        n = len(view) if n is None else n
+        full = ahead is not None and n == len(view)
+        self._crc = ahead.result() if full else checksum(view[:n], self._crc)
         self._pos += n
         if self._on_write is not None:
             self._on_write(n)

@@ -25,6 +25,8 @@ import time
 import traceback
 from typing import Any
 
+import cloudpickle
+
 from . import interrupts
 
 __all__ = ["serve"]
@@ -70,8 +72,6 @@ class _Server:
         try:
             signal.signal(signal.SIGINT, interrupts.guarded)
             sys.stdout, sys.stderr = out, err
-            import cloudpickle
-
             fn, args = cloudpickle.loads(payload)
             result = _invoke(fn, args)
             status, body = b"ok", _dumps(result)
@@ -108,8 +108,6 @@ def _dumps(result: Any) -> bytes:
     try:
         return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - notebook-defined types: by value
-        import cloudpickle
-
         return cloudpickle.dumps(result)
 
 
