@@ -186,19 +186,35 @@ def bench_ranks(n: int, folder: str, mb: int, cold: bool, reps: int) -> dict:
         sess.execute(f"plain_save({os.path.join(folder, f'warmupp{n}')!r})")
         # the first async save also creates its gloo group and writer thread
         sess.save(os.path.join(folder, f"warmupa{n}"), "bench", optimizer="bench_opt", async_save=True).wait()
-        # side by side, interleaved: fsdp_nb's save / load and plain DCP's of the same state
+        # side by side, interleaved: fsdp_nb's save / load and plain DCP's of the same
+        # state, taking turns at going first (the first runs right after the last save's
+        # writes, the second does not)
         ours_s, plain_s, ours_l, plain_l = [], [], [], []
-        for _ in range(reps):
-            shutil.rmtree(plain, ignore_errors=True)
+
+        def ours_save() -> None:
             shutil.rmtree(sharded, ignore_errors=True)  # both write a fresh folder
             ours_s.append(timed(lambda: sess.save(sharded, "bench", optimizer="bench_opt"))[0])
+
+        def plain_save() -> None:
+            shutil.rmtree(plain, ignore_errors=True)
             plain_s.append(timed(lambda: sess.execute(f"plain_save({plain!r})"))[0])
+
+        def ours_load() -> None:
             if cold:
                 drop_caches()
             ours_l.append(timed(lambda: sess.load(sharded, "bench", optimizer="bench_opt"))[0])
+
+        def plain_load() -> None:
             if cold:
                 drop_caches()
             plain_l.append(timed(lambda: sess.execute(f"plain_load({plain!r})"))[0])
+
+        for i in range(reps):
+            turns = (ours_save, plain_save, ours_load, plain_load)
+            if i % 2:
+                turns = (plain_save, ours_save, plain_load, ours_load)
+            for turn in turns:
+                turn()
         res.update(save_sharded_s=_median(ours_s), plain_dcp_save_s=_median(plain_s),
                    load_sharded_s=_median(ours_l), plain_dcp_load_s=_median(plain_l),
                    samples={"save": ours_s, "plain_save": plain_s, "load": ours_l, "plain_load": plain_l})
@@ -217,6 +233,7 @@ def bench_ranks(n: int, folder: str, mb: int, cold: bool, reps: int) -> dict:
             t_wait, _ = timed(h.wait)
             blocked.append(t_block)
         res["async_blocked_s"] = _median(blocked)
+        res["samples"]["async_blocked"] = blocked
         res["async_blocked_on_ranks_s"] = h.blocked_s
         res["async_total_s"] = t_block + t_wait
         res["async_blocked_vs_sync"] = res["async_blocked_s"] / res["save_sharded_s"]

@@ -68,3 +68,25 @@ def test_a_failing_direct_run_names_the_rank_error_and_frame(sess):
         assert "broken" in err.failures[0].traceback
     assert "call_server" not in errors[0].failures[0].traceback  # the user's frames only
     assert sess.run(int) == [0, 0]  # usable right after
+
+
+def note_after_reply():
+    from fsdp_nb.engine.call_server import after_reply
+
+    after_reply(lambda: after_log.append("after"))  # noqa: F821 - engine global
+    return list(after_log)  # noqa: F821
+
+
+def test_work_put_after_a_direct_reply_runs_once_the_reply_left(sess):
+    """An async save starts its copy and write once its call has answered (its threads
+    would hold the GIL against the reply); outside a direct call it runs at once."""
+    sess.execute("after_log = []")
+    assert sess.run(note_after_reply) == [[], []]  # not yet run when the call returned
+    assert sess.pull("after_log") == [["after"], ["after"]]
+    sess.channel.enabled = False
+    try:
+        sess.execute("after_log = []")
+        assert sess.run(note_after_reply) == [["after"], ["after"]]  # ipyparallel: at once
+    finally:
+        sess.channel.enabled = True
+    sess.execute("del after_log")

@@ -276,6 +276,42 @@ def test_corrupt_or_truncated_file_named_model_unchanged(sess, tmp_path):
         sess.load(str(tmp_path / "missing"), "ck_c")
 
 
+IN_PLACE = """
+from torch.distributed.checkpoint.state_dict import get_state_dict as _gsd
+from fsdp_nb.engine.checkpoint_load import _over_model
+_in_place = _over_model(ck_i, _gsd(ck_i, [])[0])
+_copied = _over_model(ck_i, {k: v.clone() for k, v in _gsd(ck_i, [])[0].items()})
+"""
+
+
+def test_a_wrapped_model_is_loaded_in_place_after_every_rank_read_its_share(sess, tmp_path):
+    """A sharded load reads and checks every item, then (once every rank has) copies
+    them into the model's own shards: no second model-sized copy. A state dict that is
+    not over the model's memory is read into fresh tensors and set afterwards instead."""
+    build(sess, "ck_i")
+    step(sess, "ck_i")
+    s0 = snapshot(sess, "ck_i")
+    path = tmp_path / "i"
+    sess.save(str(path), "ck_i", optimizer="ck_i_opt")
+    sess.execute(IN_PLACE)
+    assert sess.pull("_in_place") == [True] * sess.world_size
+    assert sess.pull("_copied") == [False] * sess.world_size
+    step(sess, "ck_i")
+    s1 = snapshot(sess, "ck_i")
+    sess.load(str(path), "ck_i", optimizer="ck_i_opt")
+    assert same(snapshot(sess, "ck_i"), s0)
+    # rank 0's own file damaged near its end: rank 1 read all of its share, yet copies nothing
+    step(sess, "ck_i")
+    s1 = snapshot(sess, "ck_i")
+    f0 = path / "__0_0.distcp"
+    data = f0.read_bytes()
+    f0.write_bytes(data[:-200] + bytes(b ^ 0xFF for b in data[-200:-100]) + data[-100:])
+    with pytest.raises(CorruptCheckpointError, match=r"'__0_0.distcp' is corrupt"):
+        sess.load(str(path), "ck_i", optimizer="ck_i_opt")
+    assert same(snapshot(sess, "ck_i"), s1)
+    sess.execute("del ck_i, ck_i_opt")
+
+
 def test_strict_keys_and_shapes(sess, tmp_path):
     build(sess, "ck_s")
     path = str(tmp_path / "c")

@@ -162,6 +162,28 @@ def test_save_and_load_on_nccl(gsess, tmp_path, sharded, async_save):
     assert all(torch.equal(saved[k], after[k]) for k in saved)
 
 
+def test_sharded_load_reads_into_the_model_without_device_memory(gsess, tmp_path):
+    """A checked sharded load stages its reads in host memory and copies them into the
+    model's own shards: it allocates no second model on the GPU."""
+    sm = gsess.wrap(Net(dim=256, depth=4), name="gin")
+    gsess.execute("gin_opt = torch.optim.AdamW(gin.parameters(), lr=1e-3)")
+    x, y = _batch()
+    gsess.run(_train_on_ranks, "gin", x, y, 1)
+    path = str(tmp_path / "in")
+    gsess.save(path, sm, optimizer="gin_opt")
+    saved = sm.state_dict()
+    gsess.execute("with torch.no_grad():\n    [p.zero_() for p in gin.parameters()]\n"
+                  "torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()\n"
+                  "_gin_base = torch.cuda.memory_allocated()")
+    gsess.load(path, sm, optimizer="gin_opt")
+    added, shard = gsess.run(lambda: (
+        __import__("torch").cuda.max_memory_allocated() - globals()["_gin_base"],
+        sum(p.to_local().numel() * p.element_size() for p in globals()["gin"].parameters())))[0]
+    assert added < shard / 2, (added, shard)  # a fresh copy of the weights alone is `shard`
+    after = sm.state_dict()
+    assert all(torch.equal(saved[k], after[k]) for k in saved)
+
+
 def test_memory_feed_has_cuda_fields(gsess):
     from fsdp_nb.engine.memory_sampler import sample
 

@@ -21,13 +21,13 @@ import posixpath
 import threading
 import zlib
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
 __all__ = [
     "ALGORITHM", "ChecksumMismatch", "ChecksumStream", "RecordingFileSystem", "check_item",
-    "checksum", "file_problem", "item_checksums", "record_writer",
+    "check_item_soon", "checksum", "file_problem", "item_checksums", "record_writer",
 ]
 
 log = logging.getLogger("fsdp_nb")
@@ -234,6 +234,20 @@ def file_problem(fs: Any, path: str, name: str, rec: dict[str, Any], block: int 
             if crc != want:
                 return _mismatch(name, off, length, algorithm, crc, want)
     return None
+
+
+def check_item_soon(data: Any, name: str, offset: int, want: tuple[int, int, str]) -> Future:
+    """``check_item`` in a helper thread for items of ``OVERLAP_BYTES`` or more (so the
+    next read overlaps it), at once for smaller ones; its future raises ChecksumMismatch."""
+    if len(data) >= OVERLAP_BYTES:
+        return _crc_pool().submit(check_item, data, name, offset, want)
+    done: Future = Future()
+    try:
+        check_item(data, name, offset, want)
+        done.set_result(None)
+    except ChecksumMismatch as exc:
+        done.set_exception(exc)
+    return done
 
 
 def check_item(data: bytes, name: str, offset: int, want: tuple[int, int, str]) -> None:

@@ -15,19 +15,21 @@ from typing import Any
 
 from .atomic import validate_files
 from .checksums import ChecksumMismatch, item_checksums
+from .dcp_reader import safe_reader
 from .info import CorruptCheckpointError
 from .inspect import read_dcp_metadata, verify_checksums
-from .restricted import safe_reader
 
 __all__ = ["named_corruption", "open_sharded"]
 
 
 def open_sharded(fs: Any, p: str, url: str, marker: dict, storage_options: dict | None,
-                 *, share: list[str] | None = None, on_read: Any = None) -> tuple[Any, Any]:
+                 *, share: list[str] | None = None, on_read: Any = None,
+                 before_commit: Any = None) -> tuple[Any, Any]:
     """(DCP metadata, storage reader) of the folder ``p``; CorruptCheckpointError naming
     the file when a check fails. ``share``: of an older marker's files, those this
     process verifies in full before reading (default: all). ``on_read(n)``: told
-    each item's size as it is read."""
+    each item's size as it is read. ``before_commit``: read everything, then agree,
+    then copy (``dcp_reader.safe_reader``)."""
     files = marker.get("files", {})
     per_item = bool(files) and all("segments" in rec for rec in files.values())
     if per_item:
@@ -38,7 +40,8 @@ def open_sharded(fs: Any, p: str, url: str, marker: dict, storage_options: dict 
         verify_checksums(fs, p, url, marker, names=share)
     md = read_dcp_metadata(fs, p, url, files.get(".metadata"))
     reader = safe_reader(fs, p, storage_options or {}, metadata=md,
-                         checks=item_checksums(files) if per_item else None, on_read=on_read)
+                         checks=item_checksums(files) if per_item else None, on_read=on_read,
+                         before_commit=before_commit)
     return md, reader
 
 

@@ -27,7 +27,7 @@ from typing import Any
 from ..checkpoint.contract import Outcome, SaveProgress
 
 __all__ = [
-    "async_done", "async_progress", "async_wait", "drain", "hold_until_staged", "stager", "submit",
+    "async_done", "async_progress", "async_wait", "copied", "drain", "hold_until_staged", "stager", "submit",
     "wait_staged",
 ]
 
@@ -160,6 +160,18 @@ def hold_until_staged(staging: Future, optim: Any, model: Any = None) -> None:
     if model is not None and model not in _GATED:
         model.register_forward_pre_hook(lambda *_: wait_staged())
         _GATED.add(model)
+
+
+def copied(copy: Future, staged: Future, progress: SaveProgress) -> None:
+    """DCP's staging future ``copy`` is done: pass its outcome on to ``staged`` (what
+    training waits on) and move ``progress`` on to writing."""
+    exc = copy.exception()
+    if exc is None:
+        staged.set_result(None)
+    else:
+        staged.set_exception(exc)
+    if progress.phase == "staging":
+        progress.phase = "writing"
 
 
 def wait_staged() -> None:

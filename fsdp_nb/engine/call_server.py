@@ -29,11 +29,27 @@ import cloudpickle
 
 from . import interrupts
 
-__all__ = ["serve"]
+__all__ = ["after_reply", "serve"]
 
 log = logging.getLogger("fsdp_nb")
 
 _SERVER: _Server | None = None
+_AFTER: list[Any] | None = None
+"""While a call runs on the server: what runs once its reply is sent (``after_reply``)."""
+
+
+def after_reply(fn: Any) -> None:
+    """Run ``fn()`` once the reply to the call now running has left, or at once outside
+    a call server request (an ipyparallel call, a cell).
+
+    For background work that a call starts, such as an async save's copy and write: its
+    threads would otherwise compete with the reply for the GIL and the cores, and the
+    notebook would wait for them.
+    """
+    if _AFTER is None:
+        fn()
+    else:
+        _AFTER.append(fn)
 
 
 def serve(addr: str) -> str:
@@ -64,6 +80,19 @@ class _Server:
             log.warning("a call reply could not be sent: %s", exc)
 
     def _on_request(self, frames: list[Any]) -> None:
+        global _AFTER
+        _AFTER = after = []
+        try:
+            self._answer(frames)
+        finally:
+            _AFTER = None
+            for fn in after:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - the call has been answered already
+                    log.exception("work started after a call's reply failed")
+
+    def _answer(self, frames: list[Any]) -> None:
         ident, call_id, payload = frames[0].bytes, frames[1].bytes, frames[2].buffer
         out = _Output(self, ident, call_id, b"stdout", sys.stdout)
         err = _Output(self, ident, call_id, b"stderr", sys.stderr)
@@ -93,12 +122,12 @@ def _invoke(fn: Any, args: tuple) -> Any:
     return fn(*args)
 
 
-interrupts.own(_Server._on_request)
+interrupts.own(_Server._on_request, _Server._answer)
 
 
 def _below_server(tb: Any) -> Any:
     """The traceback from the call down: the server's own frames left out."""
-    own = (_Server._on_request.__code__, _invoke.__code__)
+    own = (_Server._on_request.__code__, _Server._answer.__code__, _invoke.__code__)
     while tb is not None and tb.tb_frame.f_code in own and tb.tb_next is not None:
         tb = tb.tb_next
     return tb

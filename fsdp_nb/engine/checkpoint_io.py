@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from ..checkpoint.atomic import commit_sharded, retain_last
@@ -36,14 +37,15 @@ from ..checkpoint.fullfile import write_full
 from ..checkpoint.inspect import inspect
 from ..checkpoint.storage import dcp_writer, sibling, url_to_fs
 from . import progress_feed
-from .async_saves import drain, hold_until_staged, stager, submit
+from .async_saves import copied, drain, hold_until_staged, stager, submit
+from .call_server import after_reply
 from .namespace import user_ns
 from .wrap import param_sizes
 
 log = logging.getLogger("fsdp_nb")
 
 __all__ = [
-    "agree", "begin", "checkpoint_group", "named_objects", "rank_and_world", "save", "tensor_bytes",
+    "agree", "any_rank", "begin", "checkpoint_group", "named_objects", "rank_and_world", "save", "tensor_bytes",
 ]
 
 _GROUP: tuple[Any, Any] | None = None
@@ -90,12 +92,31 @@ def begin(spec: SaveSpec | LoadSpec) -> tuple[Any, Any] | Outcome:
     return objects
 
 
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank: one all-reduce on the checkpoint group."""
+    import torch
+    import torch.distributed as dist
+
+    _, ws = rank_and_world()
+    if ws == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=checkpoint_group())
+    return bool(t.item())
+
+
 def agree(mine: Outcome | None) -> Outcome | None:
     """Every rank learns every rank's outcome so far (None: nothing to report) and
     returns the same one: the first failure, else the first report, else None. Run
-    before anything is written or changed, so no rank goes on alone into a collective."""
+    before anything is written or changed, so no rank goes on alone into a collective.
+
+    When no rank has anything to report (every call that goes ahead) this is one
+    all-reduce of a flag; the outcomes are gathered only when some rank has one.
+    """
     import torch.distributed as dist
 
+    if not any_rank(mine is not None):
+        return None
     _, ws = rank_and_world()
     parts: list[Any] = [mine]
     if ws > 1:
@@ -250,21 +271,28 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
     cuda = any(p.device.type == "cuda" for p in model.parameters())
     if cuda:
         torch.cuda.current_stream().synchronize()  # the side stream copies finished values
-    resp = dcp.async_save(sd, storage_writer=writer, process_group=group, async_stager=stager(cuda))
-    upload, staging = resp.upload_completion, resp.staging_completion
+    device = torch.cuda.current_device() if cuda else None
+    copier = stager(cuda)
+    # DCP's async_save (the copy and the upload thread) runs in the job, which starts
+    # once this call has answered: started before, its threads held the GIL and the
+    # cores against the reply for tens of ms on a busy host. Training waits on
+    # ``staged`` before it changes a saved tensor.
+    staged: Future = Future()
     buffers = set(msd) - {n for n, _ in model.named_parameters()}
-    hold_until_staged(staging, optim, model if buffers else None)
-
-    def staged(_: Any) -> None:
-        if progress.phase == "staging":
-            progress.phase = "writing"
-
-    staging.add_done_callback(staged)
+    hold_until_staged(staged, optim, model if buffers else None)
     blocked = time.perf_counter() - t0
 
     def finish() -> Outcome:
         try:
-            upload.result()
+            if device is not None:
+                torch.cuda.set_device(device)  # a new thread starts on device 0
+            try:
+                resp = dcp.async_save(sd, storage_writer=writer, process_group=group, async_stager=copier)
+            except BaseException as exc:
+                staged.set_exception(exc)
+                raise
+            resp.staging_completion.add_done_callback(lambda f: copied(f, staged, progress))
+            resp.upload_completion.result()
         except BaseException as exc:
             if rank == 0:
                 _cleanup(fs, tmp)
@@ -274,7 +302,7 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
         out.seconds = time.perf_counter() - t0
         return out
 
-    submit(spec.token, finish, progress, lambda: recorder.written)
+    after_reply(lambda: submit(spec.token, finish, progress, lambda: recorder.written))
     return Outcome(blocked=blocked, pending=True)
 
 

@@ -24,13 +24,13 @@ from typing import Any
 
 from ..checkpoint.atomic import read_marker
 from ..checkpoint.contract import LoadSpec, Outcome
+from ..checkpoint.dcp_reader import can_stage, safe_reader
 from ..checkpoint.fullfile import full_suffix, read_full
 from ..checkpoint.info import CheckpointError, CorruptCheckpointError
 from ..checkpoint.inspect import dcp_files_problem, read_dcp_metadata
 from ..checkpoint.keys import MODEL, OPTIM_STATE, flat_optim_state, is_bare, is_model_key, optim_key
 from ..checkpoint.metadata import META_FILE
 from ..checkpoint.reader import named_corruption, open_sharded
-from ..checkpoint.restricted import safe_reader
 from ..checkpoint.safetensors_layout import (
     PieceReader,
     Stored,
@@ -40,7 +40,7 @@ from ..checkpoint.safetensors_layout import (
 )
 from ..checkpoint.storage import is_temporary, url_to_fs
 from . import progress_feed
-from .checkpoint_io import agree, begin, checkpoint_group, rank_and_world, tensor_bytes
+from .checkpoint_io import agree, any_rank, begin, checkpoint_group, rank_and_world, tensor_bytes
 
 __all__ = ["load"]
 
@@ -149,7 +149,8 @@ def _open_folder(spec: LoadSpec, fs: Any, p: str) -> tuple[Any, Any, dict]:
     anyway = "; pass verify=False to load it anyway"
     if marker is not None and spec.verify:
         md, reader = open_sharded(fs, p, url, marker, spec.storage_options,
-                                  share=sorted(marker.get("files", {}))[rank::ws], on_read=progress_feed.add)
+                                  share=sorted(marker.get("files", {}))[rank::ws], on_read=progress_feed.add,
+                                  before_commit=_every_rank_read)
         return md, reader, meta
     if marker is None and (meta or is_temporary(p)) and spec.verify:
         raise CheckpointError(
@@ -165,7 +166,28 @@ def _open_folder(spec: LoadSpec, fs: Any, p: str) -> tuple[Any, Any, dict]:
                 f"verified: {problem}{anyway}"
             )
         log.info("%s was written by plain dcp.save: its files are complete, but carry no checksums", url)
-    return md, safe_reader(fs, p, spec.storage_options or {}, metadata=md, on_read=progress_feed.add), meta
+    return md, safe_reader(fs, p, spec.storage_options or {}, metadata=md, on_read=progress_feed.add,
+                           before_commit=_every_rank_read), meta
+
+
+def _every_rank_read(read_all: bool) -> bool:
+    """Told by the reader whether this rank read (and checked) its whole share; whether
+    every rank did, so that the copy into the model happens on all ranks or none."""
+    return not any_rank(not read_all)
+
+
+def _over_model(model: Any, msd: dict[str, Any]) -> bool:
+    """Whether every entry of state dict ``msd`` is a tensor over the model's own
+    parameter or buffer memory, so that loading into it loads the model."""
+    import itertools
+
+    import torch
+
+    def base(t: Any) -> int:
+        return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr()
+
+    live = {base(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    return all(isinstance(v, torch.Tensor) and base(v) in live for v in msd.values())
 
 
 def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome:
@@ -197,13 +219,20 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
     bad = _agree(problem, cls)
     if bad:
         return bad
-    # Read into fresh tensors; the model is touched only after every rank read everything.
-    fresh_m = {k: torch.empty_like(v) for k, v in msd.items() if prefix + k in usable}
-    sd: dict[str, Any] = dict(fresh_m) if bare else {"model": fresh_m}
-    fresh_o = None
-    if optim is not None:
-        fresh_o = tree_map_only(torch.Tensor, torch.empty_like, osd)
-        sd["optim"] = fresh_o
+    # The reader reads and checks everything before it copies anything, on every rank
+    # (``_every_rank_read``), so DCP may load straight into the model's own tensors. Where
+    # it cannot (a compressed item; a state dict that is not over the model's memory),
+    # read into fresh tensors, and copy them into the model once every rank has all.
+    in_place = can_stage(md) and _over_model(model, msd)
+    if in_place:
+        into_m = {k: v for k, v in msd.items() if prefix + k in usable}
+        into_o = osd if optim is not None else None
+    else:
+        into_m = {k: torch.empty_like(v) for k, v in msd.items() if prefix + k in usable}
+        into_o = tree_map_only(torch.Tensor, torch.empty_like, osd) if optim is not None else None
+    sd: dict[str, Any] = dict(into_m) if bare else {"model": into_m}
+    if into_o is not None:
+        sd["optim"] = into_o
     progress_feed.start(tensor_bytes(sd), spec.report_progress)
     # dcp.load ends in a collective that raises on every rank if any rank failed
     try:
@@ -214,7 +243,7 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
             )
     except CorruptCheckpointError as exc:
         return Outcome.failed(exc)
-    return _apply(model, optim, fresh_m, fresh_o, strict, meta)
+    return _apply(model, optim, None if in_place else into_m, into_o, strict, meta)
 
 
 def _load_safetensors(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome:
@@ -258,13 +287,22 @@ def _load_safetensors(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -
     return _apply(model, optim, fresh_m, fresh_o, strict, ck.meta)
 
 
-def _apply(model: Any, optim: Any, msd: dict, osd: dict | None, strict: bool, meta: dict) -> Outcome:
-    """Copy what this rank read (every rank read all of it) into the model and optimizer;
-    the outcome carries the checkpoint's ``extra`` and world size."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+def _apply(model: Any, optim: Any, msd: dict | None, osd: dict | None, strict: bool, meta: dict) -> Outcome:
+    """Set what this rank read (every rank read all of it) into the optimizer and, unless
+    it was read in place (``msd`` None), the model; the outcome carries the checkpoint's
+    ``extra`` and world size."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+        set_state_dict,
+    )
 
-    set_state_dict(model, [optim] if optim is not None else [], model_state_dict=msd,
-                   optim_state_dict=osd if optim is not None else {}, options=StateDictOptions(strict=strict))
+    opts = StateDictOptions(strict=strict)
+    if msd is not None:
+        set_state_dict(model, [optim] if optim is not None else [], model_state_dict=msd,
+                       optim_state_dict=osd if optim is not None else {}, options=opts)
+    elif optim is not None:
+        set_optimizer_state_dict(model, [optim], osd, options=opts)
     return Outcome(extra=meta.get("extra", {}), world_size=meta.get("world_size"))
 
 

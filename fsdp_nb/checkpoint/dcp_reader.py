@@ -1,0 +1,224 @@
+"""The DCP storage reader every fsdp_nb read goes through: safe, checked, optionally staged.
+
+- ``.metadata`` is unpickled with the restricted unpickler (``restricted``), or taken
+  as already read and checked;
+- each stored item is checked against its recorded checksum as it is read, and its
+  tensor built over the bytes read (``item_tensor``), not copied again by ``torch.load``;
+- ``before_commit`` (a session load into a live model): every item of this process's
+  plan is read and checked first, then ``before_commit`` learns whether this process
+  read everything and answers whether every rank did; only then are the tensors copied
+  into their targets. A load can then write straight into the model's own tensors and
+  still leave every rank's model as it was when any rank's read fails. Without it
+  (offline consolidate, export) items stream through one reused buffer.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from .checksums import ChecksumMismatch
+
+__all__ = ["can_stage", "safe_reader"]
+
+log = logging.getLogger("fsdp_nb")
+
+
+def can_stage(md: Any) -> bool:
+    """Whether every item of DCP metadata ``md`` can be read by the staged path (none
+    carries a stream transform, such as compression, which only DCP's own reader undoes)."""
+    return not any(getattr(info, "transform_descriptors", None) for info in (md.storage_data or {}).values())
+
+
+def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
+                checks: dict[tuple[str, int], tuple[int, int, str]] | None = None,
+                on_read: Any = None, before_commit: Callable[[bool], bool] | None = None) -> Any:
+    """A DCP storage reader for folder ``path`` on ``fs`` that unpickles ``.metadata`` safely.
+
+    ``metadata``: the ``.metadata`` already read (and checked), so it is not read again.
+    ``checks``: ``(file, offset) -> (length, checksum, algorithm)`` of the stored items
+    (``checksums.item_checksums``): each item is checked as it is read, and one without
+    a record is refused. ``on_read(n)`` is told each item's size as it is read.
+    ``before_commit(read_all) -> every_rank_read_all``: read everything before copying
+    anything (see the module's docstring); called once per load on every rank.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    from .restricted import load_dcp_metadata
+    from .storage import is_local, read_into, to_url
+
+    if is_local(fs):
+        base: Any = FileSystemReader
+        args: tuple = (path,)
+        kw: dict[str, Any] = {}
+    else:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        base, args, kw = FsspecReader, (to_url(fs, path),), dict(so)
+
+    class SafeReader(base):  # type: ignore[misc, valid-type]
+        """DCP reader whose ``.metadata`` goes through the restricted unpickler."""
+
+        def read_metadata(self, *a: Any, **k: Any) -> Any:
+            if metadata is not None and k.get("rank") is None:
+                md = metadata
+            else:
+                mpath = self._get_metadata_path(k.get("rank"))
+                with self.fs.create_stream(mpath, "rb") as f:
+                    md = load_dcp_metadata(f.read())
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            from torch.futures import Future
+
+            items = [(req, self.storage_data[req.storage_index]) for req in plan.items]
+            if any(md.transform_descriptors for _, md in items):
+                if before_commit is not None:  # the loader reads into fresh tensors then
+                    before_commit(True)
+                return super().read_data(plan, planner)
+            if before_commit is None:
+                if checks is None:
+                    return super().read_data(plan, planner)
+                self._stream(items, planner)
+            else:
+                self._staged(items, planner)
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
+
+        def _by_file(self, items: list[tuple[Any, Any]]) -> dict[str, list[tuple[Any, Any]]]:
+            per_file: dict[str, list[tuple[Any, Any]]] = {}
+            for req, md in sorted(items, key=lambda rm: (rm[1].relative_path, rm[1].offset)):
+                per_file.setdefault(md.relative_path, []).append((req, md))
+            return per_file
+
+        def _stream(self, items: list[tuple[Any, Any]], planner: Any) -> None:
+            """Each checked item read into one reused buffer and copied into its target
+            at once: one copy less than ``torch.load`` of the checked bytes, and no new
+            allocation per item."""
+            buf = _buffer(0)
+            for relative_path, reqs in self._by_file(items).items():
+                with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                    for req, md in reqs:
+                        if len(buf) < md.length:
+                            buf = _buffer(md.length)
+                        view = self._read_item(stream, md, buf[:md.length])
+                        _commit(planner, req, _item(planner, req, md, view))
+
+        def _staged(self, items: list[tuple[Any, Any]], planner: Any) -> None:
+            """Every item read (and checked, and its shape matched) into its own buffer,
+            every rank told, then copied into the targets; nothing is copied when any
+            rank failed (a failure here raises, DCP reports it on every rank). Large
+            items are checked in helper threads while the next one is read; items are
+            parsed only once their checks passed."""
+            read: dict[tuple[str, int], memoryview] = {}
+            checking: list[Future] = []
+            ready: list[tuple[Any, Any]] = []
+            failure: BaseException | None = None
+            try:
+                for relative_path, reqs in self._by_file(items).items():
+                    with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                        for _, md in reqs:
+                            key = (relative_path, int(md.offset))
+                            if key not in read:
+                                read[key] = self._read_item(stream, md, _buffer(md.length), checking)
+            except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
+                failure = exc
+            # every check ends here (before any buffer goes); a failed one names the file
+            failure = next((c.exception() for c in checking if c.exception() is not None), failure)
+            if failure is None:
+                try:  # only checked bytes are parsed
+                    ready = [(req, _item(planner, req, md, read[(md.relative_path, int(md.offset))]))
+                             for req, md in items]
+                except Exception as exc:  # noqa: BLE001 - as above
+                    failure = exc
+            everyone = before_commit(failure is None)  # type: ignore[misc]
+            if failure is not None:
+                raise failure
+            if not everyone:
+                log.info("another rank could not read its part of the checkpoint: nothing loaded here")
+                return
+            for req, item in ready:
+                _commit(planner, req, item)
+
+        def _read_item(self, file: Any, sinfo: Any, into: memoryview, later: list[Future] | None = None) -> memoryview:
+            """Item ``sinfo`` read into ``into``, checked against its record when there
+            are records: at once, or as a future appended to ``later``."""
+            from .checksums import check_item, check_item_soon
+
+            if on_read is not None:
+                on_read(int(sinfo.length))
+            key = (sinfo.relative_path, int(sinfo.offset))
+            want = None
+            if checks is not None:
+                want = checks.get(key)
+                if want is None:
+                    raise ChecksumMismatch(f"file {key[0]!r}: no checksum was recorded for the item at byte {key[1]}")
+            file.seek(sinfo.offset)
+            got = into[:read_into(file, into)]
+            if want is None:
+                if len(got) != len(into):
+                    raise ChecksumMismatch(f"file {key[0]!r}: {len(got)} bytes at byte {key[1]}, "
+                                           f"{len(into)} were written (truncated)")
+            elif later is None:
+                check_item(got, key[0], key[1], want)
+            else:
+                later.append(check_item_soon(got, key[0], key[1], want))
+            return got
+
+        def _slice_file(self, file: Any, sinfo: Any) -> Any:
+            if checks is None:
+                if on_read is not None:
+                    on_read(int(sinfo.length))
+                return super()._slice_file(file, sinfo)
+            data = bytearray(sinfo.length)
+            self._read_item(file, sinfo, memoryview(data))
+            return io.BytesIO(data)
+
+    return SafeReader(*args, **kw)
+
+
+def _buffer(n: int) -> memoryview:
+    """``n`` writable bytes, not zeroed first (``bytearray(n)`` writes every byte once
+    before the read writes it again)."""
+    import torch
+
+    return memoryview(torch.empty(n, dtype=torch.uint8).numpy()).cast("B")
+
+
+def _item(planner: Any, req: Any, md: Any, view: memoryview) -> Any:
+    """What read item ``view`` holds for request ``req``: its bytes, or (a tensor item)
+    the requested slice of its tensor, built over ``view`` and matched against the
+    planner's target."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    from .item_tensor import tensor_from_item
+
+    if req.type == LoadItemType.BYTE_IO:
+        return bytes(view)
+    tensor = narrow_tensor_by_index(tensor_from_item(view), req.storage_offsets, req.lengths)
+    want = planner.resolve_tensor(req).size()
+    if want != tensor.size():
+        raise ChecksumMismatch(
+            f"file {md.relative_path!r}: the item at byte {md.offset} holds {tuple(tensor.size())}, "
+            f"not the {tuple(want)} its metadata promised")
+    return tensor
+
+
+def _commit(planner: Any, req: Any, item: Any) -> None:
+    """Hand ``item`` (from ``_item``) to DCP's planner: bytes loaded, a tensor copied
+    into its target."""
+    if isinstance(item, bytes):
+        planner.load_bytes(req, io.BytesIO(item))
+        return
+    target = planner.resolve_tensor(req).detach()
+    target.copy_(item)
+    planner.commit_tensor(req, target)
