@@ -10,7 +10,9 @@
 - ``restart(restore=)`` after kill -9 of rank 0 vs the sum of its parts measured on
   the same session: one more engine started and registered, ``restart()`` of a
   healthy session (the group re-formed), a second ``wrap`` of the model, a ``load``
-  (target <= 1.0), with the restart's own phases (``Session.restart_phases``);
+  (target <= 1.0), with the restart's own phases (``Session.restart_phases``); and
+  ``restart(restore=)`` called once the replacement engine launched when the death
+  was found has registered, as when the error is read before the restart;
 - with ``--train``: training throughput of the same FSDP2 loop
   (benchmarks/_train_loop.py) in a session cell vs under torchrun (target >= 0.98).
 
@@ -83,6 +85,7 @@ def timed(fn) -> tuple[float, object]:
 def bench_restart(sess, folder: str) -> dict:
     """``restart(restore=)`` of a killed rank 0 against its parts, each timed alone."""
     import fsdp_nb
+    from fsdp_nb.cluster import wait_until
 
     sess.wrap(small_model, name="warm_model")  # first-wrap imports, on every rank
     res: dict = {}
@@ -110,6 +113,21 @@ def bench_restart(sess, folder: str) -> dict:
     res["restart_phases"] = dict(sess.restart_phases)
     res["restart_parts_s"] = res["one_engine_s"] + res["rejoin_s"] + res["wrap_s"] + res["load_s"]
     res["restart_ratio"] = res["restart_restore_s"] / res["restart_parts_s"]
+    # as in a notebook: the error is read before restart() is called. The replacement
+    # was launched when the death was found; restart() once it has registered.
+    before = set(client.ids)
+    os.kill(sess.ranks[0].pid, signal.SIGKILL)
+    t0 = time.perf_counter()
+    try:
+        sess.all_reduce_check()
+    except fsdp_nb.DeadRankError:
+        pass
+    if not wait_until(lambda: set(client.ids) - before, 120):
+        raise TimeoutError("the replacement engine launched at the death did not register")
+    res["replacement_up_after_error_s"] = time.perf_counter() - t0
+    res["restart_after_replacement_up_s"], _ = timed(lambda: sess.restart(restore=path))
+    res["restart_after_replacement_up_phases"] = dict(sess.restart_phases)
+    res["restart_after_replacement_up_ratio"] = res["restart_after_replacement_up_s"] / res["restart_parts_s"]
     return res
 
 
@@ -183,6 +201,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         print(f"  N={r['n']} restart phases: " + ", ".join(
             f"{k} {v:.2f}" for k, v in r["restart_phases"].items()))
+    print("restart(restore=) called once the replacement launched at the death registered "
+          "(as after reading the error):")
+    for r in rows:
+        print(f"  N={r['n']}: replacement up {r['replacement_up_after_error_s']:.2f} s after the error; "
+              f"restart {r['restart_after_replacement_up_s']:.2f} s vs parts {r['restart_parts_s']:.2f} s "
+              f"= {r['restart_after_replacement_up_ratio']:.2f}; phases " + ", ".join(
+                  f"{k} {v:.2f}" for k, v in r["restart_after_replacement_up_phases"].items()))
     print("\nsession start phases (s):")
     names = list(rows[0]["phases"])
     print("  " + " | ".join(["phase", *(f"N={r['n']}" for r in rows)]))

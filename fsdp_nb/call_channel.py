@@ -118,7 +118,7 @@ class CallChannel:
         for r, ar in ars.items():
             eid = self.cluster.engine_ids[r]
             try:
-                url = ar.get(timeout=30)
+                url = self._served(r, ar)
             except Exception as exc:  # noqa: BLE001 - that engine keeps ipyparallel
                 self._no_server(r, exc)
                 continue
@@ -126,6 +126,19 @@ class CallChannel:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(url)
             self._socks[eid] = sock
+
+    def _served(self, rank: int, ar: Any, timeout: float = 30.0) -> str:
+        """The endpoint ``ar`` (``call_server.serve`` on ``rank``) answers. A rank that
+        dies meanwhile fails at once: local engines run without ipyparallel's nanny, so
+        the controller learns of a death only when its heartbeat gives up."""
+        deadline = time.monotonic() + timeout
+        while not ar.ready():
+            if rank in self.cluster.dead_ranks():
+                raise RuntimeError(f"rank {rank} died")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no answer from rank {rank} within {timeout:g} s")
+            ar.wait(0.05)
+        return ar.get()
 
     def _no_server(self, rank: int, exc: BaseException) -> None:
         """``rank``'s server did not start: a dead rank is left for the caller's liveness

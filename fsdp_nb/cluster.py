@@ -178,6 +178,10 @@ class EngineCluster:
         self._views: dict[Any, Any] = {}
         """Kept views: engine id, or a tuple of them."""
         self._procs: dict[int, psutil.Process] = {}
+        self._launched: dict[int, int] = {}
+        """Rank -> the dead engine id a replacement was launched for (``start_replacements``)."""
+        self._known: set[int] | None = None
+        """Engine ids there were before the first replacement still to be adopted."""
 
     # -- start / connect / stop -------------------------------------------------
 
@@ -409,17 +413,44 @@ class EngineCluster:
         if ranks:
             wait_until(lambda: set(ranks) <= set(self.dead_ranks()), wait)
 
+    def start_replacements(self, dead: list[int]) -> None:
+        """Launch one engine per rank in ``dead`` now, without waiting, so that a
+        ``restart()`` finds it registered or on its way: called where a death is
+        found. Once per dead engine; local launchers only (it starts processes on this
+        host, where another launcher would submit a job nobody asked for yet). Never
+        raises: the death is what the caller reports."""
+        from ipyparallel.cluster.launcher import LocalEngineSetLauncher
+
+        c = self.cluster
+        todo = [r for r in dead if self._launched.get(r) != self.engine_ids[r]]
+        if not todo or c is None or not issubclass(c.engine_launcher_class, LocalEngineSetLauncher):
+            return
+        known = set(self.client.ids) | set(self.engine_ids)
+        try:
+            c.start_engines_sync(n=len(todo), **self._replacement_settings())
+        except Exception as exc:  # noqa: BLE001 - restart() starts them then
+            log.warning("could not start replacement engine(s) for rank(s) %s yet: %s", todo, exc)
+            return
+        if self._known is None:
+            self._known = known
+        for r in todo:
+            self._launched[r] = self.engine_ids[r]
+        log.info("rank(s) %s died: replacement engine(s) starting; sess.restart() brings them in", todo)
+
     def replace(self, dead: list[int], timeout: float = 120.0) -> None:
-        """Start one engine per rank in ``dead`` and map it to that rank (its pid and
-        host read from the new engine)."""
+        """Map one new engine to each rank in ``dead`` (its pid and host read from it):
+        those ``start_replacements`` launched when the deaths were found, and new ones
+        for the rest."""
         if self.cluster is None:
             raise RuntimeError(
                 f"rank(s) {dead} died, and this session attached to a running cluster "
                 "(Session.connect), so it cannot start engines: restart them with the "
                 "cluster's launcher, then call sess.restart()."
             )
-        known = set(self.client.ids) | set(self.engine_ids)
-        self.cluster.start_engines_sync(n=len(dead), **self._replacement_settings())
+        known = self._known if self._known is not None else set(self.client.ids) | set(self.engine_ids)
+        todo = [r for r in dead if self._launched.get(r) != self.engine_ids[r]]
+        if todo:
+            self.cluster.start_engines_sync(n=len(todo), **self._replacement_settings())
         if not wait_until(lambda: len(set(self.client.ids) - known) >= len(dead), timeout, 0.1):
             raise TimeoutError(
                 f"replacement engine(s) for rank(s) {dead} did not register within {timeout:g} s"
@@ -428,6 +459,8 @@ class EngineCluster:
         for r, eid in zip(dead, new):
             pid, host = self.client[eid].apply_sync(whoami)  # a one-off view
             self.engine_ids[r], self.pids[r], self.hosts[r] = eid, pid, host
+        self._launched.clear()
+        self._known = None
 
     def _replacement_settings(self) -> dict[str, Any]:
         """For local engines (``fsdp_nb.engine.boot``): the launcher's environment plus

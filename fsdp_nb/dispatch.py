@@ -217,6 +217,7 @@ class Dispatcher:
     def _check_alive(self, what: str, ranks: Sequence[int]) -> None:
         dead = [r for r in self.cluster.dead_ranks() if r in ranks]
         if dead:
+            self.cluster.start_replacements(dead)
             raise DeadRankError(dead, f"{what} was not sent.")
 
     # -- gather -----------------------------------------------------------------

@@ -90,6 +90,7 @@ class RecoveringPolicy(FailurePolicy):
             sess.cluster.kill(wedged)
         sess.lifecycle.to("degraded")
         gone = tuple(sorted(set(all_dead) | set(wedged)))
+        sess.cluster.start_replacements(list(gone))
         sess.dispatcher.notify("session", "degraded", gone, note="sess.restart() brings them back")
         others = [f for f in sess.dispatcher.failures(pending) if f.rank not in all_dead]
         err = DeadRankError(

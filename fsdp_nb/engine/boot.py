@@ -8,6 +8,11 @@ default 120, not ipyparallel's 5), so no engine waits for the controller before 
 imports, nor the group for the engines' imports. The controller fsdp_nb starts beats
 faster than ipyparallel's (``cluster.HEARTBEAT_MS``); an engine still waits about
 3 minutes for a silent controller before it quits, as with ipyparallel's period.
+
+Local engines run without ipyparallel's nanny (a second Python process per engine,
+spawned before the engine can register: about a second of CPU each, most of it on
+few cores). What it does is done here by pid: ``EngineCluster`` signals local engines
+and checks their liveness itself, and the session's waits poll that liveness.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ def main() -> None:
     defaults = {
         "wait_for_url_file": os.environ.get("FSDP_NB_ENGINE_WAIT", "120"),
         "max_heartbeat_misses": "180",  # checks every beat + 0.5 s: 1 s, so 3 minutes
+        "enable_nanny": "False",  # see the module's docstring
     }
     for trait, value in defaults.items():
         if not any(a.startswith(f"--IPEngine.{trait}") for a in sys.argv):
