@@ -13,8 +13,9 @@ model tensor is touched.
   (``fsdp_nb.checkpoint.atomic``).
 - full: ``get_state_dict(full_state_dict=True, cpu_offload=True)`` gathers to rank
   0 only (the others hold nothing), which writes one ``.pt`` / ``.safetensors``.
-- async: the call returns once DCP has the state dict; the CPU copy of this rank's
-  shards (staging), the write and the commit run in background threads, and the
+- async: the call returns once every rank holds its state dict; DCP's async save (the
+  CPU copy of this rank's shards, then the write) and the commit run in a background
+  job that starts once the call has answered (``call_server.after_reply``), and the
   optimizer's next step waits for the copy (``fsdp_nb.engine.async_saves``).
 - checkpoint collectives (DCP's planning, the commit's gather, load's agreement) run
   on a dedicated gloo group (``checkpoint_group``), as torchtitan's do: it has the CPU

@@ -1,12 +1,14 @@
-"""Loading a checkpoint on the ranks: verify, check, read into fresh tensors, then copy.
+"""Loading a checkpoint on the ranks: verify, check, read everything, then copy.
 
 Called by ``fsdp_nb.checkpoint.load`` on every rank at once. Files are verified first
 (``fsdp_nb.checkpoint.reader``: sizes up front, each stored item's checksum as it is
 read), keys and shapes are checked against the model, every problem is agreed by all
-ranks (one clear error), and the data is read into fresh tensors; only when every rank
-read everything is it copied into the model, so a failure leaves the model as it was.
+ranks (one clear error), and every rank reads all it needs before any rank copies a
+byte into its model, so a failure leaves every model as it was.
 
-- a DCP folder (fsdp_nb's, or plain ``dcp.save``'s): DCP reads and reshards;
+- a DCP folder (fsdp_nb's, or plain ``dcp.save``'s): DCP reads and reshards; the
+  reader holds the items in host memory until every rank has read its share, then
+  copies them into the model's own shards (``checkpoint.dcp_reader``);
 - safetensors (fsdp_nb's full file, a Hugging Face file or folder): each rank reads
   the slice of every tensor it owns (``safetensors_layout.PieceReader``);
 - a ``.pt`` file: rank 0 reads it and broadcasts.
