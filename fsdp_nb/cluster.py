@@ -416,26 +416,15 @@ class EngineCluster:
     def start_replacements(self, dead: list[int]) -> None:
         """Launch one engine per rank in ``dead`` now, without waiting, so that a
         ``restart()`` finds it registered or on its way: called where a death is
-        found. Once per dead engine; local launchers only (it starts processes on this
-        host, where another launcher would submit a job nobody asked for yet). Never
-        raises: the death is what the caller reports."""
-        from ipyparallel.cluster.launcher import LocalEngineSetLauncher
-
-        c = self.cluster
-        todo = [r for r in dead if self._launched.get(r) != self.engine_ids[r]]
-        if not todo or c is None or not issubclass(c.engine_launcher_class, LocalEngineSetLauncher):
+        found. Local launchers only (it starts processes on this host, where another
+        launcher would submit a job nobody asked for yet). Never raises: the death is
+        what the caller reports."""
+        if not self._local_launcher():
             return
-        known = set(self.client.ids) | set(self.engine_ids)
         try:
-            c.start_engines_sync(n=len(todo), **self._replacement_settings())
+            self._launch(dead)
         except Exception as exc:  # noqa: BLE001 - restart() starts them then
-            log.warning("could not start replacement engine(s) for rank(s) %s yet: %s", todo, exc)
-            return
-        if self._known is None:
-            self._known = known
-        for r in todo:
-            self._launched[r] = self.engine_ids[r]
-        log.info("rank(s) %s died: replacement engine(s) starting; sess.restart() brings them in", todo)
+            log.warning("could not start replacement engine(s) for rank(s) %s yet: %s", dead, exc)
 
     def replace(self, dead: list[int], timeout: float = 120.0) -> None:
         """Map one new engine to each rank in ``dead`` (its pid and host read from it):
@@ -447,10 +436,8 @@ class EngineCluster:
                 "(Session.connect), so it cannot start engines: restart them with the "
                 "cluster's launcher, then call sess.restart()."
             )
-        known = self._known if self._known is not None else set(self.client.ids) | set(self.engine_ids)
-        todo = [r for r in dead if self._launched.get(r) != self.engine_ids[r]]
-        if todo:
-            self.cluster.start_engines_sync(n=len(todo), **self._replacement_settings())
+        self._launch(dead)
+        known = self._known or set()
         if not wait_until(lambda: len(set(self.client.ids) - known) >= len(dead), timeout, 0.1):
             raise TimeoutError(
                 f"replacement engine(s) for rank(s) {dead} did not register within {timeout:g} s"
@@ -462,15 +449,34 @@ class EngineCluster:
         self._launched.clear()
         self._known = None
 
-    def _replacement_settings(self) -> dict[str, Any]:
-        """For local engines (``fsdp_nb.engine.boot``): the launcher's environment plus
-        the flag that has a replacement import what the restart needs while it registers."""
+    def _launch(self, dead: list[int]) -> None:
+        """Start an engine for each rank in ``dead`` that has none on its way yet (once
+        per dead engine); the engine ids known before the first such start are kept, to
+        tell the new engines apart."""
+        todo = [r for r in dead if self._launched.get(r) != self.engine_ids[r]]
+        if not todo:
+            return
+        if self._known is None:
+            self._known = set(self.client.ids) | set(self.engine_ids)
+        self.cluster.start_engines_sync(n=len(todo), **self._replacement_settings())
+        for r in todo:
+            self._launched[r] = self.engine_ids[r]
+        log.info("rank(s) %s: replacement engine(s) starting", todo)
+
+    def _local_launcher(self) -> bool:
+        """Whether this session started its engines with a local launcher (on this host,
+        as ``fsdp_nb.engine.boot``)."""
         from ipyparallel.cluster.launcher import LocalEngineSetLauncher
 
+        return self.cluster is not None and issubclass(self.cluster.engine_launcher_class, LocalEngineSetLauncher)
+
+    def _replacement_settings(self) -> dict[str, Any]:
+        """For local engines: the launcher's environment plus the flag that has a
+        replacement import what the restart needs while it registers."""
         from .engine.boot import PRELOAD_ENV
 
         c = self.cluster
-        if not issubclass(c.engine_launcher_class, LocalEngineSetLauncher):
+        if not self._local_launcher():
             return {}
         launcher = c.engine_launcher_class(parent=c, log=c.log, profile_dir=c.profile_dir,
                                            cluster_id=c.cluster_id)

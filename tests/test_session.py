@@ -237,8 +237,9 @@ def test_second_session_side_by_side_and_clean_shutdown(sess, capsys):
         printed = capsys.readouterr().out
         assert printed.startswith("session start:") and all(p in printed for p in [*phases, "total"])
         # engines boot with torch first; the controller beats fast, so registration is quick
-        engine_cmd = psutil.Process(other.ranks[0].pid).cmdline()
-        assert engine_cmd[1:3] == ["-m", "fsdp_nb.engine.boot"]
+        engine = psutil.Process(other.ranks[0].pid)
+        assert engine.cmdline()[1:3] == ["-m", "fsdp_nb.engine.boot"]
+        assert engine.children() == []  # no ipyparallel nanny process beside it
         controller = psutil.Process(other.cluster.cluster.controller.process.pid).cmdline()
         assert f"--HeartMonitor.period={HEARTBEAT_MS}" in controller
         p1 = sess.run(lambda: __import__("os").environ["MASTER_PORT"])[0]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -76,7 +76,7 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
             return md
 
         def read_data(self, plan: Any, planner: Any) -> Any:
-            from torch.futures import Future
+            import torch.futures
 
             items = [(req, self.storage_data[req.storage_index]) for req in plan.items]
             if any(md.transform_descriptors for _, md in items):
@@ -89,28 +89,31 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
                 self._stream(items, planner)
             else:
                 self._staged(items, planner)
-            fut: Future = Future()
-            fut.set_result(None)
-            return fut
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(None)
+            return done
 
-        def _by_file(self, items: list[tuple[Any, Any]]) -> dict[str, list[tuple[Any, Any]]]:
+        def _opened(self, items: list[tuple[Any, Any]]) -> Iterator[tuple[Any, Any, Any]]:
+            """``(open file, request, stored item)`` for every item, file by file, each
+            file read front to back."""
             per_file: dict[str, list[tuple[Any, Any]]] = {}
             for req, md in sorted(items, key=lambda rm: (rm[1].relative_path, rm[1].offset)):
                 per_file.setdefault(md.relative_path, []).append((req, md))
-            return per_file
+            for relative_path, reqs in per_file.items():
+                with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                    for req, md in reqs:
+                        yield stream, req, md
 
         def _stream(self, items: list[tuple[Any, Any]], planner: Any) -> None:
             """Each checked item read into one reused buffer and copied into its target
             at once: one copy less than ``torch.load`` of the checked bytes, and no new
             allocation per item."""
             buf = _buffer(0)
-            for relative_path, reqs in self._by_file(items).items():
-                with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
-                    for req, md in reqs:
-                        if len(buf) < md.length:
-                            buf = _buffer(md.length)
-                        view = self._read_item(stream, md, buf[:md.length])
-                        _commit(planner, req, _item(planner, req, md, view))
+            for stream, req, md in self._opened(items):
+                if len(buf) < md.length:
+                    buf = _buffer(md.length)
+                view = self._read_item(stream, md, buf[:md.length])
+                _commit(planner, req, _item(planner, req, md, view))
 
         def _staged(self, items: list[tuple[Any, Any]], planner: Any) -> None:
             """Every item read (and checked, and its shape matched) into its own buffer,
@@ -123,12 +126,10 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
             ready: list[tuple[Any, Any]] = []
             failure: BaseException | None = None
             try:
-                for relative_path, reqs in self._by_file(items).items():
-                    with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
-                        for _, md in reqs:
-                            key = (relative_path, int(md.offset))
-                            if key not in read:
-                                read[key] = self._read_item(stream, md, _buffer(md.length), checking)
+                for stream, _, md in self._opened(items):
+                    key = (md.relative_path, int(md.offset))
+                    if key not in read:
+                        read[key] = self._read_item(stream, md, _buffer(md.length), checking)
             except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
                 failure = exc
             # every check ends here (before any buffer goes); a failed one names the file

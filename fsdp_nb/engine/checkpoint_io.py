@@ -287,14 +287,12 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
         try:
             if device is not None:
                 torch.cuda.set_device(device)  # a new thread starts on device 0
-            try:
-                resp = dcp.async_save(sd, storage_writer=writer, process_group=group, async_stager=copier)
-            except BaseException as exc:
-                staged.set_exception(exc)
-                raise
+            resp = dcp.async_save(sd, storage_writer=writer, process_group=group, async_stager=copier)
             resp.staging_completion.add_done_callback(lambda f: copied(f, staged, progress))
-            resp.upload_completion.result()
+            resp.upload_completion.result()  # after the staging: ``staged`` is set by then
         except BaseException as exc:
+            if not staged.done():  # async_save itself failed: training must not wait
+                staged.set_exception(exc)
             if rank == 0:
                 _cleanup(fs, tmp)
             return Outcome.failed(f"async save of {spec.url!r} failed: {type(exc).__name__}: {exc}")
