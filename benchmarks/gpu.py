@@ -110,12 +110,15 @@ def session_side(n: int, backend: str, device: str, steps: int, warmup: int, fol
         for p in ("warm", "warm_plain", "plain", "async1", "async2"):
             shutil.rmtree(os.path.join(folder, p), ignore_errors=True)
 
+        standby = sess.cluster.standby  # launched after the start; its imports are long done
         os.kill(sess.ranks[0].pid, signal.SIGKILL)
         try:
             sess.all_reduce_check()
         except fsdp_nb.DeadRankError:
             pass
         res["restart_restore_s"], _ = timed(lambda: sess.restart(restore=ours))
+        res["restart_phases"] = dict(sess.restart_phases)
+        res["restart_took_standby"] = standby is not None and sess.ranks[0].pid == standby.pid
     finally:
         sess.shutdown()
     return res
@@ -169,7 +172,9 @@ def main(argv: list[str] | None = None) -> dict:
          f"{disk['read_GBps'] or 0:.2f}", f"{r['load_vs_plain']:.2f} of dcp"),
         ("async save blocked", f"{ss['async1_blocked_s']:.2f} / {ss['async2_blocked_s']:.2f} s",
          f"sync save {ss['save_s']:.2f} s", f"{r['async2_blocked_vs_sync']:.1%}"),
-        ("restart(restore=)", f"{ss['restart_restore_s']:.1f} s", "", ""),
+        ("restart(restore=)", f"{ss['restart_restore_s']:.1f} s",
+         "rank 0 replaced by the " + ("standby engine" if ss["restart_took_standby"] else "new engine"),
+         ""),
     ]
     print(f"\n{r['device']}, {n} rank(s), {backend}, GPT {r['params'] / 1e6:.0f}M parameters, bf16-mixed")
     for row in rows:

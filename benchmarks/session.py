@@ -10,9 +10,10 @@
 - ``restart(restore=)`` after kill -9 of rank 0 vs the sum of its parts measured on
   the same session: one more engine started and registered, ``restart()`` of a
   healthy session (the group re-formed), a second ``wrap`` of the model, a ``load``
-  (target <= 1.0), with the restart's own phases (``Session.restart_phases``); and
-  ``restart(restore=)`` called once the replacement engine launched when the death
-  was found has registered, as when the error is read before the restart;
+  (target <= 1.0), with the restart's own phases (``Session.restart_phases``): with
+  the session's standby engine taking the dead rank's place (the default), and
+  without one, called at once and called once the engine launched at the death has
+  registered (as when the error is read before the restart);
 - with ``--train``: training throughput of the same FSDP2 loop
   (benchmarks/_train_loop.py) in a session cell vs under torchrun (target >= 0.98).
 
@@ -34,6 +35,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out"
+
+
+RESTARTS = ("restart_restore", "restart_no_standby", "restart_after_replacement_up")
+"""The three restarts ``bench_restart`` times: keys of its results (``_s``, ``_ratio``...)."""
 
 
 def torchrun(n: int, mode: str, extra: list[str]) -> dict:
@@ -104,30 +109,42 @@ def bench_restart(sess, folder: str) -> dict:
 
     res["one_engine_s"], esid = timed(one_engine)
     cluster.stop_engines_sync(esid)
-    os.kill(sess.ranks[0].pid, signal.SIGKILL)
-    try:
-        sess.all_reduce_check()
-    except fsdp_nb.DeadRankError:
-        pass
-    res["restart_restore_s"], _ = timed(lambda: sess.restart(restore=path, drop=["warm_model"]))
-    res["restart_phases"] = dict(sess.restart_phases)
     res["restart_parts_s"] = res["one_engine_s"] + res["rejoin_s"] + res["wrap_s"] + res["load_s"]
-    res["restart_ratio"] = res["restart_restore_s"] / res["restart_parts_s"]
-    # as in a notebook: the error is read before restart() is called. The replacement
-    # was launched when the death was found; restart() once it has registered.
+
+    def kill_rank_0() -> float:
+        os.kill(sess.ranks[0].pid, signal.SIGKILL)
+        t0 = time.perf_counter()
+        try:
+            sess.all_reduce_check()
+        except fsdp_nb.DeadRankError:
+            pass
+        return t0
+
+    def restart(key: str, **kwargs) -> None:
+        res[key + "_s"], _ = timed(lambda: sess.restart(restore=path, **kwargs))
+        res[key + "_phases"] = dict(sess.restart_phases)
+        res[key + "_ratio"] = res[key + "_s"] / res["restart_parts_s"]
+
+    # the default: the standby engine (its imports done) takes the dead rank's place
+    standby = sess.cluster.standby
+    if standby is None or not wait_until(standby.waiting, 120):
+        raise TimeoutError("the session's standby engine is not waiting")
+    kill_rank_0()
+    restart("restart_restore", drop=["warm_model"])
+    res["restart_took_standby"] = sess.ranks[0].pid == standby.pid
+    # without a standby: the engine started at the death, restart() called at once...
+    sess.cluster.wants_standby = False
+    cluster.stop_engines_sync(sess.cluster.standby.engine_set)
+    sess.cluster.standby = None
+    kill_rank_0()
+    restart("restart_no_standby")
+    # ...and called once that engine has registered (as after reading the error)
     before = set(client.ids)
-    os.kill(sess.ranks[0].pid, signal.SIGKILL)
-    t0 = time.perf_counter()
-    try:
-        sess.all_reduce_check()
-    except fsdp_nb.DeadRankError:
-        pass
+    t0 = kill_rank_0()
     if not wait_until(lambda: set(client.ids) - before, 120):
         raise TimeoutError("the replacement engine launched at the death did not register")
     res["replacement_up_after_error_s"] = time.perf_counter() - t0
-    res["restart_after_replacement_up_s"], _ = timed(lambda: sess.restart(restore=path))
-    res["restart_after_replacement_up_phases"] = dict(sess.restart_phases)
-    res["restart_after_replacement_up_ratio"] = res["restart_after_replacement_up_s"] / res["restart_parts_s"]
+    restart("restart_after_replacement_up")
     return res
 
 
@@ -193,21 +210,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"  training: {r['session_tokens_per_s_per_rank']:.0f} vs torchrun "
                   f"{r['torchrun_tokens_per_s_per_rank']:.0f} tok/s/rank ({r['throughput_ratio']:.3f})")
     print("\nrestart(restore=) after kill -9 of rank 0 vs its parts (s):")
-    print("  N | restart | one engine | rejoin | wrap | load | parts | ratio")
+    print("  N | parts (one engine + rejoin + wrap + load) | with the standby | ratio "
+          "| no standby, at once | ratio | no standby, once the replacement is up | ratio")
     for r in rows:
-        print("  " + " | ".join([str(r["n"]), *(f"{r[k]:.2f}" for k in (
-            "restart_restore_s", "one_engine_s", "rejoin_s", "wrap_s", "load_s", "restart_parts_s",
-            "restart_ratio"))]))
+        parts = " + ".join(f"{r[k]:.2f}" for k in ("one_engine_s", "rejoin_s", "wrap_s", "load_s"))
+        print(f"  {r['n']} | {parts} = {r['restart_parts_s']:.2f} | " + " | ".join(
+            f"{r[k + '_s']:.2f} | {r[k + '_ratio']:.2f}" for k in RESTARTS))
     for r in rows:
-        print(f"  N={r['n']} restart phases: " + ", ".join(
-            f"{k} {v:.2f}" for k, v in r["restart_phases"].items()))
-    print("restart(restore=) called once the replacement launched at the death registered "
-          "(as after reading the error):")
-    for r in rows:
-        print(f"  N={r['n']}: replacement up {r['replacement_up_after_error_s']:.2f} s after the error; "
-              f"restart {r['restart_after_replacement_up_s']:.2f} s vs parts {r['restart_parts_s']:.2f} s "
-              f"= {r['restart_after_replacement_up_ratio']:.2f}; phases " + ", ".join(
-                  f"{k} {v:.2f}" for k, v in r["restart_after_replacement_up_phases"].items()))
+        print(f"  N={r['n']}: the standby took rank 0: {r['restart_took_standby']}; the replacement "
+              f"was up {r['replacement_up_after_error_s']:.2f} s after the error")
+        for k in RESTARTS:
+            print(f"    {k} phases: " + ", ".join(f"{p} {v:.2f}" for p, v in r[k + "_phases"].items()))
     print("\nsession start phases (s):")
     names = list(rows[0]["phases"])
     print("  " + " | ".join(["phase", *(f"N={r['n']}" for r in rows)]))

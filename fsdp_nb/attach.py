@@ -82,6 +82,7 @@ def reconnect(rec: SessionRecord, timeout: float) -> EngineCluster:
             rec.connection["cluster_file"], shutdown_atexit=False, log_level=ipp_log_level()
         )
         engines = EngineCluster(cluster.connect_client_sync(), cluster)
+        engines.wants_standby = rec.standby
     else:
         engines = EngineCluster.connect(**rec.connection, timeout=timeout)
     ranks = [RankInfo(**r) for r in rec.ranks]

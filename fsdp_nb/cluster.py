@@ -26,6 +26,7 @@ import psutil
 from .engine.health import whoami
 from .phases import PhaseClock
 from .session_record import handle_alive, process_alive
+from .standby import Standby, find_standby, launch_standby
 
 log = logging.getLogger("fsdp_nb")
 
@@ -131,15 +132,16 @@ def _boot_with_torch(cluster: ipp.Cluster, overlap: bool) -> None:
         cluster.send_engines_connection_env = False
 
 
-HEARTBEAT_MS = 500
+HEARTBEAT_MS = 200
 """The controller's heartbeat period for clusters fsdp_nb starts (ipyparallel's: 3000).
 
 The controller counts an engine as registered only on the beat after its heart first
-answers, so each start (and each replaced engine) waited 3-6 s for it."""
-HEARTBEAT_MISSES = 60
+answers: 1-2 periods after the engine connects (3-6 s with ipyparallel's period; at
+200 ms a 2-rank session was ready 0.8 s sooner than at 500, median of 5 starts each)."""
+HEARTBEAT_MISSES = 150
 """Beats an engine may miss before the controller drops it: 30 s, as ipyparallel's.
 (Engines quit after 50 of their checks without a beat; local ones, started by
-``fsdp_nb.engine.boot``, after 180: about 3 minutes, as with ipyparallel's period.)"""
+``fsdp_nb.engine.boot``, after 260: about 3 minutes, as with ipyparallel's period.)"""
 
 
 def _quick_heartbeat(cluster_kwargs: dict[str, Any]) -> None:
@@ -182,6 +184,10 @@ class EngineCluster:
         """Rank -> the dead engine id a replacement was launched for (``start_replacements``)."""
         self._known: set[int] | None = None
         """Engine ids there were before the first replacement still to be adopted."""
+        self.standby: Standby | None = None
+        """The engine waiting to replace the next dead rank (``keep_standby``)."""
+        self.wants_standby = False
+        """Whether ``keep_standby`` keeps one (``Session(standby=...)``)."""
 
     # -- start / connect / stop -------------------------------------------------
 
@@ -451,17 +457,39 @@ class EngineCluster:
 
     def _launch(self, dead: list[int]) -> None:
         """Start an engine for each rank in ``dead`` that has none on its way yet (once
-        per dead engine); the engine ids known before the first such start are kept, to
-        tell the new engines apart."""
+        per dead engine): the standby engine first, new ones for the rest. The engine
+        ids known before the first such start are kept, to tell the new engines apart."""
         todo = [r for r in dead if self._launched.get(r) != self.engine_ids[r]]
         if not todo:
             return
         if self._known is None:
             self._known = set(self.client.ids) | set(self.engine_ids)
-        self.cluster.start_engines_sync(n=len(todo), **self._replacement_settings())
+        fresh = list(todo)
+        if self.standby is not None and self.standby.alive():
+            self.standby.release()
+            log.info("rank %d: the standby engine takes its place", fresh.pop(0))
+        self.standby = None
+        if fresh:
+            self.cluster.start_engines_sync(n=len(fresh), **self._replacement_settings())
+            log.info("rank(s) %s: replacement engine(s) starting", fresh)
         for r in todo:
             self._launched[r] = self.engine_ids[r]
-        log.info("rank(s) %s: replacement engine(s) starting", todo)
+
+    def keep_standby(self) -> None:
+        """Have a standby engine waiting (``fsdp_nb.standby``): keep the one there is,
+        take one an earlier kernel launched into this cluster, or launch one. Local
+        launchers of clusters this session started only; never raises (a restart then
+        starts its engines itself)."""
+        if not (self.wants_standby and self._local_launcher()):
+            return
+        if self.standby is not None and self.standby.alive():
+            return
+        try:
+            self.standby = find_standby(self.cluster) or launch_standby(
+                self.cluster, self._replacement_settings()["environment"])
+        except Exception as exc:  # noqa: BLE001 - only restarts get slower
+            log.warning("no standby engine: %s", exc)
+            self.standby = None
 
     def _local_launcher(self) -> bool:
         """Whether this session started its engines with a local launcher (on this host,

@@ -72,6 +72,7 @@ class Keeper:
             pg_timeout=sess.pg_timeout,
             omp_threads=sess.omp_threads,
             keep_alive=keep_alive,
+            standby=sess.cluster.wants_standby,
         )
         keeper = cls(record)
         keeper.take(sess)  # the owner, the ranks and their pids

@@ -28,7 +28,14 @@ from .keepalive import Keeper, check_keep_alive
 from .lifecycle import Lifecycle
 from .phases import PhaseClock
 from .rendezvous import RankInfo
-from .session_checks import check_grace, check_n_backend, check_output, check_ranks, validate
+from .session_checks import (
+    check_grace,
+    check_n_backend,
+    check_output,
+    check_ranks,
+    check_standby,
+    validate,
+)
 from .shipping import by_value
 
 log = logging.getLogger("fsdp_nb")
@@ -47,7 +54,9 @@ class Session:
     ``Session(n)`` starts ``n`` engines (default: one per visible GPU, or 2 CPU
     engines on gloo) and forms the group; use ``Session.connect`` for a cluster
     started elsewhere (mpiexec, Slurm). A context manager; ``shutdown()`` stops
-    only what this session started.
+    only what this session started. ``standby``: keep one engine started and
+    imported but unregistered, to take a dead rank's place at once (local launcher;
+    ``fsdp_nb.standby``).
     """
 
     def __init__(
@@ -62,11 +71,13 @@ class Session:
         grace: float = 3.0,
         keep_alive: bool | float = False,
         verbose: bool = False,
+        standby: bool = True,
         **cluster_kwargs: Any,
     ):
         clock = PhaseClock()
         n, backend = validate(n, backend, launcher)
         check_grace(grace)
+        check_standby(standby)
         keep_alive = check_keep_alive(keep_alive)
         threads = max(1, (os.cpu_count() or 1) // n) if backend == "gloo" else None
         env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
@@ -76,8 +87,11 @@ class Session:
             n, launcher, timeout=timeout, environment=env, clock=clock, **cluster_kwargs
         )
         self._adopt(cluster, backend, launcher, threads, pg_timeout, activate, grace, clock=clock)
+        cluster.wants_standby = standby
         self._keep(keep_alive, {"cluster_file": cluster.cluster.cluster_file})
         clock.mark("session record")
+        cluster.keep_standby()  # after the start: its imports would slow the ranks'
+        clock.mark("standby engine launched")
         self.start_phases = clock.times
         """Seconds each phase of this session's start took (``verbose=True`` prints them)."""
         if verbose:
@@ -157,6 +171,7 @@ class Session:
         _attach.rebuild_models(self)
         self.keeper = Keeper(record)
         self.keeper.take(self)
+        cluster.keep_standby()  # the one an earlier kernel launched, if it still waits
         log.info("attached to session %s: %s", record.cluster_id, note)
         return self
 
@@ -463,6 +478,8 @@ class Session:
         finally:
             if self.keeper is not None and self.state != "closed":
                 self.keeper.refresh(self)  # new engines: the watchdog must know their pids
+            if self.state != "closed":
+                self.cluster.keep_standby()  # one for the next death, if this one was used
 
     def debug(self, rank: int | None = None, commands: Sequence[str] | None = None) -> str | None:
         """Post-mortem pdb on the frame where ``rank`` failed (default: the first rank

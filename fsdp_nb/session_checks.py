@@ -16,7 +16,7 @@ from .engine.probe import _cuda_count
 
 __all__ = [
     "BACKENDS", "GPU_DEVICE_NODES", "check_grace", "check_n_backend", "check_output", "check_ranks",
-    "local_gpu_count", "validate",
+    "check_standby", "local_gpu_count", "validate",
 ]
 
 BACKENDS = ("gloo", "nccl")
@@ -64,6 +64,11 @@ def validate(n: int | None, backend: str | None, launcher: str) -> tuple[int, st
             f"use n <= {gpus}, or backend='gloo' for CPU ranks"
         )
     return n, backend
+
+
+def check_standby(standby: object) -> None:
+    if not isinstance(standby, bool):
+        raise ValueError(f"standby must be True or False, got {standby!r}")
 
 
 def check_grace(grace: float) -> None:

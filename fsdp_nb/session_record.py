@@ -87,6 +87,8 @@ class SessionRecord:
     keep_alive: bool | float
     """False: stopped when the owner dies; True: kept; seconds: kept, then stopped
     after that long with no kernel attached and no rank busy."""
+    standby: bool = True
+    """Whether the session keeps a standby engine (``Session(standby=...)``)."""
     ranks: list[dict[str, Any]] = field(default_factory=list)
     """``RankInfo`` of each rank, in rank order, as dicts."""
     owner_pid: int = 0

@@ -407,6 +407,8 @@ def test_kill_9_idle_engine_then_restart_brings_same_ranks_back(fragile, caplog)
     before = _weights(s)
     victim, survivor = s.ranks[0].pid, s.ranks[1].pid
     client, sets, old_ids = s.cluster.client, len(s.cluster.cluster.engines), set(s.cluster.client.ids)
+    standby = s.cluster.standby
+    assert standby.alive() and standby.pid not in {r.pid for r in s.ranks}
     s.channel.close()  # the next direct call starts the call servers again: one on a dead rank
     os.kill(victim, signal.SIGKILL)
     with caplog.at_level(logging.WARNING, logger="fsdp_nb"):
@@ -414,12 +416,16 @@ def test_kill_9_idle_engine_then_restart_brings_same_ranks_back(fragile, caplog)
             s.all_reduce_check()
     assert info.value.dead_ranks == [0]
     assert not [r for r in caplog.records if "direct call socket" in r.getMessage()]
-    # the replacement was launched when the death was found, before any restart()
+    # the standby engine was released when the death was found, before any restart()
     assert wait_until(lambda: set(client.ids) - old_ids, 120)
     early = sorted(set(client.ids) - old_ids)
+    assert len(early) == 1 and len(s.cluster.cluster.engines) == sets  # no engine started
     s.restart()
-    assert s.cluster.engine_ids[0] == early[0] and len(s.cluster.cluster.engines) == sets + 1  # adopted
-    assert s.ranks[0].pid != victim and s.ranks[1].pid == survivor  # only the dead rank replaced
+    assert s.cluster.engine_ids[0] == early[0] and s.ranks[0].pid == standby.pid  # adopted
+    assert s.ranks[1].pid == survivor  # only the dead rank replaced
+    # and a new standby waits for the next death, unregistered
+    assert s.cluster.standby.pid != standby.pid and s.cluster.standby.alive()
+    assert len(s.cluster.cluster.engines) == sets + 1 and set(client.ids) - old_ids == set(early)
     assert list(s.restart_phases) == ["engines replaced", "health hooks", "group re-formed"]
     # the replacement has the launcher's environment, and imported DCP while registering
     assert s.run(_engine_env)[0] == ("1", THREADS, True)

@@ -135,10 +135,10 @@ _WEIGHTS = "{k: v.tolist() for k, v in sess.models['model'].state_dict().items()
 
 
 def _processes(k: Kernel) -> list[int]:
-    """Engine pids and the controller's pid of the kernel's session."""
+    """Engine pids, the controller's and the standby engine's of the kernel's session."""
     engines = k.value("[r.pid for r in sess.ranks]")
     controller = k.value("sess.cluster.cluster.controller.pid")
-    return [*engines, controller]
+    return [*engines, controller, k.value("sess.cluster.standby.pid")]
 
 
 def test_kept_alive_session_survives_a_kernel_restart_and_attach_gets_it_back(kernel):
@@ -154,12 +154,15 @@ def test_kept_alive_session_survives_a_kernel_restart_and_attach_gets_it_back(ke
     with pytest.raises(RuntimeError, match=f"held by the kernel with pid {k.pid}"):
         fsdp_nb.Session.attach(cluster_id)
 
+    waiting = k.value("sess.cluster.standby.go_file") + ".waiting"
+    assert wait_until(lambda: os.path.exists(waiting), 120)  # the standby's imports are done
     k.restart()
     assert not _gone(pids)  # the engines outlived the kernel
     assert [(s.cluster_id, s.attached) for s in fsdp_nb.sessions()] == [(cluster_id, False)]
     k.run("import os, torch, fsdp_nb\nsess = fsdp_nb.Session.attach()", timeout=START_S)
     assert k.value("sess.state") == "ready"
     assert k.value("[r.pid for r in sess.ranks]") == pids[:2]  # same ranks, same order
+    assert k.value("sess.cluster.standby.pid") == pids[3]  # the standby waited for it
     assert k.value("sorted(sess.models)") == ["model"]
     assert k.value(_WEIGHTS) == before
     assert k.value("sess.pull('note'), sess.pull('steps')") == (["rank 0", "rank 1"], [1, 1])

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 import fsdp_nb
-from fsdp_nb.cluster import HEARTBEAT_MS, _quick_heartbeat
+from fsdp_nb.cluster import HEARTBEAT_MS, _quick_heartbeat, wait_until
 from fsdp_nb.errors import RankError
 
 
@@ -183,6 +183,7 @@ def test_pull_missing_name_is_clear(sess):
         ({"n": -3}, "n must be a positive int"),
         ({"backend": "mpi"}, "allowed: gloo, nccl"),
         ({"launcher": "kubernetes"}, "allowed: .*local.*slurm"),
+        ({"standby": "yes"}, "standby must be True or False"),
     ],
 )
 def test_bad_input_before_any_process(kwargs, match):
@@ -232,7 +233,7 @@ def test_second_session_side_by_side_and_clean_shutdown(sess, capsys):
         # verbose: the start's phases, printed and kept
         phases = ["controller and engines launched", "engines registered",
                   "probe engines (torch imported)", "process group formed", "health hooks",
-                  "session record"]
+                  "session record", "standby engine launched"]
         assert list(other.start_phases) == phases
         printed = capsys.readouterr().out
         assert printed.startswith("session start:") and all(p in printed for p in [*phases, "total"])
@@ -248,8 +249,13 @@ def test_second_session_side_by_side_and_clean_shutdown(sess, capsys):
         assert other.all_reduce_check() == 1.0 and sess.all_reduce_check() == 1.0
         pids = [r.pid for r in other.ranks]
         assert not set(pids) & ours
+        # a standby engine waits, booted as the ranks are, but not registered
+        assert wait_until(other.cluster.standby.waiting, 120)  # its imports done
+        standby = other.cluster.standby.pid
+        assert psutil.Process(standby).cmdline()[1:3] == ["-m", "fsdp_nb.engine.boot"]
+        assert standby not in pids and len(other.cluster.client.ids) == 2
         started = {p.pid for p in psutil.Process().children(recursive=True)} - ours
-        assert set(pids) <= started
+        assert {*pids, standby} <= started
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in started):
         time.sleep(0.2)
@@ -259,6 +265,28 @@ def test_second_session_side_by_side_and_clean_shutdown(sess, capsys):
     with pytest.raises(fsdp_nb.SessionClosedError):
         other.run(lambda: 1)
     assert sess.all_reduce_check() == 1.0  # the shared session is untouched
+
+
+def test_a_standby_engine_leaves_when_the_process_it_watches_ends(tmp_path):
+    """Its controller gone, a standby engine exits by itself, without starting an engine."""
+    from fsdp_nb.engine.boot import STANDBY_ENV, WATCH_ENV
+
+    watched = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                               stdin=subprocess.PIPE)
+    go = tmp_path / "go"
+    env = {**os.environ, STANDBY_ENV: str(go), WATCH_ENV: str(watched.pid), "FSDP_NB_ENGINE_WAIT": "5"}
+    standby = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_nb.engine.boot", f"--profile-dir={tmp_path / 'profile'}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    waiting = tmp_path / "go.waiting"
+    assert wait_until(lambda: waiting.exists() or standby.poll() is not None, 120)
+    assert standby.poll() is None  # imports done, it waits
+    watched.stdin.close()
+    watched.wait()
+    out, _ = standby.communicate(timeout=120)
+    assert standby.returncode == 0, out
+    assert "connection file" not in out.lower() and not waiting.exists()  # no engine started
 
 
 def test_connect_to_running_cluster_leaves_its_engines(tmp_path, monkeypatch):

@@ -9,6 +9,11 @@ imports, nor the group for the engines' imports. The controller fsdp_nb starts b
 faster than ipyparallel's (``cluster.HEARTBEAT_MS``); an engine still waits about
 3 minutes for a silent controller before it quits, as with ipyparallel's period.
 
+A standby engine (``STANDBY_ENV`` set; ``fsdp_nb.standby``) imports torch and
+``PRELOAD``, then waits, unregistered, until its go file appears: it registers only
+when it takes a dead rank's place, so a restart does not wait for a new process's
+imports. It exits once the controller it was started for is gone.
+
 Local engines run without ipyparallel's nanny (a second Python process per engine,
 spawned before the engine can register: about a second of CPU each, most of it on
 few cores). What it does is done here by pid: ``EngineCluster`` signals local engines
@@ -20,15 +25,18 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import sys
 import threading
+import time
 
 PRELOAD = (
     "fsdp_nb.engine.probe", "fsdp_nb.engine.process_group", "fsdp_nb.engine.health",
     "fsdp_nb.engine.call_server", "torch.distributed.fsdp", "fsdp_nb.engine.wrap",
     "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+    "torch._dynamo",  # DTensor's constructor imports it: the first fully_shard, else
 )
-"""What a rank imports to join the group and to wrap, save and load (about a second)."""
+"""What a rank imports to join the group and to wrap, save and load (seconds)."""
 PRELOAD_ENV = "FSDP_NB_ENGINE_PRELOAD"
 """Set for engines that replace dead ranks (``EngineCluster.replace``): they import
 ``PRELOAD`` in a thread while they register, which is mostly waiting, since a restart
@@ -44,16 +52,53 @@ def _preload() -> None:
             logging.getLogger("fsdp_nb").debug("preloading %s failed: %s", name, exc)
 
 
+STANDBY_ENV = "FSDP_NB_STANDBY"
+"""The go file of a standby engine: it waits for that file before it starts the engine."""
+WATCH_ENV = "FSDP_NB_STANDBY_WATCH"
+"""The pid a standby engine outlives no longer than ``GO_POLL_S``: the controller's."""
+WAITING = ".waiting"
+"""Suffix of the file a standby engine keeps beside its go file while it waits."""
+GO_POLL_S = 0.02
+"""How often a standby engine looks for its go file (a stat; latency it adds to a restart)."""
+
+
+def _stand_by(go_file: str, watch: int) -> bool:
+    """Wait for ``go_file`` (True: it is removed, and the engine starts) or for ``watch``
+    to exit (False). ``go_file + WAITING`` exists while it waits, imports done.
+    SIGTERM while waiting (the launcher stopping it) exits cleanly."""
+    import psutil
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    waiting = go_file + WAITING
+    try:
+        watched = psutil.Process(watch)
+        open(waiting, "w").close()
+        while not os.path.exists(go_file):
+            if watched.status() == psutil.STATUS_ZOMBIE:
+                return False
+            time.sleep(GO_POLL_S)
+    except (psutil.NoSuchProcess, KeyboardInterrupt):
+        return False
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for path in (waiting, go_file):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    return True
+
+
 def main() -> None:
     import torch  # noqa: F401 - the point: loaded before registration
     import torch.distributed  # noqa: F401
 
-    if os.environ.get(PRELOAD_ENV):
+    go_file = os.environ.get(STANDBY_ENV)
+    if not go_file and os.environ.get(PRELOAD_ENV):
         threading.Thread(target=_preload, name="fsdp_nb-preload", daemon=True).start()
-
     defaults = {
         "wait_for_url_file": os.environ.get("FSDP_NB_ENGINE_WAIT", "120"),
-        "max_heartbeat_misses": "180",  # checks every beat + 0.5 s: 1 s, so 3 minutes
+        "max_heartbeat_misses": "260",  # checks every beat + 0.5 s: 0.7 s, so 3 minutes
         "enable_nanny": "False",  # see the module's docstring
     }
     for trait, value in defaults.items():
@@ -61,6 +106,10 @@ def main() -> None:
             sys.argv.append(f"--IPEngine.{trait}={value}")
     from ipyparallel.engine.app import main as engine_main
 
+    if go_file:
+        _preload()
+        if not _stand_by(go_file, int(os.environ.get(WATCH_ENV) or os.getppid())):
+            return
     engine_main()
 
 

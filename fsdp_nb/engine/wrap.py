@@ -284,19 +284,26 @@ def _local(t: Any) -> Any:
     return getattr(t, "_local_tensor", t)
 
 
-def _forget(name: str) -> None:
-    old = MODELS.pop(name, None)
+def _forget(*names: str) -> None:
+    """Drop models ``names`` from the registry and the engine globals, then collect
+    once (their memory freed before another is built); nothing to drop, no collection
+    (a pass takes a few hundred ms with torch loaded)."""
     ns = user_ns()
-    if old is not None and ns.get(name) is old.module:
-        del ns[name]
-    del old
-    gc.collect()
+    dropped = 0
+    for name in names:
+        old = MODELS.pop(name, None)
+        if old is not None:
+            dropped += 1
+            if ns.get(name) is old.module:
+                del ns[name]
+        del old
+    if dropped:
+        gc.collect()
 
 
 def forget_all(names: tuple[str, ...]) -> None:
     """Drop wrapped models ``names`` from this rank (registry and engine global)."""
-    for name in names:
-        _forget(name)
+    _forget(*names)
 
 
 def build(name: str, kind: str, payload: Any, plan: Any, seed: int) -> WrapSummary:
