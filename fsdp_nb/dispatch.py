@@ -11,6 +11,7 @@ failure policy (``FailurePolicy``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import re
 import signal
@@ -25,7 +26,7 @@ from typing import Any
 
 import ipyparallel as ipp
 
-from .call_channel import CallChannel
+from .call_channel import CallChannel, CallResult
 from .cluster import EngineCluster
 from .errors import DeadRankError, RankError, RankFailure, RankTimeoutError
 
@@ -44,12 +45,12 @@ def strip_ansi(text: str) -> str:
 
 @dataclass
 class Pending:
-    """Work submitted to some ranks: one AsyncResult per rank."""
+    """Work submitted to some ranks: one result per rank, read as an ``AsyncResult``."""
 
     what: str
     """What was asked ("execute", "run(train)"), for messages."""
-    results: dict[int, ipp.AsyncResult]
-    """rank -> its AsyncResult."""
+    results: dict[int, RankResult | CallResult]
+    """rank -> its result: its part of the ipyparallel call, or its direct call's."""
     started: float = field(default_factory=time.monotonic)
     on_poll: Callable[[], None] | None = None
     """Called after each wait while ranks still run (a progress bar's update)."""
@@ -182,11 +183,11 @@ class Dispatcher:
                 results = _per_rank(ranks, self.cluster.ranks_view(ranks).apply_async(fn, *args))
             else:
                 for r, a in zip(ranks, per_rank):
-                    results[r] = self.cluster.rank_view(r).apply_async(fn, *a)
+                    results[r] = RankResult(self.cluster.rank_view(r).apply_async(fn, *a), 0)
         return Pending(what, results, interrupted=ctrl_c.hit, waiter=self._client_wait)
 
-    def _client_wait(self, results: list[Any], timeout: float) -> None:
-        self.cluster.client.wait(results, timeout=timeout)
+    def _client_wait(self, results: list[RankResult], timeout: float) -> None:
+        self.cluster.client.wait([r.future for r in results], timeout=timeout)
 
     def execute(
         self, code: str, *, ranks: Sequence[int] | None = None, echoed: Sequence[int] | None = None,
@@ -355,7 +356,7 @@ class _Echo:
         for r in sorted(self.pending.results):
             if echoed is not None and r not in echoed:
                 continue
-            md = _raw_metadata(self.pending.results[r])
+            md = self.pending.results[r].metadata
             for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
                 text = md.get(name)
                 text = text if isinstance(text, str) else "".join(text or [])
@@ -381,23 +382,72 @@ def _any_failed(pending: Pending) -> bool:
     return any(ar.ready() and not ar.successful() for ar in pending.results.values())
 
 
-def _per_rank(ranks: Sequence[int], ar: ipp.AsyncResult) -> dict[int, ipp.AsyncResult]:
+class RankResult:
+    """One rank's part of an ipyparallel ``AsyncResult``, read as an ``AsyncResult``
+    (``ready``, ``successful``, ``get``, ``wait_for_output``, ``metadata``, ``data``).
+
+    Straight from the message's future: ``AsyncResult.split()`` builds a whole
+    ``AsyncResult`` per engine (events, combined futures, callbacks), about 0.1 ms
+    each on every call's path.
+    """
+
+    __slots__ = ("ar", "future")
+
+    def __init__(self, ar: ipp.AsyncResult, index: int):
+        self.ar = ar
+        """The call's ``AsyncResult``, kept: its callbacks tidy the client's caches."""
+        self.future = ar._children[index]
+        """This rank's message future; its ``output`` future ends with the rank's output."""
+
+    def ready(self) -> bool:
+        return self.future.done()
+
+    def _value(self) -> Any:
+        return self.future.result(0)
+
+    def successful(self) -> bool:
+        if not self.future.done():
+            raise RuntimeError("Cannot check successful() if not done.")
+        return not isinstance(self._value(), Exception)
+
+    @property
+    def _exception(self) -> BaseException | None:
+        """The rank's error (as ipyparallel reports it), or None."""
+        if not self.future.done():
+            return None
+        value = self._value()
+        return value if isinstance(value, Exception) else None
+
+    def get(self, timeout: float | None = None) -> Any:
+        try:
+            value = self.future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError("Result not ready.") from None
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    def wait_for_output(self, timeout: float = -1) -> bool:
+        """Wait until the result and all the rank's output are in."""
+        wait = None if timeout is None or timeout < 0 else timeout
+        _, left = concurrent.futures.wait([self.future, self.future.output], wait)
+        return not left
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The rank's metadata as received (dates as the ISO strings they came as)."""
+        return self.future.output.metadata
+
+    @property
+    def data(self) -> Any:
+        """What the rank published with ipyparallel's ``publish_data`` so far."""
+        return self.metadata.get("data")
+
+
+def _per_rank(ranks: Sequence[int], ar: ipp.AsyncResult) -> dict[int, RankResult]:
     """rank -> its own part of a multi-engine ``AsyncResult`` (sent in rank order), so
     each rank's failure, death or hang is still seen on its own."""
-    return dict(zip(ranks, ar.split())) if len(ranks) > 1 else {ranks[0]: ar}
-
-
-def _raw_metadata(ar: Any) -> dict[str, Any]:
-    """One rank's result metadata (its output so far) as ipyparallel keeps it.
-
-    ``ar.metadata`` and ``ar.stdout`` parse the metadata's date strings with dateutil
-    on every look (about 0.3 ms a call, on every call's path); the output needs none.
-    """
-    md = getattr(ar, "_metadata", None)
-    if isinstance(md, list) and len(md) == 1 and isinstance(md[0], dict):
-        return md[0]
-    md = ar.metadata
-    return md[0] if isinstance(md, list) else md
+    return {r: RankResult(ar, i) for i, r in enumerate(ranks)}
 
 
 def _tag(rank: int, text: str) -> str:
@@ -405,13 +455,13 @@ def _tag(rank: int, text: str) -> str:
     return "".join(f"[rank {rank}] {line}\n" for line in lines)
 
 
-def _completed(ar: ipp.AsyncResult) -> float:
+def _completed(ar: RankResult | CallResult) -> float:
     """When the engine finished the task (Unix time); inf when it does not say.
 
     ipyparallel gives ``completed`` as a datetime for results and as an ISO string
     for errors; both count, or the first failure could not be told from its echoes.
     """
-    md = ar.metadata[0] if isinstance(ar.metadata, list) else ar.metadata
+    md = ar.metadata
     done = md.get("completed") or md.get("received")
     if isinstance(done, str):
         try:
@@ -422,7 +472,7 @@ def _completed(ar: ipp.AsyncResult) -> float:
     return done.timestamp() if isinstance(done, datetime) else float("inf")
 
 
-def _failure(rank: int, ar: ipp.AsyncResult) -> RankFailure:
+def _failure(rank: int, ar: RankResult | CallResult) -> RankFailure:
     exc = ar._exception if hasattr(ar, "_exception") else None
     if exc is None:
         try:
