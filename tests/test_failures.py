@@ -388,11 +388,7 @@ def test_engine_killed_during_a_direct_run(fragile, tmp_path):
 def _engine_env():
     import os
     import sys
-    import threading
 
-    for t in threading.enumerate():
-        if t.name == "fsdp_nb-preload":
-            t.join(60)
     return (os.environ.get("FSDP_NB_ENGINE_PRELOAD"), os.environ.get("OMP_NUM_THREADS"),
             "torch.distributed.checkpoint.state_dict" in sys.modules)
 
@@ -457,10 +453,10 @@ class Tiny(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def _train_tiny():
+def _train_tiny(name="fail_tiny"):
     import torch as t
 
-    model = globals()["fail_tiny"]
+    model = globals()[name]
     loss = model(t.ones(3, 8)).pow(2).mean()
     loss.backward()
     return float(loss.detach())
@@ -476,6 +472,23 @@ def test_restart_after_death_replays_wraps(fragile):
     s.restart()
     assert s.run(lambda: "fail_tiny" in globals()) == [True, True]
     assert s.run(_train_tiny) == first  # rebuilt from the same seed: same weights
+
+
+def test_without_a_standby_a_new_engine_replaces_the_dead_rank(session_factory):
+    """Session(standby=False): the replacement starts at the death, imports what the
+    restart needs before it registers, and the wraps replay on it at once."""
+    s = session_factory(2, private=True, grace=1.0, standby=False)
+    try:
+        assert s.cluster.standby is None
+        s.wrap(Tiny, 8, name="fail_nostandby")
+        first = s.run(_train_tiny, "fail_nostandby")
+        victim = _kill_and_see(s, 0)
+        s.restart()
+        assert s.ranks[0].pid != victim and s.cluster.standby is None
+        assert s.run(_engine_env)[0] == ("1", THREADS, True)
+        assert s.run(_train_tiny, "fail_nostandby") == first
+    finally:
+        s.shutdown()
 
 
 def test_restart_restore_loads_a_checkpoint(fragile, tmp_path):

@@ -27,7 +27,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 
 PRELOAD = (
@@ -38,10 +37,12 @@ PRELOAD = (
 )
 """What a rank imports to join the group and to wrap, save and load (seconds)."""
 PRELOAD_ENV = "FSDP_NB_ENGINE_PRELOAD"
-"""Set for engines that replace dead ranks (``EngineCluster.replace``): they import
-``PRELOAD`` in a thread while they register, which is mostly waiting, since a restart
-re-forms the group and replays the wraps on them at once. Not for a session's first
-engines: on few cores the imports slow the start, and a wrap may be minutes away."""
+"""Set for engines that replace dead ranks (``EngineCluster.replace``) and for standby
+engines: they import ``PRELOAD`` before they register, since a restart re-forms the
+group and replays the wraps on them at once. Not in a thread during registration: the
+restart's own imports would race it, and torch._dynamo's circular imports then fail
+half-initialized in one of the two. Not for a session's first engines: on few cores
+the imports slow the start, and a wrap may be minutes away."""
 
 
 def _preload() -> None:
@@ -94,8 +95,6 @@ def main() -> None:
     import torch.distributed  # noqa: F401
 
     go_file = os.environ.get(STANDBY_ENV)
-    if not go_file and os.environ.get(PRELOAD_ENV):
-        threading.Thread(target=_preload, name="fsdp_nb-preload", daemon=True).start()
     defaults = {
         "wait_for_url_file": os.environ.get("FSDP_NB_ENGINE_WAIT", "120"),
         "max_heartbeat_misses": "260",  # checks every beat + 0.5 s: 0.7 s, so 3 minutes
@@ -106,10 +105,10 @@ def main() -> None:
             sys.argv.append(f"--IPEngine.{trait}={value}")
     from ipyparallel.engine.app import main as engine_main
 
-    if go_file:
+    if go_file or os.environ.get(PRELOAD_ENV):
         _preload()
-        if not _stand_by(go_file, int(os.environ.get(WATCH_ENV) or os.getppid())):
-            return
+    if go_file and not _stand_by(go_file, int(os.environ.get(WATCH_ENV) or os.getppid())):
+        return
     engine_main()
 
 
