@@ -1,7 +1,8 @@
 """Session benchmarks, side by side with torchrun in one run.
 
 - time to a ready session (engines up, process group formed) vs torchrun's time from
-  launch to its first collective, same N;
+  launch to its first collective, same N: medians of ``--ready-reps`` + 1 starts
+  each, alternating which goes first;
 - per call, p50, interleaved call by call on the same engines: ``sess.execute("pass")``
   vs ipyparallel's own ``view.execute``; ``sess.run(int)`` (the direct call channel)
   vs ``view.apply_sync(int)``; and ``sess.run`` with the channel off (the ipyparallel
@@ -17,7 +18,7 @@
 - with ``--train``: training throughput of the same FSDP2 loop
   (benchmarks/_train_loop.py) in a session cell vs under torchrun (target >= 0.98).
 
-    python benchmarks/session.py [--sizes 2 8] [--repeats 100] [--steps 20] [--train]
+    python benchmarks/session.py [--sizes 2 8] [--repeats 100] [--steps 20] [--train] [--ready-reps 2]
 """
 
 from __future__ import annotations
@@ -148,13 +149,36 @@ def bench_restart(sess, folder: str) -> dict:
     return res
 
 
-def bench_size(n: int, repeats: int, steps: int, train: bool) -> dict:
+def ready_samples(n: int, reps: int) -> tuple[list[float], list[float]]:
+    """``reps`` more session starts (each shut down) and torchrun starts, alternating
+    which goes first: the start of one sample is what a busy host varies most."""
     import fsdp_nb
 
+    ours, theirs = [], []
+
+    def session() -> None:
+        t0 = time.perf_counter()
+        s = fsdp_nb.Session(n, backend="gloo", activate=False)
+        ours.append(time.perf_counter() - t0)
+        s.shutdown()
+
+    def torchrun_start() -> None:
+        theirs.append(torchrun(n, "start", [])["to_first_collective_s"])
+
+    for i in range(reps):
+        for turn in (session, torchrun_start) if i % 2 else (torchrun_start, session):
+            turn()
+    return ours, theirs
+
+
+def bench_size(n: int, repeats: int, steps: int, train: bool, ready_reps: int) -> dict:
+    import fsdp_nb
+
+    ready_s, torchrun_s = ready_samples(n, ready_reps)
     t0 = time.perf_counter()
     sess = fsdp_nb.Session(n, backend="gloo", activate=False)
-    ready = time.perf_counter() - t0
-    res: dict = {"n": n, "session_ready_s": ready, "phases": dict(sess.start_phases)}
+    ready_s.append(time.perf_counter() - t0)
+    res: dict = {"n": n, "session_ready_samples_s": ready_s, "phases": dict(sess.start_phases)}
     try:
         view = sess.view()
         view.block = True
@@ -175,8 +199,11 @@ def bench_size(n: int, repeats: int, steps: int, train: bool) -> dict:
             res.update(bench_restart(sess, folder))
     finally:
         sess.shutdown()
-    res["torchrun_first_collective_s"] = torchrun(n, "start", [])["to_first_collective_s"]
-    res["ready_ratio"] = ready / res["torchrun_first_collective_s"]
+    torchrun_s.append(torchrun(n, "start", [])["to_first_collective_s"])
+    res["torchrun_first_collective_samples_s"] = torchrun_s
+    res["session_ready_s"] = statistics.median(ready_s)
+    res["torchrun_first_collective_s"] = statistics.median(torchrun_s)
+    res["ready_ratio"] = res["session_ready_s"] / res["torchrun_first_collective_s"]
     res["execute_ratio"] = res["execute_p50_ms"] / res["ipyparallel_execute_p50_ms"]
     res["run_ratio"] = res["run_p50_ms"] / res["ipyparallel_apply_p50_ms"]
     res["run_via_ipyparallel_ratio"] = res["run_via_ipyparallel_p50_ms"] / res["ipyparallel_apply_p50_ms_2"]
@@ -193,8 +220,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=100)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--train", action="store_true", help="also compare training throughput")
+    p.add_argument("--ready-reps", type=int, default=2,
+                   help="extra session and torchrun starts, alternating (medians of these + 1)")
     a = p.parse_args(argv)
-    rows = [bench_size(n, a.repeats, a.steps, a.train) for n in a.sizes]
+    rows = [bench_size(n, a.repeats, a.steps, a.train, a.ready_reps) for n in a.sizes]
     hdr = ("N", "ready s", "torchrun s", "ratio", "exec ms", "ipp exec ms", "ratio",
            "run ms (direct)", "ipp apply ms", "ratio", "run via ipp ms", "ratio")
     print(" | ".join(hdr))
