@@ -8,7 +8,8 @@ where the filesystem allows) for writing, and ``iflag=direct`` (or after droppin
 the page cache, when permitted) for reading. Loads run after dropping the page
 cache when that is permitted, else they read warm pages (the JSON says which).
 Plain DCP: ``dcp.save`` / ``dcp.load`` of the same ``get_state_dict(model, optimizer)``
-on the same engines, interleaved with fsdp_nb's save and load (medians of ``--reps``).
+on the same engines, interleaved with fsdp_nb's save and load (medians of ``--reps``;
+each save starts after ``sync``, so that neither pays for the other's writeback).
 Async: the time ``sess.save(..., async_save=True)`` blocks the notebook vs the
 synchronous sharded save, and how much longer the training step right after it takes
 than a plain step (its optimizer step waits for the background copy, and it shares the
@@ -192,11 +193,13 @@ def bench_ranks(n: int, folder: str, mb: int, cold: bool, reps: int) -> dict:
         ours_s, plain_s, ours_l, plain_l = [], [], [], []
 
         def ours_save() -> None:
-            shutil.rmtree(sharded, ignore_errors=True)  # both write a fresh folder
+            shutil.rmtree(sharded, ignore_errors=True)  # both write a fresh folder...
+            os.sync()  # ...on a settled disk: no writeback of what came before
             ours_s.append(timed(lambda: sess.save(sharded, "bench", optimizer="bench_opt"))[0])
 
         def plain_save() -> None:
             shutil.rmtree(plain, ignore_errors=True)
+            os.sync()
             plain_s.append(timed(lambda: sess.execute(f"plain_save({plain!r})"))[0])
 
         def ours_load() -> None:
