@@ -475,17 +475,17 @@ class EngineCluster:
         for r in todo:
             self._launched[r] = self.engine_ids[r]
 
-    def keep_standby(self) -> None:
+    def keep_standby(self, adopt: bool = False) -> None:
         """Have a standby engine waiting (``fsdp_nb.standby``): keep the one there is,
-        take one an earlier kernel launched into this cluster, or launch one. Local
-        launchers of clusters this session started only; never raises (a restart then
-        starts its engines itself)."""
+        or launch one; ``adopt``: first take one an earlier kernel launched into this
+        cluster (``Session.attach``). Local launchers of clusters this session started
+        only; never raises (a restart then starts its engines itself)."""
         if not (self.wants_standby and self._local_launcher()):
             return
         if self.standby is not None and self.standby.alive():
             return
         try:
-            self.standby = find_standby(self.cluster) or launch_standby(
+            self.standby = (find_standby(self.cluster) if adopt else None) or launch_standby(
                 self.cluster, self._replacement_settings()["environment"])
         except Exception as exc:  # noqa: BLE001 - only restarts get slower
             log.warning("no standby engine: %s", exc)

@@ -171,7 +171,7 @@ class Session:
         _attach.rebuild_models(self)
         self.keeper = Keeper(record)
         self.keeper.take(self)
-        cluster.keep_standby()  # the one an earlier kernel launched, if it still waits
+        cluster.keep_standby(adopt=True)  # the one an earlier kernel launched, if it waits
         log.info("attached to session %s: %s", record.cluster_id, note)
         return self
 

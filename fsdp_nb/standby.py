@@ -84,12 +84,12 @@ def launch_standby(cluster: Any, environment: dict[str, str]) -> Standby:
 
 
 def find_standby(cluster: Any) -> Standby | None:
-    """A standby engine launched earlier into ``cluster`` (by an earlier kernel) that
-    still waits for its go file."""
+    """A standby engine launched into ``cluster`` by an earlier kernel that still waits
+    for its go file (one released but not yet gone has its go file: not that one)."""
     for engine_set in list(cluster.engines):
         pid = _pid(cluster, engine_set) if engine_set.startswith(SET_PREFIX) else None
         if pid is not None:
             found = Standby(engine_set, pid, _go_file(cluster, engine_set))
-            if found.waiting():
+            if found.waiting() and not os.path.exists(found.go_file):
                 return found
     return None

@@ -338,6 +338,9 @@ def test_grace_is_validated(sess):
 def fragile(session_factory):
     """A 2-rank session of its own, for tests that kill engines (shut down with the module)."""
     s = session_factory(2, private=True, grace=1.0)
+    # its standby engine imports torch first: the deaths below are timed against
+    # ranks that have the cores to themselves
+    assert wait_until(s.cluster.standby.waiting, 120)
     yield s
     s.shutdown()
 
