@@ -402,21 +402,11 @@ class RankResult:
     def ready(self) -> bool:
         return self.future.done()
 
-    def _value(self) -> Any:
-        return self.future.result(0)
-
     def successful(self) -> bool:
+        """Whether the rank's call returned (ipyparallel keeps an error as the result)."""
         if not self.future.done():
             raise RuntimeError("Cannot check successful() if not done.")
-        return not isinstance(self._value(), Exception)
-
-    @property
-    def _exception(self) -> BaseException | None:
-        """The rank's error (as ipyparallel reports it), or None."""
-        if not self.future.done():
-            return None
-        value = self._value()
-        return value if isinstance(value, Exception) else None
+        return not isinstance(self.future.result(0), Exception)
 
     def get(self, timeout: float | None = None) -> Any:
         try:
@@ -473,15 +463,12 @@ def _completed(ar: RankResult | CallResult) -> float:
 
 
 def _failure(rank: int, ar: RankResult | CallResult) -> RankFailure:
-    exc = ar._exception if hasattr(ar, "_exception") else None
-    if exc is None:
-        try:
-            ar.get(0)
-        except Exception as e:  # noqa: BLE001 - we only read it
-            exc = e
-    if isinstance(exc, ipp.error.CompositeError) and exc.elist:
-        ename, evalue, tb, _ = exc.elist[0]
-        return RankFailure(rank, ename, evalue, strip_ansi(tb))
+    """What a failed rank's result raises, as a ``RankFailure``."""
+    exc: BaseException | None = None
+    try:
+        ar.get(0)
+    except Exception as e:  # noqa: BLE001 - we only read it
+        exc = e
     if isinstance(exc, ipp.error.RemoteError):
         return RankFailure(rank, exc.ename, exc.evalue, strip_ansi(exc.traceback or ""))
     return RankFailure(rank, type(exc).__name__, str(exc), "")

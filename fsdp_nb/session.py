@@ -476,9 +476,9 @@ class Session:
         try:
             return restart(self, restore=restore, drop=tuple(drop))
         finally:
-            if self.keeper is not None and self.state != "closed":
-                self.keeper.refresh(self)  # new engines: the watchdog must know their pids
             if self.state != "closed":
+                if self.keeper is not None:
+                    self.keeper.refresh(self)  # new engines: the watchdog must know their pids
                 self.cluster.keep_standby()  # one for the next death, if this one was used
 
     def debug(self, rank: int | None = None, commands: Sequence[str] | None = None) -> str | None:
