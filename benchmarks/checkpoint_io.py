@@ -5,7 +5,8 @@ side by side with the disk's own sequential write and read speed, in one run.
 
 Disk: ``dd`` of the same number of bytes with ``conv=fsync`` (plus ``oflag=direct``
 where the filesystem allows) for writing, and ``iflag=direct`` (or after dropping
-the page cache, when permitted) for reading. Loads run after dropping the page
+the page cache, when permitted) for reading, in turn with the saves and loads below
+(each of the three goes first, second and last in turn; medians). Loads run after dropping the page
 cache when that is permitted, else they read warm pages (the JSON says which).
 Plain DCP: ``dcp.save`` / ``dcp.load`` of the same ``get_state_dict(model, optimizer)``
 on the same engines, interleaved with fsdp_nb's save and load (medians of ``--reps``;
@@ -137,24 +138,23 @@ def _dd(args: list[str]) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def disk_speed(folder: str, mb: int) -> dict:
-    """Sequential write (fsync) and read speed of ``folder``'s disk in GB/s."""
-    path = os.path.join(folder, "dd.bin")
-    res: dict = {"bytes": mb << 20}
+def dd_write(path: str, mb: int) -> tuple[float | None, str]:
+    """Seconds dd took to write ``mb`` MiB to ``path`` and fsync them (direct I/O where
+    the filesystem allows it), and how it wrote."""
     t = _dd(["if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fsync", "oflag=direct"])
-    res["write_mode"] = "conv=fsync oflag=direct"
-    if t is None:
-        t = _dd(["if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fsync"])
-        res["write_mode"] = "conv=fsync"
-    res["write_GBps"] = (mb << 20) / t / 1e9 if t else None
+    if t is not None:
+        return t, "conv=fsync oflag=direct"
+    return _dd(["if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fsync"]), "conv=fsync"
+
+
+def dd_read(path: str) -> tuple[float | None, str]:
+    """Seconds dd took to read ``path`` (direct I/O, else after dropping the page cache
+    where permitted), and how it read."""
     t = _dd([f"if={path}", "of=/dev/null", "bs=1M", "iflag=direct"])
-    res["read_mode"] = "iflag=direct"
-    if t is None:
-        res["read_mode"] = "after drop_caches" if drop_caches() else "page cache (warm)"
-        t = _dd([f"if={path}", "of=/dev/null", "bs=1M"])
-    res["read_GBps"] = (mb << 20) / t / 1e9 if t else None
-    os.remove(path)
-    return res
+    if t is not None:
+        return t, "iflag=direct"
+    mode = "after drop_caches" if drop_caches() else "page cache (warm)"
+    return _dd([f"if={path}", "of=/dev/null", "bs=1M"]), mode
 
 
 def timed(fn):
@@ -190,7 +190,8 @@ def bench_ranks(n: int, folder: str, mb: int, cold: bool, reps: int) -> dict:
         # side by side, interleaved: fsdp_nb's save / load and plain DCP's of the same
         # state, taking turns at going first (the first runs right after the last save's
         # writes, the second does not)
-        ours_s, plain_s, ours_l, plain_l = [], [], [], []
+        ours_s, plain_s, ours_l, plain_l, dd_s, dd_l = [], [], [], [], [], []
+        ddfile = os.path.join(folder, "dd.bin")
 
         def ours_save() -> None:
             shutil.rmtree(sharded, ignore_errors=True)  # both write a fresh folder...
@@ -202,6 +203,13 @@ def bench_ranks(n: int, folder: str, mb: int, cold: bool, reps: int) -> dict:
             os.sync()
             plain_s.append(timed(lambda: sess.execute(f"plain_save({plain!r})"))[0])
 
+        def disk_save() -> None:  # the disk's own speed, for the same bytes, in turn
+            if os.path.exists(ddfile):
+                os.remove(ddfile)
+            os.sync()
+            t, res["dd_write_mode"] = dd_write(ddfile, nbytes >> 20)
+            dd_s.append(t)
+
         def ours_load() -> None:
             if cold:
                 drop_caches()
@@ -212,17 +220,28 @@ def bench_ranks(n: int, folder: str, mb: int, cold: bool, reps: int) -> dict:
                 drop_caches()
             plain_l.append(timed(lambda: sess.execute(f"plain_load({plain!r})"))[0])
 
-        for i in range(reps):
-            turns = (ours_save, plain_save, ours_load, plain_load)
-            if i % 2:
-                turns = (plain_save, ours_save, plain_load, ours_load)
-            for turn in turns:
+        def disk_load() -> None:
+            if cold:
+                drop_caches()
+            t, res["dd_read_mode"] = dd_read(ddfile)
+            dd_l.append(t)
+
+        saves, loads = [ours_save, plain_save, disk_save], [ours_load, plain_load, disk_load]
+        for i in range(reps):  # each side goes first, second and last in turn
+            k = i % 3
+            for turn in saves[k:] + saves[:k] + loads[k:] + loads[:k]:
                 turn()
+        os.remove(ddfile)
         res.update(save_sharded_s=_median(ours_s), plain_dcp_save_s=_median(plain_s),
                    load_sharded_s=_median(ours_l), plain_dcp_load_s=_median(plain_l),
-                   samples={"save": ours_s, "plain_save": plain_s, "load": ours_l, "plain_load": plain_l})
+                   dd_write_s=_median(dd_s), dd_read_s=_median(dd_l),
+                   samples={"save": ours_s, "plain_save": plain_s, "dd_write": dd_s,
+                            "load": ours_l, "plain_load": plain_l, "dd_read": dd_l})
         res["save_vs_dcp"] = res["plain_dcp_save_s"] / res["save_sharded_s"]
         res["load_vs_dcp"] = res["plain_dcp_load_s"] / res["load_sharded_s"]
+        res["save_vs_dd"] = res["dd_write_s"] / res["save_sharded_s"]
+        res["plain_dcp_save_vs_dd"] = res["dd_write_s"] / res["plain_dcp_save_s"]
+        res["load_vs_dd"] = res["dd_read_s"] / res["load_sharded_s"]
         t, _ = timed(lambda: sess.save(full, "bench", optimizer="bench_opt", sharded=False))
         res["save_full_s"] = t
         # async: the call, then one training step right away (its optimizer step waits
@@ -246,7 +265,8 @@ def bench_ranks(n: int, folder: str, mb: int, cold: bool, reps: int) -> dict:
             drop_caches()
         t, _ = timed(lambda: sess.load(full, "bench", optimizer="bench_opt"))
         res["load_full_s"] = t
-        for k in ("save_sharded", "save_full", "load_sharded", "load_full", "plain_dcp_save", "plain_dcp_load"):
+        for k in ("save_sharded", "save_full", "load_sharded", "load_full", "plain_dcp_save", "plain_dcp_load",
+                  "dd_write", "dd_read"):
             res[k + "_GBps"] = nbytes / res[k + "_s"] / 1e9
         res["async_effective_GBps"] = nbytes / res["async_total_s"] / 1e9
         return res
@@ -264,17 +284,16 @@ def main() -> None:
     folder = tempfile.mkdtemp(prefix="fsdp_nb_ckbench_", dir=args.dir)
     try:
         cold = drop_caches()
-        disk = disk_speed(folder, 3 * args.mb)
         rows = [bench_ranks(n, folder, args.mb, cold, args.reps) for n in args.ranks]
         for r in rows:
             r["safetensors_load"] = safetensors_load_memory(r["ranks"], folder, *model_shape(args.mb)[::-1])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    out = {"disk": disk, "cold_loads": cold, "model_MiB": args.mb, "runs": rows,
+    out = {"cold_loads": cold, "model_MiB": args.mb, "runs": rows,
            "note": "2 CPU cores shared with other jobs; gloo; local disk"}
-    print(f"disk: write {disk['write_GBps']:.3f} GB/s ({disk['write_mode']}), "
-          f"read {disk['read_GBps']:.3f} GB/s ({disk['read_mode']}); loads "
-          f"{'cold (page cache dropped)' if cold else 'warm (cannot drop the page cache)'}")
+    r0 = rows[0]
+    print(f"dd: write {r0['dd_write_mode']}, read {r0['dd_read_mode']}, the same bytes as each save, in turn "
+          f"with the saves; loads {'cold (page cache dropped)' if cold else 'warm (cannot drop the page cache)'}")
     head = (f"{'ranks':>5} {'MB':>6} | {'save':>11} {'dcp.save':>11} {'vs dcp':>6} {'vs dd':>6} | "
             f"{'load':>11} {'dcp.load':>11} {'vs dcp':>6} {'vs dd':>6} | {'full save':>11} {'full load':>11} | "
             f"{'async blk':>9} blocked/sync")
@@ -282,10 +301,13 @@ def main() -> None:
     print("-" * len(head))
     for r in rows:
         print(f"{r['ranks']:>5} {r['bytes'] / 1e6:>6.0f} | {r['save_sharded_GBps']:>6.3f}GB/s {r['plain_dcp_save_GBps']:>6.3f}GB/s "
-              f"{r['save_vs_dcp']:>6.2f} {r['save_sharded_GBps'] / disk['write_GBps']:>6.2f} | "
+              f"{r['save_vs_dcp']:>6.2f} {r['save_vs_dd']:>6.2f} | "
               f"{r['load_sharded_GBps']:>6.3f}GB/s {r['plain_dcp_load_GBps']:>6.3f}GB/s {r['load_vs_dcp']:>6.2f} "
-              f"{r['load_sharded_GBps'] / disk['read_GBps']:>6.2f} | {r['save_full_GBps']:>6.3f}GB/s "
+              f"{r['load_vs_dd']:>6.2f} | {r['save_full_GBps']:>6.3f}GB/s "
               f"{r['load_full_GBps']:>6.3f}GB/s | {r['async_blocked_s']:>8.3f}s {100 * r['async_blocked_vs_sync']:.1f}%")
+    for r in rows:
+        print(f"{r['ranks']} ranks: dd wrote {r['dd_write_GBps']:.3f} GB/s and read {r['dd_read_GBps']:.3f} GB/s; "
+              f"plain dcp.save reached {r['plain_dcp_save_vs_dd']:.2f} of dd's write")
     for r in rows:
         print(f"{r['ranks']} ranks: async save blocked the notebook {100 * r['async_blocked_vs_sync']:.1f}% of a sync save "
               f"(target <= 5%); the training step right after it took {r['step_after_async_save_s']:.3f} s vs "

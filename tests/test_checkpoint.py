@@ -244,6 +244,49 @@ def test_large_writes_are_checksummed_beside_the_write(raw):
     assert [crc for *_, crc in got["segments"]] == [checksum(item) for item in items]
 
 
+def _dirty_pages(fd: int) -> int | None:
+    """Pages of file ``fd`` not yet handed to the disk (Linux's ``cachestat``), or None
+    where this kernel lacks the call."""
+    import ctypes
+
+    class Range(ctypes.Structure):
+        _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+    class Stat(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recent")]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    st = Stat()
+    if libc.syscall(451, fd, ctypes.byref(Range(0, 0)), ctypes.byref(st), 0) != 0:  # cachestat
+        return None
+    return st.dirty
+
+
+def test_a_save_hands_its_bytes_to_the_disk_as_it_writes(tmp_path):
+    """The stream DCP writes each file through starts the disk write every STEP_BYTES,
+    so that the save's closing fsync waits only for the tail: before that fsync, at
+    most one step (plus what a buffered file may hold) is still only in memory."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from fsdp_nb.checkpoint.checksums import RecordingFileSystem
+    from fsdp_nb.checkpoint.writeback import SLACK_BYTES, STEP_BYTES
+
+    fs = RecordingFileSystem(FileSystem())
+    data = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8).numpy().tobytes()
+    with fs.create_stream(tmp_path / "__0_0.distcp", "wb") as stream:
+        if stream.writeback is None:
+            pytest.skip("no sync_file_range on this system")
+        for _ in range(12):  # 48 MB in DCP-sized writes
+            stream.write(data)
+        stream.flush()
+        dirty = _dirty_pages(stream.fileno())
+        if dirty is None:
+            pytest.skip("this kernel has no cachestat to count a file's dirty pages")
+        assert stream.writeback.requests >= 48 // (STEP_BYTES >> 20) - 1
+        assert dirty * os.sysconf("SC_PAGE_SIZE") <= STEP_BYTES + SLACK_BYTES + len(data)
+    assert fs.records["__0_0.distcp"]["size"] == 12 * len(data)
+
+
 def test_corrupt_or_truncated_file_named_model_unchanged(sess, tmp_path):
     build(sess, "ck_c")
     path = tmp_path / "c"

@@ -25,6 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+from .writeback import for_file
+
 __all__ = [
     "ALGORITHM", "ChecksumMismatch", "ChecksumStream", "RecordingFileSystem", "check_item",
     "check_item_soon", "checksum", "file_problem", "item_checksums", "record_writer",
@@ -76,7 +78,8 @@ def _crc_pool() -> ThreadPoolExecutor:
 
 
 class ChecksumStream(io.RawIOBase):
-    """A binary writer that checksums what passes through, one segment per ``tell()``."""
+    """A binary writer that checksums what passes through, one segment per ``tell()``;
+    on a local file it also starts the disk write as the bytes come (``writeback``)."""
 
     def __init__(self, raw: Any, on_close: Callable[[dict[str, Any]], None],
                  on_write: Callable[[int], None] | None = None):
@@ -87,6 +90,8 @@ class ChecksumStream(io.RawIOBase):
         self._pos = 0
         self._start = 0
         self._crc = 0
+        self.writeback = for_file(raw)
+        """Starts the disk write as the bytes come, on a local file (else None)."""
         self.segments: list[list[int]] = []
         """``[offset, length, checksum]`` of each closed segment, in file order."""
 
@@ -107,6 +112,8 @@ class ChecksumStream(io.RawIOBase):
         full = ahead is not None and n == len(view)
         self._crc = ahead.result() if full else checksum(view[:n], self._crc)
         self._pos += n
+        if self.writeback is not None:
+            self.writeback.wrote(self._pos)
         if self._on_write is not None:
             self._on_write(n)
         return n

@@ -36,6 +36,7 @@ from .inspect import inspect
 from .keys import MODEL, is_bare
 from .safetensors_layout import PieceReader, read_layout
 from .storage import sibling, url_to_fs
+from .writeback import for_file
 
 __all__ = ["export_safetensors", "parse_size"]
 
@@ -205,12 +206,15 @@ def export_safetensors(
             for name, group in zip(names, plan):
                 with open(posixpath.join(tmp, name), "wb") as f:
                     f.write(_header(group))
+                    disk = for_file(f)  # the disk writes while the next tensor is read
                     for e in group:
                         t = next(tensors)
                         if cast and t.dtype.is_floating_point:
                             t = t.to(getattr(torch, cast))
                         f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
                         bar.update(e.nbytes)
+                        if disk is not None:
+                            disk.wrote(f.tell())
                         del t
                     f.flush()
                     os.fsync(f.fileno())
