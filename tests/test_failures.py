@@ -22,6 +22,7 @@ import torch
 import fsdp_nb
 from fsdp_nb.cluster import wait_until
 from fsdp_nb.dispatch import OUTPUT_LIMIT
+from fsdp_nb.engine.boot import PRELOAD
 from fsdp_nb.errors import DeadRankError, RankError, RankTimeoutError
 from fsdp_nb.status import SessionStatus
 
@@ -486,6 +487,13 @@ def test_without_a_standby_a_new_engine_replaces_the_dead_rank(session_factory):
         s.wrap(Tiny, 8, name="fail_nostandby")
         first = s.run(_train_tiny, "fail_nostandby")
         victim = _kill_and_see(s, 0)
+        # the replacement registers with PRELOAD imported, before any replay could import it
+        new = lambda: set(s.cluster.client.ids) - set(s.cluster.engine_ids)  # noqa: E731
+        assert wait_until(new, 120)
+        (eid,) = new()
+        view = s.cluster.client[eid]
+        view.execute(f"import sys\n_missing = [n for n in {PRELOAD!r} if n not in sys.modules]", block=True)
+        assert view.pull("_missing", block=True) == []
         s.restart()
         assert s.ranks[0].pid != victim and s.cluster.standby is None
         assert s.run(_engine_env)[0] == ("1", THREADS, True)

@@ -61,15 +61,16 @@ class Writeback:
         self.requests = 0
         """How many times it asked the kernel to start writing."""
         self._asked = 0  # the writer's count at the last request
-        self._from = 0  # where the next request starts
 
     def wrote(self, pos: int) -> None:
         """The writer has now written ``pos`` bytes from the file's start."""
         if _START is None or pos - self._asked < self.step:
             return
-        # from _from to the end of the file (length 0): the kernel skips pages already
-        # on their way to the disk, so overlapping the last request costs nothing
-        if _START(self.fd, self._from, 0, _SYNC_FILE_RANGE_WRITE) != 0:
+        # from a little before the last request's count to the end of the file (length
+        # 0): the kernel skips pages already on their way to the disk, so the overlap
+        # costs nothing
+        start = max(0, self._asked - SLACK_BYTES)
+        if _START(self.fd, start, 0, _SYNC_FILE_RANGE_WRITE) != 0:
             err = ctypes.get_errno()
             log.debug("sync_file_range refused (%s): this file is written back at its fsync",
                       os.strerror(err))
@@ -77,7 +78,6 @@ class Writeback:
             return
         self.requests += 1
         self._asked = pos
-        self._from = max(0, pos - SLACK_BYTES)
 
 
 def for_file(f: Any, step: int = STEP_BYTES) -> Writeback | None:

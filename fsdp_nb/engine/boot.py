@@ -69,13 +69,15 @@ def _stand_by(go_file: str, watch: int) -> bool:
     SIGTERM while waiting (the launcher stopping it) exits cleanly."""
     import psutil
 
+    from ..session_record import handle_alive
+
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     waiting = go_file + WAITING
     try:
         watched = psutil.Process(watch)
         open(waiting, "w").close()
         while not os.path.exists(go_file):
-            if watched.status() == psutil.STATUS_ZOMBIE:
+            if not handle_alive(watched):
                 return False
             time.sleep(GO_POLL_S)
     except (psutil.NoSuchProcess, KeyboardInterrupt):
