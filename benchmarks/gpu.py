@@ -102,7 +102,8 @@ def session_side(n: int, backend: str, device: str, steps: int, warmup: int, fol
         res["bytes"] = du(ours)
         ddfile = os.path.join(folder, "dd.bin")  # the disk's own speed for the same bytes
         os.sync()
-        res["dd_write_s"], res["dd_write_mode"] = dd_write(ddfile, max(1, res["bytes"] >> 20))
+        res["dd_bytes"] = max(1, res["bytes"] >> 20) << 20
+        res["dd_write_s"], res["dd_write_mode"] = dd_write(ddfile, res["dd_bytes"] >> 20)
         res["cold_loads"] = drop_caches()
         res["load_s"], _ = timed(lambda: sess.load(ours, model, optimizer="gpt_opt"))
         drop_caches()
@@ -153,9 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     gb = ss["bytes"] / 1e9
-    dd_bytes = max(1, ss["bytes"] >> 20) << 20
-    disk = {"write_GBps": dd_bytes / ss["dd_write_s"] / 1e9 if ss["dd_write_s"] else None,
-            "read_GBps": dd_bytes / ss["dd_read_s"] / 1e9 if ss["dd_read_s"] else None,
+    disk = {"write_GBps": ss["dd_bytes"] / ss["dd_write_s"] / 1e9 if ss["dd_write_s"] else None,
+            "read_GBps": ss["dd_bytes"] / ss["dd_read_s"] / 1e9 if ss["dd_read_s"] else None,
             "write_mode": ss["dd_write_mode"], "read_mode": ss["dd_read_mode"]}
     r = {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",

@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
+from page_cache import page_cache
 
 import fsdp_nb
 from fsdp_nb.checkpoint import CheckpointError, CorruptCheckpointError, inspect, set_storage_options
@@ -244,47 +245,79 @@ def test_large_writes_are_checksummed_beside_the_write(raw):
     assert [crc for *_, crc in got["segments"]] == [checksum(item) for item in items]
 
 
-def _dirty_pages(fd: int) -> int | None:
-    """Pages of file ``fd`` not yet handed to the disk (Linux's ``cachestat``), or None
-    where this kernel lacks the call."""
-    import ctypes
-
-    class Range(ctypes.Structure):
-        _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-    class Stat(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recent")]
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    st = Stat()
-    if libc.syscall(451, fd, ctypes.byref(Range(0, 0)), ctypes.byref(st), 0) != 0:  # cachestat
-        return None
-    return st.dirty
-
-
-def test_a_save_hands_its_bytes_to_the_disk_as_it_writes(tmp_path):
-    """The stream DCP writes each file through starts the disk write every STEP_BYTES,
-    so that the save's closing fsync waits only for the tail: before that fsync, at
-    most one step (plus what a buffered file may hold) is still only in memory."""
+def test_where_direct_io_is_off_a_save_hands_its_bytes_to_the_disk_as_it_writes(tmp_path, monkeypatch):
+    """Through the page cache (``FSDP_NB_DIRECT_IO=0``, or a filesystem that refuses
+    ``O_DIRECT``), the stream DCP writes each file through starts the disk write every
+    STEP_BYTES, so that the save's closing fsync waits only for the tail: before that
+    fsync, at most one step (plus the last write) is still only in memory."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     from fsdp_nb.checkpoint.checksums import RecordingFileSystem
-    from fsdp_nb.checkpoint.writeback import SLACK_BYTES, STEP_BYTES
+    from fsdp_nb.checkpoint.writeback import STEP_BYTES
 
+    monkeypatch.setenv("FSDP_NB_DIRECT_IO", "0")
     fs = RecordingFileSystem(FileSystem())
     data = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8).numpy().tobytes()
     with fs.create_stream(tmp_path / "__0_0.distcp", "wb") as stream:
-        if stream.writeback is None:
+        writeback = stream.raw.writeback  # the file under the checksumming stream
+        if writeback is None:
             pytest.skip("no sync_file_range on this system")
         for _ in range(12):  # 48 MB in DCP-sized writes
             stream.write(data)
         stream.flush()
-        dirty = _dirty_pages(stream.fileno())
-        if dirty is None:
+        pages = page_cache(stream.fileno())
+        if pages is None:
             pytest.skip("this kernel has no cachestat to count a file's dirty pages")
-        assert stream.writeback.requests >= 48 // (STEP_BYTES >> 20) - 1
-        assert dirty * os.sysconf("SC_PAGE_SIZE") <= STEP_BYTES + SLACK_BYTES + len(data)
+        assert writeback.requests >= 48 // (STEP_BYTES >> 20) - 1
+        assert pages[1] * os.sysconf("SC_PAGE_SIZE") <= STEP_BYTES + len(data)
     assert fs.records["__0_0.distcp"]["size"] == 12 * len(data)
+
+
+def test_saves_write_their_files_past_the_page_cache(sess, tmp_path):
+    """Sharded and full saves, consolidation and the export write their files with
+    O_DIRECT: once written, no page of a sharded or exported file but the last (the
+    partial block, written through the cache) is in memory, and of a full file only
+    what the writer reads back of it; each save loads back bit for bit."""
+    from fsdp_nb.checkpoint.direct_io import enabled
+
+    if not enabled():
+        pytest.skip("no O_DIRECT here, or FSDP_NB_DIRECT_IO=0")
+    build(sess, "ck_dio", dim=256)
+    step(sess, "ck_dio", dim=256)
+    want = snapshot(sess, "ck_dio")
+    sharded, pt, st = tmp_path / "d", tmp_path / "d.pt", tmp_path / "d.safetensors"
+    for p in (sharded, pt, st):
+        sess.save(str(p), "ck_dio", optimizer="ck_dio_opt", sharded=p is sharded)
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def check(files: list, full: list) -> None:
+        for f in files + full:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                pages = page_cache(fd)
+            finally:
+                os.close(fd)
+            if pages is None:
+                pytest.skip("this kernel has no cachestat to count a file's cached pages")
+            n = -(-f.stat().st_size // page)
+            assert n > 64, f.name
+            # a .distcp or exported file is never read back; the save's (or
+            # consolidate's) inspect() reads a full file's header and pickle, and the
+            # kernel's readahead around them: never most of it
+            assert pages[0] <= (n // 4 if f in full else 1), (f.name, n, pages)
+
+    check(list(sharded.glob("*.distcp")), [pt, st, tmp_path / "d.optim.safetensors"])
+    # offline, in this process (these read the saves, so they come after the check):
+    # consolidation both ways, and the export
+    fsdp_nb.consolidate(str(sharded), str(tmp_path / "c.pt"))
+    fsdp_nb.consolidate(str(pt), str(tmp_path / "c"))
+    fsdp_nb.export_safetensors(str(sharded), str(tmp_path / "hf"))
+    check([*(tmp_path / "c").glob("*.distcp"), tmp_path / "hf" / "model.safetensors"], [tmp_path / "c.pt"])
+    for p in (sharded, pt, st):
+        build(sess, "ck_dio", dim=256, seed=1)
+        sess.load(str(p), "ck_dio", optimizer="ck_dio_opt")
+        assert same(snapshot(sess, "ck_dio"), want), p.name
+    sess.execute("del ck_dio, ck_dio_opt")
 
 
 def test_corrupt_or_truncated_file_named_model_unchanged(sess, tmp_path):

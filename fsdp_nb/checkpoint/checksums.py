@@ -21,11 +21,12 @@ import posixpath
 import threading
 import zlib
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
-from .writeback import for_file
+from .direct_io import create
+from .helper_threads import LazyPool
 
 __all__ = [
     "ALGORITHM", "ChecksumMismatch", "ChecksumStream", "RecordingFileSystem", "check_item",
@@ -65,21 +66,11 @@ def checksum(data: Any, value: int = 0, algorithm: str = ALGORITHM) -> int:
 OVERLAP_BYTES = 4 << 20
 """Writes at least this large are checksummed in a helper thread while the file takes
 them (both release the GIL): the checksum overlaps the write instead of following it."""
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _crc_pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(4, thread_name_prefix="fsdp_nb-crc")
-        return _POOL
+_crc_pool = LazyPool("fsdp_nb-crc")
 
 
 class ChecksumStream(io.RawIOBase):
-    """A binary writer that checksums what passes through, one segment per ``tell()``;
-    on a local file it also starts the disk write as the bytes come (``writeback``)."""
+    """A binary writer that checksums what passes through, one segment per ``tell()``."""
 
     def __init__(self, raw: Any, on_close: Callable[[dict[str, Any]], None],
                  on_write: Callable[[int], None] | None = None):
@@ -90,8 +81,6 @@ class ChecksumStream(io.RawIOBase):
         self._pos = 0
         self._start = 0
         self._crc = 0
-        self.writeback = for_file(raw)
-        """Starts the disk write as the bytes come, on a local file (else None)."""
         self.segments: list[list[int]] = []
         """``[offset, length, checksum]`` of each closed segment, in file order."""
 
@@ -112,8 +101,6 @@ class ChecksumStream(io.RawIOBase):
         full = ahead is not None and n == len(view)
         self._crc = ahead.result() if full else checksum(view[:n], self._crc)
         self._pos += n
-        if self.writeback is not None:
-            self.writeback.wrote(self._pos)
         if self._on_write is not None:
             self._on_write(n)
         return n
@@ -176,12 +163,23 @@ class RecordingFileSystem:
             with self._lock:
                 self.records[name] = record
 
-        with self.inner.create_stream(path, mode) as raw:
+        with self._open_for_writing(path, mode) as raw:
             stream = ChecksumStream(raw, keep, self._count)
             try:
                 yield stream
             finally:
                 stream.close()
+
+    @contextmanager
+    def _open_for_writing(self, path: Any, mode: str) -> Iterator[Any]:
+        from torch.distributed.checkpoint.filesystem import FileSystem
+
+        if mode == "wb" and isinstance(self.inner, FileSystem):  # local: see direct_io.create
+            with create(str(path)) as raw:
+                yield raw
+        else:
+            with self.inner.create_stream(path, mode) as raw:
+                yield raw
 
     def rename(self, path: Any, new_path: Any) -> None:
         self.inner.rename(path, new_path)

@@ -30,13 +30,14 @@ from typing import Any
 
 from ..dtypes import FLOATING, tensor_bytes, to_safetensors
 from .atomic import replace_folder
+from .direct_io import create
 from .fullfile import full_suffix
 from .info import CheckpointError
 from .inspect import inspect
 from .keys import MODEL, is_bare
 from .safetensors_layout import PieceReader, read_layout
+from .safetensors_write import header, raw_bytes
 from .storage import sibling, url_to_fs
-from .writeback import for_file
 
 __all__ = ["export_safetensors", "parse_size"]
 
@@ -150,17 +151,6 @@ def _sharded_tensors(fs: Any, p: str, url: str, info: Any, entries: list[_Entry]
         yield buf
 
 
-def _header(entries: list[_Entry]) -> bytes:
-    head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    off = 0
-    for e in entries:
-        head[e.name] = {"dtype": to_safetensors(e.dtype), "shape": list(e.shape), "data_offsets": [off, off + e.nbytes]}
-        off += e.nbytes
-    raw = json.dumps(head, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
-    return len(raw).to_bytes(8, "little") + raw
-
-
 def export_safetensors(
     path: str,
     out_dir: str,
@@ -204,20 +194,16 @@ def export_safetensors(
         tensors = _tensors(path, info, entries, storage_options)
         with Progress(total, f"export {posixpath.basename(out_dir)}", enabled=progress) as bar:
             for name, group in zip(names, plan):
-                with open(posixpath.join(tmp, name), "wb") as f:
-                    f.write(_header(group))
-                    disk = for_file(f)  # the disk writes while the next tensor is read
+                with create(posixpath.join(tmp, name)) as f:
+                    f.write(header(((e.name, e.dtype, e.shape) for e in group), {"format": "pt"}))
                     for e in group:
                         t = next(tensors)
                         if cast and t.dtype.is_floating_point:
                             t = t.to(getattr(torch, cast))
-                        f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+                        f.write(raw_bytes(t))
                         bar.update(e.nbytes)
-                        if disk is not None:
-                            disk.wrote(f.tell())
                         del t
-                    f.flush()
-                    os.fsync(f.fileno())
+                    os.fsync(f.fileno())  # a DirectFile writes out its last block first
         if n > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {e.name: name for name, group in zip(names, plan) for e in group}}

@@ -20,9 +20,11 @@ import os
 import posixpath
 from typing import Any
 
+from .direct_io import create
 from .info import CorruptCheckpointError
 from .keys import MODEL, OPTIM_STATE, flat_optim_state, split_optim_key
 from .safetensors_layout import OPTIM_TENSOR, PieceReader, optim_file, optim_state, read_layout
+from .safetensors_write import write_safetensors
 from .storage import is_local, sibling
 
 __all__ = ["FULL_SUFFIXES", "full_suffix", "read_full", "read_full_meta", "write_full"]
@@ -77,15 +79,16 @@ def _safetensors_parts(model_sd: dict, optim_sd: dict | None, meta: dict, token:
     return _unshared(model_sd), header, _unshared(tensors), oheader
 
 
-def _write_safetensors(fs: Any, path: str, tensors: dict, header: dict) -> None:
-    from safetensors.torch import save, save_file
+def _create(fs: Any, path: str) -> Any:
+    """``path`` opened for writing (a local one by ``direct_io.create``)."""
+    return create(path) if is_local(fs) else fs.open(path, "wb")
 
+
+def _write_safetensors(fs: Any, path: str, tensors: dict, header: dict) -> None:
+    with _create(fs, path) as f:
+        write_safetensors(f, tensors, header)
     if is_local(fs):
-        save_file(tensors, path, metadata=header)
         _fsync(path)
-    else:
-        with fs.open(path, "wb") as f:
-            f.write(save(tensors, metadata=header))
 
 
 def _fsync(path: str) -> None:
@@ -120,7 +123,7 @@ def write_full(fs: Any, target: str, token: str, model_sd: dict, optim_sd: dict 
             obj = {"model": model_sd, "fsdp_nb": dict(meta, token=token)}
             if optim_sd:
                 obj["optim"] = optim_sd
-            with fs.open(tmp, "wb") as f:
+            with _create(fs, tmp) as f:
                 torch.save(obj, f)
             if is_local(fs):
                 _fsync(tmp)

@@ -10,11 +10,15 @@ writing what the file holds so far and returns without waiting; asking every
 closing fsync waits only for the tail. The bytes and the fsync are unchanged, so
 durability is too. Linux only; elsewhere, or on a file that refuses it, nothing
 changes.
+
+Checkpoint files are written past the page cache where the filesystem allows
+(``direct_io.create``); a :class:`WrittenBackFile` is what the others get.
 """
 
 from __future__ import annotations
 
 import ctypes
+import io
 import logging
 import os
 import stat
@@ -22,7 +26,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["STEP_BYTES", "Writeback", "for_file"]
+__all__ = ["STEP_BYTES", "Writeback", "WrittenBackFile", "for_file"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -30,9 +34,6 @@ STEP_BYTES = 8 << 20
 """Bytes written between two requests to start writing (large enough that the calls
 cost nothing, small enough that the disk starts early)."""
 
-SLACK_BYTES = 1 << 20
-"""How far behind the writer's count each request starts: a buffered file object may
-still hold that many bytes that reach the kernel only with its next write."""
 
 _SYNC_FILE_RANGE_WRITE = 2
 
@@ -66,11 +67,8 @@ class Writeback:
         """The writer has now written ``pos`` bytes from the file's start."""
         if _START is None or pos - self._asked < self.step:
             return
-        # from a little before the last request's count to the end of the file (length
-        # 0): the kernel skips pages already on their way to the disk, so the overlap
-        # costs nothing
-        start = max(0, self._asked - SLACK_BYTES)
-        if _START(self.fd, start, 0, _SYNC_FILE_RANGE_WRITE) != 0:
+        # from the last request's count to the end of the file (length 0)
+        if _START(self.fd, self._asked, 0, _SYNC_FILE_RANGE_WRITE) != 0:
             err = ctypes.get_errno()
             log.debug("sync_file_range refused (%s): this file is written back at its fsync",
                       os.strerror(err))
@@ -92,3 +90,21 @@ def for_file(f: Any, step: int = STEP_BYTES) -> Writeback | None:
     except (AttributeError, OSError, ValueError):  # no descriptor, or a closed file
         return None
     return Writeback(fd, step)
+
+
+class WrittenBackFile(io.FileIO):
+    """``path`` created (or truncated) for writing, unbuffered, asking the kernel to start
+    the disk write every ``STEP_BYTES`` written (where ``for_file`` allows)."""
+
+    def __init__(self, path: str, step: int = STEP_BYTES):
+        super().__init__(path, "wb")
+        self._written = 0
+        self.writeback = for_file(self, step)
+        """None where the system or the file does not allow it."""
+
+    def write(self, b: Any) -> int | None:
+        n = super().write(b)
+        if n and self.writeback is not None:
+            self._written += n
+            self.writeback.wrote(self._written)
+        return n
