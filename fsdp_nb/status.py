@@ -14,6 +14,7 @@ from __future__ import annotations
 import html
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -151,16 +152,9 @@ def read_status(sess: Session, *, with_stacks: bool = True) -> SessionStatus:
     ranks are. Asks the controller and the engines' pids, never an engine's queue."""
     c = sess.cluster
     dead = set(c.dead_ranks()) if sess.state != "closed" else set(range(c.world_size))
-    try:
-        queues = c.client.queue_status(targets=list(c.engine_ids), verbose=False)
-    except Exception as exc:  # noqa: BLE001 - a dead engine id may be refused
-        log.debug("queue_status failed: %s", exc)
-        queues = {}
-    queued, states = [], []
-    for r, eid in enumerate(c.engine_ids):
-        q = queues.get(eid, {}) if isinstance(queues, dict) else {}
-        queued.append(int(q.get("queue", 0)) if isinstance(q, dict) else 0)
-        states.append("dead" if r in dead else ("busy" if queued[r] > 0 else "idle"))
+    queued = _queued(c.client, c.engine_ids)
+    states = ["dead" if r in dead else ("busy" if queued[r] > 0 else "idle")
+              for r in range(len(c.engine_ids))]
     busy = [r for r, s in enumerate(states) if s == "busy"]
     found = sess.health.stacks(busy) if (with_stacks and busy) else {}
     devices = [info.device for info in sess.ranks] or ["?"] * c.world_size
@@ -169,6 +163,24 @@ def read_status(sess: Session, *, with_stacks: bool = True) -> SessionStatus:
         for r, eid in enumerate(c.engine_ids)
     )
     return SessionStatus(sess.state, sess.backend, ranks)
+
+
+def _queued(client: Any, engine_ids: Sequence[int]) -> list[int]:
+    """How many tasks each engine has queued or running, by the controller's queues less
+    the tasks this client has already seen finish: the controller hears of a finished
+    task after the client does, so right after a call it may still count it."""
+    try:
+        queues = client.queue_status(targets=list(engine_ids), verbose=True)
+    except Exception as exc:  # noqa: BLE001 - a dead engine id may be refused
+        log.debug("queue_status failed: %s", exc)
+        return [0] * len(engine_ids)
+    finished = set(client.history.copy()) - client.outstanding.copy()  # filled by its IO thread
+    counts = []
+    for eid in engine_ids:
+        q = queues.get(eid) if isinstance(queues, dict) else None
+        ids = q.get("queue", []) if isinstance(q, dict) else []
+        counts.append(sum(1 for m in ids if m not in finished))
+    return counts
 
 
 def _short(text: str, n: int = 120) -> str:
