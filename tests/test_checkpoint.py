@@ -481,6 +481,36 @@ def test_async_save_returns_before_the_copy_and_the_next_step_waits_for_it(sess,
     sess.execute("del ck_h, ck_h_opt")
 
 
+WRITER_PRIORITY = """
+import os as _os
+import fsdp_nb.checkpoint.checksums as _cs
+_unprobed_write = _cs.ChecksumStream.write
+_write_nice = set()
+def _probed_write(self, b):
+    _write_nice.add(_os.getpriority(_os.PRIO_PROCESS, 0))  # the writing thread's
+    return _unprobed_write(self, b)
+_cs.ChecksumStream.write = _probed_write
+"""
+
+
+def test_async_save_writes_at_a_lower_cpu_priority(sess, tmp_path):
+    """An async save's write yields the cores to the ranks' foreground work (a rank still
+    answering the save's call, the next training step); a sync save writes at the
+    engine's own priority."""
+    build(sess, "ck_n")
+    sess.execute(WRITER_PRIORITY)
+    try:
+        sess.save(str(tmp_path / "sync"), "ck_n", optimizer="ck_n_opt")
+        sess.execute("_sync_nice, _write_nice = set(_write_nice), set()")
+        assert sess.save(str(tmp_path / "async"), "ck_n", optimizer="ck_n_opt", async_save=True).wait().valid
+        sess.execute("_async_nice, _main_nice = set(_write_nice), _os.getpriority(_os.PRIO_PROCESS, 0)")
+    finally:
+        sess.execute("_cs.ChecksumStream.write = _unprobed_write")
+    for main, sync, background in zip(*(sess.pull(v) for v in ("_main_nice", "_sync_nice", "_async_nice"))):
+        assert sync == {main} and background == {min(19, main + 10)}, (main, sync, background)
+    sess.execute("del ck_n, ck_n_opt")
+
+
 STAGED_BUFFERS = """
 from fsdp_nb.engine import async_saves as _as
 _cache = _as.stager(False)._state_dict_stager._cached_storage_mapping

@@ -128,3 +128,22 @@ def test_a_forked_child_gets_helper_threads_of_its_own():
     out = subprocess.run([sys.executable, "-c", POOL_AFTER_FORK], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["child", "0"], out.stdout + out.stderr
+
+
+def test_helper_threads_keep_the_priority_of_the_thread_that_asks():
+    """A background save (at a lower CPU priority) and a foreground one share no helper
+    thread: a worker keeps its starter's priority, and could not raise it again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fsdp_nb.checkpoint.helper_threads import LazyPool, lower_priority, priority
+
+    pool, main = LazyPool("fsdp_nb-test-nice"), priority()
+
+    def from_background() -> int:
+        lower_priority(5)
+        return pool().submit(priority).result(timeout=10)
+
+    with ThreadPoolExecutor(1) as other:  # lowered for good: a thread of its own
+        assert other.submit(from_background).result(timeout=10) == min(19, main + 5)
+        assert pool().submit(priority).result(timeout=10) == main
+        assert other.submit(lambda: pool().submit(priority).result(timeout=10)).result(timeout=10) == min(19, main + 5)
