@@ -15,8 +15,9 @@ Async: the time ``sess.save(..., async_save=True)`` blocks the notebook vs the
 synchronous sharded save, and how much longer the training step right after it takes
 than a plain step (its optimizer step waits for the background copy, and it shares the
 cores with the write), also as a fraction of the sync save. The model carries AdamW state, so a save
-holds three times ``--mb``. Safetensors: the peak memory each rank adds while loading
-the weights from one ``.safetensors`` file, against size / N + the largest tensor. Prints a table and writes
+holds three times ``--mb``. Memory: the peak each rank adds while loading the weights
+from one ``.safetensors`` file, against size / N + the largest tensor, and while loading
+a sharded checkpoint, against the rank's share of it. Prints a table and writes
 benchmarks/out/checkpoint_io.json.
 """
 
@@ -89,9 +90,10 @@ def peak_delta():
 """
 
 
-def safetensors_load_memory(n: int, folder: str, layers: int, dim: int) -> dict:
-    """Peak memory a rank adds while ``sess.load`` reads a weights-only ``.safetensors``,
-    against the bound size / N + the largest tensor.
+def load_memory(n: int, folder: str, layers: int, dim: int) -> tuple[dict, dict]:
+    """Peak memory a rank adds while ``sess.load`` reads (1) a weights-only
+    ``.safetensors``, against the bound size / N + the largest tensor, and (2) a sharded
+    checkpoint with AdamW state, against the rank's share of it.
 
     Its own session, whose engines return freed memory at once (a fixed malloc mmap
     threshold): else memory freed by earlier calls is reused unseen and the peak reads low.
@@ -101,21 +103,28 @@ def safetensors_load_memory(n: int, folder: str, layers: int, dim: int) -> dict:
         sess = fsdp_nb.Session(n, backend="gloo", activate=False)
     finally:
         del os.environ["MALLOC_MMAP_THRESHOLD_"]
+
+    def peaks_of(load) -> tuple[float, list[int]]:
+        sess.execute("peak_reset()")
+        t, _ = timed(load)
+        sess.execute("_peak = peak_delta()")
+        return t, sess.pull("_peak")
+
     try:
         sess.execute(BUILD.format(dim=dim, layers=layers))
-        path = os.path.join(folder, f"weights{n}.safetensors")
-        sess.save(path, "bench", sharded=False)
         sess.execute(PEAK)
-        sess.execute("peak_reset()")
-        t, _ = timed(lambda: sess.load(path, "bench"))
-        sess.execute("_peak = peak_delta()")
-        peaks = sess.pull("_peak")
+        path, sharded = os.path.join(folder, f"weights{n}.safetensors"), os.path.join(folder, f"mem{n}")
+        sess.save(path, "bench", sharded=False)
+        t, peaks = peaks_of(lambda: sess.load(path, "bench"))
+        sess.save(sharded, "bench", optimizer="bench_opt")
+        _, sharded_peaks = peaks_of(lambda: sess.load(sharded, "bench", optimizer="bench_opt"))
     finally:
         sess.shutdown()
     size, largest = layers * dim * dim * 4, dim * dim * 4
-    bound = size / n + largest
-    return {"bytes": size, "seconds": t, "peak_added_per_rank": peaks, "bound": bound,
-            "peak_vs_bound": max(peaks) / bound}
+    bound, share = size / n + largest, 3 * size / n
+    return ({"bytes": size, "seconds": t, "peak_added_per_rank": peaks, "bound": bound,
+             "peak_vs_bound": max(peaks) / bound},
+            {"share": share, "peak_added_per_rank": sharded_peaks, "peak_vs_share": max(sharded_peaks) / share})
 
 
 def drop_caches() -> bool:
@@ -286,7 +295,7 @@ def main() -> None:
         cold = drop_caches()
         rows = [bench_ranks(n, folder, args.mb, cold, args.reps) for n in args.ranks]
         for r in rows:
-            r["safetensors_load"] = safetensors_load_memory(r["ranks"], folder, *model_shape(args.mb)[::-1])
+            r["safetensors_load"], r["sharded_load_memory"] = load_memory(r["ranks"], folder, *model_shape(args.mb)[::-1])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     out = {"cold_loads": cold, "model_MiB": args.mb, "runs": rows,
@@ -317,6 +326,10 @@ def main() -> None:
         print(f"{r['ranks']} ranks: load of {m['bytes'] / 1e6:.0f} MB of .safetensors weights took {m['seconds']:.2f} s; "
               f"peak added per rank {[round(p / 1e6, 1) for p in m['peak_added_per_rank']]} MB, bound "
               f"(size/N + largest tensor) {m['bound'] / 1e6:.1f} MB: {m['peak_vs_bound']:.2f}x (target <= 1.1)")
+    for r in rows:
+        m = r["sharded_load_memory"]
+        print(f"{r['ranks']} ranks: sharded load (weights + AdamW state, {m['share'] / 1e6:.0f} MB a rank) added a peak of "
+              f"{[round(p / 1e6, 1) for p in m['peak_added_per_rank']]} MB per rank: {m['peak_vs_share']:.2f}x its share")
     os.makedirs(os.path.join(os.path.dirname(__file__), "out"), exist_ok=True)
     dest = os.path.join(os.path.dirname(__file__), "out", "checkpoint_io.json")
     with open(dest, "w") as f:

@@ -352,6 +352,31 @@ def test_corrupt_or_truncated_file_named_model_unchanged(sess, tmp_path):
         sess.load(str(tmp_path / "missing"), "ck_c")
 
 
+def test_a_late_corrupt_item_stops_the_load_before_any_rank_changes(sess, tmp_path):
+    """The load checks every item (large ones in helper threads, two buffers taking
+    turns) before it copies anything: a flipped byte far into rank 0's file, in an item
+    checked while the next one is read, still leaves both ranks' models as they were."""
+    build(sess, "ck_late", dim=1536)  # a weight's shard is over 4 MiB: checked in a helper thread
+    path = tmp_path / "late"
+    sess.save(str(path), "ck_late", optimizer="ck_late_opt")
+    s0 = snapshot(sess, "ck_late")
+    step(sess, "ck_late", dim=1536)
+    s1 = snapshot(sess, "ck_late")
+    f0 = path / "__0_0.distcp"
+    data = bytearray(f0.read_bytes())
+    at = len(data) * 3 // 4
+    data[at] ^= 0xFF
+    f0.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=r"'__0_0.distcp' is corrupt"):
+        sess.load(str(path), "ck_late", optimizer="ck_late_opt")
+    assert same(snapshot(sess, "ck_late"), s1)
+    data[at] ^= 0xFF  # mended: the same load goes through
+    f0.write_bytes(bytes(data))
+    sess.load(str(path), "ck_late", optimizer="ck_late_opt")
+    assert same(snapshot(sess, "ck_late"), s0)
+    sess.execute("del ck_late, ck_late_opt")
+
+
 IN_PLACE = """
 from torch.distributed.checkpoint.state_dict import get_state_dict as _gsd
 from fsdp_nb.engine.checkpoint_load import _over_model

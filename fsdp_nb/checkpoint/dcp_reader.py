@@ -8,8 +8,12 @@
   plan is read and checked first, then ``before_commit`` learns whether this process
   read everything and answers whether every rank did; only then are the tensors copied
   into their targets. A load can then write straight into the model's own tensors and
-  still leave every rank's model as it was when any rank's read fails. Without it
-  (offline consolidate, export) items stream through one reused buffer.
+  still leave every rank's model as it was when any rank's read fails. The check
+  streams the items through two buffers and the copy reads them again, from the page
+  cache the check just filled: holding every item in memory of its own instead cost a
+  page fault per 4 KiB of the rank's share, a sixth of the load on a fast disk. Without
+  ``before_commit`` (offline consolidate, export) items stream through one reused
+  buffer, checked and copied at once.
 """
 
 from __future__ import annotations
@@ -116,38 +120,59 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
                 _commit(planner, req, _item(planner, req, md, view))
 
         def _staged(self, items: list[tuple[Any, Any]], planner: Any) -> None:
-            """Every item read (and checked, and its shape matched) into its own buffer,
-            every rank told, then copied into the targets; nothing is copied when any
-            rank failed (a failure here raises, DCP reports it on every rank). Large
-            items are checked in helper threads while the next one is read; items are
-            parsed only once their checks passed."""
-            read: dict[tuple[str, int], memoryview] = {}
-            checking: list[Future] = []
-            ready: list[tuple[Any, Any]] = []
+            """Every item read, checked and its shape matched; every rank told; then
+            the items read again and copied into their targets. Nothing is copied when
+            any rank failed (a failure here raises, DCP reports it on every rank)."""
             failure: BaseException | None = None
             try:
-                for stream, _, md in self._opened(items):
-                    key = (md.relative_path, int(md.offset))
-                    if key not in read:
-                        read[key] = self._read_item(stream, md, _buffer(md.length), checking)
+                self._check_all(items, planner)
             except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
                 failure = exc
-            # every check ends here (before any buffer goes); a failed one names the file
-            failure = next((c.exception() for c in checking if c.exception() is not None), failure)
-            if failure is None:
-                try:  # only checked bytes are parsed
-                    ready = [(req, _item(planner, req, md, read[(md.relative_path, int(md.offset))]))
-                             for req, md in items]
-                except Exception as exc:  # noqa: BLE001 - as above
-                    failure = exc
             everyone = before_commit(failure is None)  # type: ignore[misc]
             if failure is not None:
                 raise failure
             if not everyone:
                 log.info("another rank could not read its part of the checkpoint: nothing loaded here")
                 return
-            for req, item in ready:
-                _commit(planner, req, item)
+            buf = _buffer(0)
+            for stream, req, md in self._opened(items):
+                if len(buf) < md.length:
+                    buf = _buffer(md.length)
+                stream.seek(md.offset)
+                view = buf[:read_into(stream, buf[:md.length])]
+                if len(view) != md.length:  # the file changed since its check
+                    raise ChecksumMismatch(f"file {md.relative_path!r} is shorter than when it was checked")
+                _commit(planner, req, _item(planner, req, md, view))
+
+        def _check_all(self, items: list[tuple[Any, Any]], planner: Any) -> None:
+            """Read and check every item, and match the shapes its requests ask for;
+            raise at the first failure. Two buffers take turns, so a large item is
+            checked in a helper thread while the next one is read."""
+            size = max((int(md.length) for _, md in items), default=0)
+            buffers = [_buffer(size), _buffer(size)]
+            waiting: list[tuple[Future | None, memoryview, list[tuple[Any, Any]]]] = []
+
+            def settle() -> None:  # the oldest read: its check passed, then its shapes
+                check, view, reqs = waiting.pop(0)
+                if check is not None:
+                    check.result()
+                for req, md in reqs:
+                    _item(planner, req, md, view)
+
+            at, turn = None, 0
+            for stream, req, md in self._opened(items):
+                key = (md.relative_path, int(md.offset))
+                if key == at:  # another request for the item just read
+                    waiting[-1][2].append((req, md))
+                    continue
+                if len(waiting) == len(buffers):  # frees the buffer this turn reads into
+                    settle()
+                later: list[Future] = []
+                view = self._read_item(stream, md, buffers[turn % 2][:md.length], later)
+                waiting.append((later[0] if later else None, view, [(req, md)]))
+                at, turn = key, turn + 1
+            while waiting:
+                settle()
 
         def _read_item(self, file: Any, sinfo: Any, into: memoryview, later: list[Future] | None = None) -> memoryview:
             """Item ``sinfo`` read into ``into``, checked against its record when there

@@ -7,8 +7,8 @@ ranks (one clear error), and every rank reads all it needs before any rank copie
 byte into its model, so a failure leaves every model as it was.
 
 - a DCP folder (fsdp_nb's, or plain ``dcp.save``'s): DCP reads and reshards; the
-  reader holds the items in host memory until every rank has read its share, then
-  copies them into the model's own shards (``checkpoint.dcp_reader``);
+  reader reads and checks this rank's items, and once every rank has, reads them again
+  (from the page cache) into the model's own shards (``checkpoint.dcp_reader``);
 - safetensors (fsdp_nb's full file, a Hugging Face file or folder): each rank reads
   the slice of every tensor it owns (``safetensors_layout.PieceReader``);
 - a ``.pt`` file: rank 0 reads it and broadcasts.
