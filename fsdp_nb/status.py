@@ -174,13 +174,14 @@ def _queued(client: Any, engine_ids: Sequence[int]) -> list[int]:
     except Exception as exc:  # noqa: BLE001 - a dead engine id may be refused
         log.debug("queue_status failed: %s", exc)
         return [0] * len(engine_ids)
+    ids = [q.get("queue", []) if isinstance(q, dict) else []
+           for q in (queues.get(eid) if isinstance(queues, dict) else None for eid in engine_ids)]
+    if not any(ids):
+        return [0] * len(engine_ids)
+    # this client's tasks whose result came (another client's task always counts);
+    # (``client.results`` cannot tell: it was found empty after gathered calls)
     finished = set(client.history.copy()) - client.outstanding.copy()  # filled by its IO thread
-    counts = []
-    for eid in engine_ids:
-        q = queues.get(eid) if isinstance(queues, dict) else None
-        ids = q.get("queue", []) if isinstance(q, dict) else []
-        counts.append(sum(1 for m in ids if m not in finished))
-    return counts
+    return [sum(1 for m in queued if m not in finished) for queued in ids]
 
 
 def _short(text: str, n: int = 120) -> str:

@@ -1,4 +1,4 @@
-"""The DCP storage reader every fsdp_nb read goes through: safe, checked, optionally staged.
+"""The DCP storage reader every fsdp_nb read goes through: safe and checked.
 
 - ``.metadata`` is unpickled with the restricted unpickler (``restricted``), or taken
   as already read and checked;
@@ -32,7 +32,7 @@ log = logging.getLogger("fsdp_nb")
 
 
 def can_stage(md: Any) -> bool:
-    """Whether every item of DCP metadata ``md`` can be read by the staged path (none
+    """Whether every item of DCP metadata ``md`` can be read by the checked paths (none
     carries a stream transform, such as compression, which only DCP's own reader undoes)."""
     return not any(getattr(info, "transform_descriptors", None) for info in (md.storage_data or {}).values())
 
@@ -92,7 +92,7 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
                     return super().read_data(plan, planner)
                 self._stream(items, planner)
             else:
-                self._staged(items, planner)
+                self._check_then_copy(items, planner)
             done: torch.futures.Future = torch.futures.Future()
             done.set_result(None)
             return done
@@ -119,7 +119,7 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
                 view = (_read_again if checked else self._read_item)(stream, md, buf[:md.length])
                 _commit(planner, req, _item(planner, req, md, view))
 
-        def _staged(self, items: list[tuple[Any, Any]], planner: Any) -> None:
+        def _check_then_copy(self, items: list[tuple[Any, Any]], planner: Any) -> None:
             """Every item read, checked and its shape matched; every rank told; then
             the items read again and copied into their targets. Nothing is copied when
             any rank failed (a failure here raises, DCP reports it on every rank)."""

@@ -27,13 +27,15 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 from .helper_threads import LazyPool
 from .writeback import WrittenBackFile
 
-__all__ = ["ALIGN", "BLOCK_BYTES", "DirectFile", "create", "enabled", "open_direct"]
+__all__ = ["ALIGN", "BLOCK_BYTES", "DirectFile", "create", "durable", "enabled", "open_direct"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -62,8 +64,6 @@ def enabled() -> bool:
     return bool(_O_DIRECT) and os.environ.get("FSDP_NB_DIRECT_IO", "1") != "0"
 
 
-
-
 def _take_block() -> mmap.mmap:
     with _LOCK:
         if _SPARE:
@@ -83,6 +83,15 @@ def create(path: str) -> DirectFile | WrittenBackFile:
     """Local checkpoint file ``path``, created (or truncated) for writing: past the page
     cache where the filesystem allows it, else through it with early writeback."""
     return open_direct(path) or WrittenBackFile(path)
+
+
+@contextmanager
+def durable(path: str) -> Iterator[DirectFile | WrittenBackFile]:
+    """:func:`create` ``path`` for the block's writes; on leaving it without an error,
+    every byte is on the disk (fsync) before the file closes."""
+    with create(path) as f:
+        yield f
+        os.fsync(f.fileno())  # a DirectFile writes out its last block first
 
 
 def open_direct(path: str) -> DirectFile | None:

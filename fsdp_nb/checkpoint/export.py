@@ -30,7 +30,7 @@ from typing import Any
 
 from ..dtypes import FLOATING, tensor_bytes, to_safetensors
 from .atomic import replace_folder
-from .direct_io import create
+from .direct_io import durable
 from .fullfile import full_suffix
 from .info import CheckpointError
 from .inspect import inspect
@@ -194,7 +194,7 @@ def export_safetensors(
         tensors = _tensors(path, info, entries, storage_options)
         with Progress(total, f"export {posixpath.basename(out_dir)}", enabled=progress) as bar:
             for name, group in zip(names, plan):
-                with create(posixpath.join(tmp, name)) as f:
+                with durable(posixpath.join(tmp, name)) as f:
                     f.write(header(((e.name, e.dtype, e.shape) for e in group), {"format": "pt"}))
                     for e in group:
                         t = next(tensors)
@@ -203,7 +203,6 @@ def export_safetensors(
                         f.write(raw_bytes(t))
                         bar.update(e.nbytes)
                         del t
-                    os.fsync(f.fileno())  # a DirectFile writes out its last block first
         if n > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {e.name: name for name, group in zip(names, plan) for e in group}}

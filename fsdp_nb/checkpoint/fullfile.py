@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import posixpath
 from typing import Any
 
-from .direct_io import create
+from .direct_io import durable
 from .info import CorruptCheckpointError
 from .keys import MODEL, OPTIM_STATE, flat_optim_state, split_optim_key
 from .safetensors_layout import OPTIM_TENSOR, PieceReader, optim_file, optim_state, read_layout
@@ -80,23 +79,14 @@ def _safetensors_parts(model_sd: dict, optim_sd: dict | None, meta: dict, token:
 
 
 def _create(fs: Any, path: str) -> Any:
-    """``path`` opened for writing (a local one by ``direct_io.create``)."""
-    return create(path) if is_local(fs) else fs.open(path, "wb")
+    """``path`` opened for writing: a local one by ``direct_io.durable`` (on the disk
+    when closed), a remote one by its filesystem."""
+    return durable(path) if is_local(fs) else fs.open(path, "wb")
 
 
 def _write_safetensors(fs: Any, path: str, tensors: dict, header: dict) -> None:
     with _create(fs, path) as f:
         write_safetensors(f, tensors, header)
-    if is_local(fs):
-        _fsync(path)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_full(fs: Any, target: str, token: str, model_sd: dict, optim_sd: dict | None, meta: dict) -> None:
@@ -125,8 +115,6 @@ def write_full(fs: Any, target: str, token: str, model_sd: dict, optim_sd: dict 
                 obj["optim"] = optim_sd
             with _create(fs, tmp) as f:
                 torch.save(obj, f)
-            if is_local(fs):
-                _fsync(tmp)
         for src, dst in moves:
             commit_full(fs, src, dst)
     except BaseException:

@@ -21,19 +21,17 @@ import ctypes
 import io
 import logging
 import os
-import stat
 import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["STEP_BYTES", "Writeback", "WrittenBackFile", "for_file"]
+__all__ = ["STEP_BYTES", "Writeback", "WrittenBackFile"]
 
 log = logging.getLogger("fsdp_nb")
 
 STEP_BYTES = 8 << 20
 """Bytes written between two requests to start writing (large enough that the calls
 cost nothing, small enough that the disk starts early)."""
-
 
 _SYNC_FILE_RANGE_WRITE = 2
 
@@ -78,29 +76,15 @@ class Writeback:
         self._asked = pos
 
 
-def for_file(f: Any, step: int = STEP_BYTES) -> Writeback | None:
-    """A :class:`Writeback` for file object ``f`` when it is a local regular file on a
-    system that has ``sync_file_range``; None otherwise (remote streams, pipes)."""
-    if _START is None:
-        return None
-    try:
-        fd = f.fileno()
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-    except (AttributeError, OSError, ValueError):  # no descriptor, or a closed file
-        return None
-    return Writeback(fd, step)
-
-
 class WrittenBackFile(io.FileIO):
     """``path`` created (or truncated) for writing, unbuffered, asking the kernel to start
-    the disk write every ``STEP_BYTES`` written (where ``for_file`` allows)."""
+    the disk write every ``STEP_BYTES`` written (on Linux)."""
 
     def __init__(self, path: str, step: int = STEP_BYTES):
         super().__init__(path, "wb")
         self._written = 0
-        self.writeback = for_file(self, step)
-        """None where the system or the file does not allow it."""
+        self.writeback = Writeback(self.fileno(), step) if _START is not None else None
+        """None where the system has no ``sync_file_range``."""
 
     def write(self, b: Any) -> int | None:
         n = super().write(b)
