@@ -15,6 +15,8 @@
   the session's standby engine taking the dead rank's place (the default), and
   without one, called at once and called once the engine launched at the death has
   registered (as when the error is read before the restart);
+- what signing costs the direct channel: one ``signing.Link`` signature and one check
+  of a call-sized message (p50, microseconds), beside the call it is part of;
 - with ``--train``: training throughput of the same FSDP2 loop
   (benchmarks/_train_loop.py) in a session cell vs under torchrun (target >= 0.98).
 
@@ -149,6 +151,28 @@ def bench_restart(sess, folder: str) -> dict:
     return res
 
 
+def signing_us(repeats: int = 20000) -> dict:
+    """p50 microseconds to sign and to check a call-sized message (a 24-byte head and a
+    300-byte pickled call), as the notebook and each engine do once per call and reply."""
+    import os as _os
+
+    from fsdp_nb.engine.signing import Link, new_nonce
+
+    key, nonce = _os.urandom(32), new_nonce()
+    client, server = Link(key, "call", nonce, "client"), Link(key, "call", nonce, "server")
+    frames = [b"h" * 24, _os.urandom(300)]
+    sign, check, signed = [], [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        signed.append(client.sign(frames))
+        sign.append(time.perf_counter() - t)
+    for msg in signed:
+        t = time.perf_counter()
+        server.check(msg)
+        check.append(time.perf_counter() - t)
+    return {"sign_p50_us": statistics.median(sign) * 1e6, "check_p50_us": statistics.median(check) * 1e6}
+
+
 def ready_samples(n: int, reps: int) -> tuple[list[float], list[float]]:
     """``reps`` more session starts (each shut down) and torchrun starts, alternating
     which goes first: the start of one sample is what a busy host varies most."""
@@ -250,6 +274,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"was up {r['replacement_up_after_error_s']:.2f} s after the error")
         for k in RESTARTS:
             print(f"    {k} phases: " + ", ".join(f"{p} {v:.2f}" for p, v in r[k + "_phases"].items()))
+    sig = signing_us()
+    for r in rows:
+        r.update(sig)
+    print(f"\nsigning a call-sized message: {sig['sign_p50_us']:.1f} us, checking it "
+          f"{sig['check_p50_us']:.1f} us (p50; twice each per call and rank, against "
+          f"{rows[0]['run_p50_ms'] * 1000:.0f} us for the whole call at N={rows[0]['n']})")
     print("\nsession start phases (s):")
     names = list(rows[0]["phases"])
     print("  " + " | ".join(["phase", *(f"N={r['n']}" for r in rows)]))

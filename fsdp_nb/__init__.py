@@ -20,6 +20,9 @@ _LAZY = {
     "ShardedModel": "sharded_model",
     "WrapOptions": "wrap_options",
     "CheckpointInfo": "checkpoint",
+    "CheckpointError": "checkpoint",
+    "CorruptCheckpointError": "checkpoint",
+    "UnsafeCheckpointError": "checkpoint",
     "inspect": "checkpoint",
     "consolidate": "checkpoint",
     "export_safetensors": "checkpoint",
@@ -36,7 +39,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'fsdp_nb' has no attribute {name!r}")
 
 __all__ = [
+    "CheckpointError",
     "CheckpointInfo",
+    "CorruptCheckpointError",
     "DeadRankError",
     "RankError",
     "RankFailure",
@@ -45,6 +50,7 @@ __all__ = [
     "Session",
     "SessionClosedError",
     "ShardedModel",
+    "UnsafeCheckpointError",
     "WrapOptions",
     "__version__",
     "consolidate",

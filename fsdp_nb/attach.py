@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 
 import cloudpickle
 
-from .cluster import EngineCluster, ipp_log_level
+from .cluster import EngineCluster
 from .engine import process_group as _pg
 from .engine import wrap as _ew
 from .keepalive import live_records
+from .launch_settings import ipp_log_level
 from .rendezvous import RankInfo
 from .session_record import SessionRecord, folder
 
@@ -86,8 +87,11 @@ def reconnect(rec: SessionRecord, timeout: float) -> EngineCluster:
     else:
         engines = EngineCluster.connect(**rec.connection, timeout=timeout)
     ranks = [RankInfo(**r) for r in rec.ranks]
-    engines.set_rank_order([r.engine_id for r in ranks], [r.pid for r in ranks], [r.host for r in ranks])
+    started = dict((pid, stamp) for pid, stamp in rec.engine_pids)
+    engines.set_rank_order([r.engine_id for r in ranks], [r.pid for r in ranks], [r.host for r in ranks],
+                           [started.get(r.pid) for r in ranks])
     engines.ranks = ranks
+    engines.controller_pids = [tuple(p) for p in rec.controller_pids]
     return engines
 
 

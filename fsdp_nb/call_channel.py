@@ -11,7 +11,10 @@ hundred microseconds. The dispatcher keeps its failure handling: each rank's
 liveness, Ctrl-C, timeouts and partial failures are handled as for any call.
 
 The servers start on first use, through ipyparallel; an engine that cannot start
-one (or a replaced engine, until it has one) keeps the ipyparallel path.
+one (or a replaced engine, until it has one) keeps the ipyparallel path, and so does
+a call whose pickled request is over the server's ``MAX_REQUEST_BYTES``. Every message
+both ways is signed with the cluster's key (``engine.signing``): a reply that is not
+the engine's is dropped before it is unpickled.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import logging
 import pickle
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,7 @@ import ipyparallel as ipp
 import zmq
 
 from .engine import call_server
+from .engine.signing import HEADER_BYTES, Link, Refused, frame_digests
 
 if TYPE_CHECKING:
     from .cluster import EngineCluster
@@ -37,6 +40,8 @@ if TYPE_CHECKING:
 __all__ = ["CallChannel", "CallResult"]
 
 log = logging.getLogger("fsdp_nb")
+
+_STREAMS = {call_server.STDOUT: "stdout", call_server.STDERR: "stderr"}
 
 
 class CallResult:
@@ -69,9 +74,9 @@ class CallResult:
             raise ipp.error.RemoteError(ename, evalue, tb)
         return self._value
 
-    def _resolve(self, status: bytes, body: bytes, finished: bytes) -> None:
-        self.metadata["completed"] = datetime.fromtimestamp(float(finished), timezone.utc)
-        if status == b"ok":
+    def _resolve(self, status: bytes, body: bytes, finished: float) -> None:
+        self.metadata["completed"] = datetime.fromtimestamp(finished, timezone.utc)
+        if status == call_server.OK:
             self._value = pickle.loads(body)
         else:
             self._error = pickle.loads(body)
@@ -88,6 +93,10 @@ class CallChannel:
         self._ctx = zmq.Context.instance()
         self._socks: dict[int, zmq.Socket] = {}
         """engine id -> its socket (an engine replaced under a rank gets a new one)."""
+        self._links: dict[zmq.Socket, Link] = {}
+        """socket -> the signed link to its engine's server."""
+        self.endpoints: dict[int, str] = {}
+        """engine id -> where its call server listens."""
         self._pending: dict[bytes, CallResult] = {}
         self._failed: set[int] = set()
         """Engine ids whose server could not start: they keep the ipyparallel path."""
@@ -109,16 +118,18 @@ class CallChannel:
         infos = self.cluster.ranks
         if len(infos) != self.cluster.world_size:
             return  # no group formed yet: nothing says where each engine listens
+        key = self.cluster.key
         ars = {}
         for r in ranks:
             try:
-                ars[r] = self.cluster.rank_view(r).apply_async(call_server.serve, infos[r].addr)
+                addr = self.cluster.listen_address(r)
+                ars[r] = self.cluster.rank_view(r).apply_async(call_server.serve, addr)
             except Exception as exc:  # noqa: BLE001 - e.g. the controller dropped a dead engine
                 self._no_server(r, exc)
         for r, ar in ars.items():
             eid = self.cluster.engine_ids[r]
             try:
-                url = self._served(r, ar)
+                url, nonce = self._served(r, ar)
             except Exception as exc:  # noqa: BLE001 - that engine keeps ipyparallel
                 self._no_server(r, exc)
                 continue
@@ -126,9 +137,11 @@ class CallChannel:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(url)
             self._socks[eid] = sock
+            self._links[sock] = Link(key, "call", nonce, "client")
+            self.endpoints[eid] = url
 
-    def _served(self, rank: int, ar: Any, timeout: float = 30.0) -> str:
-        """The endpoint ``ar`` (``call_server.serve`` on ``rank``) answers. A rank that
+    def _served(self, rank: int, ar: Any, timeout: float = 30.0) -> tuple[str, bytes]:
+        """The endpoint and nonce ``ar`` (``call_server.serve`` on ``rank``) answers. A rank that
         dies meanwhile fails at once: local engines run without ipyparallel's nanny, so
         the controller learns of a death only when its heartbeat gives up."""
         deadline = time.monotonic() + timeout
@@ -154,24 +167,32 @@ class CallChannel:
             for sock in self._socks.values():
                 sock.close(linger=0)
             self._socks.clear()
+            self._links.clear()
             self._pending.clear()
 
     # -- calls ------------------------------------------------------------------------
 
-    def send(self, fn: Any, args_by_rank: Sequence[tuple], ranks: Sequence[int]) -> dict[int, CallResult]:
+    def send(self, fn: Any, args_by_rank: Sequence[tuple], ranks: Sequence[int]) -> dict[int, CallResult] | None:
         """Send ``fn(*args_by_rank[i])`` to ``ranks[i]``; their results (not waited for).
-        Ranks given the same args object share one pickled payload."""
+        Ranks given the same args object share one pickled payload. None (nothing sent)
+        when a pickled call is larger than the servers take: it goes through ipyparallel."""
+        payloads: dict[int, tuple[bytes, bytes]] = {}
+        """id(args) -> its pickled call and that payload's digest (hashed once)."""
+        for args in args_by_rank:
+            if id(args) not in payloads:
+                payload = cloudpickle.dumps((fn, tuple(args)))
+                payloads[id(args)] = payload, frame_digests([payload])[0]
+        if max(len(p) for p, _ in payloads.values()) > call_server.MAX_REQUEST_BYTES:
+            return None
         with self._lock:
             out: dict[int, CallResult] = {}
-            payloads: dict[int, bytes] = {}
             for r, args in zip(ranks, args_by_rank):
-                key = id(args)
-                if key not in payloads:
-                    payloads[key] = cloudpickle.dumps((fn, tuple(args)))
                 res = CallResult(r)
-                call_id = uuid.uuid4().bytes
-                self._pending[call_id] = res
-                self._socks[self.cluster.engine_ids[r]].send_multipart([call_id, payloads[key]], copy=False)
+                sock = self._socks[self.cluster.engine_ids[r]]
+                payload, digest = payloads[id(args)]
+                signed = self._links[sock].sign([payload], [digest])
+                self._pending[signed[0][:HEADER_BYTES]] = res  # the signed header: the call's id
+                sock.send_multipart(signed, copy=False)
                 out[r] = res
             return out
 
@@ -194,18 +215,26 @@ class CallChannel:
             return True
 
     def _drain(self, sock: zmq.Socket) -> None:
+        link = self._links[sock]
         while True:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                signed = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            res = self._pending.get(frames[0])
+            try:
+                frames = link.check(signed)
+                if len(frames) != 2:
+                    raise Refused(f"{len(frames)} payload frames where a reply has 2")
+            except Refused as why:
+                link.refused(why, "a reply from an engine")
+                continue
+            call_id, kind, finished = call_server.read_head(frames[0])
+            res = self._pending.get(call_id)
             if res is None:
                 log.debug("a reply to a call no longer waited for was dropped")
                 continue
-            kind = frames[1]
-            if kind in (b"stdout", b"stderr"):
-                res.metadata[kind.decode()] += frames[2].decode("utf-8", "replace")
+            if kind in _STREAMS:
+                res.metadata[_STREAMS[kind]] += frames[1].decode("utf-8", "replace")
             else:
-                del self._pending[frames[0]]
-                res._resolve(kind, frames[2], frames[3])
+                del self._pending[call_id]
+                res._resolve(kind, frames[1], finished or time.time())

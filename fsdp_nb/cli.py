@@ -72,7 +72,7 @@ def inspect_cmd(args: argparse.Namespace) -> int:
     """Describe a checkpoint offline; exit status 2 when it is not valid."""
     from .checkpoint import inspect
 
-    info = inspect(args.path, verify=args.verify)
+    info = inspect(args.path, verify=args.verify, weights_only=not args.trust_pickles)
     if args.json:
         import dataclasses
         import json
@@ -87,7 +87,7 @@ def consolidate_cmd(args: argparse.Namespace) -> int:
     """Convert sharded -> one .pt/.safetensors file, or full -> sharded folder."""
     from .checkpoint import consolidate
 
-    info = consolidate(args.path, args.out, overwrite=args.overwrite)
+    info = consolidate(args.path, args.out, overwrite=args.overwrite, weights_only=not args.trust_pickles)
     print(repr(info))
     return 0
 
@@ -97,7 +97,7 @@ def export_cmd(args: argparse.Namespace) -> int:
     from .checkpoint import export_safetensors
 
     for f in export_safetensors(args.path, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                                overwrite=args.overwrite):
+                                overwrite=args.overwrite, weights_only=not args.trust_pickles):
         print(f)
     return 0
 
@@ -127,8 +127,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.set_defaults(func=export_cmd)
+    for name in ("inspect", "consolidate", "export"):
+        sub.choices[name].add_argument(
+            "--trust-pickles", action="store_true",
+            help="unpickle the checkpoint's pickles as plain torch.load does: this can run "
+                 "arbitrary code; only for checkpoints from someone you trust")
     args = parser.parse_args(argv)
-    return args.func(args)
+    from .checkpoint import CheckpointError
+
+    if args.cmd == "demo":
+        return args.func(args)
+    try:  # the offline commands: a bad path or checkpoint is one clear line, status 2
+        return args.func(args)
+    except (CheckpointError, FileNotFoundError, FileExistsError, ValueError, TypeError) as exc:
+        print(f"fsdp-nb {args.cmd}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,169 +1,48 @@
 """The ipyparallel side: start or connect, the stable rank <-> engine map, liveness,
-and process control (signal, kill, replace, wait).
+and process control (signal, kill, replace, wait); how a start is configured is in
+``launch_settings``.
 
 Ranks never depend on ipyparallel engine ids: an engine that restarts comes back
 with a new id, and ``EngineCluster.engine_ids`` (indexed by rank) is updated to it.
-Processes are only signalled or killed by pid when this session started them on this
-host; other engines are reached through the controller.
+Processes are only signalled or killed directly when this session started them on
+this host, and then through a process handle checked against the start time the
+engine reported (never a bare pid, which may name another process by then); other
+engines are reached through the controller.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
-import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Sequence
-from importlib.metadata import entry_points
 from typing import Any
 
 import ipyparallel as ipp
 import psutil
 
 from .engine.health import whoami
+from .engine.probe import LOOPBACK
+from .launch_settings import (
+    batch_file_in_profile,
+    boot_with_torch,
+    engine_launcher_class,
+    ipp_log_level,
+    quick_heartbeat,
+    split_cluster_kwargs,
+)
 from .phases import PhaseClock
-from .session_record import handle_alive, process_alive
+from .process_handles import ProcessHandle, process_tree, stop_processes
 from .standby import Standby, find_standby, launch_standby
 
 log = logging.getLogger("fsdp_nb")
 
-__all__ = [
-    "EngineCluster", "engine_launcher_class", "ipp_log_level", "launcher_names", "split_cluster_kwargs",
-]
+__all__ = ["EngineCluster", "wait_until"]
 
-_RESERVED = {"n", "engines", "engine_launcher_class"}
-"""Cluster arguments that Session sets itself (from ``n`` and ``launcher``)."""
-
-
-def launcher_names() -> list[str]:
-    """Engine launchers ipyparallel knows by name (``local``, ``mpi``, ``slurm``...)."""
-    return sorted({e.name for e in entry_points(group="ipyparallel.engine_launchers")})
-
-
-def engine_launcher_class(launcher: str) -> type:
-    """The ipyparallel engine-set launcher class named ``launcher`` (``"mpi"``, ``"slurm"``...)."""
-    from ipyparallel.cluster.launcher import find_launcher_class
-
-    return find_launcher_class(launcher, "engine")
-
-
-def split_cluster_kwargs(launcher: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Sort ``Session(**cluster_kwargs)`` into ``ipyparallel.Cluster`` arguments.
-
-    ``Cluster`` takes its own traits (``controller_ip``, ``controller_args``,
-    ``profile``, ``cluster_id``, ``delay``, ``config``...) as keywords, but an engine
-    launcher's settings (``mpi_args``, ``mpi_cmd``, ``batch_template``, ``queue``,
-    ``account``, ``timelimit``, ``options``, ``engine_args``, ``ssh_args``...) only as
-    config traits (``c.MPIEngineSetLauncher.mpi_args``): those are moved into a
-    traitlets ``Config`` under the launcher's class name. Anything else is a
-    ``ValueError`` naming what each side accepts, raised before anything starts.
-    """
-    from traitlets.config import Config
-
-    out = dict(kwargs)
-    bad = sorted(_RESERVED & set(out))
-    if bad:
-        raise ValueError(
-            f"{', '.join(bad)} cannot be given as cluster settings: use Session(n, launcher=...)"
-        )
-    config = out.pop("config", None)
-    config = Config(config) if config is not None else Config()
-    cls = engine_launcher_class(launcher)
-    cluster_traits = set(ipp.Cluster.class_trait_names()) | {"controller", "parent"}
-    launcher_traits = set(cls.class_traits(config=True))
-    unknown = []
-    for key in list(out):
-        if key in cluster_traits:
-            continue
-        if key in launcher_traits:
-            config[cls.__name__][key] = out.pop(key)
-        else:
-            unknown.append(key)
-    if unknown:
-        cluster_side = sorted(
-            k for k, t in ipp.Cluster.class_traits(config=True).items() if not k.startswith("_")
-        )
-        raise ValueError(
-            f"unknown setting(s) {', '.join(sorted(unknown))} for launcher {launcher!r}. "
-            f"Cluster settings: {', '.join(cluster_side)}; {cls.__name__} settings: "
-            f"{', '.join(sorted(launcher_traits))}"
-        )
-    out["config"] = config
-    return out
-
-
-def _batch_file_in_profile(cluster: ipp.Cluster, launcher: str) -> None:
-    """Write a batch launcher's job script into the profile's log folder.
-
-    ipyparallel writes it relative to the current directory, i.e. into the
-    notebook's folder; a ``batch_file_name`` the user configured is left alone.
-    """
-    from ipyparallel.cluster.launcher import BatchSystemLauncher
-
-    cls = engine_launcher_class(launcher)
-    if not issubclass(cls, BatchSystemLauncher):
-        return
-    if "batch_file_name" in cluster.config.get(cls.__name__, {}):
-        return
-    log_dir = os.path.join(cluster.profile_dir, "log")
-    os.makedirs(log_dir, exist_ok=True)
-    default = cls.class_traits()["batch_file_name"].default_value
-    config = copy.deepcopy(cluster.config)  # never edit the IPython session's config
-    config[cls.__name__].batch_file_name = os.path.join(log_dir, f"{cluster.cluster_id}-{default}")
-    cluster.config = config
-
-
-def _boot_with_torch(cluster: ipp.Cluster, overlap: bool) -> None:
-    """Launch local engines as ``fsdp_nb.engine.boot`` (torch imported first) unless
-    the user set an engine command; ``overlap``: start them with the controller, not
-    once its connection files exist (they wait for the files themselves)."""
-    from ipyparallel.cluster.launcher import LocalEngineSetLauncher
-
-    name = LocalEngineSetLauncher.__name__
-    if "engine_cmd" in cluster.config.get(name, {}):
-        return
-    config = copy.deepcopy(cluster.config)  # never edit the IPython session's config
-    config[name].engine_cmd = [sys.executable, "-m", "fsdp_nb.engine.boot"]
-    cluster.config = config
-    if overlap:
-        cluster.send_engines_connection_env = False
-
-
-HEARTBEAT_MS = 200
-"""The controller's heartbeat period for clusters fsdp_nb starts (ipyparallel's: 3000).
-
-The controller counts an engine as registered only on the beat after its heart first
-answers: 1-2 periods after the engine connects (3-6 s with ipyparallel's period; at
-200 ms a 2-rank session was ready 0.8 s sooner than at 500, median of 5 starts each)."""
-HEARTBEAT_MISSES = 150
-"""Beats an engine may miss before the controller drops it: 30 s, as ipyparallel's.
-(Engines quit after 50 of their checks without a beat; local ones, started by
-``fsdp_nb.engine.boot``, after 260: about 3 minutes, as with ipyparallel's period.)"""
-
-
-def _quick_heartbeat(cluster_kwargs: dict[str, Any]) -> None:
-    """Add the heartbeat period and misses to ``controller_args`` unless the user set them."""
-    args = list(cluster_kwargs.get("controller_args") or [])
-    if not any(a.startswith("--HeartMonitor.") for a in args):
-        args += [f"--HeartMonitor.period={HEARTBEAT_MS}",
-                 f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
-    cluster_kwargs["controller_args"] = args
-
-
-def ipp_log_level() -> int:
-    """ipyparallel's log level for the clusters fsdp_nb starts: the ``fsdp_nb`` logger's
-    when that is set to INFO or DEBUG (to see the launchers and engines), else ERROR.
-
-    Not WARNING: at WARNING the launcher pastes every engine's whole log into the
-    notebook whenever an engine exits non-zero, which stopping it (SIGTERM) counts as.
-    ``cluster_kwargs={"log_level": ...}`` still overrides it.
-    """
-    level = logging.getLogger("fsdp_nb").getEffectiveLevel()
-    return level if level <= logging.INFO else logging.ERROR
-
+STOP_WAIT = 5.0
+"""Seconds the controller's processes get to exit after ipyparallel stopped the cluster
+before the ones still there are killed."""
 
 class EngineCluster:
     """An ipyparallel client plus, when we started it, the ``ipyparallel.Cluster``."""
@@ -175,17 +54,24 @@ class EngineCluster:
         self.engine_ids: list[int] = sorted(client.ids)
         self.pids: list[int | None] = [None] * len(self.engine_ids)
         self.hosts: list[str | None] = [None] * len(self.engine_ids)
+        self.started: list[float | None] = [None] * len(self.engine_ids)
+        """Each rank's engine process start time, as the engine reported it."""
         self.ranks: list[Any] = []
         """Per-rank ``rendezvous.RankInfo`` of the group last formed (``join_group``)."""
         self._views: dict[Any, Any] = {}
         """Kept views: engine id, or a tuple of them."""
-        self._procs: dict[int, psutil.Process] = {}
+        self._procs: dict[tuple[int, float | None], ProcessHandle | None] = {}
+        """(pid, start time) -> its verified handle (None: that process is gone)."""
         self._launched: dict[int, int] = {}
         """Rank -> the dead engine id a replacement was launched for (``start_replacements``)."""
         self._known: set[int] | None = None
         """Engine ids there were before the first replacement still to be adopted."""
         self.standby: Standby | None = None
         """The engine waiting to replace the next dead rank (``keep_standby``)."""
+        self.controller_pids: list[tuple[int, float | None]] = []
+        """(pid, start time) of the controller this session started and of its children
+        (ipyparallel's schedulers), taken once it is up: ``stop`` ends them all, even
+        after the controller itself was killed."""
         self.wants_standby = False
         """Whether ``keep_standby`` keeps one (``Session(standby=...)``)."""
 
@@ -212,12 +98,12 @@ class EngineCluster:
         Local engines start with the controller rather than after it (ipyparallel
         waits one fixed second, then for the controller's files) and import torch
         while it comes up (``fsdp_nb.engine.boot``); the controller beats every
-        ``HEARTBEAT_MS``, so registrations complete soon after the engines are up.
+        ``launch_settings.HEARTBEAT_MS``, so registrations complete soon after the engines are up.
         """
         cluster_kwargs = split_cluster_kwargs(launcher, cluster_kwargs)
         config = cluster_kwargs["config"]
         cluster_kwargs.setdefault("delay", 0)
-        _quick_heartbeat(cluster_kwargs)
+        quick_heartbeat(cluster_kwargs)
         if environment:
             env = dict(environment)
             env.update(config.BaseLauncher.get("environment", {}))
@@ -229,9 +115,9 @@ class EngineCluster:
             del cluster_kwargs["config"]
         cluster_kwargs.setdefault("log_level", ipp_log_level())
         cluster = ipp.Cluster(n=n, engines=launcher, **cluster_kwargs)
-        _batch_file_in_profile(cluster, launcher)
+        batch_file_in_profile(cluster, launcher)
         if launcher == "local":
-            _boot_with_torch(cluster, overlap="send_engines_connection_env" not in cluster_kwargs)
+            boot_with_torch(cluster, overlap="send_engines_connection_env" not in cluster_kwargs)
         clock = clock or PhaseClock()
         try:
             cluster.start_cluster_sync()
@@ -251,7 +137,9 @@ class EngineCluster:
                     "`timeout` or check the launcher's output (cluster_kwargs log_level=10)."
                 ) from exc
             raise
-        return cls(client, cluster)
+        out = cls(client, cluster)
+        out.controller_pids = process_tree(getattr(cluster.controller, "pid", None))
+        return out
 
     @classmethod
     def connect(
@@ -275,11 +163,14 @@ class EngineCluster:
         return cls(client)
 
     def stop(self) -> None:
-        """Stop what we started (controller and engines); only close the client otherwise."""
+        """Stop what we started (controller, its schedulers, engines); only close the
+        client otherwise."""
         try:
             if self.cluster is not None:
+                tree = {*self.controller_pids, *process_tree(getattr(self.cluster.controller, "pid", None))}
                 self._ask_engines_to_exit()
                 self.cluster.stop_cluster_sync()
+                stop_processes(sorted(tree), wait=STOP_WAIT)
         finally:
             try:
                 self.client.close()
@@ -297,8 +188,9 @@ class EngineCluster:
         except Exception:
             return
         deadline = time.monotonic() + wait
-        local = [p for p, h in zip(self.pids, self.hosts) if p and h == socket.gethostname()]
-        while time.monotonic() < deadline and not all(_local_pid_dead(p) for p in local):
+        here = socket.gethostname()
+        local = [r for r, (p, h) in enumerate(zip(self.pids, self.hosts)) if p and h == here]
+        while time.monotonic() < deadline and any(self._alive(r) for r in local):
             time.sleep(0.05)
 
     # -- ranks -------------------------------------------------------------------
@@ -307,9 +199,40 @@ class EngineCluster:
     def world_size(self) -> int:
         return len(self.engine_ids)
 
-    def set_rank_order(self, engine_ids: list[int], pids: list[int], hosts: list[str]) -> None:
-        """Fix which engine serves which rank (index = rank)."""
+    def set_rank_order(self, engine_ids: list[int], pids: list[int], hosts: list[str],
+                       started: Sequence[float | None] | None = None) -> None:
+        """Fix which engine serves which rank (index = rank).
+
+        Args:
+            engine_ids: each rank's ipyparallel engine id.
+            pids: each rank's engine process id (on its host).
+            hosts: each rank's host name.
+            started: each engine process's start time as the engine read it, so that
+                its pid is only ever taken for that process (None: not known).
+        """
         self.engine_ids, self.pids, self.hosts = list(engine_ids), list(pids), list(hosts)
+        self.started = list(started) if started is not None else [None] * len(self.pids)
+
+    @property
+    def key(self) -> bytes:
+        """The cluster's key (its ipyparallel session's): what fsdp_nb's own channels
+        sign with. Raises for a cluster without one."""
+        key = bytes(self.client.session.key or b"")
+        if not key:
+            raise RuntimeError(
+                "this ipyparallel cluster has no key, so its messages are not signed and "
+                "anyone who can reach it can run code as you; fsdp_nb will not open its own "
+                "channels on it. Start the cluster with a key (ipyparallel's default)."
+            )
+        return key
+
+    def listen_address(self, rank: int) -> str:
+        """Where ``rank``'s engine binds the sockets the notebook connects to: loopback
+        when it runs on the notebook's host, else its address on the interface that
+        routes to the controller (``RankInfo.addr``)."""
+        if self.hosts[rank] == socket.gethostname():
+            return LOOPBACK
+        return self.ranks[rank].addr
 
     def view(self, ranks: list[int] | None = None) -> ipp.DirectView:
         """A blocking-off DirectView whose targets are the given ranks' engines, in rank order."""
@@ -350,34 +273,34 @@ class EngineCluster:
         registered = set(self.client.ids)
         dead = []
         for rank, eid in enumerate(self.engine_ids):
-            pid, host = self.pids[rank], self.hosts[rank]
-            if pid is not None and host == here and not self._pid_alive(pid):
+            if self.pids[rank] is not None and self.hosts[rank] == here and not self._alive(rank):
                 dead.append(rank)
             elif eid not in registered:
                 dead.append(rank)
         return dead
 
-    def _pid_alive(self, pid: int) -> bool:
-        """``process_alive`` with the engine's process handle kept: this is on every
-        call's path (one status read, no new handle)."""
-        proc = self._procs.get(pid)
-        if proc is None:
-            try:
-                proc = self._procs[pid] = psutil.Process(pid)
-            except psutil.NoSuchProcess:
-                return False
-        return handle_alive(proc)
+    def _handle(self, rank: int) -> ProcessHandle | None:
+        """``rank``'s engine process (on this host), checked against the start time the
+        engine reported; None if it was gone when first asked. Kept: this is on every
+        call's path."""
+        key = (self.pids[rank], self.started[rank])
+        if key not in self._procs:
+            self._procs[key] = ProcessHandle.open(*key)
+        return self._procs[key]
+
+    def _alive(self, rank: int) -> bool:
+        """``rank``'s engine (on this host) runs: a poll of its kept handle."""
+        proc = self._handle(rank)
+        return proc is not None and proc.alive()
 
     def owns_pid(self, pid: int) -> bool:
         """True if ``pid`` is one of the engines this session started on this host."""
         return self.owns_engines and pid in self.pids
 
-    def _local_owned(self, rank: int) -> int | None:
-        """The pid of ``rank``'s engine if this session started it on this host."""
+    def _owned_here(self, rank: int) -> bool:
+        """Whether this session started ``rank``'s engine on this host (alive or not)."""
         pid = self.pids[rank]
-        if pid is not None and self.hosts[rank] == socket.gethostname() and self.owns_pid(pid):
-            return pid
-        return None
+        return pid is not None and self.hosts[rank] == socket.gethostname() and self.owns_pid(pid)
 
     # -- process control -----------------------------------------------------------
 
@@ -386,14 +309,12 @@ class EngineCluster:
         started on this host, otherwise through the controller (``send_signal``)."""
         remote = []
         for r in ranks:
-            pid = self._local_owned(r)
-            if pid is None:
+            if not self._owned_here(r):
                 remote.append(self.engine_ids[r])
                 continue
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError as exc:
-                log.debug("engine of rank %d already gone when signalled: %s", r, exc)
+            proc = self._handle(r)
+            if proc is None or not proc.send_signal(sig):
+                log.debug("engine of rank %d already gone when signalled", r)
         if remote:
             try:
                 self.client.send_signal(sig, targets=remote, block=False)
@@ -404,18 +325,16 @@ class EngineCluster:
         """SIGKILL the engines of ``ranks`` and wait until they count as dead. Only
         engines this session started are killed; any other raises, naming it."""
         for r in ranks:
-            pid = self._local_owned(r)
-            if pid is None:
+            if not self._owned_here(r):
                 raise RuntimeError(
                     f"rank {r} (engine {self.engine_ids[r]}, pid {self.pids[r]} on "
                     f"{self.hosts[r]}) is wedged and is not an engine this session started, "
                     "so fsdp_nb will not kill it; restart it with the launcher that started "
                     "it, then call sess.restart()."
                 )
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError as exc:
-                log.debug("wedged engine of rank %d already gone: %s", r, exc)
+            proc = self._handle(r)
+            if proc is None or not proc.send_signal(signal.SIGKILL):
+                log.debug("wedged engine of rank %d already gone", r)
         if ranks:
             wait_until(lambda: set(ranks) <= set(self.dead_ranks()), wait)
 
@@ -450,8 +369,8 @@ class EngineCluster:
             )
         new = sorted(set(self.client.ids) - known)
         for r, eid in zip(dead, new):
-            pid, host = self.client[eid].apply_sync(whoami)  # a one-off view
-            self.engine_ids[r], self.pids[r], self.hosts[r] = eid, pid, host
+            pid, host, started = self.client[eid].apply_sync(whoami)  # a one-off view
+            self.engine_ids[r], self.pids[r], self.hosts[r], self.started[r] = eid, pid, host, started
         self._launched.clear()
         self._known = None
 
@@ -527,10 +446,6 @@ class EngineCluster:
             out[r] = sorted({(x.laddr.ip, x.laddr.port) for x in conns if x.laddr})
         return out
 
-
-
-def _local_pid_dead(pid: int) -> bool:
-    return not process_alive(pid)
 
 
 def wait_until(pred, timeout: float, interval: float = 0.05) -> bool:

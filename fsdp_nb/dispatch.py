@@ -174,9 +174,10 @@ class Dispatcher:
         channel = self.channel
         if fast and channel is not None and channel.ready_for(ranks):
             with _CtrlC() as ctrl_c:
-                results: dict[int, Any] = channel.send(fn, per_rank, ranks)
-            return Pending(what, results, interrupted=ctrl_c.hit, waiter=channel.wait)
-        results = {}
+                direct = channel.send(fn, per_rank, ranks)
+            if direct is not None:  # None: too large for the direct sockets
+                return Pending(what, dict(direct), interrupted=ctrl_c.hit, waiter=channel.wait)
+        results: dict[int, Any] = {}
         # every rank gets the call; a Ctrl-C meanwhile waits for gather
         with _CtrlC() as ctrl_c, self._sending(what, ranks):
             if args_by_rank is None:

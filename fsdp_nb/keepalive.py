@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,7 +21,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .session_record import SessionRecord, list_records, process_alive, process_stamp
+from .engine.private_files import private_file
+from .process_handles import process_alive, process_stamp
+from .session_record import SessionRecord, list_records
 
 if TYPE_CHECKING:
     from .session import Session
@@ -44,7 +47,9 @@ def check_keep_alive(keep_alive: Any) -> bool | float:
 
 def _engine_pids(sess: Session) -> list[tuple[int, float | None]]:
     here = socket.gethostname()
-    return [(r.pid, process_stamp(r.pid)) for r in sess.ranks if r.host == here]
+    c = sess.cluster
+    return [(pid, started if started is not None else process_stamp(pid))
+            for pid, host, started in zip(c.pids, c.hosts, c.started) if pid and host == here]
 
 
 class Keeper:
@@ -89,13 +94,18 @@ class Keeper:
         rec = self.record
         rec.owner_pid, rec.owner_stamp, rec.attached = os.getpid(), process_stamp(os.getpid()), time.time()
         self.refresh(sess)
-        if rec.owns_engines and not process_alive(rec.watchdog_pid):
+        if rec.owns_engines and not process_alive(rec.watchdog_pid, rec.watchdog_stamp):
             self._start_watchdog()
 
     def refresh(self, sess: Session) -> None:
         """Write the record again with ``sess``'s current ranks (after a restart)."""
         self.record.ranks = [dataclasses.asdict(r) for r in sess.ranks]
         self.record.engine_pids = _engine_pids(sess)
+        self.record.controller_pids = sess.cluster.controller_pids or self.record.controller_pids
+        old = self.record.stack_folder
+        if old and old != sess.health.folder:  # an earlier kernel's: its engines moved on
+            shutil.rmtree(old, ignore_errors=True)
+        self.record.stack_folder = sess.health.folder
         self.record.write()
 
     @property
@@ -104,13 +114,14 @@ class Keeper:
 
     def _start_watchdog(self) -> None:
         rec = self.record
-        with open(self._logfile, "ab") as out, open(os.devnull, "rb") as devnull:
+        log_fd = private_file(self._logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        with os.fdopen(log_fd, "ab") as out, open(os.devnull, "rb") as devnull:
             self._watchdog = subprocess.Popen(
                 [sys.executable, "-m", "fsdp_nb.watchdog", rec.path],
                 stdin=devnull, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,  # a kernel's process-group kill must spare it
             )
-        rec.watchdog_pid = self._watchdog.pid
+        rec.watchdog_pid, rec.watchdog_stamp = self._watchdog.pid, process_stamp(self._watchdog.pid)
         rec.write()  # again: the watchdog reads the record, so it was written first
 
     def end(self) -> None:

@@ -138,11 +138,12 @@ def rank_env(
     master_port: int,
     ifname: str | None = None,
     preset: tuple[tuple[str, str], ...] | dict[str, str] = (),
+    ifname_vars: tuple[str, ...] = _probe.SOCKET_IFNAME_VARS,
 ) -> dict[str, str]:
     """The torch.distributed environment for one rank.
 
-    ``ifname`` (given when ranks span hosts) becomes GLOO_SOCKET_IFNAME and
-    NCCL_SOCKET_IFNAME, except for those already set on the engine (``preset``):
+    ``ifname`` becomes each of ``ifname_vars`` (GLOO_SOCKET_IFNAME and
+    NCCL_SOCKET_IFNAME), except for those already set on the engine (``preset``):
     the user's choice wins.
     """
     env = {
@@ -155,7 +156,7 @@ def rank_env(
     }
     if ifname:
         keep = dict(preset)
-        for var in _probe.SOCKET_IFNAME_VARS:
+        for var in ifname_vars:
             if var not in keep:
                 env[var] = ifname
     return env
@@ -192,23 +193,27 @@ def join_group(
 ) -> None:
     """Form the group on a fresh port; ``cluster.engine_ids`` and ``probes`` in rank order.
 
+    Its store and gloo listen on loopback when every rank runs on one host, else on
+    rank 0's address on the interface that routes to the controller.
+
     Used to form a session's group and to re-form it after a recovery or restart;
     the new per-rank info (``RankInfo``) becomes ``cluster.ranks``.
     """
     engine_ids = list(cluster.engine_ids)
     hosts = [p.host for p in probes]
-    cluster.set_rank_order(engine_ids, [p.pid for p in probes], hosts)
+    cluster.set_rank_order(engine_ids, [p.pid for p in probes], hosts, [p.started for p in probes])
     multi_host = len(set(hosts)) > 1
     locals_ = local_ranks(hosts)
-    master_addr = probes[0].addr
+    master_addr = probes[0].addr if multi_host else _probe.LOOPBACK
     (port,) = dispatcher.gather(
-        dispatcher.apply("find a free port", _pg.free_port, ranks=[0]), timeout
+        dispatcher.apply("bind the group's store", _pg.listen, ranks=[0], args=(master_addr,)), timeout
     )
     envs = [
-        rank_env(
-            r, len(probes), locals_[r], master_addr, port,
-            p.ifname if multi_host else None, p.preset_env,
-        )
+        # one host: the store and gloo on loopback; several: on the interface to rank 0
+        rank_env(r, len(probes), locals_[r], master_addr, port, p.ifname, p.preset_env)
+        if multi_host else
+        rank_env(r, len(probes), locals_[r], master_addr, port, p.loopback_ifname, p.preset_env,
+                 ifname_vars=("GLOO_SOCKET_IFNAME",))
         for r, p in enumerate(probes)
     ]
     gpus = gpu_indexes(probes) if backend == "nccl" else None

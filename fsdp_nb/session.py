@@ -439,6 +439,7 @@ class Session:
         strict: bool = True,
         verify: bool = True,
         progress: bool | None = None,
+        weights_only: bool = True,
     ) -> dict[str, Any]:
         """Load a checkpoint onto this world size; returns its ``extra``.
 
@@ -446,12 +447,16 @@ class Session:
         ``dcp.save``, or safetensors weights (a file, or a Hugging Face folder).
         ``verify=False`` loads one whose files cannot be verified. ``progress``: a bar of
         the bytes read (default: in a notebook, for more than a few hundred MB).
+        ``weights_only=False`` trusts the checkpoint's pickles (optimizer ``param_groups``,
+        ``.pt`` files): they are unpickled as plain ``torch.load`` does, which can run
+        arbitrary code; by default one that could is refused
+        (``fsdp_nb.UnsafeCheckpointError``) before anything is loaded.
         """
         from .checkpoint import load
 
         self._check_open()
         return load(self, path, model, optimizer=optimizer, strict=strict, verify=verify,
-                    progress=progress)
+                    progress=progress, weights_only=weights_only)
 
     # -- failures (fsdp_nb.recovery) ----------------------------------------------
 
@@ -561,6 +566,7 @@ class Session:
         finally:
             self.channel.close()
             self._cluster.stop()
+            self.health.close()
             from .magics import deactivate_px
 
             deactivate_px(self)

@@ -11,8 +11,8 @@ import glob
 import sys
 from collections.abc import Sequence
 
-from .cluster import launcher_names
 from .engine.probe import _cuda_count
+from .launch_settings import launcher_names
 
 __all__ = [
     "BACKENDS", "GPU_DEVICE_NODES", "check_grace", "check_n_backend", "check_output", "check_ranks",

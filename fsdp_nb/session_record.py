@@ -2,10 +2,15 @@
 
 One JSON file per session that fsdp_nb started (and per ``connect(keep_alive=...)``
 session) in ``$IPYTHONDIR/fsdp_nb/sessions/``: the ipyparallel cluster file, the rank
-order, the backend, and the kernel that owns it. The watchdog
-(``fsdp_nb.watchdog``) reads it to stop the engines when the owning kernel dies; a
+order, the backend, the kernel that owns it, and every process of the session
+(engines, controller and the controller's children) with its start time. The watchdog
+(``fsdp_nb.watchdog``) reads it to stop them all when the owning kernel dies; a
 new kernel reads it to ``Session.attach()``. Written atomically (a rename), removed
 by ``shutdown()``.
+
+Records name pids, addresses and cluster files: the folder is 0700 and each file 0600
+(``engine.private_files``), created without following a link someone may have planted
+in their place.
 """
 
 from __future__ import annotations
@@ -18,13 +23,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
+from .engine.private_files import private_file, private_folder
+from .process_handles import process_alive
 
 log = logging.getLogger("fsdp_nb")
 
-__all__ = [
-    "SessionRecord", "folder", "handle_alive", "list_records", "process_alive", "process_stamp",
-]
+__all__ = ["SessionRecord", "folder", "list_records"]
 
 
 def folder() -> str:
@@ -32,38 +36,6 @@ def folder() -> str:
     from IPython.paths import get_ipython_dir
 
     return os.path.join(get_ipython_dir(), "fsdp_nb", "sessions")
-
-
-def process_stamp(pid: int) -> float | None:
-    """The start time of process ``pid`` (with the pid, it names one process even
-    after the pid is reused); None if it cannot be read (then only the pid is checked)."""
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
-def process_alive(pid: int | None, stamp: float | None = None) -> bool:
-    """True if ``pid`` runs (a zombie does not count) and, given ``stamp``, is the process
-    it was taken from. A process we may not look at counts as alive."""
-    if not pid:
-        return False
-    try:
-        return handle_alive(psutil.Process(pid), stamp)
-    except psutil.NoSuchProcess:
-        return False
-
-
-def handle_alive(p: psutil.Process, stamp: float | None = None) -> bool:
-    """:func:`process_alive` for a process handle already held (one status read)."""
-    try:
-        if p.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return stamp is None or abs(p.create_time() - stamp) < 1.0
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
 
 
 @dataclass
@@ -97,8 +69,15 @@ class SessionRecord:
     """That process's start time (``process_stamp``)."""
     engine_pids: list[tuple[int, float | None]] = field(default_factory=list)
     """(pid, start time) of each engine on this host, for the watchdog's last resort."""
+    controller_pids: list[tuple[int, float | None]] = field(default_factory=list)
+    """(pid, start time) of the controller and its children (its schedulers), which
+    the watchdog and ``shutdown`` stop even when the controller itself was killed."""
     watchdog_pid: int | None = None
     """The watchdog process, if one runs."""
+    watchdog_stamp: float | None = None
+    """That process's start time (``process_stamp``)."""
+    stack_folder: str | None = None
+    """Where the engines write their stack dumps (removed when the session stops)."""
     started: float = field(default_factory=time.time)
     """When the session was started (Unix time)."""
     attached: float = field(default_factory=time.time)
@@ -116,9 +95,9 @@ class SessionRecord:
 
     def write(self) -> None:
         """Write (or replace) the record atomically."""
-        os.makedirs(folder(), exist_ok=True)
+        private_folder(folder())
         tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
+        with os.fdopen(private_file(tmp), "w") as f:
             json.dump(dataclasses.asdict(self), f, indent=1)
         os.replace(tmp, self.path)
 

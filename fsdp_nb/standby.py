@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine.boot import STANDBY_ENV, WAITING, WATCH_ENV
-from .session_record import process_alive
+from .process_handles import process_alive
 
 log = logging.getLogger("fsdp_nb")
 

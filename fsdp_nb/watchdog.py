@@ -6,9 +6,13 @@ reads the session record (``fsdp_nb.session_record``) every ``POLL`` seconds:
 
 - record gone: the session was shut down (or the cluster stopped): exit;
 - owner kernel alive: nothing to do;
-- owner gone and ``keep_alive`` false: stop the controller and engines
-  (ipyparallel's own ``Cluster.stop_cluster``, then SIGKILL for any engine still
-  there), remove the record, exit: no orphans holding memory;
+- owner gone and ``keep_alive`` false: stop the controller, its schedulers and the
+  engines (SIGTERM, then SIGKILL for any still there after ``KILL_AFTER``): the
+  processes the record names, each through a handle checked against its start time,
+  so a pid reused since is never signalled (ipyparallel's own ``stop_cluster`` would
+  signal the pids in its cluster file unchecked, and misses the schedulers of a
+  controller killed with SIGKILL); remove the cluster's files and the record, exit:
+  no orphans holding memory;
 - owner gone and ``keep_alive`` a number of seconds: once no kernel has held it and
   no rank has run anything for that long, stop it the same way;
 - ``keep_alive=True``: keep it for the next ``Session.attach()``.
@@ -18,18 +22,20 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
 
-from .session_record import SessionRecord, process_alive
+from .process_handles import stop_processes
+from .session_record import SessionRecord
 
 log = logging.getLogger("fsdp_nb.watchdog")
 
 POLL = 0.5
 """Seconds between looks at the record and the owner."""
 KILL_AFTER = 10.0
-"""Seconds ipyparallel gets to stop the engines before the rest are killed."""
+"""Seconds the session's processes get to exit after SIGTERM before they are killed."""
 
 
 class _Idle:
@@ -74,8 +80,8 @@ class _Idle:
 
 
 def _forget(path: str) -> None:
-    """Remove the record at ``path`` (by path: ``SessionRecord.path`` would import
-    IPython to find the folder, which this small process never needs)."""
+    """Remove the file at ``path``, if there (the record by path: ``SessionRecord.path``
+    would import IPython to find the folder, which this small process never needs)."""
     try:
         os.remove(path)
     except FileNotFoundError:
@@ -85,23 +91,17 @@ def _forget(path: str) -> None:
 def stop(record: SessionRecord, path: str, why: str) -> None:
     """Stop ``record``'s controller and engines, then remove the record at ``path``."""
     log.warning("stopping session %s: %s", record.cluster_id, why)
-    try:
-        import ipyparallel as ipp
-
-        ipp.Cluster.from_file(record.connection["cluster_file"]).stop_cluster_sync()
-    except Exception as exc:  # noqa: BLE001 - the pids below are the last resort
-        log.warning("ipyparallel could not stop cluster %s: %s", record.cluster_id, exc)
-    deadline = time.monotonic() + KILL_AFTER
-    left = [(p, s) for p, s in record.engine_pids if process_alive(p, s)]
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = [(p, s) for p, s in left if process_alive(p, s)]
-    for pid, _ in left:
-        log.warning("engine pid %d did not stop; killing it", pid)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    killed = stop_processes([*record.engine_pids, *record.controller_pids], KILL_AFTER, term=True)
+    if killed:
+        log.warning("killed pid(s) %s, which did not exit %g s after SIGTERM", killed, KILL_AFTER)
+    cluster_file = record.connection.get("cluster_file")
+    if cluster_file:  # the cluster file and the controller's connection files beside it
+        folder = os.path.dirname(cluster_file)
+        for name in (os.path.basename(cluster_file), f"ipcontroller-{record.cluster_id}-client.json",
+                     f"ipcontroller-{record.cluster_id}-engine.json"):
+            _forget(os.path.join(folder, name))
+    if record.stack_folder:
+        shutil.rmtree(record.stack_folder, ignore_errors=True)
     _forget(path)
 
 

@@ -83,3 +83,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def kernel(tmp_path, monkeypatch):
+    """A real Jupyter kernel (``kernels.Kernel``) with its own IPYTHONDIR (this test
+    process looks there too); whatever session it left running is shut down."""
+    from kernels import Kernel
+
+    ipythondir = str(tmp_path / "ipython")
+    monkeypatch.setenv("IPYTHONDIR", ipythondir)
+    k = Kernel(ipythondir)
+    yield k
+    try:
+        k.run("import fsdp_nb.session as s\nfor x in list(s._LIVE): x.shutdown()", timeout=60)
+    finally:
+        k.close()
+    for rec in fsdp_nb.sessions():  # anything still running from this test's folder
+        fsdp_nb.Session.attach(rec.cluster_id).shutdown()

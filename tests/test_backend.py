@@ -125,12 +125,14 @@ def test_abort_channel_reaches_every_engine_and_spares_gloo(sess):
     thread gets the request while nothing runs through its task queue, finds no NCCL
     communicator to abort, and the gloo group still answers."""
     from fsdp_nb.engine import nccl_abort
-    from fsdp_nb.health import abort_collectives
 
-    endpoints = sess.run(nccl_abort.start)
-    assert sess.run(nccl_abort.start) == endpoints  # once per engine
+    sess.health.start_abort_listeners(sess.plain_dispatcher)
+    endpoints = {r: ep for r, (ep, _) in sess.health.abort_links.items()}
+    sess.health.start_abort_listeners(sess.plain_dispatcher)  # once per engine
+    assert {r: ep for r, (ep, _) in sess.health.abort_links.items()} == endpoints
+    assert all(ep.startswith("tcp://127.0.0.1:") for ep in endpoints.values())  # loopback
     before = sess.run(nccl_abort.received)
-    abort_collectives(endpoints)
+    sess.health.abort([0, 1])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # wait for the listeners' marker, not a timer
         got = sess.run(nccl_abort.received)

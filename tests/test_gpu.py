@@ -225,13 +225,12 @@ def test_nccl_abort_then_reform_trains_on(gsess):
     """What one GPU can show of the NCCL recovery: the rank's communicators are aborted
     from its listener thread, the group is re-formed, the model trains on."""
     from fsdp_nb.engine import nccl_abort
-    from fsdp_nb.health import abort_collectives
 
     gsess.wrap(Net, name="gab")
     x, y = _batch()
     gsess.run(_train_on_ranks, "gab", x, y, 1)
     before = gsess.run(nccl_abort.received)
-    abort_collectives(gsess.run(nccl_abort.start))
+    gsess.health.abort(list(range(gsess.world_size)))  # listeners started with the session
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         got = gsess.run(nccl_abort.received)

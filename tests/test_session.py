@@ -11,8 +11,9 @@ import psutil
 import pytest
 
 import fsdp_nb
-from fsdp_nb.cluster import HEARTBEAT_MS, _quick_heartbeat, wait_until
+from fsdp_nb.cluster import wait_until
 from fsdp_nb.errors import RankError
+from fsdp_nb.launch_settings import HEARTBEAT_MS, quick_heartbeat
 
 
 def _env():
@@ -204,10 +205,10 @@ def test_nccl_beyond_gpu_count_is_refused():
 
 def test_heartbeat_settings_the_user_gave_win():
     kw = {"controller_args": ["--ip=*"]}
-    _quick_heartbeat(kw)
+    quick_heartbeat(kw)
     assert kw["controller_args"][0] == "--ip=*" and any("HeartMonitor.period" in a for a in kw["controller_args"])
     kw = {"controller_args": ["--HeartMonitor.period=3000"]}
-    _quick_heartbeat(kw)
+    quick_heartbeat(kw)
     assert kw["controller_args"] == ["--HeartMonitor.period=3000"]
 
 
@@ -366,7 +367,7 @@ def test_demo_command_runs_end_to_end():
 def test_ipyparallel_logs_follow_the_fsdp_nb_logger():
     import logging
 
-    from fsdp_nb.cluster import ipp_log_level
+    from fsdp_nb.launch_settings import ipp_log_level
 
     logger = logging.getLogger("fsdp_nb")
     old = logger.level

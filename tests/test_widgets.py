@@ -132,8 +132,8 @@ def test_memory_samples_arrive_while_a_cell_runs(sess):
 def test_memory_sampler_without_subscriber_ends_and_bad_interval(sess):
     d = sess.dispatcher
     args = [("lonely", r.rank, r.addr, r.device, 0.1, 0.3) for r in sess.ranks]
-    eps = d.gather(d.apply("start sampler", ms.start, args))
-    assert all(e.startswith("tcp://") for e in eps)
+    started = d.gather(d.apply("start sampler", ms.start, args))
+    assert all(e.startswith("tcp://127.0.0.1:") and len(nonce) == 16 for e, nonce in started)
     assert _wait_for(lambda: _engines_running(sess) == [[], []])
     with pytest.raises(ValueError, match="interval must be a positive number"):
         sess.memory(interval=0)

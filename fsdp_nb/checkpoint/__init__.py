@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from .consolidate import consolidate
 from .export import export_safetensors
-from .info import CheckpointError, CheckpointInfo, ChunkInfo, CorruptCheckpointError, TensorInfo
+from .info import (
+    CheckpointError,
+    CheckpointInfo,
+    ChunkInfo,
+    CorruptCheckpointError,
+    TensorInfo,
+    UnsafeCheckpointError,
+)
 from .inspect import inspect
 from .listing import list_checkpoints
 from .load import load
@@ -25,6 +32,7 @@ __all__ = [
     "ChunkInfo",
     "CorruptCheckpointError",
     "TensorInfo",
+    "UnsafeCheckpointError",
     "consolidate",
     "export_safetensors",
     "inspect",

@@ -23,6 +23,7 @@ from .fullfile import full_suffix, read_full, write_full
 from .info import CheckpointError, CheckpointInfo
 from .inspect import inspect
 from .metadata import FORMAT, META_FILE
+from .pickles import full_load_planner
 from .reader import named_corruption, open_sharded
 from .storage import dcp_writer, options_for, sibling, url_to_fs
 
@@ -30,10 +31,10 @@ __all__ = ["consolidate", "read_sharded"]
 
 
 def read_sharded(path: str, storage_options: dict | None = None,
-                 on_read: Any = None) -> tuple[dict, dict | None, dict]:
+                 on_read: Any = None, weights_only: bool = True) -> tuple[dict, dict | None, dict]:
     """(model state dict, optimizer state dict or None, metadata) of a sharded checkpoint, in
-    full; ``on_read(n)`` is told each item's size as it is read."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    full; ``on_read(n)`` is told each item's size as it is read. ``weights_only=False``
+    trusts its pickled items (they can run code); else one that could is refused."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     so = options_for(path) if storage_options is None else storage_options
@@ -42,12 +43,12 @@ def read_sharded(path: str, storage_options: dict | None = None,
     marker = read_marker(fs, p)
     if marker is None:
         raise CheckpointError(f"checkpoint {path!r} is incomplete (no completion marker); refusing to read it")
-    _, reader = open_sharded(fs, p, path, marker, so, on_read=on_read)
+    _, reader = open_sharded(fs, p, path, marker, so, on_read=on_read, weights_only=weights_only)
     sd: dict[str, Any] = {}
     # dcp.load only fills keys already in ``sd``; the private loader with the empty
     # planner rebuilds the whole nested state dict from the metadata (as dcp_to_torch_save).
     with named_corruption(path):
-        _load_state_dict(sd, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(sd, storage_reader=reader, planner=full_load_planner(weights_only), no_dist=True)
     try:
         meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
     except FileNotFoundError:
@@ -67,16 +68,29 @@ def _lists(osd: dict) -> dict:
 
 
 def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options: dict | None = None,
-                progress: bool | None = None) -> CheckpointInfo:
+                progress: bool | None = None, weights_only: bool = True) -> CheckpointInfo:
     """Convert the checkpoint at ``path`` into ``out`` and return ``out``'s CheckpointInfo.
 
     A sharded folder becomes one file (``out`` ends in ``.pt`` or ``.safetensors``);
-    a full file becomes a sharded folder (``out`` without those suffixes). ``progress``:
-    a bar of the bytes read and written (default: in a notebook, above a few hundred MB).
+    a full file becomes a sharded folder (``out`` without those suffixes).
+
+    Args:
+        path: the checkpoint (local path or fsspec URL).
+        out: where to write the other form.
+        overwrite: replace what is at ``out`` (else FileExistsError).
+        storage_options: fsspec options for both (default: ``set_storage_options``').
+        progress: a bar of the bytes read and written (default: in a notebook, above a
+            few hundred MB).
+        weights_only: unpickle the checkpoint's pickled items (optimizer
+            ``param_groups``, a ``.pt`` file) only weights-only; one that could run code
+            raises UnsafeCheckpointError before anything is written. False trusts the
+            checkpoint: it can then run arbitrary code.
     """
     import warnings
 
     check_progress(progress)
+    if not isinstance(weights_only, bool):
+        raise TypeError(f"weights_only must be True or False, got {weights_only!r}")
     # resolve the options once, so every reader and writer below uses the same ones
     so_in = options_for(path) if storage_options is None else storage_options
     so_out = options_for(out) if storage_options is None else storage_options
@@ -99,10 +113,10 @@ def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options
     nbytes = inspect(path, storage_options=so_in).total_bytes if may_show(progress) else 0
     with Progress(2 * nbytes, f"consolidate {posixpath.basename(p)}", enabled=progress) as bar:
         if not src_sharded:
-            return _to_sharded(fs, p, path, ofs, o, out, token, so_out, bar)
+            return _to_sharded(fs, p, path, ofs, o, out, token, so_out, bar, weights_only)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model_sd, optim_sd, meta = read_sharded(path, so_in, on_read=bar.update)
+            model_sd, optim_sd, meta = read_sharded(path, so_in, on_read=bar.update, weights_only=weights_only)
         meta = dict(meta, kind="full", consolidated_from=path, consolidated=time.time())
         ofs.makedirs(posixpath.dirname(o) or ".", exist_ok=True)
         write_full(ofs, o, token, model_sd, optim_sd, meta)
@@ -112,12 +126,13 @@ def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options
 
 def _to_sharded(
     fs: Any, p: str, url: str, ofs: Any, o: str, out: str, token: str, so_out: dict[str, Any], bar: Progress,
+    weights_only: bool,
 ) -> CheckpointInfo:
     import warnings
 
     import torch.distributed.checkpoint as dcp
 
-    model_sd, optim_sd, meta = read_full(fs, p, url)
+    model_sd, optim_sd, meta = read_full(fs, p, url, weights_only)
     bar.update(bar.total // 2)
     sd: dict[str, Any] = {"model": model_sd}
     if optim_sd:

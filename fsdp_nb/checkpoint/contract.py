@@ -62,6 +62,9 @@ class LoadSpec(_Target):
     verify: bool = True
     """Refuse what cannot be verified (no completion marker, missing or short files);
     False loads it anyway, and skips the per-item checksums."""
+    weights_only: bool = True
+    """Unpickle what the checkpoint pickled (optimizer ``param_groups``, ``.pt`` files)
+    only with torch's weights-only unpickler; False trusts it (it can run code)."""
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """The DCP storage reader every fsdp_nb read goes through: safe and checked.
 
 - ``.metadata`` is unpickled with the restricted unpickler (``restricted``), or taken
-  as already read and checked;
+  as already read and checked; BYTE_IO items (an optimizer's ``param_groups``) are
+  unpickled weights-only, in the check pass already, and only planners that do the
+  same are taken (``pickles``), unless the caller trusts the checkpoint;
 - each stored item is checked against its recorded checksum as it is read, and its
   tensor built over the bytes read (``item_tensor``), not copied again by ``torch.load``;
 - ``before_commit`` (a session load into a live model): every item of this process's
@@ -39,7 +41,8 @@ def can_stage(md: Any) -> bool:
 
 def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
                 checks: dict[tuple[str, int], tuple[int, int, str]] | None = None,
-                on_read: Any = None, before_commit: Callable[[bool], bool] | None = None) -> Any:
+                on_read: Any = None, before_commit: Callable[[bool], bool] | None = None,
+                weights_only: bool = True) -> Any:
     """A DCP storage reader for folder ``path`` on ``fs`` that unpickles ``.metadata`` safely.
 
     ``metadata``: the ``.metadata`` already read (and checked), so it is not read again.
@@ -48,11 +51,15 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
     a record is refused. ``on_read(n)`` is told each item's size as it is read.
     ``before_commit(read_all) -> every_rank_read_all``: read everything before copying
     anything (see the module's docstring); called once per load on every rank.
+    ``weights_only``: BYTE_IO items only through the weights-only unpickler, and only
+    with a planner that loads them so (``pickles.load_planner``); False trusts the
+    checkpoint (it can then run code).
     """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    from .restricted import load_dcp_metadata
+    from .pickles import is_weights_only
+    from .restricted import load_dcp_metadata, max_metadata_bytes
     from .storage import is_local, read_into, to_url
 
     if is_local(fs):
@@ -73,7 +80,7 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
             else:
                 mpath = self._get_metadata_path(k.get("rank"))
                 with self.fs.create_stream(mpath, "rb") as f:
-                    md = load_dcp_metadata(f.read())
+                    md = load_dcp_metadata(f.read(max_metadata_bytes() + 1), weights_only)
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id
@@ -82,6 +89,9 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
         def read_data(self, plan: Any, planner: Any) -> Any:
             import torch.futures
 
+            if weights_only and not is_weights_only(planner):
+                raise TypeError(f"{type(planner).__name__} would unpickle this checkpoint's items "
+                                "without restriction: use fsdp_nb.checkpoint.pickles.load_planner")
             items = [(req, self.storage_data[req.storage_index]) for req in plan.items]
             if any(md.transform_descriptors for _, md in items):
                 if before_commit is not None:  # the loader reads into fresh tensors then
@@ -149,7 +159,7 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
                 if check is not None:
                     check.result()
                 for req, md in reqs:
-                    _item(planner, req, md, view)
+                    _item(planner, req, md, view, weights_only)
 
             at, turn = None, 0
             for stream, req, md in self._opened(items):
@@ -223,16 +233,20 @@ def _buffer(n: int) -> memoryview:
     return memoryview(torch.empty(n, dtype=torch.uint8).numpy()).cast("B")
 
 
-def _item(planner: Any, req: Any, md: Any, view: memoryview) -> Any:
+def _item(planner: Any, req: Any, md: Any, view: memoryview, check_pickle: bool = False) -> Any:
     """What read item ``view`` holds for request ``req``: its bytes, or (a tensor item)
     the requested slice of its tensor, built over ``view`` and matched against the
-    planner's target."""
+    planner's target. ``check_pickle``: a bytes item must unpickle weights-only (the
+    check pass: refused before anything is copied)."""
     from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint.planner import LoadItemType
 
     from .item_tensor import tensor_from_item
+    from .pickles import load_item
 
     if req.type == LoadItemType.BYTE_IO:
+        if check_pickle:
+            load_item(view, req.dest_index.fqn, md.relative_path)
         return bytes(view)
     tensor = narrow_tensor_by_index(tensor_from_item(view), req.storage_offsets, req.lengths)
     want = planner.resolve_tensor(req).size()

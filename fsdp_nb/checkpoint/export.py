@@ -35,6 +35,7 @@ from .fullfile import full_suffix
 from .info import CheckpointError
 from .inspect import inspect
 from .keys import MODEL, is_bare
+from .pickles import load_planner, load_pt
 from .safetensors_layout import PieceReader, read_layout
 from .safetensors_write import header, raw_bytes
 from .storage import sibling, url_to_fs
@@ -108,15 +109,14 @@ def _plan_files(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
     return files
 
 
-def _tensors(path: str, info: Any, entries: list[_Entry], storage_options: dict | None) -> Iterator[Any]:
+def _tensors(path: str, info: Any, entries: list[_Entry], storage_options: dict | None,
+             weights_only: bool = True) -> Iterator[Any]:
     """Each entry's tensor, one at a time, in ``entries`` order."""
     fs, p = url_to_fs(path, storage_options)
     p = p.rstrip("/")
     if info.kind == "full":
         if full_suffix(p) == ".pt":
-            import torch
-
-            obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+            obj = load_pt(fs, p, path, weights_only)
             for e in entries:
                 yield obj["model"][e.name]
             return
@@ -125,21 +125,21 @@ def _tensors(path: str, info: Any, entries: list[_Entry], storage_options: dict 
             for e in entries:
                 yield r.read(ck.model[e.name])
         return
-    yield from _sharded_tensors(fs, p, path, info, entries, storage_options)
+    yield from _sharded_tensors(fs, p, path, info, entries, storage_options, weights_only)
 
 
 def _sharded_tensors(fs: Any, p: str, url: str, info: Any, entries: list[_Entry],
-                     storage_options: dict | None) -> Iterator[Any]:
+                     storage_options: dict | None, weights_only: bool) -> Iterator[Any]:
     import warnings
 
     import torch
-    from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from .atomic import read_marker
     from .reader import named_corruption, open_sharded
 
-    md, reader = open_sharded(fs, p, url, read_marker(fs, p) or {}, storage_options)
+    md, reader = open_sharded(fs, p, url, read_marker(fs, p) or {}, storage_options,
+                              weights_only=weights_only)
     bare = is_bare(md.state_dict_metadata)  # a plain dcp.save of the model's own keys
     for e in entries:
         t = info.tensors[e.key]
@@ -147,7 +147,7 @@ def _sharded_tensors(fs: Any, p: str, url: str, info: Any, entries: list[_Entry]
         with warnings.catch_warnings(), named_corruption(url):
             warnings.simplefilter("ignore")
             _load_state_dict({e.name: buf} if bare else {"model": {e.name: buf}}, storage_reader=reader,
-                             planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+                             planner=load_planner(weights_only, allow_partial_load=True), no_dist=True)
         yield buf
 
 
@@ -160,18 +160,25 @@ def export_safetensors(
     overwrite: bool = False,
     storage_options: dict | None = None,
     progress: bool | None = None,
+    weights_only: bool = True,
 ) -> list[str]:
     """Write the model weights of checkpoint ``path`` to folder ``out_dir`` as safetensors.
 
     ``dtype="bfloat16"`` casts floating weights on the way. ``max_shard_size`` splits the
     output into files of at most that size (a bigger tensor gets a file of its own) with
     ``model.safetensors.index.json``. ``out_dir`` must not exist unless ``overwrite``.
-    Checks every argument before reading or writing anything. Returns the files written.
+    A checkpoint holding a pickle that could run code when loaded is refused
+    (``UnsafeCheckpointError``) unless ``weights_only=False`` (trusted: it can then run
+    code). Checks every argument and the checkpoint before writing anything. Returns
+    the files written.
     """
     import torch
 
     from ..progress import Progress
+    from .reader import refuse_unsafe
 
+    if not isinstance(weights_only, bool):
+        raise TypeError(f"weights_only must be True or False, got {weights_only!r}")
     cast = _check_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
     if not isinstance(out_dir, str) or not out_dir or "://" in out_dir:
@@ -179,7 +186,9 @@ def export_safetensors(
     out_dir = out_dir.rstrip("/")
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir!r} already exists; pass overwrite=True to replace it (nothing was written)")
-    info = inspect(path, storage_options=storage_options)
+    if weights_only:
+        refuse_unsafe(path, storage_options)
+    info = inspect(path, storage_options=storage_options, weights_only=weights_only)
     if not info.valid:
         raise CheckpointError(f"checkpoint {path!r} is not valid ({info.problem}); refusing to export it")
     entries = _model_entries(info, cast)
@@ -191,7 +200,7 @@ def export_safetensors(
     os.makedirs(tmp)
     total = sum(e.nbytes for e in entries)
     try:
-        tensors = _tensors(path, info, entries, storage_options)
+        tensors = _tensors(path, info, entries, storage_options, weights_only)
         with Progress(total, f"export {posixpath.basename(out_dir)}", enabled=progress) as bar:
             for name, group in zip(names, plan):
                 with durable(posixpath.join(tmp, name)) as f:

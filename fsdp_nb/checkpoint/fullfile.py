@@ -20,8 +20,9 @@ import posixpath
 from typing import Any
 
 from .direct_io import durable
-from .info import CorruptCheckpointError
+from .info import CorruptCheckpointError, UnsafeCheckpointError
 from .keys import MODEL, OPTIM_STATE, flat_optim_state, split_optim_key
+from .pickles import load_pt
 from .safetensors_layout import OPTIM_TENSOR, PieceReader, optim_file, optim_state, read_layout
 from .safetensors_write import write_safetensors
 from .storage import is_local, sibling
@@ -129,13 +130,13 @@ def write_full(fs: Any, target: str, token: str, model_sd: dict, optim_sd: dict 
         fs.rm(optim_file(target))  # the replaced checkpoint's optimizer state, now stale
 
 
-def read_full(fs: Any, path: str, url: str) -> tuple[dict, dict | None, dict]:
+def read_full(fs: Any, path: str, url: str, weights_only: bool = True) -> tuple[dict, dict | None, dict]:
     """(model state dict, optimizer state dict or None, metadata) of a full checkpoint, in memory.
 
-    Any failure to parse raises CorruptCheckpointError naming the file.
+    Any failure to parse raises CorruptCheckpointError naming the file; a ``.pt`` whose
+    pickle weights-only loading refuses raises UnsafeCheckpointError, unless
+    ``weights_only`` is False (a trusted file, which can then run code).
     """
-    import torch
-
     name = posixpath.basename(path)
     if full_suffix(path) == ".safetensors":
         ck = read_layout(fs, path, url)
@@ -150,12 +151,8 @@ def read_full(fs: Any, path: str, url: str) -> tuple[dict, dict | None, dict]:
             ) from exc
         return model_sd, optim_sd, ck.meta
     try:
-        if is_local(fs):
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        else:
-            with fs.open(path, "rb") as f:
-                obj = torch.load(f, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
+        obj = load_pt(fs, path, url, weights_only)
+    except (FileNotFoundError, UnsafeCheckpointError):
         raise
     except Exception as exc:
         raise CorruptCheckpointError(
@@ -171,13 +168,14 @@ def read_full(fs: Any, path: str, url: str) -> tuple[dict, dict | None, dict]:
 
 
 def read_full_meta(
-    fs: Any, path: str, url: str | None = None,
+    fs: Any, path: str, url: str | None = None, weights_only: bool = True,
 ) -> tuple[dict, dict[str, tuple[tuple[int, ...], str, str, int | None, int]], dict[str, int]]:
     """(metadata, key -> (shape, dtype, file name, byte offset, length), file name -> size)
     without tensor data.
 
     Keys are spelled as in a sharded checkpoint (``model.<fqn>``, ``optim.state.<fqn>.<key>``).
     ``path``: a ``.safetensors`` / ``.pt`` file, or a Hugging Face safetensors folder.
+    ``weights_only=False``: a ``.pt`` is unpickled without restriction (trusted).
     """
     if full_suffix(path) != ".pt":
         ck = read_layout(fs, path, url or path)
@@ -188,11 +186,7 @@ def read_full_meta(
         return ck.meta, out, {posixpath.basename(f): n for f, n in ck.files.items()}
     import torch
 
-    if is_local(fs):
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    else:
-        with fs.open(path, "rb") as f:
-            obj = torch.load(f, map_location="cpu", weights_only=True)
+    obj = load_pt(fs, path, url or path, weights_only)
     name = posixpath.basename(path)
     outp = {}
     flat = [(MODEL + k, v) for k, v in obj.get("model", {}).items()]

@@ -35,6 +35,11 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint file is truncated, corrupt or missing; the message names the file."""
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint holds a pickle that could run code when loaded, or metadata that names
+    files outside its folder; refused before anything was loaded (``checkpoint.pickles``)."""
+
+
 @dataclass(frozen=True)
 class ChunkInfo:
     """One stored piece of a tensor."""

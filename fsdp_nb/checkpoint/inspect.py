@@ -17,32 +17,50 @@ from ..dtypes import tensor_bytes
 from .atomic import read_marker, validate_files
 from .checksums import ChecksumMismatch, check_item, file_problem
 from .fullfile import full_suffix, read_full_meta
-from .info import CheckpointInfo, ChunkInfo, CorruptCheckpointError, TensorInfo
+from .info import (
+    CheckpointError,
+    CheckpointInfo,
+    ChunkInfo,
+    CorruptCheckpointError,
+    TensorInfo,
+    UnsafeCheckpointError,
+)
 from .keys import MODEL, is_bare, is_model_key
 from .metadata import META_FILE
-from .restricted import load_dcp_metadata
+from .pickles import TRUST_HINT, refuse_code
+from .restricted import RefusedGlobal, load_dcp_metadata, read_capped
 from .safetensors_layout import is_safetensors_folder
 from .storage import is_temporary, url_to_fs
 
 __all__ = ["dcp_files_problem", "inspect", "read_dcp_metadata", "verify_checksums"]
 
-def read_dcp_metadata(fs: Any, path: str, url: str, record: dict | None = None) -> Any:
+def read_dcp_metadata(fs: Any, path: str, url: str, record: dict | None = None,
+                      weights_only: bool = True) -> Any:
     """DCP ``Metadata`` of the folder ``path``; CorruptCheckpointError naming the file if
-    unreadable, or if its bytes differ from the marker's ``record`` of it (when given)."""
+    unreadable, or if its bytes differ from the marker's ``record`` of it (when given);
+    UnsafeCheckpointError if it is larger than fsdp_nb reads, holds other classes than
+    metadata, or names files outside the folder. ``weights_only=False``: a trusted
+    checkpoint, unpickled without restriction."""
     mpath = posixpath.join(path, ".metadata")
     try:
-        data = fs.cat_file(mpath)
+        data = read_capped(fs, mpath)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(
             f"checkpoint {url!r}: file '.metadata' is missing (not a DCP checkpoint, or unfinished)"
         ) from exc
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(f"checkpoint {url!r}: {exc}") from None
     for off, length, crc in (record or {}).get("segments", ()):
         try:
             check_item(data[off:off + length], ".metadata", off, (length, crc, record.get("algorithm", "crc32")))
         except ChecksumMismatch as exc:
             raise CorruptCheckpointError(f"checkpoint {url!r}: {exc}") from exc
     try:
-        return load_dcp_metadata(data)
+        return load_dcp_metadata(data, weights_only)
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(f"checkpoint {url!r}: {exc}") from None
+    except RefusedGlobal as exc:
+        raise UnsafeCheckpointError(f"checkpoint {url!r}: file '.metadata': {exc}; {TRUST_HINT}") from None
     except Exception as exc:
         raise CorruptCheckpointError(
             f"checkpoint {url!r}: file '.metadata' is corrupt or truncated ({type(exc).__name__}: {exc})"
@@ -85,14 +103,22 @@ def dcp_files_problem(fs: Any, path: str, md: Any) -> str | None:
     return None
 
 
-def inspect(path: str, *, verify: bool = False, storage_options: dict | None = None) -> CheckpointInfo:
-    """Describe the checkpoint at ``path`` (local path or fsspec URL) without loading it.
+def inspect(path: str, *, verify: bool = False, storage_options: dict | None = None,
+            weights_only: bool = True) -> CheckpointInfo:
+    """Describe the checkpoint at ``path`` without loading it.
 
     Reads fsdp_nb checkpoints (sharded folders, full files), folders written by plain
     ``dcp.save`` and safetensors files or Hugging Face folders. ``valid`` is False (with
-    ``problem``) for an unfinished or damaged checkpoint; ``verify=True`` also reads every
-    file and checks the checksums taken as it was written.
-    Raises FileNotFoundError when nothing is at ``path``.
+    ``problem``) for an unfinished or damaged checkpoint, or one whose metadata or
+    ``.pt`` pickle is unsafe. Raises FileNotFoundError when nothing is at ``path``.
+
+    Args:
+        path: a local path or fsspec URL.
+        verify: also read every file, check the checksums taken as it was written, and
+            check that no pickled item could run code when loaded.
+        storage_options: fsspec options (default: ``set_storage_options``').
+        weights_only: unpickle ``.metadata`` and ``.pt`` files only with the restricted
+            and weights-only unpicklers; False trusts them (they can run code).
     """
     fs, p = url_to_fs(path, storage_options)
     p = p.rstrip("/")
@@ -101,19 +127,19 @@ def inspect(path: str, *, verify: bool = False, storage_options: dict | None = N
     if fs.isdir(p):
         if is_safetensors_folder(fs, p):
             return _inspect_full(fs, p, path)
-        return _inspect_sharded(fs, p, path, verify)
+        return _inspect_sharded(fs, p, path, verify, weights_only)
     if full_suffix(p):
-        return _inspect_full(fs, p, path)
+        return _inspect_full(fs, p, path, weights_only)
     raise CorruptCheckpointError(
         f"{path!r} is neither a checkpoint folder nor a .pt / .safetensors file"
     )
 
 
-def _inspect_full(fs: Any, p: str, url: str) -> CheckpointInfo:
+def _inspect_full(fs: Any, p: str, url: str, weights_only: bool = True) -> CheckpointInfo:
     try:
-        meta, tensors, files = read_full_meta(fs, p, url)
+        meta, tensors, files = read_full_meta(fs, p, url, weights_only)
     except Exception as exc:
-        problem = str(exc) if isinstance(exc, CorruptCheckpointError) else (
+        problem = str(exc) if isinstance(exc, CheckpointError) else (
             f"file {posixpath.basename(p)!r} is corrupt or truncated ({type(exc).__name__}: {exc})")
         size = fs.size(p) if full_suffix(p) else 0
         return CheckpointInfo(path=url, kind="full", valid=False, problem=problem,
@@ -125,7 +151,7 @@ def _inspect_full(fs: Any, p: str, url: str) -> CheckpointInfo:
     return _with_meta(url, "full", True, None, meta, infos, files, "fsdp_nb" if ours else "safetensors")
 
 
-def _inspect_sharded(fs: Any, p: str, url: str, verify: bool) -> CheckpointInfo:
+def _inspect_sharded(fs: Any, p: str, url: str, verify: bool, weights_only: bool = True) -> CheckpointInfo:
     marker = read_marker(fs, p)
     try:
         meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
@@ -145,13 +171,18 @@ def _inspect_sharded(fs: Any, p: str, url: str, verify: bool) -> CheckpointInfo:
                 problem = str(exc)
     infos: dict[str, TensorInfo] = {}
     try:
-        md = read_dcp_metadata(fs, p, url)
-    except CorruptCheckpointError as exc:
+        md = read_dcp_metadata(fs, p, url, weights_only=weights_only)
+    except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
         problem = problem or str(exc)
         md = None
     if md is not None:
         if plain:
             problem = dcp_files_problem(fs, p, md)
+        if problem is None and verify and weights_only:
+            try:
+                refuse_code(fs, p, url, md)
+            except UnsafeCheckpointError as exc:
+                problem = str(exc)
         infos = _tensor_infos(md)
     files = {k: int(v["size"]) for k, v in (marker or {}).get("files", {}).items()}
     if not files:

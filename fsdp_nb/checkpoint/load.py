@@ -33,27 +33,31 @@ def load(
     strict: bool = True,
     verify: bool = True,
     progress: bool | None = None,
+    weights_only: bool = True,
 ) -> dict[str, Any]:
     """Load ``path`` into engine module ``model`` (and optimizer); returns the saved ``extra``.
 
     Raises FileNotFoundError (nothing there), CheckpointError (incomplete, keys or
-    shapes differ: listed), CorruptCheckpointError (a file is damaged: named).
+    shapes differ: listed), CorruptCheckpointError (a file is damaged: named),
+    UnsafeCheckpointError (a pickled item could run code: named; nothing loaded).
     ``verify=False`` loads a checkpoint that cannot be verified (no marker; a plain
     DCP folder whose files look incomplete) and skips the per-item checksums.
     ``progress``: a bar of the bytes read (default: in a notebook, above a few hundred MB).
+    ``weights_only=False`` trusts the checkpoint: its pickles are unpickled as plain
+    ``torch.load`` does, which can run arbitrary code (only for files from someone you trust).
     """
     from ..engine import checkpoint_load
 
     name = model_name(model)
     optim = check_optimizer(optimizer)
-    for flag, v in (("strict", strict), ("verify", verify)):
+    for flag, v in (("strict", strict), ("verify", verify), ("weights_only", weights_only)):
         if not isinstance(v, bool):
             raise TypeError(f"{flag} must be True or False, got {v!r}")
     check_progress(progress)
     url_to_fs(path)
     wait_pending(sess)
     spec = LoadSpec(url=path, storage_options=options_for(path), model=name, optimizer=optim, strict=strict,
-                    verify=verify, report_progress=may_show(progress))
+                    verify=verify, report_progress=may_show(progress), weights_only=weights_only)
     d = sess.dispatcher
     pending = d.apply("checkpoint load", checkpoint_load.load, args=(spec,))
     with follow(pending, f"load {posixpath.basename(path.rstrip('/'))}", enabled=progress):

@@ -6,7 +6,7 @@ at the same time as the controller comes up, then ipyparallel's engine starts an
 waits for the controller's connection file (up to ``FSDP_NB_ENGINE_WAIT`` seconds,
 default 120, not ipyparallel's 5), so no engine waits for the controller before its
 imports, nor the group for the engines' imports. The controller fsdp_nb starts beats
-faster than ipyparallel's (``cluster.HEARTBEAT_MS``); an engine still waits about
+faster than ipyparallel's (``launch_settings.HEARTBEAT_MS``); an engine still waits about
 3 minutes for a silent controller before it quits, as with ipyparallel's period.
 
 A standby engine (``STANDBY_ENV`` set; ``fsdp_nb.standby``) imports torch and
@@ -69,7 +69,7 @@ def _stand_by(go_file: str, watch: int) -> bool:
     SIGTERM while waiting (the launcher stopping it) exits cleanly."""
     import psutil
 
-    from ..session_record import handle_alive
+    from ..process_handles import handle_alive
 
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     waiting = go_file + WAITING

@@ -5,12 +5,21 @@ ROUTER socket and registers it with the engine kernel's own event loop, so each
 request runs on the main thread between cells, exactly where ``%%px`` code and
 ipyparallel's ``apply`` run, but without the controller's hop each way.
 
-A request is ``[call id, cloudpickle of (fn, args)]``; ``fn(*args)`` runs with
-SIGINT raising ``KeyboardInterrupt`` (as in a cell, so Ctrl-C and the recovery's
-interrupt reach it; not in the server's own bookkeeping: ``interrupts``), its
-printed lines travel back as they are written
-(``[id, b"stdout" | b"stderr", text]``), then one reply: ``[id, b"ok", result]``
-or ``[id, b"error", (ename, evalue, traceback)]``, with the finish time.
+Every message both ways is signed with the cluster's key (``signing.Link``, the
+server's nonce in its keys): a request that is unsigned, badly signed, cut short or
+replayed is dropped before a byte of it is unpickled, and the server serves on. The
+socket binds to the address the notebook gives (loopback when the notebook is on this
+host) and refuses frames over ``MAX_REQUEST_BYTES`` (zmq drops the sender); the
+notebook sends larger calls through ipyparallel.
+
+A request is ``[signature, cloudpickle of (fn, args)]``; its signed header (sender and
+counter, unique) is the call's id. ``fn(*args)`` runs with SIGINT raising
+``KeyboardInterrupt`` (as in a cell, so Ctrl-C and the recovery's interrupt reach it;
+not in the server's own bookkeeping: ``interrupts``), its printed lines travel back as
+they are written (``[signature, head, text]``, the head saying stdout or stderr), then
+one reply: ``[signature, head, result]`` or ``[signature, head, (ename, evalue,
+traceback)]``, the head saying which, with the finish time (``head`` / ``read_head``).
+Few frames on purpose: every ``send`` may hand the GIL to the engine's other threads.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import io
 import logging
 import pickle
 import signal
+import struct
 import sys
 import threading
 import time
@@ -28,8 +38,29 @@ from typing import Any
 import cloudpickle
 
 from . import interrupts
+from .signing import HEADER_BYTES, Link, Refused, engine_key, new_nonce
 
-__all__ = ["after_reply", "serve"]
+__all__ = [
+    "ERROR", "MAX_REQUEST_BYTES", "OK", "STDERR", "STDOUT", "after_reply", "dropped", "head",
+    "read_head", "serve",
+]
+
+OK, ERROR, STDOUT, STDERR = b"o", b"e", b"1", b"2"
+"""What a message from the server carries: a result, an error, printed output."""
+_FINISHED = struct.Struct("!d")
+
+
+def head(call_id: bytes, kind: bytes, finished: float | None = None) -> bytes:
+    """The first payload frame of a message from the server: the call it answers, its
+    kind, and (for a reply) when the call finished (Unix time)."""
+    return call_id + kind + (b"" if finished is None else _FINISHED.pack(finished))
+
+
+def read_head(data: bytes) -> tuple[bytes, bytes, float | None]:
+    """``(call id, kind, finished or None)`` of a ``head``."""
+    rest = data[HEADER_BYTES + 1:]
+    finished = _FINISHED.unpack(rest)[0] if len(rest) == _FINISHED.size else None
+    return data[:HEADER_BYTES], data[HEADER_BYTES:HEADER_BYTES + 1], finished
 
 log = logging.getLogger("fsdp_nb")
 
@@ -52,38 +83,66 @@ def after_reply(fn: Any) -> None:
         _AFTER.append(fn)
 
 
-def serve(addr: str) -> str:
-    """Start this engine's call server on ``addr`` (once; later calls return the same);
-    its zmq endpoint."""
+MAX_REQUEST_BYTES = 1 << 30
+"""The largest frame the server takes (zmq disconnects a peer that sends more, before
+anything is read): a request's pickled call. The notebook sends larger ones through
+ipyparallel (``call_channel``)."""
+
+
+def serve(addr: str) -> tuple[str, bytes]:
+    """Start this engine's call server on ``addr`` (once; later calls return the same).
+
+    Args:
+        addr: the address to bind: loopback when the notebook runs on this host, else
+            the engine's address on the interface that routes to the controller.
+
+    Returns its zmq endpoint and its nonce (for the notebook's ``signing.Link``).
+    """
     global _SERVER
     if _SERVER is None:
-        _SERVER = _Server(addr)
-    return _SERVER.endpoint
+        _SERVER = _Server(addr, engine_key())
+    return _SERVER.endpoint, _SERVER.nonce
+
+
+def dropped() -> int:
+    """Requests this engine's call server refused (unsigned, forged, replayed)."""
+    return 0 if _SERVER is None else _SERVER.link.dropped
 
 
 class _Server:
-    def __init__(self, addr: str):
+    def __init__(self, addr: str, key: bytes):
         import zmq
         from zmq.eventloop.zmqstream import ZMQStream
 
+        self.nonce = new_nonce()
+        self.link = Link(key, "call", self.nonce, "server")
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         port = self.sock.bind_to_random_port(f"tcp://{addr}")
         self.endpoint = f"tcp://{addr}:{port}"
         self.stream = ZMQStream(self.sock)  # the kernel's event loop: the main thread
         self.stream.on_recv(self._on_request, copy=False)
 
-    def _send(self, frames: list[Any]) -> None:
+    def _send(self, ident: bytes, frames: list[Any]) -> None:
         try:
-            self.sock.send_multipart(frames, copy=False)
+            self.sock.send_multipart([ident, *self.link.sign(frames)], copy=False)  # [ident, auth, head, body]
         except Exception as exc:  # noqa: BLE001 - the notebook may have gone
             log.warning("a call reply could not be sent: %s", exc)
 
     def _on_request(self, frames: list[Any]) -> None:
         global _AFTER
+        try:
+            if len(frames) != 3:  # the sender's identity, the signature, the call
+                raise Refused(f"{len(frames) - 1} frames where a signed call has 2")
+            ident = frames[0].bytes
+            (payload,) = self.link.check(frames[1:])
+        except Refused as why:
+            self.link.refused(why, self.endpoint)
+            return
         _AFTER = after = []
         try:
-            self._answer(frames)
+            self._answer(ident, frames[1].bytes[:HEADER_BYTES], payload.buffer)
         finally:
             _AFTER = None
             for fn in after:
@@ -92,10 +151,9 @@ class _Server:
                 except Exception:  # noqa: BLE001 - the call has been answered already
                     log.exception("work started after a call's reply failed")
 
-    def _answer(self, frames: list[Any]) -> None:
-        ident, call_id, payload = frames[0].bytes, frames[1].bytes, frames[2].buffer
-        out = _Output(self, ident, call_id, b"stdout", sys.stdout)
-        err = _Output(self, ident, call_id, b"stderr", sys.stderr)
+    def _answer(self, ident: bytes, call_id: bytes, payload: memoryview) -> None:
+        out = _Output(self, ident, call_id, STDOUT, sys.stdout)
+        err = _Output(self, ident, call_id, STDERR, sys.stderr)
         old_int = signal.getsignal(signal.SIGINT)
         old_out, old_err = sys.stdout, sys.stderr
         try:
@@ -103,17 +161,17 @@ class _Server:
             sys.stdout, sys.stderr = out, err
             fn, args = cloudpickle.loads(payload)
             result = _invoke(fn, args)
-            status, body = b"ok", _dumps(result)
+            status, body = OK, _dumps(result)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the notebook
             sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
             tb = "".join(traceback.format_exception(type(exc), exc, _below_server(exc.__traceback__)))
-            status, body = b"error", pickle.dumps((type(exc).__name__, str(exc), tb))
+            status, body = ERROR, pickle.dumps((type(exc).__name__, str(exc), tb))
         finally:
             sys.stdout, sys.stderr = old_out, old_err
             signal.signal(signal.SIGINT, old_int)
             out.flush()
             err.flush()
-        self._send([ident, call_id, status, body, str(time.time()).encode()])
+        self._send(ident, [head(call_id, status, time.time()), body])
 
 
 def _invoke(fn: Any, args: tuple) -> Any:
@@ -169,4 +227,4 @@ class _Output(io.TextIOBase):
             self.buf = ""
 
     def _emit(self, text: str) -> None:
-        self.server._send([self.ident, self.call_id, self.name, text.encode("utf-8", "replace")])
+        self.server._send(self.ident, [head(self.call_id, self.name), text.encode("utf-8", "replace")])

@@ -28,10 +28,11 @@ from ..checkpoint.atomic import read_marker
 from ..checkpoint.contract import LoadSpec, Outcome
 from ..checkpoint.dcp_reader import can_stage, safe_reader
 from ..checkpoint.fullfile import full_suffix, read_full
-from ..checkpoint.info import CheckpointError, CorruptCheckpointError
+from ..checkpoint.info import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ..checkpoint.inspect import dcp_files_problem, read_dcp_metadata
 from ..checkpoint.keys import MODEL, OPTIM_STATE, flat_optim_state, is_bare, is_model_key, optim_key
 from ..checkpoint.metadata import META_FILE
+from ..checkpoint.pickles import load_planner, refuse_code
 from ..checkpoint.reader import named_corruption, open_sharded
 from ..checkpoint.safetensors_layout import (
     PieceReader,
@@ -152,14 +153,16 @@ def _open_folder(spec: LoadSpec, fs: Any, p: str) -> tuple[Any, Any, dict]:
     if marker is not None and spec.verify:
         md, reader = open_sharded(fs, p, url, marker, spec.storage_options,
                                   share=sorted(marker.get("files", {}))[rank::ws], on_read=progress_feed.add,
-                                  before_commit=_every_rank_read)
+                                  before_commit=_every_rank_read, weights_only=spec.weights_only)
         return md, reader, meta
     if marker is None and (meta or is_temporary(p)) and spec.verify:
         raise CheckpointError(
             f"checkpoint {url!r} is incomplete: it has no completion marker "
             f"(an interrupted or unfinished save); refusing to load it{anyway}"
         )
-    md = read_dcp_metadata(fs, p, url)
+    md = read_dcp_metadata(fs, p, url, weights_only=spec.weights_only)
+    if spec.weights_only:
+        refuse_code(fs, p, url, md)
     if marker is None and spec.verify:  # a plain dcp.save folder: what can be checked is
         problem = dcp_files_problem(fs, p, md)
         if problem:
@@ -169,7 +172,7 @@ def _open_folder(spec: LoadSpec, fs: Any, p: str) -> tuple[Any, Any, dict]:
             )
         log.info("%s was written by plain dcp.save: its files are complete, but carry no checksums", url)
     return md, safe_reader(fs, p, spec.storage_options or {}, metadata=md, on_read=progress_feed.add,
-                           before_commit=_every_rank_read), meta
+                           before_commit=_every_rank_read, weights_only=spec.weights_only), meta
 
 
 def _every_rank_read(read_all: bool) -> bool:
@@ -195,7 +198,6 @@ def _over_model(model: Any, msd: dict[str, Any]) -> bool:
 def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome:
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.utils._pytree import tree_map_only
 
@@ -240,7 +242,8 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
     try:
         with named_corruption(url):
             dcp.load(
-                sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=not strict),
+                sd, storage_reader=reader,
+                planner=load_planner(spec.weights_only, allow_partial_load=not strict),
                 process_group=checkpoint_group(),
             )
     except CorruptCheckpointError as exc:
@@ -344,7 +347,7 @@ def _load_full(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outco
     meta: dict[str, Any] = {}
     if rank == 0:
         try:
-            full_m, full_o, meta = read_full(fs, p, url)
+            full_m, full_o, meta = read_full(fs, p, url, spec.weights_only)
             found = {k: tuple(v.shape) for k, v in full_m.items() if isinstance(v, torch.Tensor)}
             problem, usable = _shape_problems(url, expected, found, "model", strict)
             if problem is None:
@@ -353,8 +356,8 @@ def _load_full(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outco
                     problem = _partial_full_problem(url, expected, usable)
             if problem is None and optim is not None and not full_o:
                 problem = f"checkpoint {url!r} has no optimizer state (it was saved without optimizer=)"
-        except CorruptCheckpointError as exc:
-            problem, cls = str(exc), CorruptCheckpointError
+        except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
+            problem, cls = str(exc), type(exc)
     bad = _agree(problem, cls)
     if bad:
         return bad

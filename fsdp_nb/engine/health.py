@@ -51,29 +51,40 @@ def install(folder: str) -> str:
     Also guard the kernel's request bookkeeping against SIGINT (``interrupts``).
 
     The file is opened for appending, so the notebook can truncate it before each
-    request and read only the new dump.
+    request and read only the new dump. It is 0600 in a 0700 folder of this user's
+    (``private_files``); a new folder (a new kernel's session) replaces the old file,
+    which is removed.
     """
     from . import interrupts
+    from .private_files import private_file, private_folder
 
     interrupts.install()
-    os.makedirs(folder, exist_ok=True)
+    private_folder(folder)
     path = stack_file(folder, os.getpid())
     old = _state.get("file")
     if old is not None and _state.get("path") == path:
         return path
-    f = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the engine
+    fd = private_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    f = os.fdopen(fd, "a", buffering=1)  # lives as long as the engine
     faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
+    old_path = _state.get("path")
     _state["file"], _state["path"] = f, path
     if old is not None:
         old.close()
+        try:
+            os.unlink(old_path)
+        except OSError as exc:
+            log.debug("the previous stack file could not be removed: %s", exc)
     return path
 
 
-def whoami() -> tuple[int, str]:
-    """(pid, host) of this engine."""
+def whoami() -> tuple[int, str, float | None]:
+    """(pid, host, process start time) of this engine."""
     import socket
 
-    return os.getpid(), socket.gethostname()
+    from .probe import process_started
+
+    return os.getpid(), socket.gethostname(), process_started()
 
 
 def leave_group(peer_endpoints: list[tuple[str, int]] | None = None) -> bool:

@@ -3,10 +3,17 @@
 A request sent through the engines' task queue waits behind the cell that is running
 (2.6 s measured), so live memory cannot be polled that way while ``%%px`` trains.
 Instead ``start`` (called once through the task queue) binds a zmq XPUB socket on the
-engine's routable address and starts a daemon thread that publishes one JSON sample
-per interval. The thread stops when its last subscriber goes away
-(XPUB sees the unsubscribe when the notebook closes its SUB socket or dies), or when
-nobody subscribed within ``wait_subscriber`` seconds: it never outlives its widget.
+address the notebook gives (loopback when the notebook is on this host) and starts a
+daemon thread that publishes one JSON sample per interval. The thread stops when its
+last subscriber goes away (XPUB sees the unsubscribe when the notebook closes its SUB
+socket or dies), or when nobody subscribed within ``wait_subscriber`` seconds: it
+never outlives its widget.
+
+Only the notebook gets samples. The socket takes subscriptions by hand
+(``XPUB_MANUAL``): a subscription's topic must be the sampler's token signed with the
+cluster's key (``signing.Link``, the sampler's nonce in its key), and only then is it
+applied; any other subscriber is sent nothing. Each sample goes out under its
+subscriber's topic, signed, so the notebook drops anything else that reaches it.
 """
 
 from __future__ import annotations
@@ -18,7 +25,12 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["running", "sample", "start"]
+from .signing import Link, Refused, engine_key, new_nonce
+
+__all__ = ["MAX_SUBSCRIPTION_BYTES", "dropped", "running", "sample", "start"]
+
+MAX_SUBSCRIPTION_BYTES = 1024
+"""The largest subscription message the sampler takes (a signed one is under 200 bytes)."""
 
 _LOCK = threading.Lock()
 _SAMPLERS: dict[str, _Sampler] = {}
@@ -83,10 +95,12 @@ class _Sampler(threading.Thread):
     """One publishing thread (daemon): owns its zmq context and XPUB socket."""
 
     def __init__(self, token: str, rank: int, addr: str, device: str, interval: float,
-                 wait_subscriber: float):
+                 wait_subscriber: float, key: bytes):
         super().__init__(name=f"fsdp_nb-memory-sampler-{token[:8]}", daemon=True)
         self.token, self.rank, self.addr, self.device = token, rank, addr, device
         self.interval, self.wait_subscriber = interval, wait_subscriber
+        self.nonce = new_nonce()
+        self.link = Link(key, "memory", self.nonce, "server")
         self.endpoint: str | None = None
         self.error: BaseException | None = None
         self.samples_sent = 0
@@ -101,6 +115,8 @@ class _Sampler(threading.Thread):
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 100)
+            sock.setsockopt(zmq.XPUB_MANUAL, 1)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
             port = sock.bind_to_random_port(f"tcp://{self.addr}")
             self.endpoint = f"tcp://{self.addr}:{port}"
         except BaseException as exc:
@@ -111,7 +127,9 @@ class _Sampler(threading.Thread):
             return
         self._bound.set()
         proc = psutil.Process(os.getpid())
-        subscribers, ever = 0, False
+        topics: set[bytes] = set()
+        """Subscriptions applied: each a signed token, the topic its samples go out under."""
+        ever = False
         started = time.monotonic()
         next_tick = time.monotonic()
         try:
@@ -119,20 +137,25 @@ class _Sampler(threading.Thread):
                 wait_ms = max(0, int((next_tick - time.monotonic()) * 1000))
                 if sock.poll(wait_ms, zmq.POLLIN):
                     msg = sock.recv()
-                    if msg[:1] == b"\x01":
+                    if msg[:1] == b"\x01" and self._subscribe(sock, msg[1:]):
                         if not ever:
                             next_tick = time.monotonic()  # first sample right away
-                        subscribers, ever = subscribers + 1, True
+                        topics.add(msg[1:])
+                        ever = True
                     elif msg[:1] == b"\x00":
-                        subscribers -= 1
-                    if ever and subscribers <= 0:
+                        # an unsubscribe names its topic, not its pipe: one for a topic never
+                        # applied changes nothing; samples stop once every applied one is gone
+                        topics.discard(msg[1:])
+                    if ever and not topics:
                         return  # the widget went away
                     continue
                 if not ever and time.monotonic() - started > self.wait_subscriber:
                     return  # nobody came
                 if ever:
                     s = sample(self.rank, self.device, self.samples_sent, proc)
-                    sock.send(json.dumps(s).encode())
+                    signed = self.link.pack(json.dumps(s).encode())
+                    for topic in topics:
+                        sock.send_multipart([topic, signed])
                     self.samples_sent += 1
                 next_tick += self.interval
                 if next_tick < time.monotonic():  # fell behind (suspended): do not burst
@@ -144,21 +167,46 @@ class _Sampler(threading.Thread):
                 if _SAMPLERS.get(self.token) is self:
                     del _SAMPLERS[self.token]
 
+    def _subscribe(self, sock: Any, topic: bytes) -> bool:
+        """Apply the subscription just received if its topic is this sampler's token,
+        signed; True if it was applied. Anything else is dropped (and logged once)."""
+        import zmq
+
+        try:
+            if self.link.unpack(topic) != self.token.encode():
+                raise Refused("a signed subscription for another sampler")
+        except Refused as why:
+            self.link.refused(why, self.endpoint or self.addr)
+            return False
+        sock.setsockopt(zmq.SUBSCRIBE, topic)  # XPUB_MANUAL: for the pipe it came from
+        return True
+
 
 def start(token: str, rank: int, addr: str, device: str = "cpu", interval: float = 1.0,
-          wait_subscriber: float = 60.0) -> str:
-    """Start (or find) the sampler ``token`` on this engine; return its zmq endpoint.
+          wait_subscriber: float = 60.0, key: bytes | None = None) -> tuple[str, bytes]:
+    """Start (or find) the sampler ``token`` on this engine.
 
-    ``addr``: the engine's routable address (``RankInfo.addr``), where the notebook
-    can reach it. Idempotent per token.
+    Args:
+        token: names the sampler (one per feed); its subscriber signs it as its topic.
+        rank: the rank, written in each sample.
+        addr: the address to bind: loopback when the notebook runs on this host, else
+            the engine's address on the interface that routes to the controller.
+        device: the rank's device (``"cpu"``, ``"cuda:0"``).
+        interval: seconds between samples.
+        wait_subscriber: seconds to wait for the first subscriber before giving up.
+        key: the cluster's key; default this engine's (``signing.engine_key``).
+
+    Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``).
+    Idempotent per token.
     """
     if not (isinstance(interval, (int, float)) and interval > 0):
         raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+    key = engine_key() if key is None else key
     with _LOCK:
         s = _SAMPLERS.get(token)
         if s is not None and s.is_alive() and s.endpoint:
-            return s.endpoint
-        s = _Sampler(token, rank, addr, device, float(interval), float(wait_subscriber))
+            return s.endpoint, s.nonce
+        s = _Sampler(token, rank, addr, device, float(interval), float(wait_subscriber), key)
         _SAMPLERS[token] = s
     s.start()
     s._bound.wait(10)
@@ -166,7 +214,13 @@ def start(token: str, rank: int, addr: str, device: str = "cpu", interval: float
         with _LOCK:
             _SAMPLERS.pop(token, None)
         raise RuntimeError(f"memory sampler could not bind on {addr}: {s.error!r}")
-    return s.endpoint
+    return s.endpoint, s.nonce
+
+
+def dropped() -> int:
+    """Subscriptions refused by this engine's samplers that are still running."""
+    with _LOCK:
+        return sum(s.link.dropped for s in _SAMPLERS.values())
 
 
 def running() -> list[str]:

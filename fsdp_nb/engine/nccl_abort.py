@@ -5,10 +5,16 @@ A rank blocked in gloo returns when its peers shut their sockets
 abort of its own communicators ends, and its main thread is stuck in C (a CUDA
 synchronisation), where neither a task nor a Python signal handler reaches it. So
 ``start`` (called once per engine through the task queue, on NCCL sessions) runs a
-daemon thread with a zmq PULL socket on the engine's routable address; on a message
-it aborts every NCCL backend of every process group on this rank (``ncclCommAbort``):
-the blocked kernel exits, the waiting call raises, and the rank is back in Python
-with its variables. The notebook then re-forms the group as after a gloo failure.
+daemon thread with a zmq PULL socket on the address the notebook gives (loopback when
+the notebook is on this host); on an abort request it aborts every NCCL backend of
+every process group on this rank (``ncclCommAbort``): the blocked kernel exits, the
+waiting call raises, and the rank is back in Python with its variables. The notebook
+then re-forms the group as after a gloo failure.
+
+A request is one frame, ``ABORT`` signed with the cluster's key (``signing.Link``,
+the listener's nonce in its key): one that is unsigned, forged, replayed or cut short
+is dropped and logged, and anything over ``MAX_FRAME_BYTES`` is refused by zmq
+before it is read. Nobody without the key can abort the rank's communicators.
 
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is set to CleanUpOnly (``process_group``) so the
 watchdog aborts rather than kills the engine when an NCCL error or timeout is seen.
@@ -20,9 +26,16 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["abort_nccl", "received", "start"]
+from .signing import Link, Refused, engine_key, new_nonce
+
+__all__ = ["ABORT", "MAX_FRAME_BYTES", "abort_nccl", "received", "start"]
 
 log = logging.getLogger("fsdp_nb")
+
+ABORT = b"abort"
+"""The payload of an abort request."""
+MAX_FRAME_BYTES = 4096
+"""The largest frame the listener takes (a signed request is under 100 bytes)."""
 
 _LISTENER: dict[str, Any] = {}
 
@@ -66,41 +79,59 @@ def abort_nccl() -> int:
     return n
 
 
-def _serve(sock: Any) -> None:
+def _serve(sock: Any, link: Link, endpoint: str) -> None:
     """The listener thread: lives as long as the engine (a daemon), one request at a
     time; ends, closing its socket, when the engine's zmq context is terminated."""
     import zmq
 
     try:
         while True:
-            if sock.recv() == b"abort":
-                log.warning("fsdp_nb: aborting NCCL communicators (asked by the notebook)")
-                _LISTENER["aborted"] = _LISTENER.get("aborted", 0) + abort_nccl()
-                _LISTENER["received"] = _LISTENER.get("received", 0) + 1
+            frames = sock.recv_multipart(copy=False)
+            try:
+                if len(frames) != 1:
+                    raise Refused(f"{len(frames)} frames where an abort request has 1")
+                if link.unpack(frames[0]) != ABORT:
+                    raise Refused("a signed message that is not an abort request")
+            except Refused as why:
+                link.refused(why, endpoint)
+                continue
+            log.warning("fsdp_nb: aborting NCCL communicators (asked by the notebook)")
+            _LISTENER["aborted"] = _LISTENER.get("aborted", 0) + abort_nccl()
+            _LISTENER["received"] = _LISTENER.get("received", 0) + 1
     except zmq.ContextTerminated:
         log.debug("NCCL abort listener: the engine is exiting")
     finally:
         sock.close(linger=0)
 
 
-def start() -> str:
-    """Start (once per engine) the abort listener on the address that routes to the
-    controller; return its zmq endpoint."""
+def start(addr: str) -> tuple[str, bytes]:
+    """Start (once per engine) the abort listener.
+
+    Args:
+        addr: the address to bind: loopback when the notebook runs on this host, else
+            the engine's address on the interface that routes to the controller.
+
+    Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``).
+    """
     if "endpoint" in _LISTENER:
-        return _LISTENER["endpoint"]
+        return _LISTENER["endpoint"], _LISTENER["nonce"]
     import zmq
 
-    from .probe import registered_controller, route_address
-
-    addr = route_address(registered_controller())
+    nonce = new_nonce()
+    link = Link(engine_key(), "nccl-abort", nonce, "server")
     sock = zmq.Context.instance().socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     port = sock.bind_to_random_port(f"tcp://{addr}")
-    threading.Thread(target=_serve, args=(sock,), name="fsdp_nb-nccl-abort", daemon=True).start()
-    _LISTENER["endpoint"] = f"tcp://{addr}:{port}"
-    return _LISTENER["endpoint"]
+    endpoint = f"tcp://{addr}:{port}"
+    threading.Thread(target=_serve, args=(sock, link, endpoint), name="fsdp_nb-nccl-abort",
+                     daemon=True).start()
+    _LISTENER.update(endpoint=endpoint, nonce=nonce, link=link)
+    return endpoint, nonce
 
 
-def received() -> tuple[int, int]:
-    """(abort requests received, NCCL backends aborted) by this engine's listener."""
-    return _LISTENER.get("received", 0), _LISTENER.get("aborted", 0)
+def received() -> tuple[int, int, int]:
+    """(abort requests received, NCCL backends aborted, messages refused) by this
+    engine's listener."""
+    link = _LISTENER.get("link")
+    return _LISTENER.get("received", 0), _LISTENER.get("aborted", 0), link.dropped if link else 0

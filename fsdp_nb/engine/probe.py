@@ -41,6 +41,12 @@ class EngineProbe:
     visible_devices: str | None = None
     """``CUDA_VISIBLE_DEVICES`` as the engine sees it (None when unset): engines that
     each see one different GPU (Slurm's ``--gpus-per-task=1``) all use ``cuda:0``."""
+    started: float | None = None
+    """The engine process's start time (``psutil``): with ``pid``, it names this one
+    process, so the notebook signals it and no other that later gets the pid."""
+    loopback_ifname: str | None = None
+    """The loopback interface's name (``lo``): gloo binds there when every rank runs on
+    one host."""
 
 
 def describe(controller_ip: str | None) -> EngineProbe:
@@ -68,7 +74,24 @@ def describe(controller_ip: str | None) -> EngineProbe:
         controller=target,
         preset_env=tuple((v, os.environ[v]) for v in SOCKET_IFNAME_VARS if os.environ.get(v)),
         visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        started=process_started(),
+        loopback_ifname=interface_of(LOOPBACK),
     )
+
+
+LOOPBACK = "127.0.0.1"
+"""Where every socket of a session whose ranks share the notebook's host listens."""
+
+
+def process_started() -> float | None:
+    """This process's start time (``psutil``), or None where it cannot be read."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception as exc:  # noqa: BLE001 - then the pid alone names the engine
+        log.debug("could not read this engine's start time: %s", exc)
+        return None
 
 
 def registered_controller() -> str | None:

@@ -3,7 +3,14 @@
 An NCCL group is formed as ``"cpu:gloo,cuda:nccl"``: CUDA tensors go through NCCL,
 CPU tensors (DCP's async save, object collectives, CPU-offloaded state) through
 gloo in the same group. Every group a session forms (``Session``, ``connect``,
-recovery's re-form, ``restart``) comes through ``init``.
+recovery's re-form, ``restart``) comes through ``listen`` then ``init``.
+
+The group's store (a ``TCPStore`` served by rank 0) listens where the ranks reach it
+and nowhere else: ``env://`` would have it listen on every interface of rank 0's
+host, whatever ``MASTER_ADDR`` says. So rank 0 first binds a socket on
+``MASTER_ADDR`` itself (``listen``: the port is taken as it is chosen, so nothing can
+take it between the choice and the bind), and its store is built on that socket
+(``master_listen_fd``).
 """
 
 from __future__ import annotations
@@ -13,13 +20,43 @@ import socket
 from datetime import timedelta
 from typing import Any
 
+_LISTENING: dict[str, socket.socket] = {}
+"""The socket ``listen`` bound for the next group's store (rank 0), until ``init``."""
 
-def free_port() -> int:
-    """A TCP port free on this host right now (bind to port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("", 0))
-        return s.getsockname()[1]
+
+def listen(addr: str) -> int:
+    """Bind a listening socket on ``addr`` (rank 0's ``MASTER_ADDR``) for the next
+    group's store; its port. Only the store's rank calls it."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    old = _LISTENING.pop("store", None)
+    if old is not None:
+        old.close()
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.bind((addr, 0))
+        s.listen(socket.SOMAXCONN)
+    except OSError:
+        s.close()
+        raise
+    _LISTENING["store"] = s
+    return s.getsockname()[1]
+
+
+def _store(env: dict[str, str], timeout: timedelta) -> Any:
+    """The group's store: served from ``listen``'s socket on rank 0, a client elsewhere."""
+    import torch.distributed as dist
+
+    addr, port, world = env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"])
+    if int(env["RANK"]) != 0:
+        return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    sock = _LISTENING.pop("store", None)
+    if sock is None or sock.getsockname()[1] != port:
+        raise RuntimeError(f"rank 0 holds no listening socket on port {port} for the group's "
+                           "store (process_group.listen was not called first)")
+    store = dist.TCPStore(addr, port, world, is_master=True, timeout=timeout,
+                          wait_for_workers=False, master_listen_fd=sock.fileno())
+    sock.detach()  # the store's server owns the descriptor now and closes it
+    return store
 
 
 NCCL_ERROR_HANDLING = "2"
@@ -45,7 +82,8 @@ def init(
     threads: int | None,
     gpu: int | None = None,
 ) -> str:
-    """Set the rank's environment, pin its device and join the process group.
+    """Set the rank's environment, pin its device and join the process group through
+    the store rank 0 serves on ``env["MASTER_ADDR"]`` (rank 0 called ``listen`` first).
 
     ``gpu``: the CUDA device index an NCCL rank pins (``rendezvous.gpu_indexes``;
     default its local rank). Returns the device string this rank computes on
@@ -70,12 +108,13 @@ def init(
         torch.cuda.set_device(index)
         device = f"cuda:{index}"
         kwargs["device_id"] = torch.device(device)
+    timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend=init_backend(backend),
-        init_method="env://",
+        store=_store(env, timeout),
         rank=int(env["RANK"]),
         world_size=int(env["WORLD_SIZE"]),
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
         **kwargs,
     )
     from .namespace import user_ns

@@ -2,10 +2,12 @@
 
 ``MemoryFeed.start`` asks every rank (once, through the task queue) to start a sampler
 thread publishing over its own XPUB socket (``fsdp_nb.engine.memory_sampler``), then
-subscribes to all of them. A receiver thread collects samples as they come (also while
-a ``%%px`` cell keeps the engines' task queues busy) and, once per interval, hands a
-snapshot to its listeners. ``close`` drops the subscription: each engine's sampler sees
-the unsubscribe and ends; a closed session ends the receiver too.
+subscribes to each with the feed's token signed with the cluster's key (the only
+subscription a sampler applies) and drops any sample not signed by that sampler. A
+receiver thread collects samples as they come (also while a ``%%px`` cell keeps the
+engines' task queues busy) and, once per interval, hands a snapshot to its listeners.
+``close`` drops the subscriptions: each engine's sampler sees the unsubscribe and ends;
+a closed session ends the receiver too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import memory_sampler as _ms
+from ..engine.signing import Link, Refused
 
 log = logging.getLogger("fsdp_nb")
 
@@ -131,17 +134,24 @@ class MemoryFeed:
         if self.running:
             return self
         d = self.sess.dispatcher
+        cluster = self.sess.cluster
         ranks = self.sess.ranks
-        args = [(self.token, r.rank, r.addr, r.device, self.interval) for r in ranks]
-        self.endpoints = d.gather(d.apply("start memory sampler", _ms.start, args))
+        args = [(self.token, r.rank, cluster.listen_address(r.rank), r.device, self.interval)
+                for r in ranks]
+        started = d.gather(d.apply("start memory sampler", _ms.start, args))
+        self.endpoints = [ep for ep, _ in started]
+        key = cluster.key
         self._ctx = zmq.Context()
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        for ep in self.endpoints:
+        subs = []
+        for rank, (ep, nonce) in enumerate(started):
+            link = Link(key, "memory", nonce, "client")
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, link.pack(self.token.encode()))
             sub.connect(ep)
+            subs.append((sub, link, rank))
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, args=(sub,), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(subs,), daemon=True,
                                         name=f"fsdp_nb-memory-feed-{self.token[:8]}")
         self._thread.start()
         self.sess.lifecycle.on_close(self.close)
@@ -154,22 +164,26 @@ class MemoryFeed:
             self._thread.join(5)
         self._thread = None
 
-    def _run(self, sub: Any) -> None:
+    def _run(self, subs: list[tuple[Any, Link, int]]) -> None:
         import zmq
 
+        poller = zmq.Poller()
+        links = {}
+        for sub, link, rank in subs:
+            poller.register(sub, zmq.POLLIN)
+            links[sub] = (link, rank)
         next_tick = time.monotonic() + self.interval
         fresh = False
         try:
             while not self._stop.is_set() and getattr(self.sess, "state", "ready") != "closed":
                 wait = max(0.0, min(next_tick - time.monotonic(), 0.25))
-                if sub.poll(int(wait * 1000), zmq.POLLIN):
+                for sub, _ in poller.poll(int(wait * 1000)):
                     while True:
                         try:
-                            raw = sub.recv(zmq.NOBLOCK)
+                            frames = sub.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._store(raw)
-                        fresh = True
+                        fresh = self._store(frames, *links[sub]) or fresh
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self.interval
                     if fresh:
@@ -181,17 +195,29 @@ class MemoryFeed:
                             except Exception as exc:  # a broken view must not kill the feed
                                 log.warning("a memory view failed to render a sample: %s", exc)
         finally:
-            sub.close(0)
+            for sub, _, _ in subs:
+                sub.close(0)
             self._ctx.term()
 
-    def _store(self, raw: bytes) -> None:
+    def _store(self, frames: list[bytes], link: Link, rank: int) -> bool:
+        """Keep the sample in ``frames`` (``[topic, signed sample]`` from ``rank``'s
+        sampler); True if it was one. Anything not signed by that sampler is dropped."""
+        try:
+            if len(frames) != 2:
+                raise Refused(f"{len(frames)} frames where a sample has 2")
+            raw = link.unpack(frames[1])
+        except Refused as why:
+            link.refused(why, f"a memory sample from rank {rank}")
+            return False
         try:
             s = MemorySample.from_dict(json.loads(raw), received=time.time())
         except (ValueError, TypeError):
-            return
-        if 0 <= s.rank < self.world_size:
-            with self._lock:
-                self.history[s.rank].append(s)
+            return False
+        if s.rank != rank:
+            return False
+        with self._lock:
+            self.history[s.rank].append(s)
+        return True
 
     def __del__(self) -> None:
         try:

@@ -1,0 +1,437 @@
+"""Trust, tried as an outsider would: another process on the same machine, without the
+cluster's key, against a real 2-rank session.
+
+- each fsdp_nb socket (the direct call channel, the NCCL abort listener, the memory
+  feed) gets the outsider's pickled call, ``b"abort"``, a subscription, random,
+  truncated and oversized frames and a captured frame replayed: nothing runs, nothing
+  aborts, nothing leaks, and the session answers its next call;
+- everything the session listens on is on loopback;
+- a poisoned checkpoint (its optimizer item's pickle runs code) is refused by
+  ``sess.load``, consolidate, export and the checkpoint browser, with and without a
+  valid marker: a clear error, the model unchanged, nothing ran;
+- records, logs and stack dumps are private; a planted link is not followed;
+- kill -9 of the controller and then of the kernel leaves nothing of the session
+  running 30 s later; a pid whose process changed is never signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+
+import cloudpickle
+import psutil
+import pytest
+import torch
+import zmq
+from kernels import START_S
+
+import fsdp_nb
+from fsdp_nb.cluster import wait_until
+from fsdp_nb.engine import call_server, nccl_abort
+from fsdp_nb.engine import memory_sampler as ms
+from fsdp_nb.engine.signing import Link, new_nonce
+from fsdp_nb.process_handles import ProcessHandle, process_alive, process_stamp, stop_processes
+
+FUZZ_MESSAGES = 150
+"""Random messages sent to each socket by the fuzz test."""
+
+
+def _marker_code(marker) -> str:
+    return f"open({str(marker)!r}, 'a').write('ran')"
+
+
+def _until(pred, what: str, timeout: float = 30.0) -> None:
+    if not wait_until(pred, timeout, 0.05):
+        pytest.fail(f"{what}: not seen within {timeout:g} s")
+
+
+def _call_endpoints(sess) -> list[str]:
+    sess.run(os.getpid)  # the call servers start on first use
+    return [sess.channel.endpoints[r.engine_id] for r in sess.ranks]
+
+
+def _outsider(kind: int, endpoint: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def _nothing_came(sock: zmq.Socket) -> bool:
+    return not sock.poll(200)
+
+
+def test_an_outsider_cannot_run_code_through_the_call_channel(sess, tmp_path):
+    """The attack from the issue: a DEALER sends ``[id, cloudpickle((exec, (code, {})))]``
+    to every call server; also the same call signed with a key of its own."""
+    marker = tmp_path / "ran"
+    payload = cloudpickle.dumps((exec, (_marker_code(marker), {})))
+    before = sess.run(call_server.dropped)
+    wrong_key = Link(os.urandom(32), "call", new_nonce(), "client")
+    socks = []
+    for ep in _call_endpoints(sess):
+        s = _outsider(zmq.DEALER, ep)
+        s.send_multipart([uuid.uuid4().bytes, payload])
+        s.send_multipart(wrong_key.sign([uuid.uuid4().bytes, payload]))
+        socks.append(s)
+    _until(lambda: [a - b for a, b in zip(sess.run(call_server.dropped), before)] == [2, 2],
+           "both engines dropping both calls")
+    assert not marker.exists()
+    assert all(_nothing_came(s) for s in socks)  # no reply, no output: nothing leaks
+    assert sess.run(lambda: 41 + 1) == [42, 42]
+    for s in socks:
+        s.close()
+
+
+def test_a_captured_call_replayed_is_dropped(sess, tmp_path, monkeypatch):
+    """The notebook's own signed call, captured and sent again by an outsider, runs once."""
+    log = tmp_path / "calls"
+    ep = _call_endpoints(sess)[0]
+    sock = sess.channel._socks[sess.ranks[0].engine_id]
+    link = sess.channel._links[sock]
+    captured: list[list[bytes]] = []
+    sign = link.sign
+
+    def capture(frames, digests=None):
+        signed = sign(frames, digests)
+        captured.append([bytes(f) for f in signed])
+        return signed
+
+    monkeypatch.setattr(link, "sign", capture)
+    sess.run(_append_on_rank_0, str(log))
+    monkeypatch.undo()
+    assert log.read_text() == "x" and len(captured) == 1
+    before = sess.run(call_server.dropped)[0]
+    attacker = _outsider(zmq.DEALER, ep)
+    attacker.send_multipart(captured[0])
+    _until(lambda: sess.run(call_server.dropped)[0] == before + 1, "the replay dropped")
+    assert log.read_text() == "x" and _nothing_came(attacker)
+    attacker.close()
+
+
+def _append_on_rank_0(path: str) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        with open(path, "a") as f:
+            f.write("x")
+
+
+def test_abort_without_the_key_aborts_nothing(sess):
+    sess.health.start_abort_listeners(sess.plain_dispatcher)
+    before = sess.run(nccl_abort.received)
+    socks = []
+    for ep, _ in sess.health.abort_links.values():
+        s = _outsider(zmq.PUSH, ep)
+        s.send(b"abort")
+        s.send(Link(os.urandom(32), "nccl-abort", new_nonce(), "client").pack(nccl_abort.ABORT))
+        socks.append(s)
+    _until(lambda: all(g[2] - b[2] == 2 for g, b in zip(sess.run(nccl_abort.received), before)),
+           "both listeners dropping both requests")
+    assert [g[0] for g in sess.run(nccl_abort.received)] == [b[0] for b in before]  # none taken
+    # the notebook's own request is taken, once: captured and replayed, it is dropped
+    captured: list[tuple[str, bytes]] = []
+    for ep, link in sess.health.abort_links.values():
+        pack = link.pack
+        link.pack = lambda payload, ep=ep, pack=pack: captured.append((ep, pack(payload))) or captured[-1][1]
+    try:
+        sess.health.abort([0, 1])
+    finally:
+        for _, link in sess.health.abort_links.values():
+            del link.pack
+    _until(lambda: all(g[0] == b[0] + 1 for g, b in zip(sess.run(nccl_abort.received), before)),
+           "the signed abort request")
+    for ep, frame in captured:
+        s = _outsider(zmq.PUSH, ep)
+        s.send(frame)
+        socks.append(s)
+    _until(lambda: all(g[2] - b[2] == 3 for g, b in zip(sess.run(nccl_abort.received), before)),
+           "both listeners dropping the replay")
+    assert all(g[0] == b[0] + 1 for g, b in zip(sess.run(nccl_abort.received), before))
+    assert sess.all_reduce_check() == 1.0
+    for s in socks:
+        s.close()
+
+
+def test_a_subscriber_without_the_key_gets_no_memory_samples(sess, monkeypatch):
+    """Subscriptions for everything, for random topics, signed with another key, and the
+    notebook's own subscription captured and replayed: none gets a sample."""
+    from fsdp_nb.widgets import _feed
+
+    captured: list[bytes] = []
+    pack = Link.pack
+
+    def capture(self, payload):
+        captured.append(pack(self, payload))
+        return captured[-1]
+
+    monkeypatch.setattr(_feed.Link, "pack", capture)
+    w = sess.memory(interval=0.1)
+    monkeypatch.undo()
+    try:
+        assert len(captured) == len(w.feed.endpoints) == 2
+        spies = []
+        for ep, mine in zip(w.feed.endpoints, captured):
+            for topic in (b"", os.urandom(56), mine, Link(os.urandom(32), "memory", new_nonce(), "client").pack(
+                    w.feed.token.encode())):
+                s = _outsider(zmq.SUB, ep)
+                s.setsockopt(zmq.SUBSCRIBE, topic)
+                spies.append(s)
+        _until(lambda: sum(sess.run(ms.dropped)) >= 4 * len(w.feed.endpoints),
+               "the samplers refusing every outsider's subscription")
+        start = _seqs(w)
+        _until(lambda: all(now >= n + 3 for now, n in zip(_seqs(w), start)),
+               "three more samples reaching the notebook")
+        assert all(_nothing_came(s) for s in spies)
+        for s in spies:
+            s.close()
+    finally:
+        w.close()
+
+
+def _seqs(w) -> list[int]:
+    """Each rank's newest memory sample's number (-1 before the first)."""
+    return [-1 if x is None else x.seq for x in w.feed.latest()]
+
+
+def _fuzz_frames(rng: random.Random, signed: list[bytes]) -> list[list[bytes]]:
+    """Random messages, and truncated or reordered copies of a signed one."""
+    out = []
+    for _ in range(FUZZ_MESSAGES):
+        out.append([rng.randbytes(rng.randrange(0, 300)) for _ in range(rng.randrange(1, 6))])
+    for cut in range(1, len(signed)):
+        out.append(signed[:cut])
+    out.append([f[: len(f) // 2] for f in signed])
+    out.append(list(reversed(signed)))
+    return out
+
+
+def test_a_bounded_fuzz_leaves_every_engine_serving(sess, tmp_path):
+    """Random, truncated, reordered and oversized frames at every socket; the session's
+    calls, abort requests and memory samples still go through afterwards."""
+    rng = random.Random(28)
+    marker = tmp_path / "ran"
+    sess.health.start_abort_listeners(sess.plain_dispatcher)
+    w = sess.memory(interval=0.1)
+    try:
+        key = sess.cluster.key
+        dropped_before = sum(sess.run(call_server.dropped))
+        stranger = Link(key, "call", new_nonce(), "client")  # right key, wrong link
+        call = stranger.sign([b"id", cloudpickle.dumps((exec, (_marker_code(marker), {})))])
+        socks = []
+        for ep in _call_endpoints(sess):
+            s = _outsider(zmq.DEALER, ep)
+            for frames in _fuzz_frames(rng, call):
+                s.send_multipart(frames)
+            socks.append(s)
+        for ep, _ in sess.health.abort_links.values():
+            s = _outsider(zmq.PUSH, ep)
+            for frames in _fuzz_frames(rng, [Link(key, "nccl-abort", new_nonce(), "client").pack(b"abort")]):
+                s.send_multipart(frames)
+            s.send(bytes(nccl_abort.MAX_FRAME_BYTES + 1))  # oversized: zmq drops the sender
+            socks.append(s)
+        for ep in w.feed.endpoints:
+            for frames in _fuzz_frames(rng, [b"x"])[-40:]:
+                s = _outsider(zmq.SUB, ep)
+                s.setsockopt(zmq.SUBSCRIBE, frames[0])
+                socks.append(s)
+        big = _outsider(zmq.DEALER, _call_endpoints(sess)[1])
+        big.send_multipart([b"id", bytes(call_server.MAX_REQUEST_BYTES + 1)], copy=False)
+        socks.append(big)
+        # every call message the servers could read was dropped, and they still serve
+        sent = 2 * len(_fuzz_frames(rng, call))
+        _until(lambda: sum(sess.run(call_server.dropped)) == dropped_before + sent, "the fuzzed calls dropped")
+        assert sess.run(lambda: "still here") == ["still here"] * 2
+        assert not marker.exists()
+        before = sess.run(nccl_abort.received)
+        sess.health.abort([0, 1])
+        _until(lambda: all(g[0] == b[0] + 1 for g, b in zip(sess.run(nccl_abort.received), before)),
+               "a signed abort after the fuzz")
+        start = _seqs(w)
+        _until(lambda: all(now > n for now, n in zip(_seqs(w), start)), "samples after the fuzz")
+        assert sess.all_reduce_check() == 1.0
+        for s in socks:
+            s.close()
+    finally:
+        w.close()
+
+
+def _listening(pids: list[int]) -> set[str]:
+    out = set()
+    for pid in pids:
+        for c in psutil.Process(pid).net_connections("tcp"):
+            if c.status == psutil.CONN_LISTEN:
+                out.add(c.laddr.ip)
+    return out
+
+
+def test_a_local_session_listens_on_loopback_only(sess):
+    """The engines' sockets (ipyparallel's, fsdp_nb's, the group's store and gloo's) and
+    the controller's: nothing on another interface, nothing on all of them."""
+    sess.health.start_abort_listeners(sess.plain_dispatcher)
+    w = sess.memory(interval=0.5)
+    try:
+        _call_endpoints(sess)
+        assert sess.run(lambda: (os.environ["MASTER_ADDR"], os.environ["GLOO_SOCKET_IFNAME"])) == \
+            [("127.0.0.1", "lo")] * 2
+        engines = [r.pid for r in sess.ranks]
+        controller = [p for p, _ in sess.cluster.controller_pids]
+        assert _listening(engines) == {"127.0.0.1"}
+        assert _listening(controller) <= {"127.0.0.1"}
+        port = int(sess.run(lambda: os.environ["MASTER_PORT"])[0])
+        store = [c for c in psutil.Process(engines[0]).net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert [c.laddr.ip for c in store] == ["127.0.0.1"]  # the TCPStore itself
+    finally:
+        w.close()
+
+
+_EVIL = """
+import torch
+
+class RunsCode:
+    def __reduce__(self):
+        return (exec, ({code!r},))
+
+sec_opt = torch.optim.AdamW(sec_m.parameters(), lr=0.1)
+sec_m(torch.randn(4, 8)).sum().backward()
+sec_opt.step()
+sec_opt.zero_grad()
+sec_opt.param_groups[0]["evil"] = RunsCode()
+"""
+
+
+def _state(sess) -> tuple[list, list]:
+    """The model's full weights and each rank's optimizer moments (sums)."""
+    return [v.clone() for v in sess.models["sec_m"].state_dict().values()], sess.run(_moments)
+
+
+def _moments() -> list:
+    from fsdp_nb.engine.namespace import user_ns
+
+    state = user_ns()["sec_opt"].state_dict()["state"]
+    return sorted((k, float(v["exp_avg"].to_local().sum())) for k, v in state.items())
+
+
+def test_a_poisoned_checkpoint_is_refused_by_every_reader(sess, tmp_path):
+    marker = tmp_path / "ran"
+    model = sess.wrap(torch.nn.Linear(8, 8), name="sec_m")
+    sess.execute(_EVIL.format(code=_marker_code(marker)))
+    path = tmp_path / "ckpts" / "poisoned"
+    sess.save(str(path), model, optimizer="sec_opt")  # the attacker's own save: valid marker
+    assert fsdp_nb.inspect(str(path)).source == "fsdp_nb" and not marker.exists()
+    sess.execute("del sec_opt.param_groups[0]['evil']\nsec_m(torch.randn(4, 8)).sum().backward()\n"
+                 "sec_opt.step()\nsec_opt.zero_grad()")
+    before = _state(sess)
+    plain = tmp_path / "plain"  # the same files with no fsdp_nb marker: a plain dcp.save folder
+    shutil.copytree(path, plain)
+    for name in os.listdir(plain):
+        if not name.endswith((".distcp", ".metadata")):
+            os.remove(plain / name)
+    refused = r"item 'optim\.param_groups\.0\.evil' in file '__\d_0\.distcp' holds a pickle .*could run code"
+    for where in (path, plain):
+        with pytest.raises(fsdp_nb.UnsafeCheckpointError, match=refused):
+            sess.load(str(where), model, optimizer="sec_opt")
+        after = _state(sess)
+        assert all(torch.equal(a, b) for a, b in zip(after[0], before[0])) and after[1] == before[1]
+    with pytest.raises(fsdp_nb.UnsafeCheckpointError, match=refused):
+        fsdp_nb.consolidate(str(path), str(tmp_path / "full.pt"))
+    with pytest.raises(fsdp_nb.UnsafeCheckpointError, match=refused):
+        fsdp_nb.export_safetensors(str(plain), str(tmp_path / "hf"))
+    browser = sess.checkpoints(str(tmp_path / "ckpts"), model=model, optimizer="sec_opt")
+    browser.select("poisoned")
+    browser.load_selected()
+    assert browser.last_message[0] == "error" and "could run code" in browser.last_message[1]
+    browser.consolidate_selected()
+    assert browser.last_message[0] == "error" and "could run code" in browser.last_message[1]
+    assert not marker.exists() and not (tmp_path / "full.pt").exists() and not (tmp_path / "hf").exists()
+    after = _state(sess)
+    assert all(torch.equal(a, b) for a, b in zip(after[0], before[0])) and after[1] == before[1]
+    # the documented opt-in is what runs it, on every rank: the poison is real (loaded
+    # once the optimizer has that param group key again, so DCP asks for the item)
+    sess.execute("sec_opt.param_groups[0]['evil'] = None")
+    sess.load(str(plain), model, optimizer="sec_opt", weights_only=False)
+    assert marker.read_text() == "ran" * sess.world_size
+
+
+def test_records_logs_and_stack_dumps_are_private_and_links_are_not_followed(session_factory, tmp_path):
+    s = session_factory(2, private=True)
+    try:
+        record = s.keeper.record.path
+        folder = os.path.dirname(record)
+        assert _mode(folder) == 0o700 and _mode(record) == 0o600
+        assert _mode(record.removesuffix(".json") + ".watchdog.log") == 0o600
+        stacks = s.health.folder
+        assert all(s.health.stacks([0, 1]).values())  # a stack dump of every rank
+        dumps = sorted(os.listdir(stacks))
+        assert len(dumps) == 2 and _mode(stacks) == 0o700
+        assert all(_mode(os.path.join(stacks, d)) == 0o600 for d in dumps)
+        # a link planted where the record is about to be written is not followed
+        victim = tmp_path / "victim"
+        victim.write_text("keep me")
+        tmp = f"{record}.{os.getpid()}.tmp"
+        os.symlink(victim, tmp)
+        with pytest.raises(OSError):
+            s.keeper.record.write()
+        assert victim.read_text() == "keep me"
+        os.remove(tmp)
+        s.keeper.record.write()  # and once the link is gone, it writes as before
+        # a stack file turned into a link is not truncated through it
+        one = os.path.join(stacks, dumps[0])
+        os.remove(one)
+        os.symlink(victim, one)
+        s.health.stacks([0, 1], wait=0.5)
+        assert victim.read_text() == "keep me"
+    finally:
+        s.shutdown()
+    assert not os.path.exists(stacks)  # stack dumps are removed at shutdown
+    assert not os.path.exists(record)
+
+
+def _mode(path: str) -> int:
+    return os.lstat(path).st_mode & 0o777
+
+
+def test_a_reused_pid_is_never_signalled(tmp_path):
+    """A process handle (what shutdown, the watchdog and the session's signals use) takes
+    a pid only for the process its start time was read from, and once taken it follows
+    that process, not the number."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        stamp = process_stamp(child.pid)
+        assert ProcessHandle.open(child.pid, stamp - 5.0) is None  # "the pid was reused"
+        assert stop_processes([(child.pid, stamp - 5.0)], wait=0.2, term=True) == []
+        assert child.poll() is None  # not signalled
+        handle = ProcessHandle.open(child.pid, stamp)
+        assert handle is not None and handle.alive()
+        stop_processes([(child.pid, stamp)], wait=10, term=True)
+        assert child.wait(10) == -signal.SIGTERM
+        assert not handle.alive() and not handle.send_signal(signal.SIGTERM)  # gone: nothing sent
+        handle.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def test_killing_the_controller_then_the_kernel_leaves_nothing_running(kernel):
+    k = kernel
+    k.run("import fsdp_nb\nsess = fsdp_nb.Session(2, backend='gloo')", timeout=START_S)
+    engines = k.value("[r.pid for r in sess.ranks]")
+    tree = k.value("[p for p, _ in sess.cluster.controller_pids]")
+    standby = k.value("sess.cluster.standby.pid")
+    assert len(tree) > 1, "the controller's schedulers are what used to be left behind"
+    everything = [*engines, *tree, standby]
+    os.kill(tree[0], signal.SIGKILL)  # the controller
+    _until(lambda: not process_alive(tree[0]), "the controller's death")
+    assert any(process_alive(p) for p in tree[1:])  # its schedulers live on by themselves
+    k.restart()  # kill -9 of the kernel, and a fresh one for the fixture
+    if not wait_until(lambda: not any(process_alive(p) for p in everything), 30, 0.2):
+        left = [p for p in everything if process_alive(p)]
+        pytest.fail(f"pids {left} of the session still run 30 s after the kernel died")
+    assert fsdp_nb.sessions() == []

@@ -1,0 +1,107 @@
+"""Signed frames (``fsdp_nb.engine.signing``), with no engines: what a receiver takes and
+what it drops before reading a byte of the payload."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from fsdp_nb.engine.signing import AUTH_BYTES, HEADER_BYTES, Link, Refused, new_nonce
+
+KEY = os.urandom(32)
+
+
+def _pair(purpose: str = "call", key: bytes = KEY) -> tuple[Link, Link]:
+    nonce = new_nonce()
+    return Link(key, purpose, nonce, "client"), Link(key, purpose, nonce, "server")
+
+
+def test_a_signed_message_is_taken_once_both_ways():
+    client, server = _pair()
+    assert server.check(client.sign([b"id", b"payload"])) == [b"id", b"payload"]
+    assert client.check(server.sign([b"id", b"ok", b"result"])) == [b"id", b"ok", b"result"]
+    assert server.unpack(client.pack(b"subscribe")) == b"subscribe"
+    # frames arriving as buffers (zmq copy=False) are checked without a copy
+    signed = client.sign([b"x", bytearray(b"y" * 1000)])
+    assert server.check([memoryview(bytes(f)) for f in signed])[1].tobytes() == b"y" * 1000
+
+
+@pytest.mark.parametrize("change", [
+    "payload", "header", "signature", "swap", "join", "cut", "extra",
+])
+def test_any_change_to_a_signed_message_is_refused(change):
+    client, server = _pair()
+    auth, a, b = client.sign([b"call-id", b"x" * 64])
+    header, mac = auth[:HEADER_BYTES], auth[HEADER_BYTES:]
+    frames = {
+        "payload": [auth, a, b[:-1] + b"y"],
+        "header": [header[:-1] + bytes([header[-1] ^ 1]) + mac, a, b],
+        "signature": [header + bytes(32), a, b],
+        "swap": [auth, b, a],
+        "join": [auth, a + b],  # frame boundaries are signed too
+        "cut": [auth[:40], a, b],
+        "extra": [auth, a, b, b"more"],
+    }[change]
+    with pytest.raises(Refused):
+        server.check(frames)
+    assert server.check(client.sign([a, b])) == [a, b]  # the link still works afterwards
+
+
+def test_replays_reflections_other_links_and_other_keys_are_refused():
+    client, server = _pair()
+    first = client.sign([b"1", b"call"])
+    assert server.check(first)
+    with pytest.raises(Refused, match="replayed"):
+        server.check(first)
+    second, third = client.sign([b"2"]), client.sign([b"3"])
+    assert server.check(third)
+    with pytest.raises(Refused, match="replayed"):  # an older counter, held back
+        server.check(second)
+    # a request sent back to the client as if it were the server's reply
+    with pytest.raises(Refused, match="bad signature"):
+        client.check(client.sign([b"id", b"ok", b"x"]))
+    # the same key on another link (another server's nonce) or for another purpose
+    other_client, other_server = _pair()
+    with pytest.raises(Refused, match="bad signature"):
+        other_server.check(client.sign([b"id", b"x"]))
+    abort_client, _ = _pair("nccl-abort")
+    with pytest.raises(Refused, match="bad signature"):
+        server.check(abort_client.sign([b"id", b"x"]))
+    stranger, _ = _pair(key=os.urandom(32))
+    with pytest.raises(Refused, match="bad signature"):
+        other_server.check(stranger.sign([b"id", b"x"]))
+    # senders are told apart: another client on the same link has its own counter
+    again = Link(KEY, "call", b"", "client")
+    assert Link(KEY, "call", b"", "server").check(again.sign([b"a"])) == [b"a"]
+
+
+def test_unsigned_and_short_messages_are_refused():
+    _, server = _pair()
+    for frames in ([], [b"x"], [b"x", b"y"], [b"\0" * AUTH_BYTES, b"\0" * 32]):
+        with pytest.raises(Refused):
+            server.check(frames)
+    for frame in (b"", b"abort", os.urandom(AUTH_BYTES - 1), os.urandom(200)):
+        with pytest.raises(Refused):
+            server.unpack(frame)
+
+
+def test_a_link_needs_a_key_and_a_side():
+    with pytest.raises(ValueError, match="no key|has none"):
+        Link(b"", "call", new_nonce(), "server")
+    with pytest.raises(ValueError, match="side must be one of"):
+        Link(KEY, "call", new_nonce(), "peer")
+
+
+def test_drops_are_counted_and_the_first_one_per_link_is_a_warning(caplog):
+    _, server = _pair()
+    with caplog.at_level(logging.DEBUG, logger="fsdp_nb"):
+        for _ in range(3):
+            try:
+                server.unpack(b"abort")
+            except Refused as why:
+                server.refused(why, "tcp://127.0.0.1:1")
+    levels = [r.levelno for r in caplog.records if "dropped a message" in r.getMessage()]
+    assert levels == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+    assert server.dropped == 3
