@@ -50,6 +50,8 @@ class EngineCluster:
     def __init__(self, client: ipp.Client, cluster: ipp.Cluster | None = None):
         self.client = client
         self.cluster = cluster
+        self.key = signing_key(client)
+        """The cluster's key (its ipyparallel session's): what fsdp_nb's own channels sign with."""
         self.owns_engines = cluster is not None
         self.engine_ids: list[int] = sorted(client.ids)
         self.pids: list[int | None] = [None] * len(self.engine_ids)
@@ -159,7 +161,12 @@ class EngineCluster:
             kwargs["cluster_id"] = cluster_id
         # ipyparallel 9.2 ignores url_file= as a keyword: pass it positionally.
         client = ipp.Client(url_file, **kwargs) if url_file else ipp.Client(**kwargs)
-        client.wait_for_engines(n or 1, timeout=timeout, interactive=False)
+        try:
+            signing_key(client)  # before waiting for engines: an unsigned cluster is refused
+            client.wait_for_engines(n or 1, timeout=timeout, interactive=False)
+        except BaseException:
+            client.close()
+            raise
         return cls(client)
 
     def stop(self) -> None:
@@ -167,10 +174,11 @@ class EngineCluster:
         client otherwise."""
         try:
             if self.cluster is not None:
-                tree = {*self.controller_pids, *process_tree(getattr(self.cluster.controller, "pid", None))}
                 self._ask_engines_to_exit()
                 self.cluster.stop_cluster_sync()
-                stop_processes(sorted(tree), wait=STOP_WAIT)
+                killed = stop_processes(self.controller_pids, wait=STOP_WAIT)
+                if killed:
+                    log.debug("killed the controller's processes %s, still there after its stop", killed)
         finally:
             try:
                 self.client.close()
@@ -212,19 +220,6 @@ class EngineCluster:
         """
         self.engine_ids, self.pids, self.hosts = list(engine_ids), list(pids), list(hosts)
         self.started = list(started) if started is not None else [None] * len(self.pids)
-
-    @property
-    def key(self) -> bytes:
-        """The cluster's key (its ipyparallel session's): what fsdp_nb's own channels
-        sign with. Raises for a cluster without one."""
-        key = bytes(self.client.session.key or b"")
-        if not key:
-            raise RuntimeError(
-                "this ipyparallel cluster has no key, so its messages are not signed and "
-                "anyone who can reach it can run code as you; fsdp_nb will not open its own "
-                "channels on it. Start the cluster with a key (ipyparallel's default)."
-            )
-        return key
 
     def listen_address(self, rank: int) -> str:
         """Where ``rank``'s engine binds the sockets the notebook connects to: loopback
@@ -299,8 +294,7 @@ class EngineCluster:
 
     def _owned_here(self, rank: int) -> bool:
         """Whether this session started ``rank``'s engine on this host (alive or not)."""
-        pid = self.pids[rank]
-        return pid is not None and self.hosts[rank] == socket.gethostname() and self.owns_pid(pid)
+        return self.owns_engines and self.pids[rank] is not None and self.hosts[rank] == socket.gethostname()
 
     # -- process control -----------------------------------------------------------
 
@@ -446,6 +440,20 @@ class EngineCluster:
             out[r] = sorted({(x.laddr.ip, x.laddr.port) for x in conns if x.laddr})
         return out
 
+
+
+def signing_key(client: Any) -> bytes:
+    """The key of ``client``'s cluster; ``ValueError`` for a cluster with none, whose
+    messages are unsigned: anyone who reaches it runs code as the user, and fsdp_nb's
+    own channels would have nothing to sign with."""
+    key = bytes(client.session.key or b"")
+    if not key:
+        raise ValueError(
+            "this ipyparallel cluster has no key, so its messages are not signed and anyone "
+            "who can reach it can run code as you; fsdp_nb refuses it. Start the cluster with "
+            "a key (ipyparallel's default: do not set Session.key to empty)."
+        )
+    return key
 
 
 def wait_until(pred, timeout: float, interval: float = 0.05) -> bool:

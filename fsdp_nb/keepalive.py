@@ -101,7 +101,7 @@ class Keeper:
         """Write the record again with ``sess``'s current ranks (after a restart)."""
         self.record.ranks = [dataclasses.asdict(r) for r in sess.ranks]
         self.record.engine_pids = _engine_pids(sess)
-        self.record.controller_pids = sess.cluster.controller_pids or self.record.controller_pids
+        self.record.controller_pids = sess.cluster.controller_pids
         old = self.record.stack_folder
         if old and old != sess.health.folder:  # an earlier kernel's: its engines moved on
             shutil.rmtree(old, ignore_errors=True)

@@ -127,27 +127,21 @@ class ProcessHandle:
             os.close(self._fd)
             self._fd, self._poll = None, None
 
-    def __del__(self) -> None:
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
+    __del__ = close
 
 
 def process_tree(pid: int | None) -> list[tuple[int, float | None]]:
     """(pid, start time) of process ``pid`` and all its descendants (empty if it is gone):
     what must stop with it (ipyparallel's controller runs its schedulers as children,
     which outlive a controller killed with SIGKILL)."""
-    try:
-        p = psutil.Process(pid) if pid else None
-    except psutil.NoSuchProcess:
-        p = None
-    if p is None or not handle_alive(p):
+    if not process_alive(pid):
         return []
-    out = [(p.pid, process_stamp(p.pid))]
     try:
-        out += [(c.pid, process_stamp(c.pid)) for c in p.children(recursive=True)]
-    except psutil.Error as exc:
-        log.debug("could not list the children of pid %d: %s", p.pid, exc)
-    return [(pid_, stamp) for pid_, stamp in out if stamp is not None]
+        p = psutil.Process(pid)
+        return [(q.pid, q.create_time()) for q in (p, *p.children(recursive=True))]
+    except psutil.Error as exc:  # it exited meanwhile, or one we may not look at
+        log.debug("could not list the processes under pid %s: %s", pid, exc)
+        return []
 
 
 def stop_processes(processes: list[tuple[int, float | None]], wait: float, term: bool = False) -> list[int]:
@@ -169,13 +163,7 @@ def stop_processes(processes: list[tuple[int, float | None]], wait: float, term:
         deadline = time.monotonic() + wait
         while any(h.alive() for h in left) and time.monotonic() < deadline:
             time.sleep(0.1)
-        killed = []
-        for h in left:
-            if h.alive():
-                log.info("pid %d of the session did not stop; killing it", h.pid)
-                h.send_signal(signal.SIGKILL)
-                killed.append(h.pid)
-        return killed
+        return [h.pid for h in left if h.alive() and h.send_signal(signal.SIGKILL)]
     finally:
         for h in left:
             h.close()

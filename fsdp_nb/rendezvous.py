@@ -208,12 +208,11 @@ def join_group(
     (port,) = dispatcher.gather(
         dispatcher.apply("bind the group's store", _pg.listen, ranks=[0], args=(master_addr,)), timeout
     )
+    # one host: the store and gloo on loopback; several: on the interface to rank 0
+    ifname_vars = _probe.SOCKET_IFNAME_VARS if multi_host else ("GLOO_SOCKET_IFNAME",)
     envs = [
-        # one host: the store and gloo on loopback; several: on the interface to rank 0
-        rank_env(r, len(probes), locals_[r], master_addr, port, p.ifname, p.preset_env)
-        if multi_host else
-        rank_env(r, len(probes), locals_[r], master_addr, port, p.loopback_ifname, p.preset_env,
-                 ifname_vars=("GLOO_SOCKET_IFNAME",))
+        rank_env(r, len(probes), locals_[r], master_addr, port,
+                 p.ifname if multi_host else p.loopback_ifname, p.preset_env, ifname_vars)
         for r, p in enumerate(probes)
     ]
     gpus = gpu_indexes(probes) if backend == "nccl" else None

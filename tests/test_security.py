@@ -123,6 +123,21 @@ def _append_on_rank_0(path: str) -> None:
             f.write("x")
 
 
+def test_a_call_too_large_for_the_direct_socket_goes_through_ipyparallel(sess, monkeypatch):
+    """The servers refuse frames over ``MAX_REQUEST_BYTES`` (zmq drops the sender), so the
+    notebook sends such a call through ipyparallel instead: it still runs, nothing is dropped."""
+    _call_endpoints(sess)
+    before = sess.run(call_server.dropped)
+    sent: list[object] = []
+    send = sess.channel.send
+    monkeypatch.setattr(sess.channel, "send", lambda *a: sent.append(send(*a)) or sent[-1])
+    monkeypatch.setattr(call_server, "MAX_REQUEST_BYTES", 10_000)  # the notebook's copy
+    assert sess.run(len, b"x" * 20_000) == [20_000, 20_000]
+    assert sent == [None]  # nothing went over the direct sockets
+    assert sess.run(len, b"x" * 100) == [100, 100] and sent[-1] is not None
+    assert sess.run(call_server.dropped) == before
+
+
 def test_abort_without_the_key_aborts_nothing(sess):
     sess.health.start_abort_listeners(sess.plain_dispatcher)
     before = sess.run(nccl_abort.received)
@@ -283,7 +298,7 @@ def test_a_local_session_listens_on_loopback_only(sess):
         engines = [r.pid for r in sess.ranks]
         controller = [p for p, _ in sess.cluster.controller_pids]
         assert _listening(engines) == {"127.0.0.1"}
-        assert _listening(controller) <= {"127.0.0.1"}
+        assert _listening(controller) == {"127.0.0.1"}
         port = int(sess.run(lambda: os.environ["MASTER_PORT"])[0])
         store = [c for c in psutil.Process(engines[0]).net_connections("tcp")
                  if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
@@ -422,6 +437,9 @@ def test_a_reused_pid_is_never_signalled(tmp_path):
 def test_killing_the_controller_then_the_kernel_leaves_nothing_running(kernel):
     k = kernel
     k.run("import fsdp_nb\nsess = fsdp_nb.Session(2, backend='gloo')", timeout=START_S)
+    files = k.value("[sess.cluster.cluster.cluster_file, sess.health.folder]")
+    security = os.path.dirname(files[0])
+    assert len(os.listdir(security)) == 3  # the cluster file and the controller's two
     engines = k.value("[r.pid for r in sess.ranks]")
     tree = k.value("[p for p, _ in sess.cluster.controller_pids]")
     standby = k.value("sess.cluster.standby.pid")
@@ -435,3 +453,5 @@ def test_killing_the_controller_then_the_kernel_leaves_nothing_running(kernel):
         left = [p for p in everything if process_alive(p)]
         pytest.fail(f"pids {left} of the session still run 30 s after the kernel died")
     assert fsdp_nb.sessions() == []
+    # the watchdog also removed the cluster's files and the stack dumps
+    assert os.listdir(security) == [] and not os.path.exists(files[1])

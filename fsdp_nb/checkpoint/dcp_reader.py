@@ -1,9 +1,9 @@
 """The DCP storage reader every fsdp_nb read goes through: safe and checked.
 
 - ``.metadata`` is unpickled with the restricted unpickler (``restricted``), or taken
-  as already read and checked; BYTE_IO items (an optimizer's ``param_groups``) are
-  unpickled weights-only, in the check pass already, and only planners that do the
-  same are taken (``pickles``), unless the caller trusts the checkpoint;
+  as already read and checked; only planners that unpickle BYTE_IO items (an
+  optimizer's ``param_groups``) weights-only are taken (``pickles``), unless the caller
+  trusts the checkpoint (``open_sharded`` has checked every such item already);
 - each stored item is checked against its recorded checksum as it is read, and its
   tensor built over the bytes read (``item_tensor``), not copied again by ``torch.load``;
 - ``before_commit`` (a session load into a live model): every item of this process's
@@ -159,7 +159,7 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
                 if check is not None:
                     check.result()
                 for req, md in reqs:
-                    _item(planner, req, md, view, weights_only)
+                    _item(planner, req, md, view)
 
             at, turn = None, 0
             for stream, req, md in self._opened(items):
@@ -233,20 +233,16 @@ def _buffer(n: int) -> memoryview:
     return memoryview(torch.empty(n, dtype=torch.uint8).numpy()).cast("B")
 
 
-def _item(planner: Any, req: Any, md: Any, view: memoryview, check_pickle: bool = False) -> Any:
+def _item(planner: Any, req: Any, md: Any, view: memoryview) -> Any:
     """What read item ``view`` holds for request ``req``: its bytes, or (a tensor item)
     the requested slice of its tensor, built over ``view`` and matched against the
-    planner's target. ``check_pickle``: a bytes item must unpickle weights-only (the
-    check pass: refused before anything is copied)."""
+    planner's target."""
     from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint.planner import LoadItemType
 
     from .item_tensor import tensor_from_item
-    from .pickles import load_item
 
     if req.type == LoadItemType.BYTE_IO:
-        if check_pickle:
-            load_item(view, req.dest_index.fqn, md.relative_path)
         return bytes(view)
     tensor = narrow_tensor_by_index(tensor_from_item(view), req.storage_offsets, req.lengths)
     want = planner.resolve_tensor(req).size()

@@ -48,8 +48,6 @@ def read_dcp_metadata(fs: Any, path: str, url: str, record: dict | None = None,
         raise CorruptCheckpointError(
             f"checkpoint {url!r}: file '.metadata' is missing (not a DCP checkpoint, or unfinished)"
         ) from exc
-    except UnsafeCheckpointError as exc:
-        raise UnsafeCheckpointError(f"checkpoint {url!r}: {exc}") from None
     for off, length, crc in (record or {}).get("segments", ()):
         try:
             check_item(data[off:off + length], ".metadata", off, (length, crc, record.get("algorithm", "crc32")))

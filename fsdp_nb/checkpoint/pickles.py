@@ -25,7 +25,6 @@ user trusts: DCP's own planners and plain unpickling, which can run arbitrary co
 from __future__ import annotations
 
 import io
-import logging
 import posixpath
 import re
 from typing import Any
@@ -33,11 +32,9 @@ from typing import Any
 from .info import CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = [
-    "TRUST_HINT", "UnsafeCheckpointError", "full_load_planner", "is_weights_only", "load_item",
-    "load_planner", "load_pt", "refuse_code",
+    "TRUST_HINT", "full_load_planner", "is_weights_only", "load_item", "load_planner", "load_pt",
+    "refuse_code",
 ]
-
-log = logging.getLogger("fsdp_nb")
 
 TRUST_HINT = ("if you trust whoever wrote this checkpoint, pass weights_only=False "
               "(--trust-pickles on the command line), which unpickles it as plain torch.load "
@@ -65,13 +62,9 @@ def load_item(data: bytes | memoryview, item: str, file: str, url: str | None = 
     try:
         return torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        if "WeightsUnpickler" not in str(exc):
+        if not _refused(exc):
             raise CorruptCheckpointError(f"{where}item {item!r} in file {file!r} is corrupt ({exc})") from None
-        raise UnsafeCheckpointError(
-            f"{where}item {item!r} in file {file!r} holds a pickle that weights-only loading "
-            f"refuses ({_why(exc)}): loading it could run code, so nothing was loaded; "
-            f"{TRUST_HINT}"
-        ) from None
+        raise _unsafe(f"{where}item {item!r} in file {file!r}", exc) from None
     except (RuntimeError, EOFError, ValueError) as exc:  # not a torch.save archive
         raise CorruptCheckpointError(
             f"{where}item {item!r} in file {file!r} is corrupt ({type(exc).__name__}: "
@@ -103,19 +96,26 @@ def load_pt(fs: Any, path: str, url: str, weights_only: bool = True) -> Any:
         with fs.open(path, "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as exc:
-        if not (weights_only and "WeightsUnpickler" in str(exc)):
+        if not (weights_only and _refused(exc)):
             raise
-        raise UnsafeCheckpointError(
-            f"checkpoint {url!r}: file {posixpath.basename(path)!r} holds a pickle that "
-            f"weights-only loading refuses ({_why(exc)}): loading it could run code, so nothing "
-            f"was loaded; {TRUST_HINT}"
-        ) from None
+        raise _unsafe(f"checkpoint {url!r}: file {posixpath.basename(path)!r}", exc) from None
 
 
-def _why(exc: BaseException) -> str:
-    """The unpickler's reason, without torch's advice (which names the opposite opt-in)."""
+def _refused(exc: BaseException) -> bool:
+    """Whether an ``UnpicklingError`` is the weights-only unpickler's refusal (not damage)."""
+    return "WeightsUnpickler" in str(exc)
+
+
+def _unsafe(what: str, exc: BaseException) -> UnsafeCheckpointError:
+    """The error for a pickle the weights-only unpickler refused: what held it, the
+    unpickler's reason (without torch's advice, which names the opposite opt-in), how to
+    go on."""
     found = re.search(r"WeightsUnpickler error: ([^\n]*?)(?: Please use|$)", str(exc), re.M)
-    return (found.group(1) if found else str(exc).splitlines()[0]).strip().rstrip(".")
+    why = (found.group(1) if found else str(exc).splitlines()[0]).strip().rstrip(".")
+    return UnsafeCheckpointError(
+        f"{what} holds a pickle that weights-only loading refuses ({why}): loading it could "
+        f"run code, so nothing was loaded; {TRUST_HINT}"
+    )
 
 
 def refuse_code(fs: Any, path: str, url: str, md: Any,

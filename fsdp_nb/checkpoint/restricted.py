@@ -71,28 +71,22 @@ class _Restricted(pickle.Unpickler):
 
 
 def read_capped(fs: Any, path: str) -> bytes:
-    """The bytes of ``.metadata`` file ``path`` on fsspec ``fs``, read only if it is no
-    larger than ``max_metadata_bytes()`` (``UnsafeCheckpointError`` otherwise)."""
-    limit = max_metadata_bytes()
+    """The bytes of ``.metadata`` file ``path`` on fsspec ``fs``, at most one more than
+    ``max_metadata_bytes()``: enough for ``load_dcp_metadata`` to refuse a larger file
+    without reading it all."""
     with fs.open(path, "rb") as f:
-        data = f.read(limit + 1)
-    _check_size(len(data))
-    return data
-
-
-def _check_size(n: int) -> None:
-    if n > max_metadata_bytes():
-        raise UnsafeCheckpointError(
-            f"file '.metadata' is over the {max_metadata_bytes()} bytes fsdp_nb reads; raise "
-            f"{MAX_METADATA_ENV} if this checkpoint's metadata is really that large"
-        )
+        return f.read(max_metadata_bytes() + 1)
 
 
 def load_dcp_metadata(data: bytes, weights_only: bool = True) -> Any:
     """DCP ``Metadata`` from ``.metadata`` bytes: unpickled with the restricted unpickler
     (plain ``pickle`` when ``weights_only`` is False: a trusted checkpoint), then its file
     names checked (``check_paths``)."""
-    _check_size(len(data))
+    if len(data) > max_metadata_bytes():
+        raise UnsafeCheckpointError(
+            f"file '.metadata' is over the {max_metadata_bytes()} bytes fsdp_nb reads; raise "
+            f"{MAX_METADATA_ENV} if this checkpoint's metadata is really that large"
+        )
     md = _Restricted(io.BytesIO(data)).load() if weights_only else pickle.loads(data)
     check_paths(md)
     return md

@@ -6,10 +6,10 @@ listener, the memory feed) follow the same rule with the same secret, after
 jupyter_client's ``Session``: every message starts with one frame holding a header
 (the sender's random id and a counter) and an HMAC-SHA256 over the header and each
 payload frame's SHA-256 in order, so frames cannot be changed, moved, cut or joined (a
-payload sent to several engines is hashed once: ``frame_digests``). A receiver checks the signature with
-``hmac.compare_digest`` before it reads, let alone unpickles, a byte of the payload, then
-refuses a counter it has already seen from that sender: a captured message cannot be
-replayed.
+payload sent to several engines is hashed once: ``frame_digests``). A receiver checks
+the signature with ``hmac.compare_digest`` before it reads, let alone unpickles, a byte
+of the payload, then refuses a counter it has already seen from that sender: a
+captured message cannot be replayed.
 
 The cluster's key never travels. Each side reads it where it already is (the notebook's
 ipyparallel client, the engine's own session) and derives a key per link, direction
@@ -35,12 +35,12 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
-    "AUTH_BYTES", "HEADER_BYTES", "Link", "Refused", "engine_key", "frame_bytes", "frame_digests", "new_nonce",
+    "AUTH_BYTES", "HEADER_BYTES", "Link", "Refused", "engine_key", "frame_bytes", "frame_digests",
+    "new_nonce",
 ]
 
 log = logging.getLogger("fsdp_nb")
 
-_sha256 = hashlib.sha256
 _HEADER = struct.Struct("!16sQ")
 """A message's header: the sender's random id (16 bytes) and its counter (u64)."""
 HEADER_BYTES = _HEADER.size
@@ -81,7 +81,7 @@ def frame_bytes(frame: Any) -> bytes | memoryview:
 def frame_digests(frames: Sequence[Any]) -> list[bytes]:
     """Each frame's SHA-256: what a signature covers. Hash a payload once and pass its
     digest to every ``Link.sign`` that sends it."""
-    return [_sha256(frame_bytes(f)).digest() for f in frames]
+    return [hashlib.sha256(frame_bytes(f)).digest() for f in frames]
 
 
 class Link:
@@ -120,14 +120,12 @@ class Link:
 
     # -- multi-frame messages ([auth, *payload]; auth = header + mac) ---------------------
 
-    def sign(self, frames: Sequence[Any], digests: Sequence[bytes | None] | None = None) -> list[Any]:
+    def sign(self, frames: Sequence[Any], digests: Sequence[bytes] | None = None) -> list[Any]:
         """``[auth, *frames]``: what to send for the payload ``frames`` (``auth``: the
         header and the signature, one frame). ``digests``: the frames'
-        ``frame_digests`` already taken (None entries are taken here)."""
+        ``frame_digests``, when already taken (a payload sent to several engines)."""
         if digests is None:
             digests = frame_digests(frames)
-        else:
-            digests = [d if d is not None else _sha256(frame_bytes(f)).digest() for f, d in zip(frames, digests)]
         with self._lock:
             self._counter += 1
             header = _HEADER.pack(self._sender, self._counter)
@@ -140,9 +138,8 @@ class Link:
         if len(frames) < 2:
             raise Refused(f"{len(frames)} frame(s), where a signed message has a signature "
                           "and a payload")
-        auth = bytes(frame_bytes(frames[0]))
         payload = list(frames[1:])
-        self._verify(auth, [frame_bytes(f) for f in payload])
+        self._verify(bytes(frame_bytes(frames[0])), payload)
         return payload
 
     # -- single-frame messages (auth + payload in one frame) ----------------------------

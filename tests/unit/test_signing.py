@@ -94,6 +94,20 @@ def test_a_link_needs_a_key_and_a_side():
         Link(KEY, "call", new_nonce(), "peer")
 
 
+def test_a_cluster_without_a_key_is_refused():
+    """ipyparallel with an empty key signs nothing: fsdp_nb refuses such a cluster when it
+    takes its client, before any channel opens."""
+    from types import SimpleNamespace
+
+    from fsdp_nb.cluster import EngineCluster, signing_key
+
+    unsigned = SimpleNamespace(session=SimpleNamespace(key=b""), ids=[0, 1])
+    with pytest.raises(ValueError, match="no key, so its messages are not signed"):
+        EngineCluster(unsigned)
+    signed = SimpleNamespace(session=SimpleNamespace(key=KEY), ids=[0, 1])
+    assert signing_key(signed) == KEY and EngineCluster(signed).key == KEY
+
+
 def test_drops_are_counted_and_the_first_one_per_link_is_a_warning(caplog):
     _, server = _pair()
     with caplog.at_level(logging.DEBUG, logger="fsdp_nb"):
