@@ -191,6 +191,9 @@ def test_a_subscriber_without_the_key_gets_no_memory_samples(sess, monkeypatch):
     monkeypatch.undo()
     try:
         assert len(captured) == len(w.feed.endpoints) == 2
+        # a subscription is captured on its way, so it reaches the sampler first: wait for
+        # the notebook's own to be applied (its first samples) before the spies replay it
+        _until(lambda: min(_seqs(w)) >= 0, "the first sample of every rank")
         spies = []
         for ep, mine in zip(w.feed.endpoints, captured):
             for topic in (b"", os.urandom(56), mine, Link(os.urandom(32), "memory", new_nonce(), "client").pack(
