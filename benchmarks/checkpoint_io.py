@@ -182,7 +182,7 @@ def model_shape(mb: int) -> tuple[int, int]:
     return dim, max(1, (mb << 20) // (dim * dim * 4))
 
 
-def bench_ranks(n: int, folder: str, mb: int, cold: bool, reps: int) -> dict:
+def bench_ranks(n: int, folder: str, mb: int, cold: bool, reps: int) -> dict:  # noqa: C901 - its six timed turns are closures over one session
     dim, layers = model_shape(mb)
     sess = fsdp_nb.Session(n, backend="gloo", activate=False)
     try:

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fsdp_nb.process_handles import process_alive
+from fsdp_nb.engine.process_handles import process_alive
 
 OUT = Path(__file__).resolve().parent / "out"
 

@@ -50,7 +50,7 @@ def main() -> None:
     import inspect
 
     import fsdp_nb
-    from fsdp_nb.widgets.memory import memory_widget
+    from fsdp_nb.frontends.widgets.memory import memory_widget
 
     interval = args.interval or inspect.signature(memory_widget).parameters["interval"].default
     sess = fsdp_nb.Session(2, backend="gloo", activate=False)

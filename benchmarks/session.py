@@ -93,7 +93,7 @@ def timed(fn) -> tuple[float, object]:
 def bench_restart(sess, folder: str) -> dict:
     """``restart(restore=)`` of a killed rank 0 against its parts, each timed alone."""
     import fsdp_nb
-    from fsdp_nb.cluster import wait_until
+    from fsdp_nb.runtime.cluster import wait_until
 
     sess.wrap(small_model, name="warm_model")  # first-wrap imports, on every rank
     res: dict = {}
@@ -211,10 +211,10 @@ def bench_size(n: int, repeats: int, steps: int, train: bool, ready_reps: int) -
             lambda: sess.execute("pass"), lambda: view.execute("pass", block=True), repeats)
         res["run_p50_ms"], res["ipyparallel_apply_p50_ms"] = p50_pair(
             lambda: sess.run(int), lambda: view.apply_sync(int), repeats)
-        sess.channel.enabled = False
+        sess.context.channel.enabled = False
         res["run_via_ipyparallel_p50_ms"], res["ipyparallel_apply_p50_ms_2"] = p50_pair(
             lambda: sess.run(int), lambda: view.apply_sync(int), repeats)
-        sess.channel.enabled = True
+        sess.context.channel.enabled = True
         if train:
             sess.execute((HERE / "_train_loop.py").read_text())
             out = sess.run(lambda s: bench_train(s), steps)  # noqa: F821 - defined on engines

@@ -6,7 +6,19 @@ without GPUs), each a rank of one process group; ``%%px`` runs cells on every ra
 
 from __future__ import annotations
 
-from .errors import DeadRankError, RankError, RankFailure, RankTimeoutError, SessionClosedError
+from typing import Any
+
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    DeadRankError,
+    FsdpNbError,
+    RankError,
+    RankFailure,
+    RankTimeoutError,
+    SessionClosedError,
+    UnsafeCheckpointError,
+)
 
 __version__ = "0.1.0"
 
@@ -15,40 +27,51 @@ __version__ = "0.1.0"
 # fsdp_nb.engine) does not pay for ipyparallel and IPython.
 _LAZY = {
     "Session": "session",
-    "RankInfo": "rendezvous",
-    "load_ipython_extension": "magics",
-    "ShardedModel": "sharded_model",
-    "WrapOptions": "wrap_options",
-    "CheckpointInfo": "checkpoint",
-    "CheckpointError": "checkpoint",
-    "CorruptCheckpointError": "checkpoint",
-    "UnsafeCheckpointError": "checkpoint",
-    "inspect": "checkpoint",
-    "consolidate": "checkpoint",
-    "export_safetensors": "checkpoint",
-    "list_checkpoints": "checkpoint",
-    "sessions": "keepalive",
+    "SessionContext": "context",
+    "RankInfo": "runtime.rendezvous",
+    "ShardedModel": "models.sharded_model",
+    "WrapOptions": "models.options",
+    "AsyncCheckpoint": "checkpoint.async_saves",
+    "CheckpointInfo": "checkpoint.format.info",
+    "inspect": "checkpoint.format.inspect",
+    "list_checkpoints": "checkpoint.format.listing",
+    "consolidate": "checkpoint.consolidate",
+    "export_safetensors": "checkpoint.export",
+    "sessions": "lifetime.keepalive",
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'fsdp_nb' has no attribute {name!r}")
 
+
+def load_ipython_extension(ip: Any) -> None:
+    """``%load_ext fsdp_nb``: adds ``%fsdp`` (start / status / stop / list / attach /
+    debug), ``%px`` and ``%%px``."""
+    from .frontends.magics import register
+    from .session import Session
+
+    register(ip, Session)
+
+
 __all__ = [
+    "AsyncCheckpoint",
     "CheckpointError",
     "CheckpointInfo",
     "CorruptCheckpointError",
     "DeadRankError",
+    "FsdpNbError",
     "RankError",
     "RankFailure",
     "RankInfo",
     "RankTimeoutError",
     "Session",
     "SessionClosedError",
+    "SessionContext",
     "ShardedModel",
     "UnsafeCheckpointError",
     "WrapOptions",

@@ -1,16 +1,30 @@
-"""Errors raised in the notebook: one class per thing a user can do about it."""
+"""Every error fsdp_nb raises for a user to act on: one class per thing a user can do
+about it, all under :class:`FsdpNbError`.
+
+Each also derives from the builtin a caller would have caught before (``RuntimeError``,
+``TimeoutError``), so ``except RuntimeError`` code keeps working. Mistakes in
+arguments stay ``TypeError`` / ``ValueError``, as Python's own calls raise them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 __all__ = [
+    "CheckpointError",
+    "CorruptCheckpointError",
     "DeadRankError",
+    "FsdpNbError",
     "RankError",
     "RankFailure",
     "RankTimeoutError",
     "SessionClosedError",
+    "UnsafeCheckpointError",
 ]
+
+
+class FsdpNbError(Exception):
+    """The base of every error fsdp_nb raises for a user to act on."""
 
 
 @dataclass(frozen=True)
@@ -30,13 +44,21 @@ class RankFailure:
         return f"[rank {self.rank}] {self.ename}: {self.evalue}"
 
 
-class RankError(RuntimeError):
-    """One or more ranks raised; ``failures`` lists them, the first failing rank first."""
+class RankError(FsdpNbError, RuntimeError):
+    """One or more ranks raised; ``failures`` lists them, the first failing rank first.
 
-    def __init__(self, what: str, failures: list[RankFailure], world_size: int | None = None):
+    ``what``: the call that failed; ``world_size``: the ranks it ran on; ``collateral``:
+    ranks that failed only because another rank had (stopped by recovery)."""
+
+    def __init__(
+        self, what: str, failures: list[RankFailure], world_size: int | None = None,
+        collateral: list[int] | None = None,
+    ):
         self.what = what
         self.failures = list(failures)
         self.world_size = world_size
+        self.collateral = list(collateral or [])
+        """Ranks whose failure was a consequence of the first ones'."""
         ranks = ", ".join(str(f.rank) for f in self.failures)
         of = f" of {world_size}" if world_size else ""
         lines = [f"{what} failed on rank(s) {ranks}{of}."]
@@ -57,7 +79,7 @@ class RankError(RuntimeError):
         return self.failures[0]
 
 
-class DeadRankError(RuntimeError):
+class DeadRankError(FsdpNbError, RuntimeError):
     """An engine process died (killed, OOM); ``sess.restart()`` brings the rank back."""
 
     def __init__(self, ranks: list[int], detail: str = ""):
@@ -71,16 +93,36 @@ class DeadRankError(RuntimeError):
         super().__init__(msg)
 
 
-class RankTimeoutError(TimeoutError):
-    """A call did not finish on every rank within its ``timeout``."""
+class RankTimeoutError(FsdpNbError, TimeoutError):
+    """A call did not finish on every rank within its ``timeout``.
 
-    def __init__(self, what: str, timeout: float, pending: list[int]):
+    ``pending``: the ranks still running; ``stacks``: where each of them was (rank ->
+    its threads' stacks as text), shown after the message."""
+
+    def __init__(self, what: str, timeout: float, pending: list[int], stacks: dict[int, str] | None = None):
         self.pending = sorted(pending)
+        self.stacks = dict(stacks or {})
+        """Rank -> the stacks it was in when the timeout struck."""
+        text = "".join(f"\n\n--- rank {r} was at:\n{s.rstrip()}" for r, s in sorted(self.stacks.items()))
         super().__init__(
             f"{what} did not finish within {timeout:g} s on rank(s) "
-            f"{', '.join(map(str, self.pending))}; sess.status() shows where they are."
+            f"{', '.join(map(str, self.pending))}; sess.status() shows where they are.{text}"
         )
 
 
-class SessionClosedError(RuntimeError):
+class SessionClosedError(FsdpNbError, RuntimeError):
     """The session was shut down; start a new one with ``fsdp_nb.Session()``."""
+
+
+class CheckpointError(FsdpNbError, RuntimeError):
+    """A checkpoint cannot be used: incomplete, wrong keys or shapes, unknown format."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file is truncated, corrupt or missing; the message names the file."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint holds a pickle that could run code when loaded, or metadata that names
+    files outside its folder; refused before anything was loaded
+    (``fsdp_nb.checkpoint.format.pickles``)."""

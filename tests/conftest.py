@@ -89,7 +89,7 @@ def pytest_collection_modifyitems(config, items):
 def kernel(tmp_path, monkeypatch):
     """A real Jupyter kernel (``kernels.Kernel``) with its own IPYTHONDIR (this test
     process looks there too); whatever session it left running is shut down."""
-    from kernels import Kernel
+    from helpers import Kernel
 
     ipythondir = str(tmp_path / "ipython")
     monkeypatch.setenv("IPYTHONDIR", ipythondir)

@@ -21,7 +21,7 @@ import pytest
 
 from fsdp_nb.engine.probe import EngineProbe
 from fsdp_nb.engine.process_group import init_backend
-from fsdp_nb.rendezvous import choose_backend, gpu_indexes
+from fsdp_nb.runtime.rendezvous import choose_backend, gpu_indexes
 
 
 def probe(host: str, gpus: int, visible: str | None = None) -> EngineProbe:
@@ -69,7 +69,7 @@ def test_nccl_groups_carry_a_cpu_backend():
 def test_connect_without_backend_forms_gloo_on_cpu_engines(sess):
     """The shared session's engines have no GPU: the probes say gloo (the wiring of
     ``connect()`` on GPU engines is covered by ``tests/test_gpu.py``)."""
-    from fsdp_nb import rendezvous
+    from fsdp_nb.runtime import rendezvous
 
     probes = rendezvous.probe_engines(sess.cluster, sess.dispatcher)
     assert all(p.cuda_devices == 0 for p in probes)
@@ -81,10 +81,10 @@ ASYNC_ON_CUDA_ONLY_WORLD = textwrap.dedent(
     import torch, torch.distributed as dist
     dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
     assert torch.device("cpu") not in dist.group.WORLD._device_types
-    from fsdp_nb.checkpoint.contract import LoadSpec, SaveSpec
-    from fsdp_nb.checkpoint.metadata import base_metadata
-    from fsdp_nb.checkpoint.storage import options_for
-    from fsdp_nb.engine import async_saves, checkpoint_io as cio, checkpoint_load
+    from fsdp_nb.wire.checkpoint import LoadSpec, SaveSpec
+    from fsdp_nb.checkpoint.format.metadata import base_metadata
+    from fsdp_nb.checkpoint.format.storage import options_for
+    from fsdp_nb.engine import async_saves, checkpoint_save as cio, checkpoint_load
     from fsdp_nb.engine.namespace import user_ns
 
     torch.manual_seed(0)
@@ -126,13 +126,13 @@ def test_abort_channel_reaches_every_engine_and_spares_gloo(sess):
     communicator to abort, and the gloo group still answers."""
     from fsdp_nb.engine import nccl_abort
 
-    sess.health.start_abort_listeners(sess.plain_dispatcher)
-    endpoints = {r: ep for r, (ep, _) in sess.health.abort_links.items()}
-    sess.health.start_abort_listeners(sess.plain_dispatcher)  # once per engine
-    assert {r: ep for r, (ep, _) in sess.health.abort_links.items()} == endpoints
+    sess.context.health.start_abort_listeners(sess.context.plain_dispatcher)
+    endpoints = {r: ep for r, (ep, _) in sess.context.health.abort_links.items()}
+    sess.context.health.start_abort_listeners(sess.context.plain_dispatcher)  # once per engine
+    assert {r: ep for r, (ep, _) in sess.context.health.abort_links.items()} == endpoints
     assert all(ep.startswith("tcp://127.0.0.1:") for ep in endpoints.values())  # loopback
     before = sess.run(nccl_abort.received)
-    sess.health.abort([0, 1])
+    sess.context.health.abort([0, 1])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # wait for the listeners' marker, not a timer
         got = sess.run(nccl_abort.received)
@@ -145,7 +145,7 @@ def test_abort_channel_reaches_every_engine_and_spares_gloo(sess):
 
 def test_launched_engines_are_probed_before_the_backend_is_chosen():
     """mpi / slurm engines run elsewhere: the notebook's own GPU count decides nothing."""
-    from fsdp_nb.session_checks import validate
+    from fsdp_nb.runtime.checks import validate
 
     assert validate(None, None, "mpi") == (2, None)
     assert validate(4, None, "slurm") == (4, None)
@@ -171,7 +171,7 @@ def test_controller_urls_parse_one_way(url, host):
 def test_dtype_table_matches_torch():
     import torch
 
-    from fsdp_nb.dtypes import from_safetensors, itemsize
+    from fsdp_nb.checkpoint.format.dtypes import from_safetensors, itemsize
 
     for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
                  "uint8", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"):

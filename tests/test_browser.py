@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from widget_data import TABLE_CODE  # noqa: E402
+from helpers import TABLE_CODE  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ CELLS = [
     "import tempfile, time\nimport fsdp_nb\n" + TABLE_CODE,
     "sess = fsdp_nb.Session(2, backend='gloo')\nsess",
     "mem = sess.memory(interval=0.25)\nmem",
-    "from fsdp_nb.widgets.layout import layout_widget\nlayout_widget(hand_table())",
+    "from fsdp_nb.frontends.widgets.layout import layout_widget\nlayout_widget(hand_table())",
     "root = tempfile.mkdtemp()\nsess.checkpoints(root)",
     "sess.execute('import time as _t; _t.sleep(2)')  # a busy cell: memory keeps streaming",
     "print('renders', mem.renders)\nsess.shutdown()  # ends the samplers and the feed too\n"

@@ -1,4 +1,4 @@
-"""Session calls over the direct call channel (``fsdp_nb.call_channel``): what ``run``,
+"""Session calls over the direct call channel (``fsdp_nb.runtime.call_channel``): what ``run``,
 ``push`` and ``pull`` answer is what the ipyparallel path answers, output and errors
 included; Ctrl-C, timeouts and dead engines on this path are in test_failures."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_nb.call_channel import CallResult
 from fsdp_nb.engine.namespace import call
 from fsdp_nb.errors import RankError
-from fsdp_nb.shipping import by_value
+from fsdp_nb.runtime.call_channel import CallResult
+from fsdp_nb.runtime.shipping import by_value
 
 
 def chatty(n):
@@ -25,11 +25,11 @@ def broken(n):
 def both_paths(sess, fn):
     """``fn()`` over the direct channel, then over ipyparallel: both results."""
     direct = fn()
-    sess.channel.enabled = False
+    sess.context.channel.enabled = False
     try:
         through_ipp = fn()
     finally:
-        sess.channel.enabled = True
+        sess.context.channel.enabled = True
     return direct, through_ipp
 
 
@@ -55,12 +55,12 @@ def test_run_push_pull_go_direct_and_answer_as_ipyparallel_does(sess, capsys):
 def test_a_failing_direct_run_names_the_rank_error_and_frame(sess):
     errors = []
     for enabled in (True, False):
-        sess.channel.enabled = enabled
+        sess.context.channel.enabled = enabled
         try:
             with pytest.raises(RankError) as info:
                 sess.run(broken, 3)
         finally:
-            sess.channel.enabled = True
+            sess.context.channel.enabled = True
         errors.append(info.value)
     for err in errors:
         assert sorted(f.rank for f in err.failures) == [0, 1]
@@ -71,7 +71,7 @@ def test_a_failing_direct_run_names_the_rank_error_and_frame(sess):
 
 
 def note_after_reply():
-    from fsdp_nb.engine.call_server import after_reply
+    from fsdp_nb.engine.call_channel import after_reply
 
     after_reply(lambda: after_log.append("after"))  # noqa: F821 - engine global
     return list(after_log)  # noqa: F821
@@ -83,10 +83,10 @@ def test_work_put_after_a_direct_reply_runs_once_the_reply_left(sess):
     sess.execute("after_log = []")
     assert sess.run(note_after_reply) == [[], []]  # not yet run when the call returned
     assert sess.pull("after_log") == [["after"], ["after"]]
-    sess.channel.enabled = False
+    sess.context.channel.enabled = False
     try:
         sess.execute("after_log = []")
         assert sess.run(note_after_reply) == [["after"], ["after"]]  # ipyparallel: at once
     finally:
-        sess.channel.enabled = True
+        sess.context.channel.enabled = True
     sess.execute("del after_log")

@@ -102,7 +102,7 @@ def test_export_cli_and_from_a_full_file(sess, saved, tmp_path):
     fsdp_nb.export_safetensors(str(full), str(out))
     sd = load_file(str(out / "model.safetensors"))
     assert sorted(sd) == sorted(weights) and all(torch.equal(sd[k], weights[k]) for k in weights)
-    cli = subprocess.run([sys.executable, "-m", "fsdp_nb.cli", "export", str(path), str(tmp_path / "cli"),
+    cli = subprocess.run([sys.executable, "-m", "fsdp_nb.frontends.cli", "export", str(path), str(tmp_path / "cli"),
                           "--dtype", "float16"], capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.split() == [str(tmp_path / "cli" / "model.safetensors")]
@@ -121,7 +121,7 @@ def test_torch_dcp_to_torch_save_reads_an_fsdp_nb_checkpoint(saved, tmp_path):
 
 
 def test_progress_only_where_asked_or_in_a_notebook():
-    from fsdp_nb.progress import Progress
+    from fsdp_nb.frontends.progress import Progress
 
     with Progress(10**10, "big") as p:  # a test is no notebook: nothing drawn, still counted
         p.update(5)
@@ -146,7 +146,7 @@ def test_full_safetensors_holds_the_models_own_names_optimizer_beside(sess, save
     other = tmp_path / "other.safetensors"
     sess.save(str(other), "ex_m", optimizer="ex_m_opt", sharded=False)
     (tmp_path / "full.optim.safetensors").write_bytes((tmp_path / "other.optim.safetensors").read_bytes())
-    with pytest.raises(fsdp_nb.checkpoint.CorruptCheckpointError, match="written by another save"):
+    with pytest.raises(fsdp_nb.CorruptCheckpointError, match="written by another save"):
         sess.load(str(full), "ex_m", optimizer="ex_m_opt")
     assert not fsdp_nb.inspect(str(full)).valid
     # a save without optimizer state replaces the pair: no stale optimizer file stays
@@ -160,7 +160,7 @@ def test_full_safetensors_holds_the_models_own_names_optimizer_beside(sess, save
 
 
 READS = """
-import fsdp_nb.checkpoint.safetensors_layout as _sl
+import fsdp_nb.checkpoint.format.safetensors_layout as _sl
 _reads = []
 _plain_read = _sl.PieceReader.read
 def _logged_read(self, st, offsets=None, sizes=None):
@@ -200,9 +200,9 @@ def test_load_safetensors_keys_and_shapes_checked_before_any_rank_changes(sess, 
     fsdp_nb.export_safetensors(str(path), str(out))
     build(sess, "ex_x", dim=16, layers=2, seed=3, extra=True)
     before = snapshot(sess, "ex_x")
-    with pytest.raises(fsdp_nb.checkpoint.CheckpointError, match=r"(?s)missing keys \(2\): tail.bias, tail.weight.*strict=False"):
+    with pytest.raises(fsdp_nb.CheckpointError, match=r"(?s)missing keys \(2\): tail.bias, tail.weight.*strict=False"):
         sess.load(str(out), "ex_x")
-    with pytest.raises(fsdp_nb.checkpoint.CheckpointError, match="no optimizer state"):
+    with pytest.raises(fsdp_nb.CheckpointError, match="no optimizer state"):
         sess.load(str(out), "ex_x", optimizer="ex_x_opt", strict=False)
     assert same(snapshot(sess, "ex_x"), before)
     sess.load(str(out), "ex_x", strict=False)
@@ -210,7 +210,7 @@ def test_load_safetensors_keys_and_shapes_checked_before_any_rank_changes(sess, 
     assert all(torch.equal(got[k], weights[k]) for k in weights) and torch.equal(got["tail.weight"], before[0]["tail.weight"])
     build(sess, "ex_8", dim=8, layers=2)
     before = snapshot(sess, "ex_8")
-    with pytest.raises(fsdp_nb.checkpoint.CheckpointError,
+    with pytest.raises(fsdp_nb.CheckpointError,
                        match=r"shape mismatch blocks.0.weight: checkpoint \[16, 16\], model \[8, 8\]"):
         sess.load(str(out / "model.safetensors"), "ex_8", strict=False)
     assert same(snapshot(sess, "ex_8"), before)
@@ -247,7 +247,7 @@ def test_plain_dcp_folders_are_inspected_and_loaded(sess, saved, tmp_path):
     # what cannot be verified is refused, naming why and the opt-in
     (bare / "__1_0.distcp").unlink()
     assert "'__1_0.distcp' is missing" in fsdp_nb.inspect(str(bare)).problem
-    with pytest.raises(fsdp_nb.checkpoint.CheckpointError, match=r"plain dcp.save.*'__1_0.distcp' is missing.*verify=False"):
+    with pytest.raises(fsdp_nb.CheckpointError, match=r"plain dcp.save.*'__1_0.distcp' is missing.*verify=False"):
         sess.load(str(bare), "ex_p")
     sess.execute("del ex_p, ex_p_opt")
 
@@ -256,7 +256,7 @@ def test_unverifiable_fsdp_nb_checkpoint_loads_only_when_asked(sess, saved):
     path, weights = saved
     (path / ".fsdp_nb_complete").unlink()
     build(sess, "ex_v", dim=16, layers=2, seed=5)
-    with pytest.raises(fsdp_nb.checkpoint.CheckpointError, match="no completion marker.*verify=False"):
+    with pytest.raises(fsdp_nb.CheckpointError, match="no completion marker.*verify=False"):
         sess.load(str(path), "ex_v")
     sess.load(str(path), "ex_v", verify=False)
     assert same(snapshot(sess, "ex_v")[0], weights)

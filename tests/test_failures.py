@@ -18,13 +18,13 @@ import time
 
 import pytest
 import torch
+from helpers import wait_for
 
 import fsdp_nb
-from fsdp_nb.cluster import wait_until
-from fsdp_nb.dispatch import OUTPUT_LIMIT
 from fsdp_nb.engine.boot import PRELOAD
 from fsdp_nb.errors import DeadRankError, RankError, RankTimeoutError
-from fsdp_nb.status import SessionStatus
+from fsdp_nb.recovery.status import SessionStatus
+from fsdp_nb.runtime.terminal import OUTPUT_LIMIT
 
 MODEL = """
 import time
@@ -147,7 +147,7 @@ def test_rank_raising_before_collective_raises_root_cause_and_recovers(quick):
 
 
 def test_px_cell_with_failing_rank_does_not_hang(quick, shell):
-    from fsdp_nb.magics import activate_px
+    from fsdp_nb.frontends.magics import activate_px
 
     activate_px(quick)
     before = _weights(quick)
@@ -340,7 +340,7 @@ def fragile(session_factory):
     s = session_factory(2, private=True, grace=1.0)
     # its standby engine imports torch first: the deaths below are timed against
     # ranks that have the cores to themselves
-    assert wait_until(s.cluster.standby.waiting, 120)
+    assert wait_for(s.cluster.standby.waiting, 120)
     yield s
     s.shutdown()
 
@@ -408,7 +408,7 @@ def test_kill_9_idle_engine_then_restart_brings_same_ranks_back(fragile, caplog)
     client, sets, old_ids = s.cluster.client, len(s.cluster.cluster.engines), set(s.cluster.client.ids)
     standby = s.cluster.standby
     assert standby.alive() and standby.pid not in {r.pid for r in s.ranks}
-    s.channel.close()  # the next direct call starts the call servers again: one on a dead rank
+    s.context.channel.close()  # the next direct call starts the call servers again: one on a dead rank
     os.kill(victim, signal.SIGKILL)
     with caplog.at_level(logging.WARNING, logger="fsdp_nb"):
         with pytest.raises(DeadRankError) as info:
@@ -416,7 +416,7 @@ def test_kill_9_idle_engine_then_restart_brings_same_ranks_back(fragile, caplog)
     assert info.value.dead_ranks == [0]
     assert not [r for r in caplog.records if "direct call socket" in r.getMessage()]
     # the standby engine was released when the death was found, before any restart()
-    assert wait_until(lambda: set(client.ids) - old_ids, 120)
+    assert wait_for(lambda: set(client.ids) - old_ids, 120)
     early = sorted(set(client.ids) - old_ids)
     assert len(early) == 1 and len(s.cluster.cluster.engines) == sets  # no engine started
     s.restart()
@@ -428,7 +428,7 @@ def test_kill_9_idle_engine_then_restart_brings_same_ranks_back(fragile, caplog)
     assert list(s.restart_phases) == ["engines replaced", "health hooks", "group re-formed"]
     # the replacement has the launcher's environment, and imported DCP while registering
     assert s.run(_engine_env)[0] == ("1", THREADS, True)
-    assert s.channel.ready_for([0, 1])
+    assert s.context.channel.ready_for([0, 1])
     assert s.all_reduce_check() == 1.0
     assert s.pull("rank") == [0, 1]
     # the new rank 0 has no model; rank 1 kept its shards
@@ -488,7 +488,7 @@ def test_without_a_standby_a_new_engine_replaces_the_dead_rank(session_factory):
         victim = _kill_and_see(s, 0)
         # the replacement registers with PRELOAD imported, before any replay could import it
         new = lambda: set(s.cluster.client.ids) - set(s.cluster.engine_ids)  # noqa: E731
-        assert wait_until(new, 120)
+        assert wait_for(new, 120)
         (eid,) = new()
         view = s.cluster.client[eid]
         view.execute(f"import sys\n_missing = [n for n in {PRELOAD!r} if n not in sys.modules]", block=True)
@@ -558,7 +558,7 @@ def test_restart_drop_lets_instance_wraps_go(fragile):
         s.restart()  # both instance wraps would need a checkpoint
     s.restart(drop=["fail_inst", "fail_gone"])
     assert s.state == "ready" and s.all_reduce_check() == 1.0
-    assert not {"fail_inst", "fail_gone"} & set(s.wraps)
+    assert not {"fail_inst", "fail_gone"} & set(s.context.wraps)
     assert s.run(lambda: [n in globals() for n in ("fail_inst", "fail_gone", "fail_tiny")]) == [
         [False, False, True]
     ] * 2  # class wraps were replayed, the dropped ones are gone on every rank

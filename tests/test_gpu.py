@@ -1,6 +1,6 @@
 """The GPU path: NCCL sessions on CUDA engines (``-m gpu``; skipped without CUDA).
 
-Run on a GPU machine (see ../shared/gpu/README.md): one engine per GPU, an NCCL group
+Run on a GPU machine (``pytest -m gpu``; the README says what has run there): one engine per GPU, an NCCL group
 formed as ``cpu:gloo,cuda:nccl``; wrap with bf16-mixed, auto_wrap, activation
 checkpointing and CPU offload on CUDA; training against one process; sync and async
 saves and loads; the memory feed's CUDA fields; an error cell, Ctrl-C in a GPU loop,
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 import fsdp_nb
-from fsdp_nb.cluster import wait_until
 from fsdp_nb.errors import DeadRankError, RankError
+from fsdp_nb.runtime.cluster import wait_until
 
 pytestmark = pytest.mark.gpu
 
@@ -297,7 +297,7 @@ def test_connect_to_gpu_engines_picks_nccl(tmp_path):
 
 def test_demo_runs_on_the_gpu():
     out = subprocess.run(
-        [sys.executable, "-m", "fsdp_nb.cli", "demo", "--steps", "3"],
+        [sys.executable, "-m", "fsdp_nb.frontends.cli", "demo", "--steps", "3"],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]

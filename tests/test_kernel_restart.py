@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from kernels import START_S, Kernel
+from helpers import START_S, Kernel
 
 import fsdp_nb
-from fsdp_nb.cluster import wait_until
-from fsdp_nb.process_handles import process_alive
+from fsdp_nb.engine.process_handles import process_alive
+from fsdp_nb.runtime.cluster import wait_until
 
 
 def _gone(pids: list[int]) -> bool:
@@ -75,7 +75,7 @@ def test_kept_alive_session_survives_a_kernel_restart_and_attach_gets_it_back(ke
     before = k.value(_WEIGHTS)
     pids = _processes(k)
     ports = k.value("sess.run(lambda: os.environ['MASTER_PORT'])")
-    cluster_id = k.value("sess.keeper.record.cluster_id")
+    cluster_id = k.value("sess.context.keeper.record.cluster_id")
     # while its kernel runs, nobody else may take it
     with pytest.raises(RuntimeError, match=f"held by the kernel with pid {k.pid}"):
         fsdp_nb.Session.attach(cluster_id)
@@ -136,7 +136,7 @@ def test_keep_alive_seconds_stops_an_unattended_idle_session(kernel, tmp_path):
     k = kernel
     k.run(_SETUP.format(keep=2), timeout=START_S)
     pids = _processes(k)
-    record = k.value("sess.keeper.record.path")
+    record = k.value("sess.context.keeper.record.path")
     k.restart()
     _wait_gone(pids, 30)
     log = open(record.removesuffix(".json") + ".watchdog.log").read()

@@ -60,6 +60,8 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     finally:
         for left in fsdp_nb.sessions():  # a notebook that failed half-way: stop what it kept
             fsdp_nb.Session.attach(left.cluster_id, activate=False).shutdown()
+    left_here = sorted(p.name for p in tmp_path.iterdir() if p.name != "ipython")
+    assert left_here == [], f"{path.name} left scratch files where it ran: {left_here}"
     shown = _shown(nb)
     missing = [text for text in EXPECTED[path.stem] if text not in shown]
     assert not missing, f"{path.name} did not show {missing}"

@@ -29,14 +29,18 @@ import psutil
 import pytest
 import torch
 import zmq
-from kernels import START_S
+from helpers import START_S, wait_for
 
 import fsdp_nb
-from fsdp_nb.cluster import wait_until
-from fsdp_nb.engine import call_server, nccl_abort
+from fsdp_nb.engine import call_channel, nccl_abort
 from fsdp_nb.engine import memory_sampler as ms
+from fsdp_nb.engine.process_handles import (
+    ProcessHandle,
+    process_alive,
+    process_stamp,
+    stop_processes,
+)
 from fsdp_nb.engine.signing import Link, new_nonce
-from fsdp_nb.process_handles import ProcessHandle, process_alive, process_stamp, stop_processes
 
 FUZZ_MESSAGES = 150
 """Random messages sent to each socket by the fuzz test."""
@@ -47,13 +51,13 @@ def _marker_code(marker) -> str:
 
 
 def _until(pred, what: str, timeout: float = 30.0) -> None:
-    if not wait_until(pred, timeout, 0.05):
+    if not wait_for(pred, timeout, 0.05):
         pytest.fail(f"{what}: not seen within {timeout:g} s")
 
 
 def _call_endpoints(sess) -> list[str]:
     sess.run(os.getpid)  # the call servers start on first use
-    return [sess.channel.endpoints[r.engine_id] for r in sess.ranks]
+    return [sess.context.channel.endpoints[r.engine_id] for r in sess.ranks]
 
 
 def _outsider(kind: int, endpoint: str) -> zmq.Socket:
@@ -72,7 +76,7 @@ def test_an_outsider_cannot_run_code_through_the_call_channel(sess, tmp_path):
     to every call server; also the same call signed with a key of its own."""
     marker = tmp_path / "ran"
     payload = cloudpickle.dumps((exec, (_marker_code(marker), {})))
-    before = sess.run(call_server.dropped)
+    before = sess.run(call_channel.dropped)
     wrong_key = Link(os.urandom(32), "call", new_nonce(), "client")
     socks = []
     for ep in _call_endpoints(sess):
@@ -80,7 +84,7 @@ def test_an_outsider_cannot_run_code_through_the_call_channel(sess, tmp_path):
         s.send_multipart([uuid.uuid4().bytes, payload])
         s.send_multipart(wrong_key.sign([uuid.uuid4().bytes, payload]))
         socks.append(s)
-    _until(lambda: [a - b for a, b in zip(sess.run(call_server.dropped), before)] == [2, 2],
+    _until(lambda: [a - b for a, b in zip(sess.run(call_channel.dropped), before)] == [2, 2],
            "both engines dropping both calls")
     assert not marker.exists()
     assert all(_nothing_came(s) for s in socks)  # no reply, no output: nothing leaks
@@ -93,8 +97,8 @@ def test_a_captured_call_replayed_is_dropped(sess, tmp_path, monkeypatch):
     """The notebook's own signed call, captured and sent again by an outsider, runs once."""
     log = tmp_path / "calls"
     ep = _call_endpoints(sess)[0]
-    sock = sess.channel._socks[sess.ranks[0].engine_id]
-    link = sess.channel._links[sock]
+    sock = sess.context.channel._socks[sess.ranks[0].engine_id]
+    link = sess.context.channel._links[sock]
     captured: list[list[bytes]] = []
     sign = link.sign
 
@@ -107,10 +111,10 @@ def test_a_captured_call_replayed_is_dropped(sess, tmp_path, monkeypatch):
     sess.run(_append_on_rank_0, str(log))
     monkeypatch.undo()
     assert log.read_text() == "x" and len(captured) == 1
-    before = sess.run(call_server.dropped)[0]
+    before = sess.run(call_channel.dropped)[0]
     attacker = _outsider(zmq.DEALER, ep)
     attacker.send_multipart(captured[0])
-    _until(lambda: sess.run(call_server.dropped)[0] == before + 1, "the replay dropped")
+    _until(lambda: sess.run(call_channel.dropped)[0] == before + 1, "the replay dropped")
     assert log.read_text() == "x" and _nothing_came(attacker)
     attacker.close()
 
@@ -127,22 +131,22 @@ def test_a_call_too_large_for_the_direct_socket_goes_through_ipyparallel(sess, m
     """The servers refuse frames over ``MAX_REQUEST_BYTES`` (zmq drops the sender), so the
     notebook sends such a call through ipyparallel instead: it still runs, nothing is dropped."""
     _call_endpoints(sess)
-    before = sess.run(call_server.dropped)
+    before = sess.run(call_channel.dropped)
     sent: list[object] = []
-    send = sess.channel.send
-    monkeypatch.setattr(sess.channel, "send", lambda *a: sent.append(send(*a)) or sent[-1])
-    monkeypatch.setattr(call_server, "MAX_REQUEST_BYTES", 10_000)  # the notebook's copy
+    send = sess.context.channel.send
+    monkeypatch.setattr(sess.context.channel, "send", lambda *a: sent.append(send(*a)) or sent[-1])
+    monkeypatch.setattr(call_channel, "MAX_REQUEST_BYTES", 10_000)  # the notebook's copy
     assert sess.run(len, b"x" * 20_000) == [20_000, 20_000]
     assert sent == [None]  # nothing went over the direct sockets
     assert sess.run(len, b"x" * 100) == [100, 100] and sent[-1] is not None
-    assert sess.run(call_server.dropped) == before
+    assert sess.run(call_channel.dropped) == before
 
 
 def test_abort_without_the_key_aborts_nothing(sess):
-    sess.health.start_abort_listeners(sess.plain_dispatcher)
+    sess.context.health.start_abort_listeners(sess.context.plain_dispatcher)
     before = sess.run(nccl_abort.received)
     socks = []
-    for ep, _ in sess.health.abort_links.values():
+    for ep, _ in sess.context.health.abort_links.values():
         s = _outsider(zmq.PUSH, ep)
         s.send(b"abort")
         s.send(Link(os.urandom(32), "nccl-abort", new_nonce(), "client").pack(nccl_abort.ABORT))
@@ -152,13 +156,13 @@ def test_abort_without_the_key_aborts_nothing(sess):
     assert [g[0] for g in sess.run(nccl_abort.received)] == [b[0] for b in before]  # none taken
     # the notebook's own request is taken, once: captured and replayed, it is dropped
     captured: list[tuple[str, bytes]] = []
-    for ep, link in sess.health.abort_links.values():
+    for ep, link in sess.context.health.abort_links.values():
         pack = link.pack
         link.pack = lambda payload, ep=ep, pack=pack: captured.append((ep, pack(payload))) or captured[-1][1]
     try:
-        sess.health.abort([0, 1])
+        sess.context.health.abort([0, 1])
     finally:
-        for _, link in sess.health.abort_links.values():
+        for _, link in sess.context.health.abort_links.values():
             del link.pack
     _until(lambda: all(g[0] == b[0] + 1 for g, b in zip(sess.run(nccl_abort.received), before)),
            "the signed abort request")
@@ -177,7 +181,7 @@ def test_abort_without_the_key_aborts_nothing(sess):
 def test_a_subscriber_without_the_key_gets_no_memory_samples(sess, monkeypatch):
     """Subscriptions for everything, for random topics, signed with another key, and the
     notebook's own subscription captured and replayed: none gets a sample."""
-    from fsdp_nb.widgets import _feed
+    from fsdp_nb.frontends.widgets import _feed
 
     captured: list[bytes] = []
     pack = Link.pack
@@ -235,11 +239,11 @@ def test_a_bounded_fuzz_leaves_every_engine_serving(sess, tmp_path):
     calls, abort requests and memory samples still go through afterwards."""
     rng = random.Random(28)
     marker = tmp_path / "ran"
-    sess.health.start_abort_listeners(sess.plain_dispatcher)
+    sess.context.health.start_abort_listeners(sess.context.plain_dispatcher)
     w = sess.memory(interval=0.1)
     try:
         key = sess.cluster.key
-        dropped_before = sum(sess.run(call_server.dropped))
+        dropped_before = sum(sess.run(call_channel.dropped))
         stranger = Link(key, "call", new_nonce(), "client")  # right key, wrong link
         call = stranger.sign([b"id", cloudpickle.dumps((exec, (_marker_code(marker), {})))])
         socks = []
@@ -248,7 +252,7 @@ def test_a_bounded_fuzz_leaves_every_engine_serving(sess, tmp_path):
             for frames in _fuzz_frames(rng, call):
                 s.send_multipart(frames)
             socks.append(s)
-        for ep, _ in sess.health.abort_links.values():
+        for ep, _ in sess.context.health.abort_links.values():
             s = _outsider(zmq.PUSH, ep)
             for frames in _fuzz_frames(rng, [Link(key, "nccl-abort", new_nonce(), "client").pack(b"abort")]):
                 s.send_multipart(frames)
@@ -260,15 +264,15 @@ def test_a_bounded_fuzz_leaves_every_engine_serving(sess, tmp_path):
                 s.setsockopt(zmq.SUBSCRIBE, frames[0])
                 socks.append(s)
         big = _outsider(zmq.DEALER, _call_endpoints(sess)[1])
-        big.send_multipart([b"id", bytes(call_server.MAX_REQUEST_BYTES + 1)], copy=False)
+        big.send_multipart([b"id", bytes(call_channel.MAX_REQUEST_BYTES + 1)], copy=False)
         socks.append(big)
         # every call message the servers could read was dropped, and they still serve
         sent = 2 * len(_fuzz_frames(rng, call))
-        _until(lambda: sum(sess.run(call_server.dropped)) == dropped_before + sent, "the fuzzed calls dropped")
+        _until(lambda: sum(sess.run(call_channel.dropped)) == dropped_before + sent, "the fuzzed calls dropped")
         assert sess.run(lambda: "still here") == ["still here"] * 2
         assert not marker.exists()
         before = sess.run(nccl_abort.received)
-        sess.health.abort([0, 1])
+        sess.context.health.abort([0, 1])
         _until(lambda: all(g[0] == b[0] + 1 for g, b in zip(sess.run(nccl_abort.received), before)),
                "a signed abort after the fuzz")
         start = _seqs(w)
@@ -292,7 +296,7 @@ def _listening(pids: list[int]) -> set[str]:
 def test_a_local_session_listens_on_loopback_only(sess):
     """The engines' sockets (ipyparallel's, fsdp_nb's, the group's store and gloo's) and
     the controller's: nothing on another interface, nothing on all of them."""
-    sess.health.start_abort_listeners(sess.plain_dispatcher)
+    sess.context.health.start_abort_listeners(sess.context.plain_dispatcher)
     w = sess.memory(interval=0.5)
     try:
         _call_endpoints(sess)
@@ -381,12 +385,12 @@ def test_a_poisoned_checkpoint_is_refused_by_every_reader(sess, tmp_path):
 def test_records_logs_and_stack_dumps_are_private_and_links_are_not_followed(session_factory, tmp_path):
     s = session_factory(2, private=True)
     try:
-        record = s.keeper.record.path
+        record = s.context.keeper.record.path
         folder = os.path.dirname(record)
         assert _mode(folder) == 0o700 and _mode(record) == 0o600
         assert _mode(record.removesuffix(".json") + ".watchdog.log") == 0o600
-        stacks = s.health.folder
-        assert all(s.health.stacks([0, 1]).values())  # a stack dump of every rank
+        stacks = s.context.health.folder
+        assert all(s.context.health.stacks([0, 1]).values())  # a stack dump of every rank
         dumps = sorted(os.listdir(stacks))
         assert len(dumps) == 2 and _mode(stacks) == 0o700
         assert all(_mode(os.path.join(stacks, d)) == 0o600 for d in dumps)
@@ -396,15 +400,15 @@ def test_records_logs_and_stack_dumps_are_private_and_links_are_not_followed(ses
         tmp = f"{record}.{os.getpid()}.tmp"
         os.symlink(victim, tmp)
         with pytest.raises(OSError):
-            s.keeper.record.write()
+            s.context.keeper.record.write()
         assert victim.read_text() == "keep me"
         os.remove(tmp)
-        s.keeper.record.write()  # and once the link is gone, it writes as before
+        s.context.keeper.record.write()  # and once the link is gone, it writes as before
         # a stack file turned into a link is not truncated through it
         one = os.path.join(stacks, dumps[0])
         os.remove(one)
         os.symlink(victim, one)
-        s.health.stacks([0, 1], wait=0.5)
+        s.context.health.stacks([0, 1], wait=0.5)
         assert victim.read_text() == "keep me"
     finally:
         s.shutdown()
@@ -440,7 +444,7 @@ def test_a_reused_pid_is_never_signalled(tmp_path):
 def test_killing_the_controller_then_the_kernel_leaves_nothing_running(kernel):
     k = kernel
     k.run("import fsdp_nb\nsess = fsdp_nb.Session(2, backend='gloo')", timeout=START_S)
-    files = k.value("[sess.cluster.cluster.cluster_file, sess.health.folder]")
+    files = k.value("[sess.cluster.cluster.cluster_file, sess.context.health.folder]")
     security = os.path.dirname(files[0])
     assert len(os.listdir(security)) == 3  # the cluster file and the controller's two
     engines = k.value("[r.pid for r in sess.ranks]")
@@ -452,7 +456,7 @@ def test_killing_the_controller_then_the_kernel_leaves_nothing_running(kernel):
     _until(lambda: not process_alive(tree[0]), "the controller's death")
     assert any(process_alive(p) for p in tree[1:])  # its schedulers live on by themselves
     k.restart()  # kill -9 of the kernel, and a fresh one for the fixture
-    if not wait_until(lambda: not any(process_alive(p) for p in everything), 30, 0.2):
+    if not wait_for(lambda: not any(process_alive(p) for p in everything), 30, 0.2):
         left = [p for p in everything if process_alive(p)]
         pytest.fail(f"pids {left} of the session still run 30 s after the kernel died")
     assert fsdp_nb.sessions() == []

@@ -9,11 +9,11 @@ import time
 
 import psutil
 import pytest
+from helpers import wait_for
 
 import fsdp_nb
-from fsdp_nb.cluster import wait_until
 from fsdp_nb.errors import RankError
-from fsdp_nb.launch_settings import HEARTBEAT_MS, quick_heartbeat
+from fsdp_nb.runtime.launch_settings import HEARTBEAT_MS, quick_heartbeat
 
 
 def _env():
@@ -57,7 +57,7 @@ def test_repr_shows_ranks_hosts_pids(sess):
     for r in sess.ranks:
         assert str(r.pid) in text and str(r.pid) in html
         assert r.host in text and r.host in html
-    assert "gloo" in text and "ready" in text and "<table>" in html
+    assert "gloo" in text and "ready" in text and "<table" in html
 
 
 NOTEBOOK_CELL = '''
@@ -101,7 +101,7 @@ def test_notebook_defined_objects_reach_engines(sess, shell):
 
 
 def test_px_magic_through_ipython(sess, shell, capsys):
-    from fsdp_nb.magics import activate_px
+    from fsdp_nb.frontends.magics import activate_px
 
     activate_px(sess)
     shell.run_cell_magic("px", "", "px_value = rank + 100\nprint('hello from', rank)")
@@ -124,7 +124,7 @@ def test_px_magic_through_ipython(sess, shell, capsys):
 
 def test_fsdp_line_magic(sess, shell, capsys):
     shell.run_line_magic("load_ext", "fsdp_nb")
-    from fsdp_nb.magics import activate_px
+    from fsdp_nb.frontends.magics import activate_px
 
     activate_px(sess)
     assert shell.run_line_magic("fsdp", "status") is sess
@@ -145,7 +145,7 @@ def test_error_on_one_rank_names_it_and_session_survives(sess):
 
 
 def test_error_on_all_ranks_first_failure_first(sess, tmp_path):
-    from fsdp_nb.dispatch import _completed
+    from fsdp_nb.runtime.results import completed as _completed
 
     release = tmp_path / "release"
     code = (  # engine code: rank 0 fails only after the moment rank 1's failure was recorded
@@ -217,10 +217,10 @@ def test_a_cpu_session_needs_no_torch_in_the_notebook_to_start():
     backend="gloo", the engines start without waiting for it."""
     import glob
 
-    from fsdp_nb.session_checks import GPU_DEVICE_NODES
+    from fsdp_nb.runtime.checks import GPU_DEVICE_NODES
 
     gpu_host = any(glob.glob(p) for p in GPU_DEVICE_NODES)
-    code = ("import sys; from fsdp_nb.session_checks import validate; "
+    code = ("import sys; from fsdp_nb.runtime.checks import validate; "
             "print(validate(2, 'gloo', 'local'), 'torch' in sys.modules)"
             + ("" if gpu_host else "; print(validate(None, None, 'local'), 'torch' in sys.modules)"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -251,7 +251,7 @@ def test_second_session_side_by_side_and_clean_shutdown(sess, capsys):
         pids = [r.pid for r in other.ranks]
         assert not set(pids) & ours
         # a standby engine waits, booted as the ranks are, but not registered
-        assert wait_until(other.cluster.standby.waiting, 120)  # its imports done
+        assert wait_for(other.cluster.standby.waiting, 120)  # its imports done
         standby = other.cluster.standby.pid
         assert psutil.Process(standby).cmdline()[1:3] == ["-m", "fsdp_nb.engine.boot"]
         assert standby not in pids and len(other.cluster.client.ids) == 2
@@ -281,7 +281,7 @@ def test_a_standby_engine_leaves_when_the_process_it_watches_ends(tmp_path):
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     waiting = tmp_path / "go.waiting"
-    assert wait_until(lambda: waiting.exists() or standby.poll() is not None, 120)
+    assert wait_for(lambda: waiting.exists() or standby.poll() is not None, 120)
     assert standby.poll() is None  # imports done, it waits
     watched.stdin.close()
     watched.wait()
@@ -351,7 +351,7 @@ def test_connect_to_running_cluster_leaves_its_engines(tmp_path, monkeypatch):
 def test_demo_command_runs_end_to_end():
     """`fsdp-nb demo` (the README's first command) in a fresh process."""
     out = subprocess.run(
-        [sys.executable, "-m", "fsdp_nb.cli", "demo", "-n", "2", "--backend", "gloo", "--steps", "3"],
+        [sys.executable, "-m", "fsdp_nb.frontends.cli", "demo", "-n", "2", "--backend", "gloo", "--steps", "3"],
         capture_output=True, text=True, timeout=300,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
@@ -367,7 +367,7 @@ def test_demo_command_runs_end_to_end():
 def test_ipyparallel_logs_follow_the_fsdp_nb_logger():
     import logging
 
-    from fsdp_nb.launch_settings import ipp_log_level
+    from fsdp_nb.runtime.launch_settings import ipp_log_level
 
     logger = logging.getLogger("fsdp_nb")
     old = logger.level

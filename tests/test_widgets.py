@@ -11,19 +11,19 @@ import time
 
 import pytest
 
-from fsdp_nb.checkpoint.info import rank_of_file
-from fsdp_nb.checkpoint.listing import list_checkpoints
-from fsdp_nb.checkpoint.metadata import MARKER
+from fsdp_nb.checkpoint.format.info import rank_of_file
+from fsdp_nb.checkpoint.format.listing import list_checkpoints
+from fsdp_nb.checkpoint.format.metadata import MARKER
 from fsdp_nb.engine import memory_sampler as ms
-from fsdp_nb.widgets import _checkpoint_view as view
-from fsdp_nb.widgets.checkpoints import CheckpointBrowser
-from fsdp_nb.widgets.dashboard import dashboard, session_status
-from fsdp_nb.widgets.layout import LayoutData, LayoutWidget
-from fsdp_nb.widgets.memory import MemorySnapshot
+from fsdp_nb.frontends.widgets import _checkpoint_view as view
+from fsdp_nb.frontends.widgets.checkpoints import CheckpointBrowser
+from fsdp_nb.frontends.widgets.dashboard import dashboard, session_status
+from fsdp_nb.frontends.widgets.layout import LayoutData, LayoutWidget
+from fsdp_nb.frontends.widgets.memory import MemorySnapshot
 
 sys.path.insert(0, os.path.dirname(__file__))
+from helpers import TABLE_CODE, hand_table, hybrid_table, wait_for  # noqa: E402
 from test_checkpoint import GATE, UNGATE  # noqa: E402
-from widget_data import TABLE_CODE, hand_table, hybrid_table  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,15 +31,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _engines_running(sess) -> list[list[str]]:
     d = sess.dispatcher
     return d.gather(d.apply("samplers running", ms.running))
-
-
-def _wait_for(pred, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return pred()
 
 
 # -- layout ------------------------------------------------------------------------
@@ -126,7 +117,7 @@ def test_memory_samples_arrive_while_a_cell_runs(sess):
         w.close()
     assert not w.feed.running
     # the engines' samplers saw the unsubscribe and ended
-    assert _wait_for(lambda: _engines_running(sess) == [[], []])
+    assert wait_for(lambda: _engines_running(sess) == [[], []])
 
 
 def test_memory_sampler_without_subscriber_ends_and_bad_interval(sess):
@@ -134,14 +125,14 @@ def test_memory_sampler_without_subscriber_ends_and_bad_interval(sess):
     args = [("lonely", r.rank, r.addr, r.device, 0.1, 0.3) for r in sess.ranks]
     started = d.gather(d.apply("start sampler", ms.start, args))
     assert all(e.startswith("tcp://127.0.0.1:") and len(nonce) == 16 for e, nonce in started)
-    assert _wait_for(lambda: _engines_running(sess) == [[], []])
+    assert wait_for(lambda: _engines_running(sess) == [[], []])
     with pytest.raises(ValueError, match="interval must be a positive number"):
         sess.memory(interval=0)
     assert sess.all_reduce_check() == 1.0  # session still usable
 
 
 def test_memory_snapshot_static_form_gpu_fields():
-    from fsdp_nb.widgets._feed import MemorySample
+    from fsdp_nb.frontends.widgets._feed import MemorySample
 
     s = MemorySample(0, 1.0, "cuda:0", 1 << 30, 1 << 30, 64 << 30, cuda_allocated=40 << 30,
                      cuda_reserved=50 << 30, cuda_peak=60 << 30, cuda_total=80 << 30)
@@ -173,7 +164,7 @@ def test_checkpoint_browser_listing_details_and_confirmed_delete(sess, browser_m
     shutil.copytree(tmp_path / "step20", tmp_path / ".ck.tmp-1")  # a save in flight: not listed
     (tmp_path / "notes").mkdir()  # not a checkpoint: not listed
     (tmp_path / "notes.txt").write_text("hello")
-    b = CheckpointBrowser(sess, str(tmp_path))
+    b = CheckpointBrowser(sess.context, str(tmp_path))
     assert [e.name for e in b.entries] == ["step20", "broken", "step100", "run-7"]
     assert [e.step for e in b.entries] == [20, 100, 100, None]
     assert [e.valid for e in b.entries] == [True, False, True, True]
@@ -245,12 +236,12 @@ def test_checkpoint_browser_real_save_load_consolidate(sess, tmp_path):
         b.b_save.click()  # async: copied, then written in the background
         assert b.save_handle is not None and b.progress.description == "staging"
         h = b.save_handle
-        assert _wait_for(lambda: h.progress().written > 0, timeout=60)
+        assert wait_for(lambda: h.progress().written > 0, timeout=60)
         assert not b.check_save()  # still in flight: the bar shows the bytes written so far
         assert b.progress.description.startswith("writing ") and b.progress.description.endswith("%")
         assert 0.1 < b.progress.value <= 0.95
         release.touch()
-        assert _wait_for(b.check_save, timeout=60)
+        assert wait_for(b.check_save, timeout=60)
     finally:
         release.touch()
         sess.execute(UNGATE)
@@ -268,11 +259,11 @@ def test_status_right_after_a_call_is_idle(sess):
     count alone: read that way, about one call in ten still showed a rank busy here."""
     for i in range(40):
         sess.execute(f"_status_probe = {i}")
-        assert [r.state for r in session_status(sess).ranks] == ["idle", "idle"], i
+        assert [r.state for r in session_status(sess.context).ranks] == ["idle", "idle"], i
 
 
 def test_dashboard_status_busy_idle(sess, browser_model, tmp_path):
-    st = session_status(sess)
+    st = session_status(sess.context)
     assert [r.state for r in st.ranks] == ["idle", "idle"]
     d = sess.dispatcher
     started, release = tmp_path / "started-{rank}", tmp_path / "release"
@@ -281,15 +272,15 @@ def test_dashboard_status_busy_idle(sess, browser_model, tmp_path):
         f"open({str(started)!r}.format(rank=rank), 'w').close()\n"
         f"while not _os.path.exists({str(release)!r}):\n    _t.sleep(0.01)")
     try:
-        assert _wait_for(lambda: all(os.path.exists(str(started).format(rank=r)) for r in (0, 1)),
+        assert wait_for(lambda: all(os.path.exists(str(started).format(rank=r)) for r in (0, 1)),
                          timeout=30)
-        assert [r.state for r in session_status(sess).ranks] == ["busy", "busy"]
+        assert [r.state for r in session_status(sess.context).ranks] == ["busy", "busy"]
     finally:
         release.touch()
         d.gather(pending)
-    assert [r.state for r in session_status(sess).ranks] == ["idle", "idle"]
+    assert [r.state for r in session_status(sess.context).ranks] == ["idle", "idle"]
     sess.save(str(tmp_path / "ck" / "step1"), browser_model, extra={"step": 1})
-    db = dashboard(sess, models=[hand_table()], root=str(tmp_path / "ck"), interval=0.5)
+    db = dashboard(sess.context, models=[hand_table()], root=str(tmp_path / "ck"), interval=0.5)
     try:
         assert db.tabs.titles == ("Status", "Memory", "Layout: model", "Checkpoints")
         assert [e.name for e in db.checkpoints.entries] == ["step1"]
@@ -312,11 +303,11 @@ NOTEBOOK_CELLS = [
     "deadline = time.monotonic() + 60  # until every rank's first sample is in\n"
     "while not all(mem.feed.samples(r) for r in range(2)) and time.monotonic() < deadline:\n"
     "    time.sleep(0.05)\nmem.refresh()",
-    "from fsdp_nb.widgets.layout import layout_widget\nlayout_widget(hand_table())",
+    "from fsdp_nb.frontends.widgets.layout import layout_widget\nlayout_widget(hand_table())",
     "root = tempfile.mkdtemp()\nsess.checkpoints(root)",
     "print(repr(mem).splitlines()[0])",
     "mem.close()\nsess.shutdown()\nprint('feed running after shutdown:', mem.feed.running)",
-    "from fsdp_nb.progress import Progress, in_notebook\n"
+    "from fsdp_nb.frontends.progress import Progress, in_notebook\n"
     "with Progress(1 << 30, 'big') as big, Progress(1 << 20, 'small') as small:\n"
     "    big.update(1 << 30)\n"
     "print('in notebook:', in_notebook(), 'bar for 1 GiB:', big.bar is not None, "

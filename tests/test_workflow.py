@@ -14,7 +14,7 @@ import pytest
 
 import fsdp_nb
 from fsdp_nb import RankError
-from fsdp_nb.magics import activate_px, parse_px
+from fsdp_nb.frontends.magics import activate_px, parse_px
 
 # -- some ranks, one rank's output ------------------------------------------------------
 
@@ -201,7 +201,7 @@ def test_reload_of_a_module_nobody_imported_is_refused(sess):
 
 def test_sessions_lists_running_sessions(sess):
     found = {s.cluster_id: s for s in fsdp_nb.sessions()}
-    me = sess.keeper.record.cluster_id
+    me = sess.context.keeper.record.cluster_id
     assert me in found and found[me].attached and found[me].world_size == 2
     assert found[me].keep_alive is False and "stops with its kernel" in str(found[me])
 

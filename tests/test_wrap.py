@@ -101,7 +101,7 @@ def _assert_trains_like_one_process(sess, sm, start, x, y, atol=1e-10):
     ref = _train_local(copy.deepcopy(start), x, y)
     coords = _dp_coords(sm)
     from fsdp_nb.engine import namespace as _ns
-    from fsdp_nb.shipping import by_value
+    from fsdp_nb.runtime.shipping import by_value
 
     d = sess.dispatcher
     d.gather(
@@ -337,7 +337,7 @@ def test_notebook_classes_and_px_training(sess, shell):
     sd = sm2.state_dict()
     for k, v in ns["nb_instance"].state_dict().items():
         assert torch.equal(sd[k], v)
-    from fsdp_nb.magics import activate_px
+    from fsdp_nb.frontends.magics import activate_px
 
     activate_px(sess)
     before = sm.state_dict()
@@ -399,7 +399,7 @@ def test_instance_wrap_keeps_no_copy_in_the_notebook(sess):
     got = sm.state_dict()  # and the ranks got the weights
     assert all(torch.equal(got[k], v) for k, v in expected.items())
     sess.run(forget_all, ("nocopy",))
-    del sess.wraps["nocopy"]
+    del sess.context.wraps["nocopy"]
 
 
 # -- bad input: clear errors before any work, the session stays usable -----------------------
@@ -453,14 +453,14 @@ def test_bad_input_is_refused_before_any_work(sess, args, kwargs, exc, match):
     ],
 )
 def test_wrap_options_validate_themselves(kwargs, exc, match):
-    from fsdp_nb.wrap_options import WrapOptions
+    from fsdp_nb.models.options import WrapOptions
 
     with pytest.raises(exc, match=match):
         WrapOptions(**kwargs)
 
 
 def test_plan_mesh_is_a_function_of_world_backend_hosts_options():
-    from fsdp_nb.wrap_options import WrapOptions, plan_mesh
+    from fsdp_nb.models.options import WrapOptions, plan_mesh
 
     hosts = ["a", "a", "b", "b"]
     assert plan_mesh(4, "gloo", hosts, WrapOptions()).shape == (4,)

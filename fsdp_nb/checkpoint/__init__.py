@@ -1,43 +1,18 @@
 """Checkpoints: sharded (DCP, one file per rank) or full (one .pt / .safetensors), atomic,
 async, reshardable, inspectable offline, on local paths or fsspec URLs.
 
-``sess.save`` / ``sess.load`` call ``save`` / ``load`` here; ``fsdp_nb.inspect`` and
-``fsdp_nb.consolidate`` and ``fsdp_nb.list_checkpoints`` work in one process with no
-process group.
+``format/`` holds the file formats: pure code that imports neither the notebook side nor
+the engines (the engines' save and load use it too). Beside it, the notebook-side driver:
+``save`` / ``load`` / ``async_saves`` (what ``sess.save`` / ``sess.load`` run) and the
+offline conversions ``consolidate`` and ``export``. The names a user needs are served by
+the package root (``fsdp_nb.inspect``, ``fsdp_nb.CheckpointInfo``...); this package
+re-exports only the errors (from ``fsdp_nb.errors``), so no name hides one of
+its modules.
 """
 
 from __future__ import annotations
 
-from .consolidate import consolidate
-from .export import export_safetensors
-from .info import (
-    CheckpointError,
-    CheckpointInfo,
-    ChunkInfo,
-    CorruptCheckpointError,
-    TensorInfo,
-    UnsafeCheckpointError,
-)
-from .inspect import inspect
-from .listing import list_checkpoints
-from .load import load
-from .pending import AsyncCheckpoint
-from .save import save
-from .storage import set_storage_options
+# kept one release for code that caught them here; they live in fsdp_nb.errors
+from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = [
-    "AsyncCheckpoint",
-    "CheckpointError",
-    "CheckpointInfo",
-    "ChunkInfo",
-    "CorruptCheckpointError",
-    "TensorInfo",
-    "UnsafeCheckpointError",
-    "consolidate",
-    "export_safetensors",
-    "inspect",
-    "list_checkpoints",
-    "load",
-    "save",
-    "set_storage_options",
-]
+__all__ = ["CheckpointError", "CorruptCheckpointError", "UnsafeCheckpointError"]

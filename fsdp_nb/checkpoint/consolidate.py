@@ -16,16 +16,17 @@ import time
 import uuid
 from typing import Any
 
-from ..progress import Progress, check_progress, may_show
-from .atomic import commit_sharded, read_marker
-from .checksums import record_writer
-from .fullfile import full_suffix, read_full, write_full
-from .info import CheckpointError, CheckpointInfo
-from .inspect import inspect
-from .metadata import FORMAT, META_FILE
-from .pickles import full_load_planner
-from .reader import named_corruption, open_sharded
-from .storage import dcp_writer, options_for, sibling, url_to_fs
+from ..errors import CheckpointError
+from ..frontends.progress import Progress, check_progress, may_show
+from .format.atomic import commit_sharded, read_marker
+from .format.checksums import record_writer
+from .format.fullfile import full_suffix, read_full, write_full
+from .format.info import CheckpointInfo
+from .format.inspect import inspect
+from .format.metadata import FORMAT, META_FILE
+from .format.pickles import full_load_planner
+from .format.reader import named_corruption, open_sharded
+from .format.storage import dcp_writer, options_for, sibling, url_to_fs
 
 __all__ = ["consolidate", "read_sharded"]
 
@@ -148,7 +149,7 @@ def _to_sharded(
         meta.setdefault("format", FORMAT)
         meta["world_size"] = 1
         commit_sharded(ofs, tmp, o, meta, files, token)
-    except BaseException:
+    except BaseException:  # remove the unfinished output, then re-raise
         if ofs.exists(tmp):
             ofs.rm(tmp, recursive=True)
         raise

@@ -28,17 +28,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..dtypes import FLOATING, tensor_bytes, to_safetensors
-from .atomic import replace_folder
-from .direct_io import durable
-from .fullfile import full_suffix
-from .info import CheckpointError
-from .inspect import inspect
-from .keys import MODEL, is_bare
-from .pickles import load_planner, load_pt
-from .safetensors_layout import PieceReader, read_layout
-from .safetensors_write import header, raw_bytes
-from .storage import sibling, url_to_fs
+from ..errors import CheckpointError
+from .format.atomic import replace_folder
+from .format.direct_io import durable
+from .format.dtypes import FLOATING, tensor_bytes, to_safetensors
+from .format.fullfile import full_suffix
+from .format.info import CheckpointInfo
+from .format.inspect import inspect
+from .format.keys import MODEL, is_bare
+from .format.pickles import load_planner, load_pt
+from .format.safetensors_layout import PieceReader, read_layout
+from .format.safetensors_write import header, raw_bytes
+from .format.storage import sibling, url_to_fs
 
 __all__ = ["export_safetensors", "parse_size"]
 
@@ -83,7 +84,7 @@ class _Entry:
         return tensor_bytes(self.shape, self.dtype)
 
 
-def _model_entries(info: Any, cast: str | None) -> list[_Entry]:
+def _model_entries(info: CheckpointInfo, cast: str | None) -> list[_Entry]:
     out = []
     for k, t in info.tensors.items():
         if not k.startswith(MODEL):
@@ -109,7 +110,7 @@ def _plan_files(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
     return files
 
 
-def _tensors(path: str, info: Any, entries: list[_Entry], storage_options: dict | None,
+def _tensors(path: str, info: CheckpointInfo, entries: list[_Entry], storage_options: dict | None,
              weights_only: bool = True) -> Iterator[Any]:
     """Each entry's tensor, one at a time, in ``entries`` order."""
     fs, p = url_to_fs(path, storage_options)
@@ -128,15 +129,15 @@ def _tensors(path: str, info: Any, entries: list[_Entry], storage_options: dict 
     yield from _sharded_tensors(fs, p, path, info, entries, storage_options, weights_only)
 
 
-def _sharded_tensors(fs: Any, p: str, url: str, info: Any, entries: list[_Entry],
+def _sharded_tensors(fs: Any, p: str, url: str, info: CheckpointInfo, entries: list[_Entry],
                      storage_options: dict | None, weights_only: bool) -> Iterator[Any]:
     import warnings
 
     import torch
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from .atomic import read_marker
-    from .reader import named_corruption, open_sharded
+    from .format.atomic import read_marker
+    from .format.reader import named_corruption, open_sharded
 
     md, reader = open_sharded(fs, p, url, read_marker(fs, p) or {}, storage_options,
                               weights_only=weights_only)
@@ -174,8 +175,8 @@ def export_safetensors(
     """
     import torch
 
-    from ..progress import Progress
-    from .reader import refuse_unsafe
+    from ..frontends.progress import Progress
+    from .format.reader import refuse_unsafe
 
     if not isinstance(weights_only, bool):
         raise TypeError(f"weights_only must be True or False, got {weights_only!r}")
@@ -218,7 +219,7 @@ def export_safetensors(
             with open(posixpath.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
         replace_folder(tmp, out_dir, token)
-    except BaseException:
+    except BaseException:  # remove the unfinished export, then re-raise
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     written = [posixpath.join(out_dir, nm) for nm in names]

@@ -13,19 +13,20 @@ from __future__ import annotations
 import posixpath
 from typing import TYPE_CHECKING, Any
 
-from ..progress import check_progress, follow, may_show
-from .contract import LoadSpec, check_optimizer, model_name, raise_outcomes
-from .pending import wait_pending
-from .storage import options_for, url_to_fs
+from ..frontends.progress import check_progress, follow, may_show
+from ..wire.checkpoint import LoadSpec
+from .arguments import check_optimizer, model_name, raise_outcomes
+from .async_saves import wait_pending
+from .format.storage import options_for, url_to_fs
 
 if TYPE_CHECKING:
-    from ..session import Session
+    from ..context import SessionContext
 
 __all__ = ["load"]
 
 
 def load(
-    sess: Session,
+    ctx: SessionContext,
     path: str,
     model: Any,
     *,
@@ -55,10 +56,10 @@ def load(
             raise TypeError(f"{flag} must be True or False, got {v!r}")
     check_progress(progress)
     url_to_fs(path)
-    wait_pending(sess)
+    wait_pending(ctx)
     spec = LoadSpec(url=path, storage_options=options_for(path), model=name, optimizer=optim, strict=strict,
                     verify=verify, report_progress=may_show(progress), weights_only=weights_only)
-    d = sess.dispatcher
+    d = ctx.dispatcher
     pending = d.apply("checkpoint load", checkpoint_load.load, args=(spec,))
     with follow(pending, f"load {posixpath.basename(path.rstrip('/'))}", enabled=progress):
         outs = d.gather(pending)

@@ -1,8 +1,8 @@
-"""``sess.save``: validate in the notebook, then run ``fsdp_nb.engine.checkpoint_io`` on every rank.
+"""``sess.save``: validate in the notebook, then run ``fsdp_nb.engine.checkpoint_save`` on every rank.
 
 Every argument is checked, ``extra`` included, and the target's existence too,
 before any rank writes a byte. ``async_save=True`` returns an ``AsyncCheckpoint``
-(``fsdp_nb.checkpoint.pending``) as soon as every rank has staged its state (a CPU
+(``fsdp_nb.checkpoint.async_saves``) as soon as every rank has staged its state (a CPU
 copy); the write and the commit continue in the background on the engines.
 """
 
@@ -12,22 +12,24 @@ import posixpath
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from ..progress import check_progress, follow, may_show
-from .contract import SaveSpec, check_optimizer, model_name, raise_outcomes
-from .fullfile import full_suffix
-from .info import CheckpointError, CheckpointInfo
-from .metadata import base_metadata, validate_extra
-from .pending import AsyncCheckpoint, register, wait_pending
-from .storage import options_for, url_to_fs
+from ..errors import CheckpointError
+from ..frontends.progress import check_progress, follow, may_show
+from ..wire.checkpoint import SaveSpec
+from .arguments import check_optimizer, model_name, raise_outcomes
+from .async_saves import AsyncCheckpoint, register, wait_pending
+from .format.fullfile import full_suffix
+from .format.info import CheckpointInfo
+from .format.metadata import base_metadata, validate_extra
+from .format.storage import options_for, url_to_fs
 
 if TYPE_CHECKING:
-    from ..session import Session
+    from ..context import SessionContext
 
 __all__ = ["save"]
 
 
 def save(
-    sess: Session,
+    ctx: SessionContext,
     path: str,
     model: Any,
     *,
@@ -48,7 +50,7 @@ def save(
     ``async_save=True`` an ``AsyncCheckpoint`` (``wait()`` / ``done()``). ``progress``:
     a bar of the bytes written (default: in a notebook, for more than a few hundred MB).
     """
-    from ..engine import checkpoint_io as cio
+    from ..engine import checkpoint_save as cio
 
     name = model_name(model)
     optim = check_optimizer(optimizer)
@@ -70,14 +72,14 @@ def save(
             f"a sharded checkpoint is a folder, but {path!r} ends in {suffix}; "
             "drop the suffix, or pass sharded=False for one file"
         )
-    wait_pending(sess)
+    wait_pending(ctx)
     spec = SaveSpec(
         url=path, storage_options=options_for(path), model=name, optimizer=optim,
         sharded=sharded, async_save=async_save, keep_last=keep_last,
         token=uuid.uuid4().hex[:12], meta=base_metadata(extra, "sharded" if sharded else "full"),
         check_exists=not overwrite, report_progress=may_show(progress) and not async_save,
     )
-    d = sess.dispatcher
+    d = ctx.dispatcher
     # an async save publishes no progress (its bar would have nothing to follow), so it
     # may take the direct call path
     pending = d.apply("checkpoint save", cio.save, args=(spec,), fast=async_save)
@@ -91,7 +93,7 @@ def save(
             "(nothing was written)"
         )
     if async_save:
-        return register(sess, AsyncCheckpoint(sess, path, spec.token, max(o.blocked or 0.0 for o in outs)))
+        return register(ctx, AsyncCheckpoint(ctx, path, spec.token, max(o.blocked or 0.0 for o in outs)))
     info = outs[0].info
     if info is None:  # pragma: no cover - rank 0 always returns it
         raise CheckpointError(f"save of {path!r} returned no description from rank 0")

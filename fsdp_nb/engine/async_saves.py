@@ -1,7 +1,7 @@
 """Async checkpoint saves on a rank: the background jobs, the staging buffers, and
 the gate that keeps training from changing what is still being copied.
 
-``checkpoint_io`` hands its state dict to DCP with this engine's stager
+``checkpoint_save`` hands its state dict to DCP with this engine's stager
 (:func:`stager`, one per engine, so buffers are reused), which copies it to CPU in a
 background thread; the call returns at once. Until that copy is taken, the saved
 optimizer's next ``step`` (and the next forward of a model with persistent buffers)
@@ -24,8 +24,8 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoint.contract import Outcome, SaveProgress
-from ..checkpoint.helper_threads import lower_priority
+from ..checkpoint.format.helper_threads import lower_priority
+from ..wire.checkpoint import Outcome, SaveProgress
 
 __all__ = [
     "async_done", "async_progress", "async_wait", "copied", "drain", "hold_until_staged", "stager", "submit",
@@ -95,7 +95,7 @@ def drain() -> None:
             out = job.future.result()
             if not out.ok:
                 log.warning("an async checkpoint save failed on this rank: %s", out.message)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - a background save's failure, whatever it is, is logged on the rank; the notebook hears it from async_wait
             log.warning("an async checkpoint save failed on this rank: %s", exc)
         _JOBS.pop(token, None)
 

@@ -9,7 +9,7 @@ imports, nor the group for the engines' imports. The controller fsdp_nb starts b
 faster than ipyparallel's (``launch_settings.HEARTBEAT_MS``); an engine still waits about
 3 minutes for a silent controller before it quits, as with ipyparallel's period.
 
-A standby engine (``STANDBY_ENV`` set; ``fsdp_nb.standby``) imports torch and
+A standby engine (``STANDBY_ENV`` set; ``fsdp_nb.runtime.standby``) imports torch and
 ``PRELOAD``, then waits, unregistered, until its go file appears: it registers only
 when it takes a dead rank's place, so a restart does not wait for a new process's
 imports. It exits once the controller it was started for is gone.
@@ -31,7 +31,7 @@ import time
 
 PRELOAD = (
     "fsdp_nb.engine.probe", "fsdp_nb.engine.process_group", "fsdp_nb.engine.health",
-    "fsdp_nb.engine.call_server", "torch.distributed.fsdp", "fsdp_nb.engine.wrap",
+    "fsdp_nb.engine.call_channel", "torch.distributed.fsdp", "fsdp_nb.engine.wrap",
     "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
     "torch._dynamo",  # else the first fully_shard imports it (DTensor's constructor): ~1 s
 )
@@ -69,7 +69,7 @@ def _stand_by(go_file: str, watch: int) -> bool:
     SIGTERM while waiting (the launcher stopping it) exits cleanly."""
     import psutil
 
-    from ..process_handles import handle_alive
+    from .process_handles import handle_alive
 
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     waiting = go_file + WAITING

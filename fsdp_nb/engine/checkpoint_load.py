@@ -1,7 +1,7 @@
 """Loading a checkpoint on the ranks: verify, check, read everything, then copy.
 
 Called by ``fsdp_nb.checkpoint.load`` on every rank at once. Files are verified first
-(``fsdp_nb.checkpoint.reader``: sizes up front, each stored item's checksum as it is
+(``fsdp_nb.checkpoint.format.reader``: sizes up front, each stored item's checksum as it is
 read), keys and shapes are checked against the model, every problem is agreed by all
 ranks (one clear error), and every rank reads all it needs before any rank copies a
 byte into its model, so a failure leaves every model as it was.
@@ -13,7 +13,7 @@ byte into its model, so a failure leaves every model as it was.
   the slice of every tensor it owns (``safetensors_layout.PieceReader``);
 - a ``.pt`` file: rank 0 reads it and broadcasts.
 
-Collectives run on the checkpoint group (``checkpoint_io.checkpoint_group``).
+Collectives run on the checkpoint group (``checkpoint_save.checkpoint_group``).
 """
 
 from __future__ import annotations
@@ -24,26 +24,33 @@ import posixpath
 import time
 from typing import Any
 
-from ..checkpoint.atomic import read_marker
-from ..checkpoint.contract import LoadSpec, Outcome
-from ..checkpoint.dcp_reader import can_stage, safe_reader
-from ..checkpoint.fullfile import full_suffix, read_full
-from ..checkpoint.info import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
-from ..checkpoint.inspect import dcp_files_problem, read_dcp_metadata
-from ..checkpoint.keys import MODEL, OPTIM_STATE, flat_optim_state, is_bare, is_model_key, optim_key
-from ..checkpoint.metadata import META_FILE
-from ..checkpoint.pickles import load_planner, refuse_code
-from ..checkpoint.reader import named_corruption, open_sharded
-from ..checkpoint.safetensors_layout import (
+from ..checkpoint.format.atomic import read_marker
+from ..checkpoint.format.dcp_reader import can_stage, safe_reader
+from ..checkpoint.format.fullfile import full_suffix, read_full
+from ..checkpoint.format.inspect import dcp_files_problem, read_dcp_metadata
+from ..checkpoint.format.keys import (
+    MODEL,
+    OPTIM_STATE,
+    flat_optim_state,
+    is_bare,
+    is_model_key,
+    optim_key,
+)
+from ..checkpoint.format.metadata import META_FILE
+from ..checkpoint.format.pickles import load_planner, refuse_code
+from ..checkpoint.format.reader import named_corruption, open_sharded
+from ..checkpoint.format.safetensors_layout import (
     PieceReader,
     Stored,
     is_safetensors_folder,
     optim_state,
     read_layout,
 )
-from ..checkpoint.storage import is_temporary, url_to_fs
+from ..checkpoint.format.storage import is_temporary, url_to_fs
+from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ..wire.checkpoint import LoadSpec, Outcome
 from . import progress_feed
-from .checkpoint_io import agree, any_rank, begin, checkpoint_group, rank_and_world, tensor_bytes
+from .checkpoint_save import agree, any_rank, begin, checkpoint_group, rank_and_world, state_bytes
 
 __all__ = ["load"]
 
@@ -113,7 +120,7 @@ def load(spec: LoadSpec) -> Outcome:
     try:
         exists = fs.exists(p)
         isdir = exists and fs.isdir(p)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever the store raises, the ranks agree on one clear outcome
         return Outcome.failed(f"cannot reach {spec.url!r}: {type(exc).__name__}: {exc}", FileNotFoundError)
     if not exists:
         return Outcome.failed(f"no checkpoint at {spec.url!r}", FileNotFoundError)
@@ -129,7 +136,7 @@ def load(spec: LoadSpec) -> Outcome:
             out = _load_full(spec, fs, p, model, optim)
         else:
             return Outcome.failed(f"{spec.url!r} is neither a checkpoint folder nor a .pt / .safetensors file")
-    except BaseException as exc:
+    except BaseException as exc:  # every failure but Ctrl-C becomes the rank's outcome, agreed
         if isinstance(exc, KeyboardInterrupt):
             raise
         return Outcome.failed(f"loading {spec.url!r} failed: {type(exc).__name__}: {exc}")
@@ -237,7 +244,7 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
     sd: dict[str, Any] = dict(into_m) if bare else {"model": into_m}
     if into_o is not None:
         sd["optim"] = into_o
-    progress_feed.start(tensor_bytes(sd), spec.report_progress)
+    progress_feed.start(state_bytes(sd), spec.report_progress)
     # dcp.load ends in a collective that raises on every rank if any rank failed
     try:
         with named_corruption(url):
@@ -274,7 +281,7 @@ def _load_safetensors(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -
     if bad:
         return bad
     fresh_o: dict[str, Any] = {}
-    progress_feed.start(tensor_bytes([{k: msd[k] for k in usable}, osd]), spec.report_progress)
+    progress_feed.start(state_bytes([{k: msd[k] for k in usable}, osd]), spec.report_progress)
     try:
         with PieceReader(fs, progress_feed.add) as r:
             fresh_m = {k: _read_owned(r, ck.model[k], msd[k]) for k in usable}
@@ -283,7 +290,7 @@ def _load_safetensors(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -
                     (fqn, key, _read_owned(r, ck.optim[optim_key(fqn, key)], like))
                     for fqn, entries in osd["state"].items() for key, like in entries.items()
                     if isinstance(like, torch.Tensor)))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any read failure becomes the agreed CorruptCheckpointError; the model is unchanged
         problem, cls = (f"checkpoint {url!r}: reading failed ({type(exc).__name__}: {exc}); "
                         "the model is unchanged"), CorruptCheckpointError
     bad = _agree(problem, cls)

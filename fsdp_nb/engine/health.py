@@ -7,7 +7,7 @@ stack to a per-engine file from C, even while the main thread is blocked inside 
 gloo / NCCL collective. The notebook truncates the file, signals the pid and reads it.
 
 The recovery steps (``leave_group``, ``rebind_groups``) run on engines between the
-notebook's destroy / re-init dance; see ``fsdp_nb.recovery``. Ranks blocked in NCCL
+notebook's destroy / re-init dance; see ``fsdp_nb.recovery.restart``. Ranks blocked in NCCL
 are freed through ``fsdp_nb.engine.nccl_abort``.
 """
 
@@ -261,7 +261,7 @@ def rebind_groups(partitions: list[tuple[tuple[int, ...], ...]] | None = None) -
             for n in names:
                 try:
                     registry[n] = dist.distributed_c10d._resolve_process_group(n)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - a group not formed yet is resolved on the next pass
                     log.debug("mesh group %s not resolvable yet: %s", n, exc)
     fsdp = _refresh_fsdp()
     return {"meshes": len(meshes), "groups_created": created, "names_rebound": rebound,

@@ -119,7 +119,7 @@ class _Sampler(threading.Thread):
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
             port = sock.bind_to_random_port(f"tcp://{self.addr}")
             self.endpoint = f"tcp://{self.addr}:{port}"
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - kept and re-raised by start() on the caller's thread
             self.error = exc
             self._bound.set()
             sock.close(0)

@@ -7,7 +7,7 @@ from typing import Any
 
 import cloudpickle
 
-from ..shipping import ByValue
+from ..wire.calls import ByValue
 
 
 def user_ns() -> dict[str, Any]:
@@ -26,7 +26,7 @@ def user_ns() -> dict[str, Any]:
 
 
 def unship(obj: Any) -> Any:
-    """Undo :func:`fsdp_nb.shipping.by_value`; other objects pass through."""
+    """Undo :func:`fsdp_nb.runtime.shipping.by_value`; other objects pass through."""
     if isinstance(obj, ByValue):
         rebind = obj.rebind
         obj = cloudpickle.loads(obj.payload)

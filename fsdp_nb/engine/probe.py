@@ -142,7 +142,7 @@ def interface_of(addr: str) -> str | None:
         for name, addrs in psutil.net_if_addrs().items():
             if any(a.family == socket.AF_INET and a.address == addr for a in addrs):
                 return name
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - no interface name is a valid answer: the caller falls back to the address
         log.debug("no interface found for the address: %s", exc)
     return None
 
@@ -152,5 +152,5 @@ def _cuda_count() -> int:
         import torch
 
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
+    except Exception:  # noqa: BLE001 - a broken CUDA install counts as no GPU, as torch.cuda.is_available does
         return 0

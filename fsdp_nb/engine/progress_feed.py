@@ -3,7 +3,7 @@
 ``start(total)`` opens a count for the call running now, ``add(n)`` adds the bytes
 just written or read and publishes the running count at most every ``INTERVAL``
 seconds (ipyparallel's data channel: the call's ``AsyncResult.data`` in the notebook,
-where ``fsdp_nb.progress.follow`` sums the ranks into one bar). Only the engine's
+where ``fsdp_nb.frontends.progress.follow`` sums the ranks into one bar). Only the engine's
 main thread publishes: an async save's background writes belong to no call.
 """
 
@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from ..progress import KEY
+from ..wire.calls import PROGRESS_KEY as KEY
 
 __all__ = ["INTERVAL", "add", "finish", "start"]
 
@@ -55,6 +55,6 @@ def _publish() -> None:
         from ipyparallel.datapub import publish_data
 
         publish_data({KEY: {"done": _count["done"], "total": _count["total"]}})
-    except Exception as exc:  # not inside an engine (a plain process): nothing to tell
+    except Exception as exc:  # noqa: BLE001 - not inside an engine (a plain process): nothing to tell
         log.debug("progress not published: %s", exc)
         _count["on"] = False

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ..shard_table import ParamShard
+from ..wire.shards import ParamShard
 from .wrap import get
 
 __all__ = ["local_shards"]

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
-    "AUTH_BYTES", "HEADER_BYTES", "Link", "Refused", "engine_key", "frame_bytes", "frame_digests",
+    "AUTH_BYTES", "HEADER_BYTES", "Link", "Refused", "cluster_key", "engine_key", "frame_bytes", "frame_digests",
     "new_nonce",
 ]
 
@@ -185,3 +185,17 @@ def _mac(key: bytes, header: bytes, digests: Sequence[bytes]) -> bytes:
     """HMAC-SHA256 over the header and the frames' digests (fixed sizes: unambiguous);
     OpenSSL's one-shot HMAC (a few microseconds: this is on every call's path)."""
     return hmac.digest(key, header + b"".join(digests), "sha256")
+
+
+def cluster_key(client: Any) -> bytes:
+    """The key of ``client``'s cluster (the notebook's side of ``engine_key``); ``ValueError`` for a cluster with none, whose
+    messages are unsigned: anyone who reaches it runs code as the user, and fsdp_nb's
+    own channels would have nothing to sign with."""
+    key = bytes(client.session.key or b"")
+    if not key:
+        raise ValueError(
+            "this ipyparallel cluster has no key, so its messages are not signed and anyone "
+            "who can reach it can run code as you; fsdp_nb refuses it. Start the cluster with "
+            "a key (ipyparallel's default: do not set Session.key to empty)."
+        )
+    return key

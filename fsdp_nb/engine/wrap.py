@@ -6,7 +6,7 @@ Registry for other layers (checkpoints, layout, recovery)::
 
 ``module`` is the FSDP2 module (also the engine global ``name``), ``mesh`` the
 ``DeviceMesh`` it was sharded on (the full mesh: ``("dp",)``, ``("dp_replicate",
-"dp_shard")`` or ``("dp", "tp")``), ``options`` the ``fsdp_nb.wrap_options.WrapOptions``.
+"dp_shard")`` or ``("dp", "tp")``), ``options`` the ``fsdp_nb.models.options.WrapOptions``.
 
 How a model is built (every rank runs the same steps, so collectives line up):
 
@@ -25,7 +25,7 @@ How a model is built (every rank runs the same steps, so collectives line up):
   device (buffers shipped as they are); all shard the same way and ``to_empty``;
   then the notebook streams the weights to rank 0 in chunks (``engine.weights.load_full_chunk``:
   broadcast one tensor, every rank keeps its piece), so no rank ever holds the whole
-  model (REFERENCE's ``set_model_state_dict(..., broadcast_from_rank0=True)`` does
+  model (torch's ``set_model_state_dict(..., broadcast_from_rank0=True)`` does
   the same per tensor but needs the whole state dict on rank 0).
 - string spec: the engine global module; rank 0's weights win (same broadcast).
 """

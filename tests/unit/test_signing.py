@@ -99,7 +99,8 @@ def test_a_cluster_without_a_key_is_refused():
     takes its client, before any channel opens."""
     from types import SimpleNamespace
 
-    from fsdp_nb.cluster import EngineCluster, signing_key
+    from fsdp_nb.engine.signing import cluster_key as signing_key
+    from fsdp_nb.runtime.cluster import EngineCluster
 
     unsigned = SimpleNamespace(session=SimpleNamespace(key=b""), ids=[0, 1])
     with pytest.raises(ValueError, match="no key, so its messages are not signed"):

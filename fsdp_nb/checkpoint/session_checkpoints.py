@@ -1,0 +1,97 @@
+"""``sess.save`` and ``sess.load``: the façade's checkpoint methods, checked and delegated.
+
+Mixed into :class:`fsdp_nb.Session`; each method hands the session context to
+``fsdp_nb.checkpoint.save`` / ``load``, imported at the first call (a session that
+never saves does not import them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..context import SessionContext
+    from ..models.sharded_model import ShardedModel
+    from .async_saves import AsyncCheckpoint
+    from .format.info import CheckpointInfo
+
+__all__ = ["SessionCheckpoints"]
+
+
+class SessionCheckpoints:
+    """The checkpoint methods of a ``Session``."""
+
+    _ctx: SessionContext
+
+    def save(
+        self,
+        path: str,
+        model: ShardedModel | str,
+        *,
+        optimizer: str | None = None,
+        extra: dict[str, Any] | None = None,
+        sharded: bool = True,
+        overwrite: bool = False,
+        async_save: bool = False,
+        keep_last: int | None = None,
+        progress: bool | None = None,
+    ) -> CheckpointInfo | AsyncCheckpoint:
+        """Write a checkpoint of ``model`` (and engine global ``optimizer``) atomically.
+
+        Returns its ``CheckpointInfo``, or an ``AsyncCheckpoint`` handle with ``async_save``.
+
+        Args:
+            path: a local path or fsspec URL (``s3://...``); written under a temporary
+                name and renamed into place, so it is either complete or absent.
+            model: the ``ShardedModel`` from ``wrap``, or the engine global name of an
+                FSDP2 module.
+            optimizer: the engine global name of its ``torch.optim`` optimizer.
+            extra: small values to keep with it (a step, a config); ``load`` returns them.
+            sharded: one file per rank (a DCP folder, reshardable); False: one full file
+                (``.pt`` or ``.safetensors`` by ``path``'s suffix).
+            overwrite: replace a checkpoint already at ``path`` (else it is refused).
+            async_save: return once the ranks hold a copy; write and commit in the
+                background (the next save, load or shutdown waits for it).
+            keep_last: keep only the newest this many checkpoints beside this one.
+            progress: a bar of the bytes written (default: in a notebook, for more than
+                a few hundred MB).
+        """
+        self._ctx.check_open()
+        from .save import save
+
+        return save(self._ctx, path, model, optimizer=optimizer, extra=extra, sharded=sharded,
+                    overwrite=overwrite, async_save=async_save, keep_last=keep_last, progress=progress)
+
+    def load(
+        self,
+        path: str,
+        model: ShardedModel | str,
+        *,
+        optimizer: str | None = None,
+        strict: bool = True,
+        verify: bool = True,
+        progress: bool | None = None,
+        weights_only: bool = True,
+    ) -> dict[str, Any]:
+        """Load a checkpoint onto this world size (resharded as needed); returns its ``extra``.
+
+        Args:
+            path: an fsdp_nb checkpoint (sharded folder, full file), a folder of plain
+                ``dcp.save``, or safetensors weights (a file, or a Hugging Face folder).
+            model: the ``ShardedModel`` (or engine global name) to load into.
+            optimizer: the engine global name of the optimizer to load too.
+            strict: every key must match (else: load the keys both have).
+            verify: refuse a checkpoint whose files cannot be verified (no completion
+                marker, missing files, checksums); False loads it anyway.
+            progress: a bar of the bytes read (default: in a notebook, for more than a
+                few hundred MB).
+            weights_only: unpickle the checkpoint's pickles (optimizer ``param_groups``,
+                ``.pt`` files) with torch's weights-only unpickler only; one that could
+                run code is refused (``fsdp_nb.UnsafeCheckpointError``) before anything
+                is loaded. False trusts them, as plain ``torch.load`` does: arbitrary code.
+        """
+        self._ctx.check_open()
+        from .load import load
+
+        return load(self._ctx, path, model, optimizer=optimizer, strict=strict, verify=verify,
+                    progress=progress, weights_only=weights_only)

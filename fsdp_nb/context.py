@@ -1,0 +1,94 @@
+"""The session context: the one small object every feature takes instead of ``Session``.
+
+A ``Session`` is a façade over one :class:`SessionContext`. Features (wrap, save and
+load, recovery, status, widgets, attach) take the context, read what they need of it
+and keep their own per-session state in its registries, never in module globals keyed
+by session. The context knows the runtime (engines, calls, health); the features
+above it are only named here for their types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .errors import SessionClosedError
+from .runtime.call_channel import CallChannel
+from .runtime.cluster import EngineCluster
+from .runtime.dispatch import Dispatcher
+from .runtime.health import RankHealth
+from .runtime.lifecycle import Lifecycle
+from .runtime.rendezvous import RankInfo
+
+if TYPE_CHECKING:
+    from .checkpoint.async_saves import AsyncCheckpoint
+    from .lifetime.keepalive import Keeper
+    from .models.sharded_model import ShardedModel
+    from .models.wrap import WrapRecord
+
+__all__ = ["SessionContext"]
+
+
+@dataclass(eq=False, kw_only=True)
+class SessionContext:
+    """One session's engines, how calls reach them, and what features registered on it."""
+
+    cluster: EngineCluster
+    """The engines: rank <-> engine map, liveness, process control."""
+    recovering: Dispatcher
+    """Sends work to the ranks and gathers it; a failure goes to the recovering policy."""
+    plain_dispatcher: Dispatcher
+    """The same engines, failures only reported (no recovery, no echo): what recovery's
+    own calls use, so they never recurse into recovery."""
+    channel: CallChannel
+    """Signed sockets to the engines: the fast path of ``run``, ``push`` and ``pull``."""
+    health: RankHealth
+    """The engines' health hooks: stack dumps, NCCL abort listeners."""
+    backend: str | None
+    """Process-group backend (``gloo``, ``nccl``); None until the group is formed."""
+    launcher: str
+    """The ipyparallel launcher that started the engines, or ``"connected"``."""
+    pg_timeout: float
+    """Seconds a collective may wait before torch.distributed gives up."""
+    omp_threads: int | None
+    """``OMP_NUM_THREADS`` given to CPU ranks (None: not set by fsdp_nb)."""
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    """The session's state machine."""
+    wraps: dict[str, WrapRecord] = field(default_factory=dict)
+    """Engine global name -> how it was wrapped, replayed by ``restart()``."""
+    models: dict[str, ShardedModel] = field(default_factory=dict)
+    """Engine global name -> the ``ShardedModel`` of each model wrapped on the ranks."""
+    saves: list[AsyncCheckpoint] = field(default_factory=list)
+    """Async saves still being written; the next save, load or shutdown waits for them."""
+    keeper: Keeper | None = None
+    """The session record and watchdog (None for a connected session not kept alive)."""
+    restart_phases: dict[str, float] = field(default_factory=dict)
+    """Seconds each phase of the last ``restart()`` took (empty before one)."""
+    start_phases: dict[str, float] = field(default_factory=dict)
+    """Seconds each phase of this session's start took."""
+
+    @property
+    def state(self) -> str:
+        """``starting``, ``ready``, ``degraded``, ``recovering``, ``failed`` or ``closed``."""
+        return self.lifecycle.state
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return len(self.cluster.ranks)
+
+    @property
+    def ranks(self) -> list[RankInfo]:
+        """Per-rank info in rank order."""
+        return list(self.cluster.ranks)
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """The recovering dispatcher; ``SessionClosedError`` once the session is shut down."""
+        self.check_open()
+        return self.recovering
+
+    def check_open(self) -> None:
+        """Raise ``SessionClosedError`` when the session was shut down."""
+        if self.state == "closed":
+            raise SessionClosedError("this session was shut down; start a new fsdp_nb.Session()")

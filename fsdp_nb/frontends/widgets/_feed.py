@@ -1,0 +1,229 @@
+"""The memory side channel, notebook side: one SUB socket and a thread per feed.
+
+``MemoryFeed.start`` asks every rank (once, through the task queue) to start a sampler
+thread publishing over its own XPUB socket (``fsdp_nb.engine.memory_sampler``), then
+subscribes to each with the feed's token signed with the cluster's key (the only
+subscription a sampler applies) and drops any sample not signed by that sampler. A
+receiver thread collects samples as they come (also while a ``%%px`` cell keeps the
+engines' task queues busy) and, once per interval, hands a snapshot to its listeners.
+``close`` drops the subscriptions: each engine's sampler sees the unsubscribe and ends;
+a closed session ends the receiver too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ...engine import memory_sampler as _ms
+from ...engine.signing import Link, Refused
+
+if TYPE_CHECKING:
+    from ...context import SessionContext
+
+log = logging.getLogger("fsdp_nb")
+
+__all__ = ["MemoryFeed", "MemorySample"]
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """One rank's memory at one moment (bytes; CUDA fields None on CPU ranks)."""
+
+    rank: int
+    """Rank that measured it."""
+    t: float
+    """Engine wall-clock time of the sample (``time.time()``)."""
+    device: str
+    """The rank's device (``"cpu"``, ``"cuda:0"``)."""
+    rss: int
+    """Resident set size of the engine process."""
+    rss_peak: int
+    """Peak resident set size of the engine process."""
+    ram_total: int
+    """Total RAM of the engine's host (the CPU limit)."""
+    cuda_allocated: int | None = None
+    """Bytes held by tensors on the rank's GPU."""
+    cuda_reserved: int | None = None
+    """Bytes reserved by the CUDA caching allocator."""
+    cuda_peak: int | None = None
+    """Peak allocated bytes since start (or the last reset)."""
+    cuda_total: int | None = None
+    """Total memory of the GPU (the GPU limit)."""
+    seq: int = 0
+    """Sequence number within its sampler."""
+    received: float = field(default=0.0, compare=False)
+    """Notebook wall-clock time the sample arrived (0 when not received over the wire)."""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], received: float = 0.0) -> MemorySample:
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in names}, received=received)
+
+    @property
+    def used(self) -> int:
+        """The headline number: CUDA allocated on GPU ranks, RSS on CPU ranks."""
+        return self.cuda_allocated if self.cuda_allocated is not None else self.rss
+
+    @property
+    def limit(self) -> int:
+        """The device's limit: GPU total memory, or host RAM."""
+        return self.cuda_total if self.cuda_total is not None else self.ram_total
+
+
+Listener = Callable[["MemoryFeed"], None]
+
+
+class MemoryFeed:
+    """Samples from every rank of a session, kept as latest + short history."""
+
+    def __init__(self, ctx: SessionContext, *, interval: float = 1.0, history: int = 120):
+        if not (isinstance(interval, (int, float)) and not isinstance(interval, bool)
+                and interval > 0):
+            raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+        if not isinstance(history, int) or history < 2:
+            raise ValueError(f"history must be an int >= 2 (samples kept per rank), got {history!r}")
+        self.ctx = ctx
+        self.interval = float(interval)
+        self.world_size = ctx.world_size
+        self.history: list[deque[MemorySample]] = [deque(maxlen=history)
+                                                   for _ in range(self.world_size)]
+        self.token = uuid.uuid4().hex
+        self.endpoints: list[str] = []
+        self.updates = 0
+        self._listeners: list[Listener] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ctx: SessionContext = None
+
+    # -- data -------------------------------------------------------------------
+
+    def latest(self) -> list[MemorySample | None]:
+        """The newest sample of each rank (None before its first one)."""
+        with self._lock:
+            return [h[-1] if h else None for h in self.history]
+
+    def samples(self, rank: int) -> list[MemorySample]:
+        """Rank ``rank``'s kept history, oldest first."""
+        with self._lock:
+            return list(self.history[rank])
+
+    def add_listener(self, fn: Listener) -> None:
+        """Call ``fn(feed)`` (from the receiver thread) once per interval with news."""
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: Listener) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> MemoryFeed:
+        """Start one sampler per rank (through the task queue, once) and subscribe."""
+        import zmq
+
+        if self.running:
+            return self
+        d = self.ctx.dispatcher
+        cluster = self.ctx.cluster
+        ranks = self.ctx.ranks
+        args = [(self.token, r.rank, cluster.listen_address(r.rank), r.device, self.interval)
+                for r in ranks]
+        started = d.gather(d.apply("start memory sampler", _ms.start, args))
+        self.endpoints = [ep for ep, _ in started]
+        key = cluster.key
+        self._ctx = zmq.Context()
+        subs = []
+        for rank, (ep, nonce) in enumerate(started):
+            link = Link(key, "memory", nonce, "client")
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, link.pack(self.token.encode()))
+            sub.connect(ep)
+            subs.append((sub, link, rank))
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, args=(subs,), daemon=True,
+                                        name=f"fsdp_nb-memory-feed-{self.token[:8]}")
+        self._thread.start()
+        self.ctx.lifecycle.on_close(self.close)
+        return self
+
+    def close(self) -> None:
+        """Stop receiving; the engines' samplers end when they see the unsubscribe."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self._thread = None
+
+    def _run(self, subs: list[tuple[Any, Link, int]]) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        links = {}
+        for sub, link, rank in subs:
+            poller.register(sub, zmq.POLLIN)
+            links[sub] = (link, rank)
+        next_tick = time.monotonic() + self.interval
+        fresh = False
+        try:
+            while not self._stop.is_set() and getattr(self.ctx, "state", "ready") != "closed":
+                wait = max(0.0, min(next_tick - time.monotonic(), 0.25))
+                for sub, _ in poller.poll(int(wait * 1000)):
+                    while True:
+                        try:
+                            frames = sub.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        fresh = self._store(frames, *links[sub]) or fresh
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + self.interval
+                    if fresh:
+                        fresh = False
+                        self.updates += 1
+                        for fn in list(self._listeners):
+                            try:
+                                fn(self)
+                            except Exception as exc:  # noqa: BLE001 - a broken view must not kill the feed
+                                log.warning("a memory view failed to render a sample: %s", exc)
+        finally:
+            for sub, _, _ in subs:
+                sub.close(0)
+            self._ctx.term()
+
+    def _store(self, frames: list[bytes], link: Link, rank: int) -> bool:
+        """Keep the sample in ``frames`` (``[topic, signed sample]`` from ``rank``'s
+        sampler); True if it was one. Anything not signed by that sampler is dropped."""
+        try:
+            if len(frames) != 2:
+                raise Refused(f"{len(frames)} frames where a sample has 2")
+            raw = link.unpack(frames[1])
+        except Refused as why:
+            link.refused(why, f"a memory sample from rank {rank}")
+            return False
+        try:
+            s = MemorySample.from_dict(json.loads(raw), received=time.time())
+        except (ValueError, TypeError):
+            return False
+        if s.rank != rank:
+            return False
+        with self._lock:
+            self.history[s.rank].append(s)
+        return True
+
+    def __del__(self) -> None:
+        try:
+            self._stop.set()
+        except Exception as exc:  # noqa: BLE001 - interpreter teardown: nothing left to tell
+            log.debug("closing the memory feed: %s", exc)

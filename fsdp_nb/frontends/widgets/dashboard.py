@@ -1,0 +1,94 @@
+"""One dashboard: session status, live memory, shard layouts and checkpoints.
+
+``sess.dashboard()`` returns a :class:`Dashboard` (tabs), each tab one of the widgets
+(the status tab is the live :class:`fsdp_nb.frontends.widgets.status.StatusWidget`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import ipywidgets as W
+
+from ...recovery.status import SessionStatus
+from ._render import StaticForm
+from .status import StatusWidget, session_status
+
+if TYPE_CHECKING:
+    from ...context import SessionContext
+
+__all__ = ["Dashboard", "dashboard", "session_status"]
+
+
+class Dashboard(StaticForm, W.VBox):
+    """Tabs: status, memory, one layout per model, checkpoints."""
+
+    def __init__(self, ctx: SessionContext, *, models: Any = None, root: str | None = None,
+                 memory: bool = True, interval: float = 1.0, **ckpt_kwargs: Any):
+        from .checkpoints import CheckpointBrowser
+        from .layout import layout_widget
+        from .memory import memory_widget
+
+        self.ctx = ctx
+        self.status_widget = StatusWidget(ctx)
+        children: list[W.Widget] = [self.status_widget]
+        titles = ["Status"]
+        self.memory = memory_widget(ctx, interval=interval) if memory else None
+        if self.memory is not None:
+            children.append(self.memory)
+            titles.append("Memory")
+        self.layouts = []
+        for m in _as_models(models):
+            lw = layout_widget(m)
+            self.layouts.append(lw)
+            children.append(lw)
+            titles.append(f"Layout: {lw.data.table.model}")
+        self.checkpoints = None
+        if root is not None:
+            models_list = _as_models(models)
+            ckpt_kwargs.setdefault("model", models_list[0] if len(models_list) == 1 else None)
+            self.checkpoints = CheckpointBrowser(ctx, root, **ckpt_kwargs)
+            children.append(self.checkpoints)
+            titles.append("Checkpoints")
+        self.tabs = W.Tab(children=children, titles=titles)
+        super().__init__([self.tabs])
+        self.add_class("fsdp-nb-dashboard")
+
+    @property
+    def status(self) -> SessionStatus:
+        """What the status tab shows now."""
+        return self.status_widget.status
+
+    def refresh_status(self) -> SessionStatus:
+        return self.status_widget.refresh()
+
+    def to_text(self) -> str:
+        parts = [self.status.to_text()]
+        parts += [w.to_text() for w in (self.memory, *self.layouts, self.checkpoints) if w]
+        return "\n\n".join(parts)
+
+    def to_html(self) -> str:
+        parts = [self.status.to_html()]
+        parts += [w.to_html() for w in (self.memory, *self.layouts, self.checkpoints) if w]
+        return "<hr>".join(parts)
+
+    def close(self) -> None:
+        self.status_widget.close()
+        if self.memory is not None:
+            self.memory.close()
+        super().close()
+
+
+def _as_models(models: Any) -> list[Any]:
+    if models is None:
+        return []
+    if isinstance(models, (list, tuple)):
+        return list(models)
+    return [models]
+
+
+def dashboard(ctx: SessionContext, *, models: Any = None, root: str | None = None, memory: bool = True,
+              interval: float = 1.0, **ckpt_kwargs: Any) -> Dashboard:
+    """Status, live memory, the layouts of ``models`` and the checkpoints under ``root``."""
+    return Dashboard(ctx, models=models, root=root, memory=memory, interval=interval,
+                     **ckpt_kwargs)

@@ -1,0 +1,73 @@
+"""``sess.memory()``, ``status_widget()``, ``checkpoints()``, ``dashboard()``: the
+façade's widget methods, each handing the session context to its widget.
+
+Mixed into :class:`fsdp_nb.Session`. Each widget module is imported when first asked
+for: ``import fsdp_nb`` and a session's start do not pay for ipywidgets and matplotlib.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ...context import SessionContext
+    from .checkpoints import CheckpointBrowser
+    from .dashboard import Dashboard
+    from .memory import MemoryWidget
+    from .status import StatusWidget
+
+__all__ = ["SessionWidgets"]
+
+
+class SessionWidgets:
+    """The widget methods of a ``Session``."""
+
+    _ctx: SessionContext
+
+    def memory(self, *, interval: float = 1.0, history: int = 120) -> MemoryWidget:
+        """Live per-rank memory widget (updates while a cell trains).
+
+        Args:
+            interval: seconds between samples.
+            history: samples kept per rank for the sparklines.
+        """
+
+        from .memory import memory_widget
+
+        return memory_widget(self._ctx, interval=interval, history=history)
+
+    def status_widget(self) -> StatusWidget:
+        """Per-rank status that follows the session live: busy, failed, dead, recovering,
+        recovered, with a log of failures and recoveries (``status()`` is a snapshot)."""
+
+        from .status import status_widget
+
+        return status_widget(self._ctx)
+
+    def checkpoints(self, root: str, **kwargs: Any) -> CheckpointBrowser:
+        """Checkpoint browser widget for a local folder or fsspec URL.
+
+        Args:
+            root: the folder (or URL) holding the checkpoints.
+            **kwargs: ``model=`` and ``optimizer=`` enable its save and load buttons;
+                ``extra=`` (a dict or a function returning one) is saved with each
+                checkpoint; ``storage_options=`` are fsspec's for ``root``.
+        """
+
+        from .checkpoints import checkpoint_browser
+
+        return checkpoint_browser(self._ctx, root, **kwargs)
+
+    def dashboard(self, **kwargs: Any) -> Dashboard:
+        """Status, memory, layouts and checkpoints in one widget.
+
+        Args:
+            **kwargs: ``models=`` (default: every wrapped model), ``root=`` (a checkpoint
+                folder: adds the browser, with ``checkpoints``' keyword arguments),
+                ``memory=False`` leaves out the memory tab, ``interval=`` its seconds
+                between samples.
+        """
+
+        from .dashboard import dashboard
+
+        return dashboard(self._ctx, **kwargs)

@@ -1,0 +1,93 @@
+"""``ShardedModel``: the notebook's handle on a model ``sess.wrap`` sharded.
+
+The module itself lives on the engines (engine global ``name``, registry
+``fsdp_nb.engine.wrap.MODELS[name] -> (module, mesh, options)``); this handle asks
+them for what the notebook wants to see. Shipped to the engines (captured by a
+function given to ``sess.run``) it turns into that rank's FSDP module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from ..engine import shards as _es
+from ..engine import weights as _weights
+from ..engine import wrap as _ew
+from ..wire.shards import ShardTable
+
+if TYPE_CHECKING:
+    from ..context import SessionContext
+    from .options import WrapOptions
+
+__all__ = ["ShardedModel"]
+
+
+class ShardedModel:
+    """A model sharded over a session's ranks with FSDP2, bound as engine global ``name``."""
+
+    def __init__(self, ctx: SessionContext, name: str, options: WrapOptions, summary: Any):
+        self._ctx = ctx
+        self.name = name
+        """Engine global name of the FSDP module."""
+        self.options = options
+        """The ``WrapOptions`` it was wrapped with."""
+        self.summary = summary
+        """The engine's ``WrapSummary`` (units, mesh, dtypes)."""
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the whole (unsharded) model."""
+        return self.summary.num_params
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state dict on the notebook, CPU tensors, unwrapped FQNs.
+
+        Gathered one tensor at a time to rank 0, so no rank holds a full copy.
+        """
+        d = self._ctx.dispatcher
+        got = d.gather(d.apply(f"state_dict({self.name!r})", _weights.full_state_dict, args=(self.name,)))
+        return got[0]
+
+    def shards(self) -> ShardTable:
+        """Per-parameter shard table: global shape, placements, each rank's piece."""
+        d = self._ctx.dispatcher
+        per_rank = d.gather(d.apply(f"shards({self.name!r})", _es.local_shards, args=(self.name,)))
+        rows = [
+            dataclasses.replace(
+                first,
+                local_shapes=tuple(r[i].local_shapes[0] for r in per_rank),
+                local_offsets=tuple(r[i].local_offsets[0] for r in per_rank),
+                local_bytes=tuple(r[i].local_bytes[0] for r in per_rank),
+            )
+            for i, first in enumerate(per_rank[0])
+        ]
+        return ShardTable(
+            model=self.name,
+            world_size=len(per_rank),
+            mesh_shape=self.summary.mesh_shape,
+            mesh_dims=self.summary.mesh_dims,
+            params=tuple(rows),
+        )
+
+    def layout(self) -> Any:
+        """The shard layout widget (``fsdp_nb.frontends.widgets.layout``)."""
+        from ..frontends.widgets.layout import layout_widget
+
+        return layout_widget(self)
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # shipped to an engine (e.g. captured by a function given to sess.run), a
+        # handle becomes that rank's FSDP module
+        return (_ew.resolve, (self.name,))
+
+    def __repr__(self) -> str:
+        s = self.summary
+        opts = ", ".join(f"{k}={v}" for k, v in self.options.describe().items())
+        mesh = "×".join(map(str, s.mesh_shape))
+        return (
+            f"<ShardedModel {self.name!r}: {s.model_class}, {self.num_params:,} params "
+            f"({s.param_dtype}), mesh {mesh} {s.mesh_dims}, {len(s.units)} FSDP unit(s)"
+            + (f", {opts}" if opts else "")
+            + ">"
+        )

@@ -1,0 +1,308 @@
+"""The notebook side of ``sess.wrap``: validate, ship, build on every rank, record.
+
+``wrap(sess, model, args, name=..., **options)`` (what ``Session.wrap`` calls):
+
+1. validates everything it can in the notebook — option names and values
+   (:class:`WrapOptions`), the engine global ``name``, the kind of ``model``, the
+   mesh sizes — and ships the model spec by value; then asks the engines whether
+   ``name`` is free and (for class, factory and string specs) builds the model on
+   the meta device on rank 0 to check that every ``auto_wrap`` /
+   ``activation_checkpointing`` class occurs in it. Any problem raises a
+   ``ValueError`` / ``TypeError`` here, before any rank has built or bound anything;
+2. plans the device mesh (``fsdp_nb.models.options.plan_mesh``);
+3. builds on every rank (``fsdp_nb.engine.wrap.build``), binds the FSDP2 module as
+   engine global ``name`` and records the wrap on the session (``sess.wraps``) so
+   :func:`replay_wraps` can rebuild it after ``sess.restart()``. An instance's
+   weights are streamed from the notebook's module as it is; the record keeps no
+   copy (it would pin the whole model in the notebook), so replaying an instance
+   wrap needs a checkpoint (``restart(restore=...)``).
+
+Re-wrapping an existing ``name`` that holds a wrapped model replaces it (the old
+module is dropped on every rank first, freeing its memory); a ``name`` that holds
+anything else on the engines (``rank``, ``torch``, a user's tensor) is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import keyword
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..engine import weights as _weights
+from ..engine import wrap as _ew
+from ..runtime.shipping import ByValue, by_value, register_local_modules
+from .options import OPTION_NAMES, MeshPlan, WrapOptions, make_options, plan_mesh
+
+if TYPE_CHECKING:
+    from ..context import SessionContext
+    from ..runtime.dispatch import Dispatcher
+    from .sharded_model import ShardedModel
+
+__all__ = ["WrapRecord", "check_replayable", "replay_wraps", "wrap"]
+
+# -- the record --------------------------------------------------------------------------
+
+
+@dataclass
+class WrapRecord:
+    """One wrap as shipped, enough to build it again (``replay_wraps``)."""
+
+    name: str
+    """Engine global name."""
+    kind: str
+    """``"instance"``, ``"class"``, ``"factory"`` or ``"string"``."""
+    payload: ByValue
+    """The shipped ``(spec, args, kwargs, options)``, the same for every rank; for an
+    instance, a copy whose parameters are on the meta device."""
+    options: WrapOptions
+    """The validated options."""
+    plan: MeshPlan
+    """The mesh."""
+    seed: int
+    """Base seed for initialising class-built models (rank r uses seed + r)."""
+
+
+# -- the entry point ---------------------------------------------------------------------
+
+
+def _check_name(name: Any) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str (an engine global), got {type(name).__name__}")
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise ValueError(
+            f"name={name!r} is not a valid Python identifier; the model is bound as an engine "
+            "global, e.g. name='model'"
+        )
+    return name
+
+
+def _kind(model: Any) -> str:
+    import torch
+
+    if isinstance(model, str):
+        return "string"
+    if isinstance(model, torch.nn.Module):
+        return "instance"
+    if isinstance(model, type):
+        if issubclass(model, torch.nn.Module):
+            return "class"
+        raise TypeError(
+            f"model class {model.__qualname__} is not a torch.nn.Module subclass; "
+            "pass an nn.Module instance, subclass, factory callable, or an engine global name"
+        )
+    if callable(model):
+        return "factory"
+    raise TypeError(
+        f"cannot wrap a {type(model).__name__}: model must be an nn.Module instance, an "
+        "nn.Module subclass or factory callable (built on every rank), or the name (str) of "
+        "a module %%px code built on the engines"
+    )
+
+
+def _check_call(spec: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Keyword arguments that are not wrap options go to the constructor: check they fit."""
+    import inspect
+
+    try:
+        sig = inspect.signature(spec)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        what = getattr(spec, "__qualname__", repr(spec))
+        unknown = [
+            k for k in kwargs
+            if k not in sig.parameters
+            and not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+        ]
+        if unknown:
+            raise TypeError(
+                f"unknown wrap option(s) {', '.join(map(repr, sorted(unknown)))}: neither a wrap "
+                f"option (allowed: {', '.join(OPTION_NAMES)}) nor a parameter of {what}{sig}"
+            ) from None
+        raise TypeError(f"cannot build {what}{sig} from these arguments: {exc}") from None
+
+
+def _meta_clone(model: Any) -> Any:
+    """A copy of ``model`` whose parameters are on the meta device (no weight copies).
+
+    Buffers are copied (they are small and may be non-persistent, which a state-dict
+    broadcast would not restore).
+    """
+    import torch
+
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        if id(p) not in memo:
+            memo[id(p)] = torch.nn.Parameter(
+                torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
+            )
+    return copy.deepcopy(model, memo)
+
+
+def _raise_problem(problem: str | None, exc: type[Exception] = ValueError) -> None:
+    if problem:
+        raise exc(problem)
+
+
+def wrap(
+    ctx: SessionContext, model: Any, args: tuple, *, name: str = "model", **options: Any
+) -> ShardedModel:
+    """Shard ``model`` over ``sess``'s ranks with FSDP2; bind it as engine global ``name``.
+
+    See :class:`WrapOptions` for the options and the module docstring for the steps.
+    Everything is validated before any rank builds anything.
+    """
+    name = _check_name(name)
+    kind = _kind(model)
+    kwargs = {k: v for k, v in options.items() if k not in OPTION_NAMES}
+    opts = make_options(**{k: v for k, v in options.items() if k in OPTION_NAMES})
+    if kind in ("instance", "string") and (args or kwargs):
+        if kwargs:
+            raise TypeError(
+                f"unknown wrap option(s) {', '.join(map(repr, sorted(kwargs)))}; "
+                f"allowed: {', '.join(OPTION_NAMES)}"
+            )
+        raise TypeError(
+            f"positional arguments are for a class or factory spec; got {len(args)} with a "
+            f"{'module instance' if kind == 'instance' else 'name'}"
+        )
+    if kind in ("class", "factory"):
+        _check_call(model, args, kwargs)
+    plan = plan_mesh(ctx.world_size, ctx.backend, [r.host for r in ctx.ranks], opts)
+    import torch
+
+    # classes in the model, auto_wrap classes and callables may live in a user's
+    # module the engines cannot import: ship those by value too
+    register_local_modules((model, args, kwargs, opts))
+    seed = int(torch.randint(0, 2**62, ()).item())
+    if kind == "instance":
+        problem = _ew.check_classes(model, opts)
+        _raise_problem(problem)
+        payload = by_value((_meta_clone(model), (), kwargs, opts))
+    else:
+        payload = by_value((model, tuple(args), kwargs, opts))
+    record = WrapRecord(name, kind, payload, opts, plan, seed)
+    d = ctx.dispatcher
+    clashes = d.gather(d.apply(f"check name {name!r}", _ew.name_status, args=(name,)))
+    bad = [(r, c) for r, c in enumerate(clashes) if c]
+    if bad:
+        r, what = bad[0]
+        raise ValueError(
+            f"name={name!r} is already an engine global on rank {r} ({what}); "
+            "pick another name (re-wrapping replaces only a model that sess.wrap bound)"
+        )
+    if kind != "instance":
+        ranks = list(range(ctx.world_size)) if kind == "string" else [0]
+        problems = d.gather(
+            d.apply(f"check model for {name!r}", _ew.check_spec, args=(kind, payload), ranks=ranks)
+        )
+        for p in problems:
+            _raise_problem(p)
+    return _build(ctx, record, model if kind == "instance" else None)
+
+
+def _build(
+    ctx: SessionContext, record: WrapRecord, source: Any = None, dispatcher: Dispatcher | None = None
+) -> ShardedModel:
+    """Build ``record`` on every rank through ``dispatcher`` (the session's by default);
+    an instance's weights come from ``source`` (the notebook's module), or are left for
+    a checkpoint load when it is None (replay)."""
+    from .sharded_model import ShardedModel
+
+    d = dispatcher or ctx.dispatcher
+    summaries = d.gather(
+        d.apply(
+            f"wrap({record.name!r})",
+            _ew.build,
+            args=(record.name, record.kind, record.payload, record.plan, record.seed),
+        )
+    )
+    if source is not None:
+        _stream_weights(d, ctx.world_size, record.name, source.state_dict())
+    ctx.wraps[record.name] = record
+    model = ctx.models[record.name] = ShardedModel(ctx, record.name, record.options, summaries[0])
+    return model
+
+
+CHUNK_BYTES = 64 * 2**20
+"""Weights of an instance spec go to rank 0 in chunks of about this many bytes."""
+
+
+def _stream_weights(d: Dispatcher, world_size: int, name: str, state: dict[str, Any]) -> None:
+    """Send a notebook module's state dict to rank 0 chunk by chunk; every rank scatters
+    each. CPU tensors go as they are (no copy); others are copied one at a time."""
+    import torch
+
+    chunk: dict[str, Any] = {}
+    size = 0
+    items = list(state.items())
+    for i, (k, v) in enumerate(items):
+        v = v.detach().cpu()
+        # numpy arrays travel as zero-copy buffers in ipyparallel (~2.5x faster than a
+        # pickled tensor); bfloat16 has no numpy dtype and goes as a tensor
+        chunk[k] = v.numpy() if v.dtype != torch.bfloat16 else v
+        size += v.numel() * v.element_size()
+        if size >= CHUNK_BYTES or i == len(items) - 1:
+            args = [(name, chunk)] + [(name, None)] * (world_size - 1)
+            d.gather(d.apply(f"load weights of {name!r}", _weights.load_full_chunk, args))
+            chunk, size = {}, 0
+
+
+def check_replayable(
+    ctx: SessionContext, restore: str | None, drop: tuple[str, ...], *, replaying: bool
+) -> None:
+    """Refuse, before any work, ``drop`` names that are not wraps and (``replaying``:
+    engines are being replaced) a replay that would have to rebuild an instance wrap
+    without a checkpoint for it.
+
+    fsdp_nb keeps no copy of a notebook instance's weights, so after engines were
+    replaced such a model comes back only as the target of ``restore=`` (the last
+    wrap), or not at all if the user lets it go (``drop=``).
+    """
+    names = list(ctx.wraps)
+    unknown = sorted(set(drop) - set(names))
+    if unknown:
+        raise ValueError(
+            f"drop={list(drop)!r} names model(s) {unknown} that this session did not wrap; "
+            f"wrapped: {names or 'none'}"
+        )
+    if not replaying:
+        return
+    target = names[-1] if (restore is not None and names) else None
+    lost = [
+        n for n, r in ctx.wraps.items()
+        if r.kind == "instance" and n != target and n not in drop
+    ]
+    if lost:
+        raise ValueError(
+            f"sess.restart() must rebuild model(s) {', '.join(map(repr, lost))} on the new "
+            "engine(s), but they were wrapped from a notebook instance and fsdp_nb keeps no "
+            "copy of its weights (a copy would hold the whole model in the notebook). Pass "
+            "restore='path/to/checkpoint' (loaded into the last wrapped model, "
+            f"{names[-1]!r}), or drop=[...] to let them go and wrap them again. Nothing "
+            "was changed."
+        )
+
+
+def replay_wraps(
+    ctx: SessionContext, drop: tuple[str, ...] = (), dispatcher: Dispatcher | None = None
+) -> dict[str, ShardedModel]:
+    """Rebuild every wrap recorded on ``sess`` (after ``sess.restart()`` replaced engines).
+
+    Class and factory specs are built and initialised afresh (same seed: same
+    weights); string specs need the module to exist again on the engines; instance
+    specs are built with uninitialised weights, for ``restore=`` to load (see
+    :func:`check_replayable`). Wraps named in ``drop`` are forgotten on every rank
+    and on the session. ``dispatcher``: recovery passes its plain one. Returns name ->
+    ShardedModel.
+    """
+    d = dispatcher or ctx.dispatcher
+    if drop:
+        d.gather(d.apply(f"drop {', '.join(drop)}", _ew.forget_all, args=(tuple(drop),)))
+        for name in drop:
+            ctx.wraps.pop(name, None)
+            ctx.models.pop(name, None)
+    return {r.name: _build(ctx, r, dispatcher=d) for r in list(ctx.wraps.values())}

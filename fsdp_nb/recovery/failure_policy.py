@@ -1,0 +1,209 @@
+"""The failure policy every Session installs: failures become errors and a usable session.
+
+The one move it relies on (measured; ``tests/test_failures.py`` holds it): when the ranks that are not
+blocked leave the process group, a rank blocked in a gloo collective with them gets
+"Connection closed by peer" and returns to Python, its variables intact. So:
+
+1. ranks that returned (or were idle) leave the process group and shut their
+   sockets to the others; ranks that come back leave too (with 3+ ranks a rank
+   unblocked by one peer may still hold others). On NCCL, a rank blocked in a kernel
+   is freed by aborting its communicators from its listener thread
+   (``fsdp_nb.runtime.health.RankHealth.abort``; one GPU shows abort and re-form, several
+   GPUs blocking each other have not been run);
+2. ranks still running after ``nudge`` seconds get SIGINT (for Python code that is
+   not in a collective; once more after an interrupt, whose SIGINT is lost on an
+   engine that had not yet started the call: a Ctrl-C right after sending); after
+   ``wedge_timeout`` they count as wedged: killed (only
+   engines this session started) and replaced as for a dead engine;
+3. every rank joins a new group on a fresh port and every DeviceMesh / FSDP2 module
+   is re-pointed at the new groups (``fsdp_nb.recovery.restart``): trained weights and
+   optimizers stay.
+
+Recovery's own calls go through the session's plain dispatcher (failures reported,
+never recovered), so they never recurse into this policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import TYPE_CHECKING
+
+from ..engine import health as _health
+from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError
+from ..runtime.dispatch import FailurePolicy, Pending
+from .restart import reform, restart
+
+if TYPE_CHECKING:
+    from ..context import SessionContext
+
+__all__ = ["RecoveringPolicy"]
+
+log = logging.getLogger("fsdp_nb")
+
+
+class RecoveringPolicy(FailurePolicy):
+    """Turns failures into errors and a usable session, keeping every live rank's state."""
+
+    def __init__(
+        self,
+        ctx: SessionContext,
+        *,
+        grace: float = 3.0,
+        nudge: float = 2.0,
+        wedge_timeout: float = 20.0,
+    ):
+        self.ctx = ctx
+        self.grace = grace
+        """Seconds ranks may keep running after another rank failed before recovery starts."""
+        self.nudge = nudge
+        """Seconds after leaving the group before still-running ranks get SIGINT."""
+        self.wedge_timeout = wedge_timeout
+        """Seconds to wait for stopped ranks to return before they count as wedged."""
+
+    # hooks -------------------------------------------------------------------------
+
+    def on_partial_failure(
+        self, pending: Pending, failures: list[RankFailure], running: list[int]
+    ) -> None:
+        first = {f.rank for f in failures}
+        note = self._recover(pending, running, interrupt=False, cause="partial failure")
+        collateral = [f for f in self.ctx.dispatcher.failures(pending) if f.rank not in first]
+        err = RankError(pending.what, list(failures) + collateral, self.ctx.world_size,
+                        collateral=[f.rank for f in collateral])
+        err.add_note(note)
+        raise err
+
+    def on_interrupt(self, pending: Pending, running: list[int]) -> None:
+        if not running:
+            return
+        note = self._recover(pending, running, interrupt=True, cause="Ctrl-C")
+        print(f"fsdp_nb: interrupted {pending.what}; {note}", flush=True)
+
+    def on_dead(self, pending: Pending, dead: list[int]) -> None:
+        ctx = self.ctx
+        all_dead = sorted(set(dead) | set(ctx.cluster.dead_ranks()))
+        running = [r for r, ar in pending.results.items() if not ar.ready() and r not in all_dead]
+        wedged = self._unblock(pending, running, interrupt=bool(running), skip=set(all_dead))
+        if wedged:
+            ctx.cluster.kill(wedged)
+        ctx.lifecycle.to("degraded")
+        gone = tuple(sorted(set(all_dead) | set(wedged)))
+        ctx.cluster.start_replacements(list(gone))
+        ctx.dispatcher.notify("session", "degraded", gone, note="sess.restart() brings them back")
+        others = [f for f in ctx.dispatcher.failures(pending) if f.rank not in all_dead]
+        err = DeadRankError(
+            sorted(set(all_dead) | set(wedged)),
+            f"while running {pending.what}. The other ranks were stopped and left the "
+            "process group (their state is kept); sess.restart() replaces the dead "
+            "engine(s) under the same rank(s) and re-forms the group.",
+        )
+        if others:
+            err.add_note("Other ranks failed as a consequence:\n" + "\n".join(map(str, others)))
+        raise err
+
+    def on_timeout(self, pending: Pending, running: list[int], timeout: float) -> None:
+        found = self.ctx.health.stacks(running)
+        note = self._recover(pending, running, interrupt=True, cause="timeout")
+        err = RankTimeoutError(pending.what, timeout, running, stacks=found)
+        err.add_note(note)
+        raise err
+
+    # the dance ---------------------------------------------------------------------
+
+    def _recover(self, pending: Pending, running: list[int], *, interrupt: bool, cause: str) -> str:
+        """Stop ``running`` ranks, re-form the group on every rank; a note saying what happened."""
+        d = self.ctx.dispatcher
+        everyone = tuple(range(self.ctx.world_size))
+        d.notify("session", "recovering", everyone, note=cause)
+        try:
+            note = self._recover_or_raise(pending, running, interrupt=interrupt, cause=cause)
+        except Exception as exc:  # noqa: BLE001 - the original error must still reach the user
+            self.ctx.lifecycle.to("degraded")
+            note = (
+                f"fsdp_nb could not recover the session ({cause}): {type(exc).__name__}: {exc}. "
+                "Call sess.restart()."
+            )
+            d.notify("session", "degraded", everyone, note=note)
+            return note
+        d.notify("session", "recovered", everyone, note=note)
+        return note
+
+    def _recover_or_raise(
+        self, pending: Pending, running: list[int], *, interrupt: bool, cause: str
+    ) -> str:
+        ctx = self.ctx
+        dead = set(ctx.cluster.dead_ranks())
+        wedged = self._unblock(pending, running, interrupt=interrupt, skip=dead)
+        if wedged or dead:
+            ctx.cluster.kill(wedged)
+            restart(ctx)
+            note = (
+                f"fsdp_nb recovered the session ({cause}): rank(s) "
+                f"{', '.join(map(str, sorted(set(wedged) | dead)))} did not return and "
+                "were replaced (their state is lost; recorded wraps were replayed); the "
+                "other ranks kept their state."
+            )
+        else:
+            reform(ctx)
+            note = (
+                f"fsdp_nb recovered the session ({cause}): every rank returned and joined a "
+                "new process group; variables, models and optimizers are kept."
+            )
+        return note
+
+    def _unblock(
+        self, pending: Pending, running: list[int], *, interrupt: bool, skip: set[int]
+    ) -> list[int]:
+        """Bring ``running`` ranks back to Python; return those that did not come back."""
+        ctx = self.ctx
+        c = ctx.cluster
+        running = [r for r in running if r not in skip]
+        if interrupt and running:
+            c.signal(running, signal.SIGINT)
+        left: set[int] = set()
+
+        def leave(ranks: list[int]) -> None:
+            ranks = [r for r in ranks if r not in left and r not in skip]
+            if not ranks:
+                return
+            left.update(ranks)
+            d = ctx.plain_dispatcher
+            peers = c.tcp_endpoints()
+            args = [([e for q, es in peers.items() if q != r for e in es],) for r in ranks]
+            try:
+                d.gather(d.apply("leave process group", _health.leave_group, args, ranks=ranks), 30)
+            except Exception as exc:  # noqa: BLE001 - a rank that cannot leave is handled as wedged
+                log.warning("rank(s) could not leave the process group (handled as wedged): %s", exc)
+
+        leave([r for r in range(c.world_size) if r not in running])
+        if ctx.backend == "nccl" and running:
+            # a rank blocked in an NCCL kernel returns only when its own communicators
+            # are aborted (from its listener thread): closing peers' sockets is not enough
+            ctx.health.abort(running)
+        start = time.monotonic()
+        nudged = False
+        next_liveness = start + 0.5
+        still = list(running)
+        while True:
+            still = [r for r in still if not pending.results[r].ready()]
+            leave([r for r in running if r not in still])
+            if not still:
+                return []
+            now = time.monotonic()
+            if now >= next_liveness:
+                next_liveness = now + 0.5
+                gone = set(c.dead_ranks())
+                skip |= gone
+                still = [r for r in still if r not in gone]
+                if not still:
+                    return []
+            if not nudged and now - start > self.nudge:
+                late = [r for r in still if not pending.results[r].ready()]
+                if late:
+                    c.signal(late, signal.SIGINT)
+                nudged = True
+            if now - start > self.wedge_timeout:
+                return still
+            pending.wait_for(still, 0.05)

@@ -1,0 +1,231 @@
+"""The session's status as plain data: which rank is busy, idle, failed or dead, and where.
+
+One model for ``sess.status()``, the dashboard, the live status widget and notebooks:
+:class:`SessionStatus` of :class:`RankStatus` rows, with a text and an HTML form.
+:func:`read_status` fills it from the controller's queue status and the engines' pids,
+never through an engine's task queue, so it answers while a cell runs; busy ranks'
+stacks come from ``fsdp_nb.runtime.health`` (faulthandler dumps on a signal).
+:func:`apply_event` moves it on as the dispatcher reports calls starting, failing and
+recovering (``fsdp_nb.runtime.dispatch.CallEvent``), which is how the live widget follows a cell.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from ..frontends.tables import text_table
+
+if TYPE_CHECKING:
+    from ..context import SessionContext
+    from ..runtime.dispatch import CallEvent
+
+__all__ = ["RankStatus", "SessionStatus", "apply_event", "read_status"]
+
+log = logging.getLogger("fsdp_nb")
+
+_COLOURS = {"busy": "#b58900", "idle": "#2aa198", "dead": "#dc322f", "failed": "#dc322f",
+            "interrupted": "#cb4b16", "recovering": "#6c71c4", "recovered": "#859900"}
+_EVENTS_KEPT = 20
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """One rank's state right now."""
+
+    rank: int
+    """The rank."""
+    engine_id: int
+    """Its current ipyparallel engine id."""
+    host: str
+    """Host the engine runs on."""
+    pid: int | None
+    """Engine process id."""
+    device: str
+    """Device it computes on (``"cuda:0"``, ``"cpu"``)."""
+    state: str
+    """``"busy"`` (running or queued work), ``"idle"`` or ``"dead"``; as the live widget
+    follows calls also ``"failed"``, ``"interrupted"``, ``"recovering"``, ``"recovered"``."""
+    queued: int = 0
+    """Tasks the controller has sent this engine that have not finished (running included)."""
+    stack: str | None = None
+    """For a busy rank, when asked for: every thread's Python stack, the main thread first."""
+    activity: str = ""
+    """What the notebook last saw the rank do: the call it runs, its error, a recovery."""
+
+    @property
+    def where(self) -> str | None:
+        """The innermost frame of the main thread ("File ..., line N in fn"), if known."""
+        if not self.stack:
+            return None
+        first = self.stack.split("\n\n", 1)[0].splitlines()
+        frames = [line.strip() for line in first if line.strip().startswith("File ")]
+        return frames[0] if frames else None
+
+
+@dataclass(frozen=True)
+class SessionStatus:
+    """Per-rank busy / idle / dead, with stacks for busy ranks when asked for."""
+
+    state: str
+    """The session's state (``ready``, ``degraded``, ``closed``...)."""
+    backend: str
+    """Process-group backend."""
+    ranks: tuple[RankStatus, ...] = ()
+    """One entry per rank, in rank order."""
+    taken: float = field(default_factory=time.time)
+    """Unix time it was read."""
+    events: tuple[str, ...] = ()
+    """The latest calls' failures and recoveries, oldest first (the live widget's log)."""
+
+    HEADER = ("rank", "engine", "host", "pid", "device", "state", "queued", "activity")
+
+    def _ranks_in(self, state: str) -> list[int]:
+        return [r.rank for r in self.ranks if r.state == state]
+
+    @property
+    def busy(self) -> list[int]:
+        """Ranks running or queued work."""
+        return self._ranks_in("busy")
+
+    @property
+    def idle(self) -> list[int]:
+        """Ranks waiting for work."""
+        return self._ranks_in("idle")
+
+    @property
+    def dead(self) -> list[int]:
+        """Ranks whose engine process is gone."""
+        return self._ranks_in("dead")
+
+    def rows(self) -> list[tuple[Any, ...]]:
+        """Table rows in ``HEADER`` order."""
+        return [(r.rank, r.engine_id, r.host, r.pid, r.device, r.state, r.queued, r.activity)
+                for r in self.ranks]
+
+    def to_text(self) -> str:
+        """A plain-text table, then each busy rank's stack."""
+        lines = [f"session {self.state}, backend {self.backend}, {len(self.ranks)} ranks",
+                 text_table(self.HEADER, self.rows())]
+        lines += [f"--- rank {r.rank} at {r.where}\n{r.stack.rstrip()}" for r in self.ranks if r.stack]
+        lines += list(self.events)
+        return "\n".join(lines)
+
+    def to_html(self) -> str:
+        """An HTML table, states in colour, each busy rank's stack folded under "where"."""
+        rows = []
+        for r in self.ranks:
+            stack = (
+                f"<details><summary>{html.escape(r.where or 'stack')}</summary>"
+                f"<pre>{html.escape(r.stack)}</pre></details>" if r.stack else ""
+            )
+            cells = [r.rank, r.engine_id, html.escape(r.host), r.pid, html.escape(r.device)]
+            rows.append(
+                "<tr>" + "".join(f"<td>{c}</td>" for c in cells)
+                + f"<td style='color:{_COLOURS.get(r.state, '')}'><b>{html.escape(r.state)}</b></td>"
+                + f"<td>{r.queued}</td><td>{html.escape(r.activity)}</td><td>{stack}</td></tr>"
+            )
+        head = "".join(f"<th>{h}</th>" for h in (*self.HEADER, "where"))
+        when = time.strftime("%H:%M:%S", time.localtime(self.taken))
+        log_html = "".join(f"<li>{html.escape(e)}</li>" for e in self.events)
+        return (
+            f"<div class='fsdp-nb-status'><b>Session</b> <code>{html.escape(self.state)}</code>, "
+            f"backend <code>{html.escape(self.backend)}</code>, {len(self.ranks)} ranks "
+            f"<small>(at {when})</small><table><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>"
+            + (f"<ul class='fsdp-nb-status-events'>{log_html}</ul>" if log_html else "") + "</div>"
+        )
+
+    def __repr__(self) -> str:
+        return f"<fsdp_nb.SessionStatus {self.state}>\n{self.to_text()}"
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+
+def read_status(ctx: SessionContext, *, with_stacks: bool = True) -> SessionStatus:
+    """Which rank of ``sess`` is busy, idle or dead, and (``with_stacks``) where busy
+    ranks are. Asks the controller and the engines' pids, never an engine's queue."""
+    c = ctx.cluster
+    dead = set(c.dead_ranks()) if ctx.state != "closed" else set(range(c.world_size))
+    queued = _queued(c.client, c.engine_ids)
+    states = ["dead" if r in dead else ("busy" if queued[r] > 0 else "idle")
+              for r in range(len(c.engine_ids))]
+    busy = [r for r, s in enumerate(states) if s == "busy"]
+    found = ctx.health.stacks(busy) if (with_stacks and busy) else {}
+    devices = [info.device for info in ctx.ranks] or ["?"] * c.world_size
+    ranks = tuple(
+        RankStatus(r, eid, c.hosts[r] or "?", c.pids[r], devices[r], states[r], queued[r], found.get(r))
+        for r, eid in enumerate(c.engine_ids)
+    )
+    return SessionStatus(ctx.state, ctx.backend, ranks)
+
+
+def _queued(client: Any, engine_ids: Sequence[int]) -> list[int]:
+    """How many tasks each engine has queued or running, by the controller's queues less
+    the tasks this client has already seen finish: the controller hears of a finished
+    task after the client does, so right after a call it may still count it."""
+    try:
+        queues = client.queue_status(targets=list(engine_ids), verbose=True)
+    except Exception as exc:  # noqa: BLE001 - a dead engine id may be refused
+        log.debug("queue_status failed: %s", exc)
+        return [0] * len(engine_ids)
+    ids = [q.get("queue", []) if isinstance(q, dict) else []
+           for q in (queues.get(eid) if isinstance(queues, dict) else None for eid in engine_ids)]
+    if not any(ids):
+        return [0] * len(engine_ids)
+    # this client's tasks whose result came (another client's task always counts);
+    # (``client.results`` cannot tell: it was found empty after gathered calls)
+    finished = set(client.history.copy()) - client.outstanding.copy()  # filled by its IO thread
+    return [sum(1 for m in queued if m not in finished) for queued in ids]
+
+
+def _short(text: str, n: int = 120) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= n else line[: n - 3] + "..."
+
+
+def _rank_after(r: RankStatus, event: CallEvent) -> RankStatus:
+    """One rank's row after ``event`` (pure: the new row, or ``r`` itself)."""
+    ph, mine = event.phase, r.rank in event.ranks
+    if ph == "running":
+        if mine:
+            return replace(r, state="busy", activity=event.what, stack=None)
+        return replace(r, state="idle") if r.state == "busy" else r
+    if ph == "done":
+        return replace(r, state="idle", activity=event.what) if r.state in ("busy", "recovered") else r
+    if ph == "failed":
+        f = next((f for f in event.failures if f.rank == r.rank), None)
+        return replace(r, state="failed", activity=_short(f"{event.what}: {f.ename}: {f.evalue}")) if f else r
+    if ph == "interrupted" and mine:
+        return replace(r, state="interrupted", activity=f"{event.what}: Ctrl-C")
+    if ph == "dead" and mine:
+        return replace(r, state="dead", activity=f"{event.what}: engine died")
+    if ph == "degraded":
+        return replace(r, state="dead", activity=_short(event.note)) if mine else r
+    if ph in ("recovering", "recovered") and mine:
+        if ph == "recovering" and r.state == "dead":
+            return r
+        return replace(r, state=ph, activity=_short(f"{event.what}: {event.note}"))
+    return r
+
+
+def apply_event(status: SessionStatus, event: CallEvent, *, state: str | None = None) -> SessionStatus:
+    """``status`` after ``event``: the concerned ranks' states, and a log line for anything
+    but a call starting or ending well. ``state``: the session's state now."""
+    events = status.events
+    if event.phase not in ("running", "done"):
+        ranks = ", ".join(map(str, event.ranks))
+        detail = "; ".join(f"rank {f.rank}: {f.ename}: {f.evalue}" for f in event.failures[:2])
+        line = f"{time.strftime('%H:%M:%S')} {event.what} {event.phase}"
+        line += f" (rank {ranks})" if ranks and event.phase not in ("recovering", "recovered") else ""
+        line += f": {detail or event.note}" if (detail or event.note) else ""
+        events = (*events, _short(line, 200))[-_EVENTS_KEPT:]
+    return replace(
+        status, state=state or status.state, taken=time.time(), events=events,
+        ranks=tuple(_rank_after(r, event) for r in status.ranks),
+    )

@@ -1,0 +1,48 @@
+"""Running the user's code on every rank: functions, source code, names in and out.
+
+What ``sess.run``, ``execute``, ``push``, ``pull`` and ``%%px`` do once the façade has
+checked their arguments: ship what is sent by value (``shipping``), send it to the
+ranks through a :class:`~fsdp_nb.runtime.dispatch.Dispatcher` and gather the answers
+in rank order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ..engine import namespace as _ns
+from ..engine import process_group as _pg
+from .dispatch import Dispatcher
+from .shipping import by_value
+
+__all__ = ["all_reduce_check", "execute", "pull", "push", "run"]
+
+
+def run(d: Dispatcher, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
+        timeout: float | None) -> list[Any]:
+    """``fn(*args, **kwargs)`` on every rank, shipped by value; results in rank order."""
+    what = f"run({getattr(fn, '__qualname__', type(fn).__name__)})"
+    payload = (by_value(fn), by_value(args), by_value(kwargs))
+    return d.gather(d.apply(what, _ns.call, args=payload, fast=True), timeout)
+
+
+def execute(d: Dispatcher, code: str, timeout: float | None, *, ranks: Sequence[int] | None,
+            echoed: Any, silent: bool) -> list[Any]:
+    """``code`` on ``ranks`` (None: every rank); each rank's ExecuteReply, in rank order."""
+    return d.gather(d.execute(code, ranks=ranks, echoed=echoed, silent=silent), timeout)
+
+
+def push(d: Dispatcher, mapping: Mapping[str, Any]) -> None:
+    """Bind ``mapping``'s names on every rank."""
+    d.gather(d.apply("push", _ns.assign, args=(by_value(dict(mapping)),), fast=True))
+
+
+def pull(d: Dispatcher, name: str) -> list[Any]:
+    """Engine global ``name`` on every rank, in rank order."""
+    return d.gather(d.apply(f"pull({name!r})", _ns.get, args=(name,), fast=True))
+
+
+def all_reduce_check(d: Dispatcher) -> float:
+    """One collective (the sum of the ranks) on every rank; its result."""
+    return d.gather(d.apply("all_reduce", _pg.all_reduce_rank, fast=True))[0]

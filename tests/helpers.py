@@ -1,0 +1,259 @@
+"""Helpers the tests share: polling for a condition, a real kernel driven through
+jupyter_client, hand-built shard tables, the page cache's view of a file, and the fakes
+of the unit tier (a cluster and a dispatcher that run nothing).
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from jupyter_client.manager import KernelManager
+
+# -- waiting -------------------------------------------------------------------------
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 60.0, interval: float = 0.05) -> bool:
+    """Poll ``cond`` until it is true or ``timeout`` seconds pass; its last answer."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(interval)
+    return bool(cond())
+
+
+# -- a real kernel -------------------------------------------------------------------
+
+START_S = 180
+"""A kernel cell that starts a session gets this long."""
+
+
+class Kernel:
+    """A real IPython kernel and a blocking client; ``run`` returns a cell's stdout."""
+
+    def __init__(self, ipythondir: str):
+        env = dict(os.environ, IPYTHONDIR=ipythondir, OMP_NUM_THREADS="1")
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.pid
+
+    def run(self, code: str, timeout: float = 120, answers: list[str] | None = None) -> str:
+        """Run ``code``; its stdout (stderr too). A cell that raises fails the test
+        with the kernel's traceback. ``answers`` reply to ``input()`` prompts in order."""
+        out: list[str] = []
+        errors: list[str] = []
+        pending = list(answers or [])
+
+        def on_output(msg):
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                out.append(content["text"])
+            elif kind == "error":
+                errors.append("\n".join(content["traceback"]))
+
+        def on_stdin(msg):
+            out.append(msg["content"]["prompt"])
+            self.kc.input(pending.pop(0) if pending else "q")
+
+        reply = self.kc.execute_interactive(
+            code, timeout=timeout, output_hook=on_output, stdin_hook=on_stdin,
+            allow_stdin=answers is not None,
+        )
+        if reply["content"]["status"] != "ok":
+            pytest.fail(f"kernel cell failed:\n{code}\n{''.join(out)}\n" + "\n".join(errors))
+        return "".join(out)
+
+    def value(self, expr: str) -> object:
+        """A Python literal computed in the kernel."""
+        return ast.literal_eval(self.run(f"print(repr(({expr})))").strip().splitlines()[-1])
+
+    def restart(self) -> None:
+        """Kill the kernel process and start a new one (as Jupyter's restart does)."""
+        self.km.restart_kernel(now=True)
+        self.kc.wait_for_ready(timeout=60)
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+# -- shard tables ----------------------------------------------------------------
+
+TABLE_CODE = '''
+from fsdp_nb.wire.shards import ParamShard, ShardTable
+
+def _param(name, shape, sizes, mesh=(3,), dims=("dp_shard",), placements=("Shard(0)",)):
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    offsets, o = [], 0
+    for s in sizes:
+        offsets.append((o,) + (0,) * (len(shape) - 1))
+        o += s
+    return ParamShard(name, tuple(shape), "float32", placements, mesh, dims,
+                      tuple((s,) + tuple(shape[1:]) for s in sizes), tuple(offsets),
+                      tuple(s * rest * 4 for s in sizes))
+
+def hand_table():
+    """3 ranks, uneven shards (10 rows over 3 ranks), one rank holding nothing of one."""
+    return ShardTable("model", 3, (3,), ("dp_shard",), (
+        _param("blocks.0.lin.weight", (10, 4), (4, 4, 2)),
+        _param("blocks.0.lin.bias", (10,), (4, 4, 2)),
+        _param("head.weight", (2, 10), (1, 1, 0)),
+    ))
+
+def hybrid_table():
+    """4 ranks on a 2x2 (dp_replicate, dp_shard) mesh: replicated across rows."""
+    mesh, dims, pl = (2, 2), ("dp_replicate", "dp_shard"), ("Replicate()", "Shard(0)")
+    p = ParamShard("w", (8, 2), "float32", pl, mesh, dims, ((4, 2),) * 4,
+                   ((0, 0), (4, 0), (0, 0), (4, 0)), (32,) * 4)
+    return ShardTable("hybrid", 4, mesh, dims, (p,))
+'''
+
+_ns: dict = {}
+exec(TABLE_CODE, _ns)
+hand_table = _ns["hand_table"]
+hybrid_table = _ns["hybrid_table"]
+
+
+# -- the page cache ----------------------------------------------------------------
+
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Stat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recent")]
+
+
+def page_cache(fd: int) -> tuple[int, int] | None:
+    """(pages of file ``fd`` in the page cache, of which not yet handed to the disk);
+    None where this kernel lacks the call."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    st = _Stat()
+    if libc.syscall(451, fd, ctypes.byref(_Range(0, 0)), ctypes.byref(st), 0) != 0:  # cachestat
+        return None
+    return st.cache, st.dirty
+
+
+# -- fakes of the unit tier ---------------------------------------------------------
+
+
+class FakeReply:
+    """One rank's answer, as a ``RankReply``, set by the test: a value, an error, or
+    still running (``done=False``) until ``finish`` is called."""
+
+    def __init__(self, value: Any = None, *, error: BaseException | None = None, done: bool = True,
+                 completed: float | str | None = None, stdout: str = "", stderr: str = ""):
+        self.value, self.error, self.done = value, error, done
+        self.metadata: dict[str, Any] = {"stdout": stdout, "stderr": stderr}
+        if completed is not None:
+            from datetime import datetime, timezone
+
+            self.metadata["completed"] = (completed if isinstance(completed, str)
+                                          else datetime.fromtimestamp(completed, timezone.utc))
+
+    def finish(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value, self.error, self.done = value, error, True
+
+    def ready(self) -> bool:
+        return self.done
+
+    def successful(self) -> bool:
+        if not self.done:
+            raise RuntimeError("not done")
+        return self.error is None
+
+    def get(self, timeout: float | None = None) -> Any:
+        if not self.done:
+            raise TimeoutError("Result not ready.")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def wait_for_output(self, timeout: float = -1) -> bool:
+        return self.done
+
+
+class FakeCluster:
+    """The part of an ``EngineCluster`` the dispatcher, context and policies read: ranks,
+    deaths (set ``dead``), and a log of what was asked of it."""
+
+    def __init__(self, n: int = 2):
+        from fsdp_nb.runtime.rendezvous import RankInfo
+
+        self.ranks = [RankInfo(rank=r, engine_id=r, host="here", pid=1000 + r, device="cpu",
+                               local_rank=r, local_world_size=n, addr="127.0.0.1") for r in range(n)]
+        self.dead: set[int] = set()
+        self.asked: list[tuple[str, Any]] = []
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def dead_ranks(self) -> list[int]:
+        return sorted(self.dead)
+
+    def start_replacements(self, dead: list[int]) -> None:
+        self.asked.append(("start_replacements", list(dead)))
+
+    def keep_standby(self, adopt: bool = False) -> None:
+        self.asked.append(("keep_standby", adopt))
+
+
+def pending_of(replies: dict[int, FakeReply], what: str = "call",
+               waiter: Callable[[list[Any], float], Any] | None = None) -> Any:
+    """A dispatcher's ``Pending`` over fake replies; ``waiter`` runs at each wait (a test
+    finishes replies there) after a short sleep."""
+    from fsdp_nb.runtime.dispatch import Pending
+
+    def wait(results: list[Any], timeout: float) -> None:
+        time.sleep(min(timeout, 0.005))
+        if waiter is not None:
+            waiter(results, timeout)
+
+    return Pending(what, dict(replies), waiter=wait)
+
+
+def fake_context(n: int = 2) -> Any:
+    """A ``SessionContext`` over a ``FakeCluster`` whose dispatchers only report."""
+    from fsdp_nb.context import SessionContext
+    from fsdp_nb.runtime.dispatch import Dispatcher
+
+    cluster: Any = FakeCluster(n)
+    d = Dispatcher(cluster)
+    d.echo = False
+    return SessionContext(cluster=cluster, recovering=d, plain_dispatcher=d, channel=None,  # type: ignore[arg-type]
+                          health=None, backend="gloo", launcher="local", pg_timeout=60.0,  # type: ignore[arg-type]
+                          omp_threads=None)
+
+
+class FakeDispatcher:
+    """A dispatcher that runs nothing: ``apply`` records the call, ``gather`` answers
+    with ``answers[fn.__name__]`` (a list per rank, or an exception to raise)."""
+
+    def __init__(self, answers: dict[str, Any]):
+        self.answers = answers
+        self.sent: list[tuple[str, str, tuple]] = []
+
+    def apply(self, what: str, fn: Callable[..., Any], args: tuple = (), **kwargs: Any) -> Any:
+        self.sent.append((what, fn.__name__, tuple(args)))
+        return fn.__name__
+
+    def gather(self, name: str, timeout: float | None = None) -> list[Any]:
+        answer = self.answers[name]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
