@@ -152,6 +152,19 @@ def _sharded_tensors(fs: Any, p: str, url: str, info: CheckpointInfo, entries: l
         yield buf
 
 
+def _hugging_face_files(folder: str, info: CheckpointInfo) -> list[str]:
+    """``config.json`` (and ``generation_config.json``) of a transformers model, written
+    into ``folder`` so ``from_pretrained`` reads the export as it is; their names."""
+    files = {"config.json": info.hf_config, "generation_config.json": info.hf_generation_config}
+    written = []
+    for name, content in files.items():
+        if content is not None:
+            with open(posixpath.join(folder, name), "w") as f:
+                json.dump(content, f, indent=2, sort_keys=True)
+            written.append(name)
+    return written
+
+
 def export_safetensors(
     path: str,
     out_dir: str,
@@ -168,6 +181,9 @@ def export_safetensors(
     ``dtype="bfloat16"`` casts floating weights on the way. ``max_shard_size`` splits the
     output into files of at most that size (a bigger tensor gets a file of its own) with
     ``model.safetensors.index.json``. ``out_dir`` must not exist unless ``overwrite``.
+    A checkpoint of a Hugging Face model also gets its ``config.json`` (and
+    ``generation_config.json``) and leaves out tied duplicates, as ``save_pretrained``
+    does, so ``from_pretrained(out_dir)`` reads it as it is.
     A checkpoint holding a pickle that could run code when loaded is refused
     (``UnsafeCheckpointError``) unless ``weights_only=False`` (trusted: it can then run
     code). Checks every argument and the checkpoint before writing anything. Returns
@@ -192,7 +208,7 @@ def export_safetensors(
     info = inspect(path, storage_options=storage_options, weights_only=weights_only)
     if not info.valid:
         raise CheckpointError(f"checkpoint {path!r} is not valid ({info.problem}); refusing to export it")
-    entries = _model_entries(info, cast)
+    entries = [e for e in _model_entries(info, cast) if e.name not in info.tied]
     plan = _plan_files(entries, max_bytes)
     n = len(plan)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -213,6 +229,7 @@ def export_safetensors(
                         f.write(raw_bytes(t))
                         bar.update(e.nbytes)
                         del t
+        names += _hugging_face_files(tmp, info)
         if n > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {e.name: name for name, group in zip(names, plan) for e in group}}

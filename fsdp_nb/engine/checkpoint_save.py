@@ -40,6 +40,7 @@ from ..wire.checkpoint import LoadSpec, Outcome, SaveProgress, SaveSpec
 from . import progress_feed
 from .async_saves import copied, drain, hold_until_staged, stager, submit
 from .call_channel import after_reply
+from .hugging_face import hugging_face_meta
 from .namespace import user_ns
 from .wrap import param_sizes
 
@@ -183,6 +184,7 @@ def _model_meta(model: Any, spec: SaveSpec) -> dict[str, Any]:
         optimizer=spec.optimizer,
         model_class=f"{cls.__module__}.{cls.__qualname__}",
         param_count=param_sizes(model)[0],
+        **hugging_face_meta(model),
     )
     return meta
 

@@ -14,7 +14,8 @@ How a model is built (every rank runs the same steps, so collectives line up):
   tensor parallelism (``parallelize``), activation checkpointing, ``fully_shard``
   on each auto-wrap unit (innermost first) then the root, ``to_empty`` onto the
   rank's device — now each rank holds only its shards — then ``reset_parameters()``
-  on every submodule that has one, or ``init_fn`` on every submodule. Buffers are
+  on every submodule that has one, or ``init_fn`` on every submodule (a Hugging Face
+  ``PreTrainedModel``: transformers' own ``initialize_weights``). Buffers are
   allocated empty by ``to_empty``: modules must (re)compute them in
   ``reset_parameters`` (as ``nn.BatchNorm`` does) or ``init_fn`` must; e.g. a RoPE
   table registered with ``persistent=False`` is recomputed there. Initialisation
@@ -37,6 +38,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from .hugging_face import initialize_weights, is_hugging_face
 from .namespace import unship, user_ns
 
 __all__ = [
@@ -262,6 +264,8 @@ def _init(model: Any, options: Any, seed: int, plan: Any) -> None:
                     _local(p).fill_(float("nan"))
             if options.init_fn is not None:
                 model.apply(options.init_fn)
+            elif is_hugging_face(model):
+                initialize_weights(model)
             else:
                 for m in model.modules():
                     # nn.MultiheadAttention initialises in the private _reset_parameters
@@ -270,7 +274,8 @@ def _init(model: Any, options: Any, seed: int, plan: Any) -> None:
                         reset()
     missing = [n for n, p in model.named_parameters() if p.is_floating_point() and _local(p).isnan().any()]
     if missing:
-        how = "init_fn" if options.init_fn is not None else "reset_parameters()"
+        how = ("init_fn" if options.init_fn is not None else
+               "transformers' initialize_weights()" if is_hugging_face(model) else "reset_parameters()")
         raise RuntimeError(
             f"parameter(s) {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} were not "
             f"initialised by {how} after the meta-device build; give their modules a "

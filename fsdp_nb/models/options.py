@@ -20,9 +20,11 @@ __all__ = [
     "MIXED_PRECISION",
     "OPTION_NAMES",
     "SHARDING",
+    "ClassNames",
     "MeshPlan",
     "WrapOptions",
     "make_options",
+    "no_split_default",
     "plan_mesh",
 ]
 
@@ -45,7 +47,9 @@ class WrapOptions:
     auto_wrap: frozenset[type] | Callable[[Any], bool] | None = None
     """Submodules that get their own ``fully_shard`` (one unit each, gathered one
     at a time): a set of module classes (``isinstance``), or ``fn(module) -> bool``.
-    ``None``: only the root is wrapped. Each class must occur in the model."""
+    ``None``: only the root is wrapped. Each class must occur in the model. Not given,
+    for a model that declares ``_no_split_modules`` (Hugging Face models do): those
+    classes (:class:`ClassNames`), as Accelerate and transformers' FSDP integration do."""
     mixed_precision: str | Any = "32-true"
     """``"bf16-mixed"`` / ``"16-mixed"``: compute in bf16 / fp16, keep fp32
     sharded parameters and reduce gradients in fp32; ``"bf16-true"``: parameters
@@ -137,6 +141,30 @@ class WrapOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(WrapOptions))
+
+
+@dataclass(frozen=True)
+class ClassNames:
+    """An ``auto_wrap`` that picks modules by class name: a module whose class (or a
+    base class) is named in ``names``. How transformers names a model's blocks
+    (``_no_split_modules``), so the classes need not be importable where it is made."""
+
+    names: tuple[str, ...]
+    """Class names, e.g. ``("LlamaDecoderLayer",)``."""
+
+    def __call__(self, module: Any) -> bool:
+        return any(c.__name__ in self.names for c in type(module).__mro__)
+
+
+def no_split_default(model: Any) -> ClassNames | None:
+    """The ``auto_wrap`` a model declares: its (or its class's) ``_no_split_modules``
+    names, as a :class:`ClassNames`; None when it declares none. ``model`` may be a
+    module, a module class, or a bound constructor such as ``Cls.from_config``."""
+    owner = getattr(model, "__self__", model)
+    names = getattr(owner, "_no_split_modules", None)
+    if not names or isinstance(names, str):
+        return None
+    return ClassNames(tuple(sorted(names)))
 
 
 def _short(v: Any) -> str:

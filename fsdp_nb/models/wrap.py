@@ -25,6 +25,7 @@ anything else on the engines (``rank``, ``torch``, a user's tensor) is refused.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import keyword
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ..engine import weights as _weights
 from ..engine import wrap as _ew
 from ..runtime.shipping import ByValue, by_value, register_local_modules
-from .options import OPTION_NAMES, MeshPlan, WrapOptions, make_options, plan_mesh
+from .options import OPTION_NAMES, MeshPlan, WrapOptions, make_options, no_split_default, plan_mesh
 
 if TYPE_CHECKING:
     from ..context import SessionContext
@@ -159,6 +160,8 @@ def wrap(
     kind = _kind(model)
     kwargs = {k: v for k, v in options.items() if k not in OPTION_NAMES}
     opts = make_options(**{k: v for k, v in options.items() if k in OPTION_NAMES})
+    if "auto_wrap" not in options and kind != "string" and (split := no_split_default(model)):
+        opts = dataclasses.replace(opts, auto_wrap=split)
     if kind in ("instance", "string") and (args or kwargs):
         if kwargs:
             raise TypeError(

@@ -97,6 +97,14 @@ class CheckpointInfo:
     """Who wrote it: ``"fsdp_nb"``; ``"dcp"``, a folder of plain ``dcp.save`` (no checksums:
     only its files' presence and sizes are checked); ``"safetensors"``, a file or Hugging
     Face folder fsdp_nb did not write."""
+    hf_config: dict[str, Any] | None = None
+    """The Hugging Face config of the saved model, as its ``config.json`` holds it (None:
+    not a transformers model); ``export_safetensors`` writes it beside the weights."""
+    hf_generation_config: dict[str, Any] | None = None
+    """Its ``generation_config.json``, for a model that generates."""
+    tied: dict[str, str] = field(default_factory=dict)
+    """Parameter name -> the one it shares its tensor with (tied embeddings): left out of
+    an export, as transformers' ``save_pretrained`` does."""
 
     @property
     def name(self) -> str:

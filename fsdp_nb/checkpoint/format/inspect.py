@@ -233,4 +233,7 @@ def _with_meta(url, kind, valid, problem, meta, infos, files, source) -> Checkpo
         files=files,
         has_optimizer=any(k.startswith("optim.") for k in infos) or bool(meta.get("optimizer")),
         source=source,
+        hf_config=meta.get("hf_config"),
+        hf_generation_config=meta.get("hf_generation_config"),
+        tied=dict(meta.get("tied") or {}),
     )
