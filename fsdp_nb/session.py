@@ -103,8 +103,7 @@ class Session(SessionCheckpoints, SessionWidgets):
 
     @classmethod
     def _from(cls, ctx: SessionContext, activate: bool) -> Session:
-        self = object.__new__(cls)
-        self._open(ctx, activate)
+        (self := object.__new__(cls))._open(ctx, activate)
         return self
 
     @classmethod
@@ -336,7 +335,8 @@ class Session(SessionCheckpoints, SessionWidgets):
 
     # -- models -------------------------------------------------------------------
 
-    def wrap(self, model: Any, *args: Any, name: str = "model", **options: Any) -> ShardedModel:
+    def wrap(self, model: Any, *args: Any, name: str = "model", weights: str | None = None,
+             **options: Any) -> ShardedModel:
         """Build (or take) ``model`` on every rank and shard it with FSDP2.
 
         Args:
@@ -345,6 +345,9 @@ class Session(SessionCheckpoints, SessionWidgets):
                 the name of a module ``%%px`` code built.
             *args: arguments of the class or factory.
             name: the engine global the FSDP2 module is bound to.
+            weights: fill a class-built model from this Hugging Face folder, safetensors
+                file, fsdp_nb or DCP checkpoint instead of initialising it (each rank
+                reads only its slices; every parameter must be there).
             **options: how to shard (``sharding``, ``auto_wrap``, ``mixed_precision``,
                 ``cpu_offload``, ``activation_checkpointing``, ``parallelize``,
                 ``data_parallel_size``, ``tensor_parallel_size``, ``init_fn``, ...; see
@@ -353,7 +356,7 @@ class Session(SessionCheckpoints, SessionWidgets):
         from .models.wrap import wrap
 
         self._ctx.check_open()
-        return wrap(self._ctx, model, args, name=name, **options)
+        return wrap(self._ctx, model, args, name=name, weights=weights, **options)
 
     def reload(self, module: str) -> list[int]:
         """Reload ``module`` on every rank that imported it, and in the notebook, so the

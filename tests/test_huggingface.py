@@ -133,3 +133,73 @@ def test_an_export_is_read_by_from_pretrained_with_no_extra_step(sess, tmp_path,
             assert back.lm_head.weight is back.transformer.wte.weight
     finally:
         sess.execute(f"del hf_out_{case}, ids")
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    """A Llama built by transformers in this process, written four ways."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    cls, config = CASES["llama"]
+    torch.manual_seed(3)
+    reference = cls(config()).eval()
+    root = tmp_path_factory.mktemp("llama")
+    reference.save_pretrained(str(root / "hf"))
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(root / "weights.safetensors"))
+    dcp.save(reference.state_dict(), checkpoint_id=str(root / "plain_dcp"))  # its own names, "model." included
+    return reference, root
+
+
+@pytest.mark.parametrize("source", ["hf", "weights.safetensors", "plain_dcp", "fsdp_nb"])
+def test_weights_fill_a_model_built_on_meta_from_each_source(sess, saved_llama, source):
+    reference, root = saved_llama
+    cls, config = CASES["llama"]
+    if source == "fsdp_nb":
+        sess.wrap(cls, config(), name="hf_src", weights=str(root / "hf"))
+        sess.save(str(root / "fsdp_nb"), "hf_src", overwrite=True)
+    sess.wrap(cls, config(), name="hf_in", weights=str(root / source))
+    try:
+        ids = torch.randint(0, 128, (2, 12))
+        sess.push({"ids": ids})
+        with torch.no_grad():
+            expected = reference(ids).logits
+        for got in sess.run(_logits, "hf_in"):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    finally:
+        sess.execute("del hf_in, ids" + (", hf_src" if source == "fsdp_nb" else ""))
+
+
+def test_weights_of_a_tied_model_from_save_pretrained(sess, tmp_path):
+    cls, config = CASES["gpt2"]
+    torch.manual_seed(4)
+    reference = cls(config()).eval()
+    reference.save_pretrained(str(tmp_path / "gpt2"))  # holds no lm_head.weight: it is tied
+    sess.wrap(cls, config(), name="hf_tied_in", weights=str(tmp_path / "gpt2"))
+    try:
+        ids = torch.randint(0, 128, (1, 9))
+        sess.push({"ids": ids})
+        with torch.no_grad():
+            expected = reference(ids).logits
+        for got in sess.run(_logits, "hf_tied_in"):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+        sess.execute("tied = hf_tied_in.lm_head.weight is hf_tied_in.transformer.wte.weight")
+        assert sess.pull("tied") == [True, True]
+    finally:
+        sess.execute("del hf_tied_in, ids, tied")
+
+
+def test_weights_that_do_not_fit_are_refused_and_leave_nothing_behind(sess, saved_llama, tmp_path):
+    import fsdp_nb
+
+    _, root = saved_llama
+    cls, config = CASES["llama"]
+    bigger = config()
+    bigger.num_hidden_layers = 3
+    with pytest.raises(fsdp_nb.CheckpointError, match=r"missing keys \(9\): model.layers.2"):
+        sess.wrap(cls, bigger, name="hf_bad", weights=str(root / "hf"))
+    assert sess.run(lambda: "hf_bad" in __import__("fsdp_nb.engine.wrap", fromlist=["MODELS"]).MODELS) == [False, False]
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        sess.wrap(cls, config(), name="hf_bad", weights=str(tmp_path / "nothing"))
+    with pytest.raises(TypeError, match="brings its own weights"):
+        sess.wrap(cls(config()), name="hf_bad", weights=str(root / "hf"))

@@ -35,6 +35,7 @@ def load(
     verify: bool = True,
     progress: bool | None = None,
     weights_only: bool = True,
+    fill: bool = False,
 ) -> dict[str, Any]:
     """Load ``path`` into engine module ``model`` (and optimizer); returns the saved ``extra``.
 
@@ -46,6 +47,8 @@ def load(
     ``progress``: a bar of the bytes read (default: in a notebook, above a few hundred MB).
     ``weights_only=False`` trusts the checkpoint: its pickles are unpickled as plain
     ``torch.load`` does, which can run arbitrary code (only for files from someone you trust).
+    ``fill``: the model was just built for this load (``wrap(weights=)``); pieces go
+    straight into it (``LoadSpec.fill``).
     """
     from ..engine import checkpoint_load
 
@@ -58,7 +61,7 @@ def load(
     url_to_fs(path)
     wait_pending(ctx)
     spec = LoadSpec(url=path, storage_options=options_for(path), model=name, optimizer=optim, strict=strict,
-                    verify=verify, report_progress=may_show(progress), weights_only=weights_only)
+                    verify=verify, report_progress=may_show(progress), weights_only=weights_only, fill=fill)
     d = ctx.dispatcher
     pending = d.apply("checkpoint load", checkpoint_load.load, args=(spec,))
     with follow(pending, f"load {posixpath.basename(path.rstrip('/'))}", enabled=progress):

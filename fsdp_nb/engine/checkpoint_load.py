@@ -51,6 +51,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointEr
 from ..wire.checkpoint import LoadSpec, Outcome
 from . import progress_feed
 from .checkpoint_save import agree, any_rank, begin, checkpoint_group, rank_and_world, state_bytes
+from .hugging_face import tied_parameters
 
 __all__ = ["load"]
 
@@ -92,13 +93,18 @@ def _shape_problems(
 
 def _match(url: str, strict: bool, msd: dict, osd: dict, optim: Any, prefix: str,
            model_found: dict[str, tuple], optim_found: dict[str, tuple] | None,
-           no_optim: str) -> tuple[str | None, set[str]]:
+           no_optim: str, tied: dict[str, str] | None = None) -> tuple[str | None, set[str]]:
     """(problem or None, stored model keys to load): the stored keys and shapes against this
     rank's model state dict (keys spelled ``prefix + fqn``) and, when loading one, optimizer.
-    ``optim_found`` is None when the checkpoint has no optimizer state (``no_optim`` says why)."""
+    ``optim_found`` is None when the checkpoint has no optimizer state (``no_optim`` says why).
+    ``tied``: a tied copy (``lm_head.weight``) the checkpoint leaves out, as
+    ``save_pretrained`` does, is filled by loading the tensor it shares."""
     import torch
 
     expected = {prefix + k: tuple(v.shape) for k, v in msd.items() if isinstance(v, torch.Tensor)}
+    for dup, src in (tied or {}).items():
+        if prefix + dup not in model_found and prefix + src in model_found:
+            expected.pop(prefix + dup, None)
     problem, usable = _shape_problems(url, expected, model_found, "model", strict)
     if problem is None and optim is not None:
         if optim_found is None:
@@ -219,14 +225,14 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
     bare = False
     if problem is None:
         stored = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
-        bare = is_bare(stored)
-        prefix = "" if bare else MODEL
         msd, osd = get_state_dict(model, [optim] if optim is not None else [])
+        bare = is_bare(stored, msd)
+        prefix = "" if bare else MODEL
         found = {k: s for k, s in stored.items() if is_model_key(k, bare)}
         found_o = {k: s for k, s in stored.items() if k.startswith(OPTIM_STATE)}
         has_optim = bool(found_o) or any(k.startswith("optim.") for k in md.state_dict_metadata)
         problem, usable = _match(url, strict, msd, osd, optim, prefix, found, found_o if has_optim else None,
-                                 "it was saved without optimizer=")
+                                 "it was saved without optimizer=", tied_parameters(model))
     bad = _agree(problem, cls)
     if bad:
         return bad
@@ -276,12 +282,14 @@ def _load_safetensors(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -
         problem, usable = _match(
             url, strict, msd, osd, optim, "", {k: s.shape for k, s in ck.model.items()},
             {k: s.shape for k, s in ck.optim.items()} if ck.optim_other is not None else None,
-            "model weights only")
+            "model weights only", tied_parameters(model))
     bad = _agree(problem, cls)
     if bad:
         return bad
     fresh_o: dict[str, Any] = {}
     progress_feed.start(state_bytes([{k: msd[k] for k in usable}, osd]), spec.report_progress)
+    if spec.fill and optim is None:
+        return _fill(spec, fs, ck, msd, usable)
     try:
         with PieceReader(fs, progress_feed.add) as r:
             fresh_m = {k: _read_owned(r, ck.model[k], msd[k]) for k in usable}
@@ -311,11 +319,32 @@ def _apply(model: Any, optim: Any, msd: dict | None, osd: dict | None, strict: b
 
     opts = StateDictOptions(strict=strict)
     if msd is not None:
+        for dup, src in tied_parameters(model).items():  # left out of the file: it shares src's tensor
+            if dup not in msd and src in msd:
+                msd[dup] = msd[src]
         set_state_dict(model, [optim] if optim is not None else [], model_state_dict=msd,
                        optim_state_dict=osd if optim is not None else {}, options=opts)
     elif optim is not None:
         set_optimizer_state_dict(model, [optim], osd, options=opts)
     return Outcome(extra=meta.get("extra", {}), world_size=meta.get("world_size"))
+
+
+def _fill(spec: LoadSpec, fs: Any, ck: Any, msd: dict, usable: set[str]) -> Outcome:
+    """Read each stored piece this rank owns straight into the model's own shard (a
+    model ``wrap(weights=)`` just built: nothing to keep if it fails): at most one piece
+    in memory besides the model. The ranks agree on the outcome."""
+    problem: str | None = None
+    try:
+        with PieceReader(fs, progress_feed.add) as r:
+            for k in sorted(usable):
+                target = msd[k]
+                piece = _read_owned(r, ck.model[k], target)
+                getattr(target, "_local_tensor", target).copy_(getattr(piece, "_local_tensor", piece))
+                del piece
+    except Exception as exc:  # noqa: BLE001 - any read failure becomes the agreed CorruptCheckpointError
+        problem = f"checkpoint {spec.url!r}: reading failed ({type(exc).__name__}: {exc})"
+    bad = _agree(problem, CorruptCheckpointError)
+    return bad or Outcome(extra=ck.meta.get("extra", {}), world_size=ck.meta.get("world_size"))
 
 
 def _read_owned(r: PieceReader, st: Stored, like: Any) -> Any:

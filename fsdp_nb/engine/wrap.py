@@ -284,6 +284,23 @@ def _init(model: Any, options: Any, seed: int, plan: Any) -> None:
     _sync_replicas(model, plan)
 
 
+def _init_buffers(model: Any) -> None:
+    """Compute the buffers a checkpoint does not hold (non-persistent: rotary tables),
+    for a model whose parameters a load fills next: the initialiser runs only on the
+    modules that own such buffers (their parameters, if any, are overwritten by the load)."""
+    import torch
+
+    hf = is_hugging_face(model)
+    with torch.no_grad():
+        for m in model.modules():
+            if not getattr(m, "_non_persistent_buffers_set", None):
+                continue
+            if hf:
+                model._init_weights(m)
+            elif callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+
+
 def _local(t: Any) -> Any:
     """The tensor this rank holds of ``t`` (a DTensor's local shard, else ``t``)."""
     return getattr(t, "_local_tensor", t)
@@ -311,8 +328,10 @@ def forget_all(names: tuple[str, ...]) -> None:
     _forget(*names)
 
 
-def build(name: str, kind: str, payload: Any, plan: Any, seed: int) -> WrapSummary:
-    """Build, shard and bind one model on this rank (every rank calls it together)."""
+def build(name: str, kind: str, payload: Any, plan: Any, seed: int, init: bool = True) -> WrapSummary:
+    """Build, shard and bind one model on this rank (every rank calls it together).
+    ``init=False`` (weights come from a checkpoint next): a class or factory spec's
+    parameters are left as allocated; only buffers outside the state dict are computed."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -354,7 +373,7 @@ def build(name: str, kind: str, payload: Any, plan: Any, seed: int) -> WrapSumma
     fully_shard(model, mesh=fsdp_mesh, **kw)
     model.to_empty(device=device if not kw.get("offload_policy") else "cpu")
     if kind in ("class", "factory"):
-        _init(model, options, seed, plan)
+        _init(model, options, seed, plan) if init else _init_buffers(model)
     else:
         with torch.no_grad():
             for k, b in model.named_buffers():

@@ -62,6 +62,9 @@ class WrapRecord:
     """The mesh."""
     seed: int
     """Base seed for initialising class-built models (rank r uses seed + r)."""
+    weights: str | None = None
+    """Where a class-built model's parameters come from instead of an initialiser: a
+    Hugging Face folder, a safetensors file, an fsdp_nb or plain DCP checkpoint."""
 
 
 # -- the entry point ---------------------------------------------------------------------
@@ -143,21 +146,45 @@ def _meta_clone(model: Any) -> Any:
     return copy.deepcopy(model, memo)
 
 
+def _check_weights(weights: Any, kind: str) -> None:
+    """``weights=`` names something ``sess.load`` reads (a Hugging Face folder, a
+    safetensors file, an fsdp_nb or plain DCP checkpoint), valid, for a model built from a
+    class or factory; checked offline, before any rank builds anything."""
+    if weights is None:
+        return
+    if not isinstance(weights, str) or not weights:
+        raise TypeError(f"weights must be a path or fsspec URL (str), got {weights!r}")
+    if kind not in ("class", "factory"):
+        raise TypeError(
+            f"weights= fills a model built from a class or factory; a {'module instance' if kind == 'instance' else 'name'} "
+            "brings its own weights (or load them with sess.load)")
+    from ..checkpoint.format.inspect import inspect
+    from ..errors import CheckpointError
+
+    info = inspect(weights)
+    if not info.valid:
+        raise CheckpointError(f"weights={weights!r} cannot be read: {info.problem}")
+
+
 def _raise_problem(problem: str | None, exc: type[Exception] = ValueError) -> None:
     if problem:
         raise exc(problem)
 
 
 def wrap(
-    ctx: SessionContext, model: Any, args: tuple, *, name: str = "model", **options: Any
+    ctx: SessionContext, model: Any, args: tuple, *, name: str = "model", weights: str | None = None,
+    **options: Any,
 ) -> ShardedModel:
     """Shard ``model`` over ``sess``'s ranks with FSDP2; bind it as engine global ``name``.
 
     See :class:`WrapOptions` for the options and the module docstring for the steps.
-    Everything is validated before any rank builds anything.
+    ``weights``: fill a class-built model from this checkpoint or weights folder instead
+    of initialising it (:func:`_check_weights`). Everything is validated before any rank
+    builds anything.
     """
     name = _check_name(name)
     kind = _kind(model)
+    _check_weights(weights, kind)
     kwargs = {k: v for k, v in options.items() if k not in OPTION_NAMES}
     opts = make_options(**{k: v for k, v in options.items() if k in OPTION_NAMES})
     if "auto_wrap" not in options and kind != "string" and (split := no_split_default(model)):
@@ -187,7 +214,7 @@ def wrap(
         payload = by_value((_meta_clone(model), (), kwargs, opts))
     else:
         payload = by_value((model, tuple(args), kwargs, opts))
-    record = WrapRecord(name, kind, payload, opts, plan, seed)
+    record = WrapRecord(name, kind, payload, opts, plan, seed, weights)
     d = ctx.dispatcher
     clashes = d.gather(d.apply(f"check name {name!r}", _ew.name_status, args=(name,)))
     bad = [(r, c) for r, c in enumerate(clashes) if c]
@@ -220,14 +247,30 @@ def _build(
         d.apply(
             f"wrap({record.name!r})",
             _ew.build,
-            args=(record.name, record.kind, record.payload, record.plan, record.seed),
+            args=(record.name, record.kind, record.payload, record.plan, record.seed,
+                  record.weights is None),
         )
     )
     if source is not None:
         _stream_weights(d, ctx.world_size, record.name, source.state_dict())
+    if record.weights is not None:
+        _load_weights(ctx, d, record)
     ctx.wraps[record.name] = record
     model = ctx.models[record.name] = ShardedModel(ctx, record.name, record.options, summaries[0])
     return model
+
+
+def _load_weights(ctx: SessionContext, d: Dispatcher, record: WrapRecord) -> None:
+    """Fill the just-built ``record`` from its ``weights``: each rank reads only the
+    slices it owns (``sess.load``'s path, every key required). A failed load drops the
+    half-built model from every rank before the error is raised."""
+    from ..checkpoint.load import load
+
+    try:
+        load(ctx, record.weights, record.name, strict=True, fill=True)
+    except BaseException:  # drop the model nobody initialised, then re-raise
+        d.gather(d.apply(f"drop {record.name}", _ew.forget_all, args=((record.name,),)))
+        raise
 
 
 CHUNK_BYTES = 64 * 2**20

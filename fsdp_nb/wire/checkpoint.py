@@ -63,6 +63,10 @@ class LoadSpec(_Target):
     verify: bool = True
     """Refuse what cannot be verified (no completion marker, missing or short files);
     False loads it anyway, and skips the per-item checksums."""
+    fill: bool = False
+    """The model was just built for this load (``wrap(weights=)``): each piece read goes
+    straight into its parameter, with no fresh copy of the shard first; a failure drops
+    the model instead of keeping it as it was."""
     weights_only: bool = True
     """Unpickle what the checkpoint pickled (optimizer ``param_groups``, ``.pt`` files)
     only with torch's weights-only unpickler; False trusts it (it can run code)."""

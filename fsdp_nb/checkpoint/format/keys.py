@@ -24,10 +24,20 @@ OPTIM_PREFIXES = ("optim.", "optimizer.")
 """Top-level keys of a plain DCP save that hold optimizer state, not the model's."""
 
 
-def is_bare(keys: Iterable[str]) -> bool:
-    """True for a plain ``dcp.save`` of the model's own state dict (torchtitan's layout):
-    no key under ``model.``, where fsdp_nb and ``get_state_dict`` users nest the model."""
-    return not any(k.startswith(MODEL) for k in keys)
+def is_bare(keys: Iterable[str], expected: Iterable[str] | None = None) -> bool:
+    """True for a plain ``dcp.save`` of the model's own state dict (torchtitan's layout)
+    rather than one nesting it under ``model.`` (fsdp_nb, ``get_state_dict`` users).
+
+    Without ``expected``: no key under ``model.``. With the model's own names
+    (``expected``), the spelling more of them are stored under: a Hugging Face model's
+    own names often start with ``model.`` too."""
+    keys = set(keys)
+    if expected is None:
+        return not any(k.startswith(MODEL) for k in keys)
+    expected = list(expected)
+    as_is = sum(k in keys for k in expected)
+    nested = sum(MODEL + k in keys for k in expected)
+    return as_is > nested if as_is or nested else is_bare(keys)
 
 
 def is_model_key(key: str, bare: bool) -> bool:
