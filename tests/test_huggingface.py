@@ -44,6 +44,17 @@ def _logits(name: str):
     return out
 
 
+def _assert_same_logits(sess, name: str, reference, vocab: int, batch: tuple[int, int] = (2, 12)) -> None:
+    """The wrapped model ``name`` gives ``reference``'s logits on every rank, same ids."""
+    ids = torch.randint(0, vocab, batch)
+    sess.push({"ids": ids})
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(ids).logits
+    for got in sess.run(_logits, name):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_hugging_face_class_is_built_on_meta_and_initialised_as_transformers_does(sess, case):
     cls, config = CASES[case]
@@ -63,13 +74,7 @@ def test_a_hugging_face_class_is_built_on_meta_and_initialised_as_transformers_d
             assert abs(float(full[k].std()) - cfg.initializer_range) < 0.006, k
         norms = [k for k in full if ("norm" in k or "ln_" in k) and k.endswith("weight")]
         assert norms and all(bool((full[k] == 1).all()) for k in norms)
-        ids = torch.randint(0, cfg.vocab_size, (2, 12))
-        sess.push({"ids": ids})
-        reference.eval()
-        with torch.no_grad():
-            expected = reference(ids).logits
-        for got in sess.run(_logits, f"hf_{case}"):  # rotary buffers recomputed, shards right
-            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+        _assert_same_logits(sess, f"hf_{case}", reference, cfg.vocab_size)  # rotary buffers, shards right
     finally:
         sess.execute(f"del hf_{case}, ids")
 
@@ -124,11 +129,7 @@ def test_an_export_is_read_by_from_pretrained_with_no_extra_step(sess, tmp_path,
             assert info.tied == {"lm_head.weight": "transformer.wte.weight"} and "lm_head.weight" not in stored
         back = transformers.AutoModelForCausalLM.from_pretrained(str(out))
         assert type(back) is cls and json.loads((out / "config.json").read_text())["model_type"] == cfg.model_type
-        ids = torch.randint(0, cfg.vocab_size, (1, 10))
-        sess.push({"ids": ids})
-        back.eval()
-        with torch.no_grad():
-            torch.testing.assert_close(sess.run(_logits, f"hf_out_{case}")[0], back(ids).logits, atol=1e-5, rtol=1e-4)
+        _assert_same_logits(sess, f"hf_out_{case}", back, cfg.vocab_size, (1, 10))
         if cfg.tie_word_embeddings:
             assert back.lm_head.weight is back.transformer.wte.weight
     finally:
@@ -160,12 +161,7 @@ def test_weights_fill_a_model_built_on_meta_from_each_source(sess, saved_llama, 
         sess.save(str(root / "fsdp_nb"), "hf_src", overwrite=True)
     sess.wrap(cls, config(), name="hf_in", weights=str(root / source))
     try:
-        ids = torch.randint(0, 128, (2, 12))
-        sess.push({"ids": ids})
-        with torch.no_grad():
-            expected = reference(ids).logits
-        for got in sess.run(_logits, "hf_in"):
-            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+        _assert_same_logits(sess, "hf_in", reference, 128)
     finally:
         sess.execute("del hf_in, ids" + (", hf_src" if source == "fsdp_nb" else ""))
 
@@ -177,12 +173,7 @@ def test_weights_of_a_tied_model_from_save_pretrained(sess, tmp_path):
     reference.save_pretrained(str(tmp_path / "gpt2"))  # holds no lm_head.weight: it is tied
     sess.wrap(cls, config(), name="hf_tied_in", weights=str(tmp_path / "gpt2"))
     try:
-        ids = torch.randint(0, 128, (1, 9))
-        sess.push({"ids": ids})
-        with torch.no_grad():
-            expected = reference(ids).logits
-        for got in sess.run(_logits, "hf_tied_in"):
-            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+        _assert_same_logits(sess, "hf_tied_in", reference, 128, (1, 9))
         sess.execute("tied = hf_tied_in.lm_head.weight is hf_tied_in.transformer.wte.weight")
         assert sess.pull("tied") == [True, True]
     finally:

@@ -27,6 +27,9 @@ EXPECTED = {
                     "same weights: True", "[rank 1] step 2 on rank 1", "reloaded on ranks [0, 1]",
                     "[rank 1] version 2, edited", "(Pdb rank 1) p scaled\ntensor([nan, nan, nan, nan])",
                     "[rank 1] rank 1 batch sum: 0.0", "sessions left: []"],
+    "06_huggingface": ["'config.json'", "auto_wrap=ClassNames(names=('LlamaDecoderLayer',))",
+                       "[rank 0] step 4: loss", "'config.json', 'generation_config.json', 'model.safetensors'",
+                       "read back: LlamaForCausalLM same weights: True"],
 }
 
 
