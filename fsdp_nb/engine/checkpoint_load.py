@@ -30,11 +30,11 @@ from ..checkpoint.format.fullfile import full_suffix, read_full
 from ..checkpoint.format.inspect import dcp_files_problem, read_dcp_metadata
 from ..checkpoint.format.keys import (
     MODEL,
-    OPTIM_STATE,
     flat_optim_state,
     is_bare,
     is_model_key,
     optim_key,
+    optim_root,
 )
 from ..checkpoint.format.metadata import META_FILE
 from ..checkpoint.format.pickles import load_planner, refuse_code
@@ -46,6 +46,7 @@ from ..checkpoint.format.safetensors_layout import (
     optim_state,
     read_layout,
 )
+from ..checkpoint.format.side_files import side_extra
 from ..checkpoint.format.storage import is_temporary, url_to_fs
 from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ..wire.checkpoint import LoadSpec, Outcome
@@ -176,6 +177,8 @@ def _open_folder(spec: LoadSpec, fs: Any, p: str) -> tuple[Any, Any, dict]:
     md = read_dcp_metadata(fs, p, url, weights_only=spec.weights_only)
     if spec.weights_only:
         refuse_code(fs, p, url, md)
+    if not meta and (extra := side_extra(fs, p, url, spec.weights_only)) is not None:
+        meta = {"extra": extra}  # another trainer's folder: its other state
     if marker is None and spec.verify:  # a plain dcp.save folder: what can be checked is
         problem = dcp_files_problem(fs, p, md)
         if problem:
@@ -222,15 +225,16 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
     except CheckpointError as exc:
         problem, cls = str(exc), type(exc)
     usable: set[str] = set()
-    bare = False
+    bare, root = False, "optim"
     if problem is None:
         stored = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
         msd, osd = get_state_dict(model, [optim] if optim is not None else [])
         bare = is_bare(stored, msd)
         prefix = "" if bare else MODEL
         found = {k: s for k, s in stored.items() if is_model_key(k, bare)}
-        found_o = {k: s for k, s in stored.items() if k.startswith(OPTIM_STATE)}
-        has_optim = bool(found_o) or any(k.startswith("optim.") for k in md.state_dict_metadata)
+        root = optim_root(stored)  # "optimizer" in Lightning Fabric's and torchtitan's folders
+        found_o = {"optim." + k[len(root) + 1:]: s for k, s in stored.items() if k.startswith(root + ".state.")}
+        has_optim = bool(found_o) or any(k.startswith(root + ".") for k in md.state_dict_metadata)
         problem, usable = _match(url, strict, msd, osd, optim, prefix, found, found_o if has_optim else None,
                                  "it was saved without optimizer=", tied_parameters(model))
     bad = _agree(problem, cls)
@@ -249,7 +253,7 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
         into_o = tree_map_only(torch.Tensor, torch.empty_like, osd) if optim is not None else None
     sd: dict[str, Any] = dict(into_m) if bare else {"model": into_m}
     if into_o is not None:
-        sd["optim"] = into_o
+        sd[root] = into_o
     progress_feed.start(state_bytes(sd), spec.report_progress)
     # dcp.load ends in a collective that raises on every rank if any rank failed
     try:

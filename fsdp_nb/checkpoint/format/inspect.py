@@ -19,11 +19,12 @@ from .checksums import ChecksumMismatch, check_item, file_problem
 from .dtypes import tensor_bytes
 from .fullfile import full_suffix, read_full_meta
 from .info import CheckpointInfo, ChunkInfo, TensorInfo
-from .keys import MODEL, is_bare, is_model_key
+from .keys import MODEL, OPTIM_PREFIXES, is_bare, is_model_key
 from .metadata import META_FILE
 from .pickles import TRUST_HINT, refuse_code
 from .restricted import RefusedGlobal, load_dcp_metadata, read_capped
 from .safetensors_layout import is_safetensors_folder
+from .side_files import side_extra
 from .storage import is_temporary, url_to_fs
 
 __all__ = ["dcp_files_problem", "inspect", "read_dcp_metadata", "verify_checksums"]
@@ -151,6 +152,8 @@ def _inspect_sharded(fs: Any, p: str, url: str, verify: bool, weights_only: bool
         meta = {}
     # written by dcp.save itself: no fsdp_nb files, and not one of our unfinished saves
     plain = marker is None and not meta and not is_temporary(p)
+    if plain and (extra := side_extra(fs, p, url, weights_only)) is not None:
+        meta = {"extra": extra}  # another trainer's folder (Lightning Fabric: meta.pt)
     problem = None
     if marker is None and not plain:
         problem = "not committed (no completion marker): an unfinished or interrupted save"
@@ -231,7 +234,7 @@ def _with_meta(url, kind, valid, problem, meta, infos, files, source) -> Checkpo
         param_count=meta.get("param_count"),
         mesh=meta.get("mesh", {}),
         files=files,
-        has_optimizer=any(k.startswith("optim.") for k in infos) or bool(meta.get("optimizer")),
+        has_optimizer=any(k.startswith(OPTIM_PREFIXES) for k in infos) or bool(meta.get("optimizer")),
         source=source,
         hf_config=meta.get("hf_config"),
         hf_generation_config=meta.get("hf_generation_config"),

@@ -13,7 +13,7 @@ from typing import Any
 
 __all__ = [
     "MODEL", "OPTIM_PREFIXES", "OPTIM_STATE", "flat_optim_state", "is_bare", "is_model_key", "optim_key",
-    "split_optim_key",
+    "optim_root", "split_optim_key",
 ]
 
 MODEL = "model."
@@ -38,6 +38,15 @@ def is_bare(keys: Iterable[str], expected: Iterable[str] | None = None) -> bool:
     as_is = sum(k in keys for k in expected)
     nested = sum(MODEL + k in keys for k in expected)
     return as_is > nested if as_is or nested else is_bare(keys)
+
+
+def optim_root(keys: Iterable[str]) -> str:
+    """Where a DCP folder keeps its optimizer: ``"optim"`` (fsdp_nb), or ``"optimizer"``
+    (Lightning Fabric's and torchtitan's key) when only that one holds optimizer state."""
+    keys = list(keys)
+    if any(k.startswith("optimizer.state.") for k in keys) and not any(k.startswith(OPTIM_STATE) for k in keys):
+        return "optimizer"
+    return "optim"
 
 
 def is_model_key(key: str, bare: bool) -> bool:
