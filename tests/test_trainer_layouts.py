@@ -2,7 +2,8 @@
 
 Plain ``dcp.save`` writes each documented layout here, from one process: Lightning
 Fabric's ModelParallel folder (the user's keys ``model`` / ``optimizer`` plus
-``meta.pt``) and torchtitan's step folder (the model's own keys plus ``optimizer``).
+``meta.pt``), torchtitan's step folder (the model's own keys plus ``optimizer``) and
+OLMo-core's (``model_and_optim/`` holding ``model`` / ``optim``, plus ``train/rank0.pt``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _exp_avg(name: str, fqn: str):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-@pytest.mark.parametrize("layout", ["lightning_fabric", "torchtitan"])
+@pytest.mark.parametrize("layout", ["lightning_fabric", "torchtitan", "olmo_core"])
 def test_another_trainers_folder_loads_model_optimizer_and_extra(sess, tmp_path, layout):
     import torch.distributed.checkpoint as dcp
 
@@ -58,9 +59,14 @@ def test_another_trainers_folder_loads_model_optimizer_and_extra(sess, tmp_path,
         dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(folder))
         torch.save({"step": 7, "lr": 0.01}, folder / "meta.pt")  # what fabric.save keeps beside
         want_extra = {"step": 7, "lr": 0.01}
-    else:
+    elif layout == "torchtitan":
         dcp.save({**msd, "optimizer": osd}, checkpoint_id=str(folder))
         want_extra = {}
+    else:  # OLMo-core's step folder: the shards in model_and_optim/, the trainer's state beside
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(folder / "model_and_optim"))
+        (folder / "train").mkdir()
+        torch.save({"global_step": 3, "tokens_seen": 384}, folder / "train" / "rank0.pt")
+        want_extra = {"global_step": 3, "tokens_seen": 384}
     info = fsdp_nb.inspect(str(folder))  # offline, one process: what the browser lists
     assert info.valid and info.source == "dcp" and info.has_optimizer and info.extra == want_extra
     assert "model.layers.0.self_attn.q_proj.weight" in {k.removeprefix("model.") for k in info.tensors} | set(info.tensors)

@@ -46,7 +46,7 @@ from ..checkpoint.format.safetensors_layout import (
     optim_state,
     read_layout,
 )
-from ..checkpoint.format.side_files import side_extra
+from ..checkpoint.format.side_files import data_folder, side_extra
 from ..checkpoint.format.storage import is_temporary, url_to_fs
 from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ..wire.checkpoint import LoadSpec, Outcome
@@ -136,7 +136,7 @@ def load(spec: LoadSpec) -> Outcome:
         if isdir and is_safetensors_folder(fs, p):
             out = _load_safetensors(spec, fs, p, model, optim)
         elif isdir:
-            out = _load_sharded(spec, fs, p, model, optim)
+            out = _load_sharded(spec, fs, *data_folder(fs, p), model, optim)
         elif full_suffix(p) == ".safetensors":
             out = _load_safetensors(spec, fs, p, model, optim)
         elif full_suffix(p):
@@ -153,7 +153,7 @@ def load(spec: LoadSpec) -> Outcome:
     return out
 
 
-def _open_folder(spec: LoadSpec, fs: Any, p: str) -> tuple[Any, Any, dict]:
+def _open_folder(spec: LoadSpec, fs: Any, p: str, side: str) -> tuple[Any, Any, dict]:
     """(DCP metadata, reader, fsdp_nb metadata) of a sharded folder, checked as far as
     ``spec.verify`` asks; CheckpointError / CorruptCheckpointError saying why not."""
     url = spec.url
@@ -177,7 +177,7 @@ def _open_folder(spec: LoadSpec, fs: Any, p: str) -> tuple[Any, Any, dict]:
     md = read_dcp_metadata(fs, p, url, weights_only=spec.weights_only)
     if spec.weights_only:
         refuse_code(fs, p, url, md)
-    if not meta and (extra := side_extra(fs, p, url, spec.weights_only)) is not None:
+    if not meta and (extra := side_extra(fs, side, url, spec.weights_only)) is not None:
         meta = {"extra": extra}  # another trainer's folder: its other state
     if marker is None and spec.verify:  # a plain dcp.save folder: what can be checked is
         problem = dcp_files_problem(fs, p, md)
@@ -211,7 +211,8 @@ def _over_model(model: Any, msd: dict[str, Any]) -> bool:
     return all(isinstance(v, torch.Tensor) and base(v) in live for v in msd.values())
 
 
-def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome:
+def _load_sharded(spec: LoadSpec, fs: Any, p: str, side: str, model: Any, optim: Any) -> Outcome:
+    """A DCP folder ``p`` (``side``: the file of a trainer's other state, ``data_folder``)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -221,7 +222,7 @@ def _load_sharded(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Ou
     problem: str | None = None
     cls: type[BaseException] = CheckpointError
     try:
-        md, reader, meta = _open_folder(spec, fs, p)
+        md, reader, meta = _open_folder(spec, fs, p, side)
     except CheckpointError as exc:
         problem, cls = str(exc), type(exc)
     usable: set[str] = set()

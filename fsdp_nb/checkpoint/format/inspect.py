@@ -24,7 +24,7 @@ from .metadata import META_FILE
 from .pickles import TRUST_HINT, refuse_code
 from .restricted import RefusedGlobal, load_dcp_metadata, read_capped
 from .safetensors_layout import is_safetensors_folder
-from .side_files import side_extra
+from .side_files import data_folder, side_extra
 from .storage import is_temporary, url_to_fs
 
 __all__ = ["dcp_files_problem", "inspect", "read_dcp_metadata", "verify_checksums"]
@@ -145,6 +145,7 @@ def _inspect_full(fs: Any, p: str, url: str, weights_only: bool = True) -> Check
 
 
 def _inspect_sharded(fs: Any, p: str, url: str, verify: bool, weights_only: bool = True) -> CheckpointInfo:
+    p, side = data_folder(fs, p)
     marker = read_marker(fs, p)
     try:
         meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
@@ -152,7 +153,7 @@ def _inspect_sharded(fs: Any, p: str, url: str, verify: bool, weights_only: bool
         meta = {}
     # written by dcp.save itself: no fsdp_nb files, and not one of our unfinished saves
     plain = marker is None and not meta and not is_temporary(p)
-    if plain and (extra := side_extra(fs, p, url, weights_only)) is not None:
+    if plain and (extra := side_extra(fs, side, url, weights_only)) is not None:
         meta = {"extra": extra}  # another trainer's folder (Lightning Fabric: meta.pt)
     problem = None
     if marker is None and not plain:
