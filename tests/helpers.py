@@ -1,5 +1,7 @@
-"""Helpers the tests share: polling for a condition, a real kernel driven through
-jupyter_client, hand-built shard tables, the page cache's view of a file, and the fakes
+"""Helpers the tests share (polling for a condition is the package's own
+``fsdp_nb.runtime.cluster.wait_until``): a real kernel driven through
+jupyter_client, hand-built shard tables, the page cache's view of a file, a pickle
+that runs code (what an attacker puts in a checkpoint), and the fakes
 of the unit tier (a cluster and a dispatcher that run nothing).
 """
 
@@ -15,17 +17,17 @@ from typing import Any
 import pytest
 from jupyter_client.manager import KernelManager
 
-# -- waiting -------------------------------------------------------------------------
+# -- an attacker's pickle -----------------------------------------------------------
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = 60.0, interval: float = 0.05) -> bool:
-    """Poll ``cond`` until it is true or ``timeout`` seconds pass; its last answer."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(interval)
-    return bool(cond())
+class RunsCode:
+    """Pickles to ``exec(code)``: what an attacker puts into a checkpoint."""
+
+    def __init__(self, code: str):
+        self.code = code
+
+    def __reduce__(self):
+        return (exec, (self.code,))
 
 
 # -- a real kernel -------------------------------------------------------------------

@@ -19,11 +19,12 @@ import time
 import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
-from helpers import page_cache, wait_for
+from helpers import page_cache
 
 import fsdp_nb
 from fsdp_nb import CheckpointError, CorruptCheckpointError, inspect
 from fsdp_nb.checkpoint.format.storage import set_storage_options
+from fsdp_nb.runtime.cluster import wait_until
 
 BUILD = """
 import torch
@@ -589,7 +590,7 @@ def test_async_save_progress_writing_then_committed(sess, tmp_path):
     sess.execute(GATE.format(release=str(release)))
     try:
         h = sess.save(str(tmp_path / "g"), "ck_g", optimizer="ck_g_opt", async_save=True)
-        assert wait_for(lambda: h.progress().written > 0)  # each rank's first write done, the rest held
+        assert wait_until(lambda: h.progress().written > 0, 60)  # each rank's first write done, the rest held
         p = h.progress()
         assert p.phase == "writing" and 0 < p.written < p.total and h.phase == "writing"
         assert p.total >= 3 * (2 * (16 * 16 + 16) + 16 * 3 + 3) * 4  # weights and AdamW's two moments

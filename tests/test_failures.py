@@ -18,12 +18,12 @@ import time
 
 import pytest
 import torch
-from helpers import wait_for
 
 import fsdp_nb
 from fsdp_nb.engine.boot import PRELOAD
 from fsdp_nb.errors import DeadRankError, RankError, RankTimeoutError
 from fsdp_nb.recovery.status import SessionStatus
+from fsdp_nb.runtime.cluster import wait_until
 from fsdp_nb.runtime.terminal import OUTPUT_LIMIT
 
 MODEL = """
@@ -340,7 +340,7 @@ def fragile(session_factory):
     s = session_factory(2, private=True, grace=1.0)
     # its standby engine imports torch first: the deaths below are timed against
     # ranks that have the cores to themselves
-    assert wait_for(s.cluster.standby.waiting, 120)
+    assert wait_until(s.cluster.standby.waiting, 120)
     yield s
     s.shutdown()
 
@@ -416,7 +416,7 @@ def test_kill_9_idle_engine_then_restart_brings_same_ranks_back(fragile, caplog)
     assert info.value.dead_ranks == [0]
     assert not [r for r in caplog.records if "direct call socket" in r.getMessage()]
     # the standby engine was released when the death was found, before any restart()
-    assert wait_for(lambda: set(client.ids) - old_ids, 120)
+    assert wait_until(lambda: set(client.ids) - old_ids, 120)
     early = sorted(set(client.ids) - old_ids)
     assert len(early) == 1 and len(s.cluster.cluster.engines) == sets  # no engine started
     s.restart()
@@ -488,7 +488,7 @@ def test_without_a_standby_a_new_engine_replaces_the_dead_rank(session_factory):
         victim = _kill_and_see(s, 0)
         # the replacement registers with PRELOAD imported, before any replay could import it
         new = lambda: set(s.cluster.client.ids) - set(s.cluster.engine_ids)  # noqa: E731
-        assert wait_for(new, 120)
+        assert wait_until(new, 120)
         (eid,) = new()
         view = s.cluster.client[eid]
         view.execute(f"import sys\n_missing = [n for n in {PRELOAD!r} if n not in sys.modules]", block=True)

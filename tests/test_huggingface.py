@@ -194,3 +194,20 @@ def test_weights_that_do_not_fit_are_refused_and_leave_nothing_behind(sess, save
         sess.wrap(cls, config(), name="hf_bad", weights=str(tmp_path / "nothing"))
     with pytest.raises(TypeError, match="brings its own weights"):
         sess.wrap(cls(config()), name="hf_bad", weights=str(root / "hf"))
+
+
+def test_weights_that_carry_code_are_refused_before_any_rank_runs_it(sess, saved_llama, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from helpers import RunsCode
+
+    import fsdp_nb
+
+    reference, _ = saved_llama
+    ran = tmp_path / "ran"
+    poisoned = {**reference.state_dict(), "notes": RunsCode(f"open({str(ran)!r}, 'a').write('ran')")}
+    dcp.save(poisoned, checkpoint_id=str(tmp_path / "poisoned"), no_dist=True)
+    cls, config = CASES["llama"]
+    with pytest.raises(fsdp_nb.UnsafeCheckpointError, match="notes"):
+        sess.wrap(cls, config(), name="hf_poisoned", weights=str(tmp_path / "poisoned"))
+    assert not ran.exists()  # neither the notebook's check nor any rank unpickled it
+    assert sess.run(lambda: "hf_poisoned" in __import__("fsdp_nb.engine.wrap", fromlist=["MODELS"]).MODELS) == [False, False]

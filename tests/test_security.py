@@ -29,7 +29,7 @@ import psutil
 import pytest
 import torch
 import zmq
-from helpers import START_S, wait_for
+from helpers import START_S
 
 import fsdp_nb
 from fsdp_nb.engine import call_channel, nccl_abort
@@ -41,6 +41,7 @@ from fsdp_nb.engine.process_handles import (
     stop_processes,
 )
 from fsdp_nb.engine.signing import Link, new_nonce
+from fsdp_nb.runtime.cluster import wait_until
 
 FUZZ_MESSAGES = 150
 """Random messages sent to each socket by the fuzz test."""
@@ -51,7 +52,7 @@ def _marker_code(marker) -> str:
 
 
 def _until(pred, what: str, timeout: float = 30.0) -> None:
-    if not wait_for(pred, timeout, 0.05):
+    if not wait_until(pred, timeout, 0.05):
         pytest.fail(f"{what}: not seen within {timeout:g} s")
 
 
@@ -456,7 +457,7 @@ def test_killing_the_controller_then_the_kernel_leaves_nothing_running(kernel):
     _until(lambda: not process_alive(tree[0]), "the controller's death")
     assert any(process_alive(p) for p in tree[1:])  # its schedulers live on by themselves
     k.restart()  # kill -9 of the kernel, and a fresh one for the fixture
-    if not wait_for(lambda: not any(process_alive(p) for p in everything), 30, 0.2):
+    if not wait_until(lambda: not any(process_alive(p) for p in everything), 30, 0.2):
         left = [p for p in everything if process_alive(p)]
         pytest.fail(f"pids {left} of the session still run 30 s after the kernel died")
     assert fsdp_nb.sessions() == []

@@ -9,10 +9,10 @@ import time
 
 import psutil
 import pytest
-from helpers import wait_for
 
 import fsdp_nb
 from fsdp_nb.errors import RankError
+from fsdp_nb.runtime.cluster import wait_until
 from fsdp_nb.runtime.launch_settings import HEARTBEAT_MS, quick_heartbeat
 
 
@@ -251,7 +251,7 @@ def test_second_session_side_by_side_and_clean_shutdown(sess, capsys):
         pids = [r.pid for r in other.ranks]
         assert not set(pids) & ours
         # a standby engine waits, booted as the ranks are, but not registered
-        assert wait_for(other.cluster.standby.waiting, 120)  # its imports done
+        assert wait_until(other.cluster.standby.waiting, 120)  # its imports done
         standby = other.cluster.standby.pid
         assert psutil.Process(standby).cmdline()[1:3] == ["-m", "fsdp_nb.engine.boot"]
         assert standby not in pids and len(other.cluster.client.ids) == 2
@@ -281,7 +281,7 @@ def test_a_standby_engine_leaves_when_the_process_it_watches_ends(tmp_path):
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     waiting = tmp_path / "go.waiting"
-    assert wait_for(lambda: waiting.exists() or standby.poll() is not None, 120)
+    assert wait_until(lambda: waiting.exists() or standby.poll() is not None, 120)
     assert standby.poll() is None  # imports done, it waits
     watched.stdin.close()
     watched.wait()

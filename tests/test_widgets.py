@@ -22,8 +22,10 @@ from fsdp_nb.frontends.widgets.layout import LayoutData, LayoutWidget
 from fsdp_nb.frontends.widgets.memory import MemorySnapshot
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import TABLE_CODE, hand_table, hybrid_table, wait_for  # noqa: E402
+from helpers import TABLE_CODE, hand_table, hybrid_table  # noqa: E402
 from test_checkpoint import GATE, UNGATE  # noqa: E402
+
+from fsdp_nb.runtime.cluster import wait_until  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,7 +119,7 @@ def test_memory_samples_arrive_while_a_cell_runs(sess):
         w.close()
     assert not w.feed.running
     # the engines' samplers saw the unsubscribe and ended
-    assert wait_for(lambda: _engines_running(sess) == [[], []])
+    assert wait_until(lambda: _engines_running(sess) == [[], []], 10)
 
 
 def test_memory_sampler_without_subscriber_ends_and_bad_interval(sess):
@@ -125,7 +127,7 @@ def test_memory_sampler_without_subscriber_ends_and_bad_interval(sess):
     args = [("lonely", r.rank, r.addr, r.device, 0.1, 0.3) for r in sess.ranks]
     started = d.gather(d.apply("start sampler", ms.start, args))
     assert all(e.startswith("tcp://127.0.0.1:") and len(nonce) == 16 for e, nonce in started)
-    assert wait_for(lambda: _engines_running(sess) == [[], []])
+    assert wait_until(lambda: _engines_running(sess) == [[], []], 10)
     with pytest.raises(ValueError, match="interval must be a positive number"):
         sess.memory(interval=0)
     assert sess.all_reduce_check() == 1.0  # session still usable
@@ -236,12 +238,12 @@ def test_checkpoint_browser_real_save_load_consolidate(sess, tmp_path):
         b.b_save.click()  # async: copied, then written in the background
         assert b.save_handle is not None and b.progress.description == "staging"
         h = b.save_handle
-        assert wait_for(lambda: h.progress().written > 0, timeout=60)
+        assert wait_until(lambda: h.progress().written > 0, 60)
         assert not b.check_save()  # still in flight: the bar shows the bytes written so far
         assert b.progress.description.startswith("writing ") and b.progress.description.endswith("%")
         assert 0.1 < b.progress.value <= 0.95
         release.touch()
-        assert wait_for(b.check_save, timeout=60)
+        assert wait_until(b.check_save, 60)
     finally:
         release.touch()
         sess.execute(UNGATE)
@@ -272,7 +274,7 @@ def test_dashboard_status_busy_idle(sess, browser_model, tmp_path):
         f"open({str(started)!r}.format(rank=rank), 'w').close()\n"
         f"while not _os.path.exists({str(release)!r}):\n    _t.sleep(0.01)")
     try:
-        assert wait_for(lambda: all(os.path.exists(str(started).format(rank=r)) for r in (0, 1)),
+        assert wait_until(lambda: all(os.path.exists(str(started).format(rank=r)) for r in (0, 1)),
                          timeout=30)
         assert [r.state for r in session_status(sess.context).ranks] == ["busy", "busy"]
     finally:

@@ -152,15 +152,14 @@ def _sharded_tensors(fs: Any, p: str, url: str, info: CheckpointInfo, entries: l
         yield buf
 
 
-def _hugging_face_files(folder: str, info: CheckpointInfo) -> list[str]:
-    """``config.json`` (and ``generation_config.json``) of a transformers model, written
-    into ``folder`` so ``from_pretrained`` reads the export as it is; their names."""
-    files = {"config.json": info.hf_config, "generation_config.json": info.hf_generation_config}
+def _json_files(folder: str, docs: dict[str, Any]) -> list[str]:
+    """Each of ``docs`` (file name -> JSON content; None: no such file) written into
+    ``folder``, on the disk before it closes as the weights are; the names written."""
     written = []
-    for name, content in files.items():
+    for name, content in docs.items():
         if content is not None:
-            with open(posixpath.join(folder, name), "w") as f:
-                json.dump(content, f, indent=2, sort_keys=True)
+            with durable(posixpath.join(folder, name)) as f:
+                f.write(json.dumps(content, indent=2, sort_keys=True).encode())
             written.append(name)
     return written
 
@@ -229,18 +228,17 @@ def export_safetensors(
                         f.write(raw_bytes(t))
                         bar.update(e.nbytes)
                         del t
-        names += _hugging_face_files(tmp, info)
-        if n > 1:
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {e.name: name for name, group in zip(names, plan) for e in group}}
-            with open(posixpath.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump(index, f, indent=2)
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {e.name: name for name, group in zip(names, plan) for e in group}}
+        names += _json_files(tmp, {  # what from_pretrained reads beside the weights
+            "model.safetensors.index.json": index if n > 1 else None,
+            "config.json": info.hf_config,
+            "generation_config.json": info.hf_generation_config,
+        })
         replace_folder(tmp, out_dir, token)
     except BaseException:  # remove the unfinished export, then re-raise
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     written = [posixpath.join(out_dir, nm) for nm in names]
-    if n > 1:
-        written.append(posixpath.join(out_dir, "model.safetensors.index.json"))
     log.debug("exported %s -> %s (%d files, %.1f MB)", path, out_dir, n, total / 1e6)
     return written

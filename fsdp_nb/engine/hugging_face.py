@@ -54,9 +54,11 @@ def hugging_face_meta(model: Any) -> dict[str, Any]:
     generates) and ``tied`` (``tied_parameters``). Empty for any other model."""
     if not is_hugging_face(model):
         return {}
+    from torch.distributed.fsdp import FSDPModule
+
     config = json.loads(model.config.to_json_string(use_diff=False))
-    cls = next(c for c in type(model).__mro__ if c.__name__ != "FSDPModule" and not c.__name__.startswith("FSDP"))
-    config["architectures"] = [cls.__name__]
+    # fully_shard made the model's class a subclass of FSDPModule: name the model's own
+    config["architectures"] = [next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__]
     meta: dict[str, Any] = {"hf_config": config, "tied": tied_parameters(model)}
     generation = getattr(model, "generation_config", None)
     can_generate = getattr(model, "can_generate", None)

@@ -20,7 +20,7 @@ from ..recovery.failure_policy import RecoveringPolicy
 from ..runtime import rendezvous
 from ..runtime.call_channel import CallChannel
 from ..runtime.cluster import EngineCluster
-from ..runtime.dispatch import Dispatcher, FailurePolicy
+from ..runtime.dispatch import Dispatcher
 from ..runtime.health import RankHealth
 from ..runtime.phases import PhaseClock
 from . import attach as _attach
@@ -47,14 +47,14 @@ def form(
     process group (``formed``: it already is, ``attach``), then the health hooks. On
     failure the engines a start launched are stopped and the error raised."""
     channel = CallChannel(cluster)
-    plain = Dispatcher(cluster, FailurePolicy(), channel)
+    plain = Dispatcher(cluster, channel=channel)  # failures only reported
     plain.echo = False
     ctx = SessionContext(
-        cluster=cluster, recovering=Dispatcher(cluster, FailurePolicy(), channel), plain_dispatcher=plain,
+        cluster=cluster, recovering=Dispatcher(cluster, channel=channel), plain_dispatcher=plain,
         channel=channel, health=RankHealth(cluster), backend=backend, launcher=launcher,
         pg_timeout=pg_timeout, omp_threads=threads,
     )
-    ctx.recovering.policy = RecoveringPolicy(ctx, grace=grace)
+    ctx.recovering.policy = RecoveringPolicy(ctx, grace=grace)  # it needs the context it recovers
     clock = clock or PhaseClock()
     try:
         if not formed:

@@ -18,7 +18,7 @@ class PhaseClock:
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
         """Phase name -> seconds it took."""
-        self._start = self._last = time.perf_counter()
+        self._last = time.perf_counter()
 
     def mark(self, phase: str) -> None:
         """``phase`` just ended."""
@@ -26,17 +26,9 @@ class PhaseClock:
         self.times[phase] = self.times.get(phase, 0.0) + now - self._last
         self._last = now
 
-    @property
-    def total(self) -> float:
-        return self._last - self._start
 
-    def table(self) -> str:
-        """One line per phase and the total, seconds and share."""
-        return phase_table(self.times)
-
-
-def phase_table(times: dict[str, float], title: str = "session start") -> str:
+def phase_table(times: dict[str, float]) -> str:
     """``times`` (phase -> seconds) as one line per phase and the total, seconds and share."""
     total = sum(times.values())
     rows = [f"  {name:<32} {t:6.2f} s  {t / (total or 1e-9):5.1%}" for name, t in times.items()]
-    return "\n".join([f"{title}:", *rows, f"  {'total':<32} {total:6.2f} s"])
+    return "\n".join(["session start:", *rows, f"  {'total':<32} {total:6.2f} s"])

@@ -16,19 +16,10 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import RunsCode
 
 import fsdp_nb
 from fsdp_nb.checkpoint.format.restricted import MAX_METADATA_ENV, load_dcp_metadata
-
-
-class _RunsCode:
-    """Pickles to ``exec(code)``: what an attacker puts into a checkpoint."""
-
-    def __init__(self, code: str):
-        self.code = code
-
-    def __reduce__(self):
-        return (exec, (self.code,))
 
 
 def _touch(marker) -> str:
@@ -40,7 +31,7 @@ def _poisoned_state(marker) -> dict:
     return {
         "model": {"w": torch.randn(4, 4), "b": torch.zeros(4)},
         "optim": {"state": {}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99),
-                                                 "evil": _RunsCode(_touch(marker))}]},
+                                                 "evil": RunsCode(_touch(marker))}]},
     }
 
 
@@ -134,7 +125,7 @@ def test_metadata_with_other_classes_or_too_large_is_refused(tmp_path, monkeypat
     dcp.save({"model": {"w": torch.randn(4, 4)}}, checkpoint_id=str(path), no_dist=True)  # no marker
     good = (path / ".metadata").read_bytes()
     # a .metadata that is a pickle running code
-    (path / ".metadata").write_bytes(pickle.dumps(_RunsCode(_touch(marker))))
+    (path / ".metadata").write_bytes(pickle.dumps(RunsCode(_touch(marker))))
     with pytest.raises(fsdp_nb.UnsafeCheckpointError, match=r"'\.metadata': refusing to unpickle builtins\.exec"):
         fsdp_nb.export_safetensors(str(path), str(tmp_path / "hf"))
     assert "refusing to unpickle builtins.exec" in fsdp_nb.inspect(str(path)).problem
@@ -151,7 +142,7 @@ def test_metadata_with_other_classes_or_too_large_is_refused(tmp_path, monkeypat
 def test_a_poisoned_full_pt_file_is_refused(tmp_path):
     marker = tmp_path / "ran"
     full = tmp_path / "full.pt"
-    torch.save({"model": {"w": torch.randn(4, 4)}, "fsdp_nb": {"extra": _RunsCode(_touch(marker))}}, full)
+    torch.save({"model": {"w": torch.randn(4, 4)}, "fsdp_nb": {"extra": RunsCode(_touch(marker))}}, full)
     with pytest.raises(fsdp_nb.UnsafeCheckpointError, match=r"file 'full\.pt' holds a pickle .*could run code"):
         fsdp_nb.consolidate(str(full), str(tmp_path / "sharded"))
     with pytest.raises(fsdp_nb.UnsafeCheckpointError, match="full.pt"):
