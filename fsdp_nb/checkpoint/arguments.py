@@ -47,3 +47,39 @@ def check_optimizer(optimizer: Any) -> str | None:
             f"optimizer must be the engine global name of a torch.optim.Optimizer (str), got {optimizer!r}"
         )
     return optimizer
+
+
+def check_layout(layout: Any, path: str, sharded: bool, extra: dict[str, Any]) -> None:
+    """Refuse a ``sess.save(layout=)`` its trainer could not resume from, before any work.
+
+    ``"lightning"`` and ``"torchtitan"`` are DCP folders (``sharded=True``). torchtitan
+    resumes from ``<folder>/step-<N>`` and loads each top-level entry of the folder as
+    one of its states (``train_state``, ``lr_scheduler``, ``dataloader``): each ``extra``
+    entry must be a dict, and none may be named ``optimizer``.
+    """
+    import posixpath
+    import re
+
+    from .format.layouts import WRITABLE
+
+    if layout not in WRITABLE:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, WRITABLE))}, got {layout!r}")
+    if layout == "fsdp_nb":
+        return
+    if not sharded:
+        raise ValueError(f"layout={layout!r} is a sharded folder; sharded=False writes fsdp_nb's own full file")
+    if layout != "torchtitan":
+        return
+    name = posixpath.basename(path.rstrip("/"))
+    if not re.fullmatch(r"step-\d+", name):
+        raise ValueError(
+            f"torchtitan resumes from a folder named step-<N> (its checkpoint folder holds one per step); "
+            f"{path!r} ends in {name!r}: name it like .../checkpoint/step-100"
+        )
+    for key, value in extra.items():
+        if key == "optimizer" or not isinstance(value, dict):
+            raise ValueError(
+                f"with layout='torchtitan' each extra entry is one state of the trainer, a dict under "
+                f"its own name (extra={{'train_state': {{'step': 100, 'ntokens_seen': 0}}}}); "
+                f"extra[{key!r}] is {'a name torchtitan keeps for the optimizer' if key == 'optimizer' else type(value).__name__}"
+            )

@@ -34,8 +34,9 @@ from .format.direct_io import durable
 from .format.dtypes import FLOATING, tensor_bytes, to_safetensors
 from .format.fullfile import full_suffix
 from .format.info import CheckpointInfo
-from .format.inspect import inspect
-from .format.keys import MODEL, is_bare
+from .format.inspect import inspect, read_dcp_metadata
+from .format.keys import MODEL
+from .format.layouts import find_layout
 from .format.pickles import load_planner, load_pt
 from .format.safetensors_layout import PieceReader, read_layout
 from .format.safetensors_write import header, raw_bytes
@@ -139,15 +140,17 @@ def _sharded_tensors(fs: Any, p: str, url: str, info: CheckpointInfo, entries: l
     from .format.atomic import read_marker
     from .format.reader import named_corruption, open_sharded
 
+    layout = find_layout(fs, p, lambda f: read_dcp_metadata(fs, f, url, weights_only=weights_only)
+                         .state_dict_metadata, url)  # whose keys: fsdp_nb's, or another trainer's
+    p = layout.folder
     md, reader = open_sharded(fs, p, url, read_marker(fs, p) or {}, storage_options,
                               weights_only=weights_only)
-    bare = is_bare(md.state_dict_metadata)  # a plain dcp.save of the model's own keys
     for e in entries:
         t = info.tensors[e.key]
         buf = torch.empty(t.shape, dtype=getattr(torch, t.dtype))
         with warnings.catch_warnings(), named_corruption(url):
             warnings.simplefilter("ignore")
-            _load_state_dict({e.name: buf} if bare else {"model": {e.name: buf}}, storage_reader=reader,
+            _load_state_dict({layout.model_key(e.name): buf}, storage_reader=reader,
                              planner=load_planner(weights_only, allow_partial_load=True), no_dist=True)
         yield buf
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CheckpointError
 from ..frontends.progress import check_progress, follow, may_show
 from ..wire.checkpoint import SaveSpec
-from .arguments import check_optimizer, model_name, raise_outcomes
+from .arguments import check_layout, check_optimizer, model_name, raise_outcomes
 from .async_saves import AsyncCheckpoint, register, wait_pending
 from .format.fullfile import full_suffix
 from .format.info import CheckpointInfo
@@ -40,6 +40,7 @@ def save(
     async_save: bool = False,
     keep_last: int | None = None,
     progress: bool | None = None,
+    layout: str = "fsdp_nb",
 ) -> CheckpointInfo | AsyncCheckpoint:
     """Write a checkpoint of engine module ``model`` (and optimizer) at ``path``, atomically.
 
@@ -49,6 +50,8 @@ def save(
     k checkpoints in the path's folder. Returns the CheckpointInfo, or with
     ``async_save=True`` an ``AsyncCheckpoint`` (``wait()`` / ``done()``). ``progress``:
     a bar of the bytes written (default: in a notebook, for more than a few hundred MB).
+    ``layout``: fsdp_nb's, or the one Lightning Fabric (``"lightning"``) or torchtitan
+    (``"torchtitan"``) resumes from (``check_layout``).
     """
     from ..engine import checkpoint_save as cio
 
@@ -62,6 +65,7 @@ def save(
         raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
     check_progress(progress)
     url_to_fs(path)  # a bad URL or a missing filesystem package fails here
+    check_layout(layout, path, sharded, extra)
     suffix = full_suffix(path)
     if not sharded and suffix is None:
         raise ValueError(
@@ -76,8 +80,8 @@ def save(
     spec = SaveSpec(
         url=path, storage_options=options_for(path), model=name, optimizer=optim,
         sharded=sharded, async_save=async_save, keep_last=keep_last,
-        token=uuid.uuid4().hex[:12], meta=base_metadata(extra, "sharded" if sharded else "full"),
-        check_exists=not overwrite, report_progress=may_show(progress) and not async_save,
+        token=uuid.uuid4().hex[:12], meta={**base_metadata(extra, "sharded" if sharded else "full"), "layout": layout},
+        check_exists=not overwrite, report_progress=may_show(progress) and not async_save, layout=layout,
     )
     d = ctx.dispatcher
     # an async save publishes no progress (its bar would have nothing to follow), so it

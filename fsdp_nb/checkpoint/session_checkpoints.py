@@ -35,6 +35,7 @@ class SessionCheckpoints:
         async_save: bool = False,
         keep_last: int | None = None,
         progress: bool | None = None,
+        layout: str = "fsdp_nb",
     ) -> CheckpointInfo | AsyncCheckpoint:
         """Write a checkpoint of ``model`` (and engine global ``optimizer``) atomically.
 
@@ -55,12 +56,17 @@ class SessionCheckpoints:
             keep_last: keep only the newest this many checkpoints beside this one.
             progress: a bar of the bytes written (default: in a notebook, for more than
                 a few hundred MB).
+            layout: whose trainer resumes from it: ``"fsdp_nb"``; ``"lightning"``, Lightning
+                Fabric's (``fabric.load`` with ``{"model", "optimizer"}``; ``extra`` in
+                ``meta.pt``); ``"torchtitan"``, a ``step-<N>`` folder of the model's own
+                keys, ``optimizer`` and each ``extra`` entry (``train_state``) as a state.
         """
         self._ctx.check_open()
         from .save import save
 
         return save(self._ctx, path, model, optimizer=optimizer, extra=extra, sharded=sharded,
-                    overwrite=overwrite, async_save=async_save, keep_last=keep_last, progress=progress)
+                    overwrite=overwrite, async_save=async_save, keep_last=keep_last, progress=progress,
+                    layout=layout)
 
     def load(
         self,

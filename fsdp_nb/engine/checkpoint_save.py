@@ -237,7 +237,7 @@ def _finish_sharded(spec: SaveSpec, model_meta: dict[str, Any], group: Any,
     files: dict[str, dict[str, int]] = {}
     for part in parts:
         files.update(part)
-    commit_sharded(fs, tmp, target, model_meta, files, spec.token)
+    commit_sharded(fs, tmp, target, model_meta, files, spec.token, _side_files(spec))
     removed = retain_last(fs, target, spec.keep_last) if spec.keep_last else []
     return Outcome(info=inspect(spec.url, storage_options=spec.storage_options), removed=removed)
 
@@ -245,14 +245,13 @@ def _finish_sharded(spec: SaveSpec, model_meta: dict[str, Any], group: Any,
 def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     fs, target = url_to_fs(spec.url, spec.storage_options)
     tmp = sibling(target.rstrip("/"), "tmp", spec.token)
-    msd, osd = get_state_dict(model, [optim] if optim is not None else [])
-    sd: dict[str, Any] = {"model": msd}
-    if optim is not None:
-        sd["optim"] = osd
+    flat = StateDictOptions(flatten_optimizer_state_dict=spec.layout == "torchtitan")  # as torchtitan keeps it
+    msd, osd = get_state_dict(model, [optim] if optim is not None else [], options=flat)
+    sd = _layout_state(spec, msd, osd if optim is not None else None)
     meta = _model_meta(model, spec)
     writer = dcp_writer(fs, tmp, spec.storage_options)
     recorder = record_writer(writer, None if spec.async_save else progress_feed.add)
@@ -305,6 +304,38 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
 
     after_reply(lambda: submit(spec.token, finish, progress, lambda: recorder.written))
     return Outcome(blocked=blocked, pending=True)
+
+
+def _layout_state(spec: SaveSpec, msd: dict[str, Any], osd: dict[str, Any] | None) -> dict[str, Any]:
+    """What DCP writes for ``spec.layout``: ``{"model", "optim"}`` (fsdp_nb's),
+    ``{"model", "optimizer"}`` (Lightning Fabric's), or torchtitan's model keys at the
+    top beside ``optimizer`` (flat) and each ``extra`` entry as one of its states."""
+    if spec.layout == "lightning":
+        return {"model": msd, **({"optimizer": osd} if osd is not None else {})}
+    if spec.layout != "torchtitan":
+        return {"model": msd, **({"optim": osd} if osd is not None else {})}
+    extra = spec.meta.get("extra", {})
+    clash = sorted({k.split(".", 1)[0] for k in msd} & (set(extra) | {"optimizer"}))
+    if clash:
+        raise ValueError(
+            f"the model's own names start with {', '.join(map(repr, clash))}, which torchtitan's layout "
+            "keeps for the optimizer and the extra states; rename the extra entries"
+        )
+    return {**msd, **extra, **({"optimizer": osd} if osd is not None else {})}
+
+
+def _side_files(spec: SaveSpec) -> dict[str, bytes]:
+    """Lightning's ``meta.pt``: everything ``fabric.load`` returns besides the model and
+    the optimizer (``extra``), as ``torch.save`` writes it."""
+    if spec.layout != "lightning":
+        return {}
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(dict(spec.meta.get("extra", {})), buf)
+    return {"meta.pt": buf.getvalue()}
 
 
 def state_bytes(sd: Any) -> int:

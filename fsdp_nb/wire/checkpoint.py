@@ -52,6 +52,8 @@ class SaveSpec(_Target):
     """Metadata the notebook knows (``extra``, versions, time); ranks add the rest."""
     check_exists: bool
     """Refuse an existing target (``overwrite=False``)."""
+    layout: str = "fsdp_nb"
+    """Whose keys the folder is written in: ``"fsdp_nb"``, ``"lightning"`` (Fabric's), ``"torchtitan"``."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -50,11 +50,3 @@ def test_tied_parameters_name_the_copy_and_its_source():
 def test_only_a_transformers_model_is_taken_for_one():
     assert not is_hugging_face(Tied()) and hugging_face_meta(Tied()) == {}
 
-
-def test_a_plain_save_of_a_model_whose_own_names_start_with_model_is_read_as_bare():
-    from fsdp_nb.checkpoint.format.keys import is_bare
-
-    hf_names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
-    assert is_bare(hf_names, hf_names)  # dcp.save(hf_model.state_dict())
-    assert not is_bare(["model." + k for k in hf_names], hf_names)  # nested under "model"
-    assert is_bare(["tok.weight"], ["other.weight"]) and not is_bare(["model.x"], ["y"])  # no match: by spelling

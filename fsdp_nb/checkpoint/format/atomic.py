@@ -48,9 +48,14 @@ def _write(fs: Any, path: str, data: bytes) -> None:
 
 
 def commit_sharded(
-    fs: Any, tmp: str, target: str, meta: dict, files: dict[str, dict[str, int]], token: str
+    fs: Any, tmp: str, target: str, meta: dict, files: dict[str, dict[str, int]], token: str,
+    side: dict[str, bytes] | None = None,
 ) -> None:
-    """Write metadata and marker, then make ``tmp`` the checkpoint at ``target``."""
+    """Write metadata and marker, then make ``tmp`` the checkpoint at ``target``.
+    ``side``: files another trainer reads beside the shards (Lightning's ``meta.pt``),
+    name -> bytes, written (and synced) first."""
+    for name, data in (side or {}).items():
+        _write(fs, posixpath.join(tmp, name), data)
     _write(fs, posixpath.join(tmp, META_FILE), dumps(meta))
     marker = dumps({"format": meta["format"], "token": token, "files": files})
     old = sibling(target, "old", token)

@@ -28,7 +28,7 @@ from typing import Any
 
 from .checksums import ChecksumMismatch
 
-__all__ = ["can_stage", "safe_reader"]
+__all__ = ["can_stage", "read_items", "safe_reader"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -73,6 +73,29 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
     reader.before_commit, reader.weights_only = before_commit, weights_only
     return reader
 
+
+def read_items(fs: Any, path: str, md: Any, keys: list[str], so: dict[str, Any] | None = None,
+               weights_only: bool = True) -> dict[str, Any]:
+    """The stored items ``keys`` of DCP folder ``path`` (``md``: its metadata, read and
+    checked), read in this process alone: a tensor for each stored tensor, the object
+    for each pickled item (weights-only unless ``weights_only`` is False). For small
+    items such as a trainer's step; the model's tensors go through a load."""
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from .pickles import load_planner
+
+    sd: dict[str, Any] = {}
+    for k in keys:
+        item = md.state_dict_metadata[k]
+        sd[k] = torch.empty(tuple(item.size), dtype=item.properties.dtype) if hasattr(item, "size") else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group is there: none is needed
+        _load_state_dict(sd, storage_reader=safe_reader(fs, path, so or {}, metadata=md, weights_only=weights_only),
+                         planner=load_planner(weights_only, allow_partial_load=True), no_dist=True)
+    return sd
 
 
 class _SafeReading:

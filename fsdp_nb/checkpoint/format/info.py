@@ -97,6 +97,11 @@ class CheckpointInfo:
     """Who wrote it: ``"fsdp_nb"``; ``"dcp"``, a folder of plain ``dcp.save`` (no checksums:
     only its files' presence and sizes are checked); ``"safetensors"``, a file or Hugging
     Face folder fsdp_nb did not write."""
+    layout: str = "fsdp_nb"
+    """Whose layout its keys and files follow (``layouts.LAYOUTS``: ``"fsdp_nb"``,
+    ``"lightning_fabric"``, ``"lightning_trainer"``, ``"torchtitan"``, ``"olmo_core"``,
+    ``"accelerate"``, ``"dcp"``), or ``"safetensors"``; tensors are named the same way
+    whatever it is (``model.<fqn>``, ``optim.state.<fqn>.<key>``)."""
     hf_config: dict[str, Any] | None = None
     """The Hugging Face config of the saved model, as its ``config.json`` holds it (None:
     not a transformers model); ``export_safetensors`` writes it beside the weights."""
@@ -113,10 +118,14 @@ class CheckpointInfo:
 
     @property
     def step(self) -> int | None:
-        """``extra["step"]`` when saved, else a number in the name (``step100``, ``iter_30``)."""
-        step = self.extra.get("step")
-        if isinstance(step, int) and not isinstance(step, bool):
-            return step
+        """``extra["step"]`` when saved (or a trainer's: Lightning's and OLMo-core's
+        ``global_step``, torchtitan's ``train_state["step"]``), else a number in the name
+        (``step100``, ``iter_30``)."""
+        train_state = self.extra.get("train_state")
+        for step in (self.extra.get("step"), self.extra.get("global_step"),
+                     train_state.get("step") if isinstance(train_state, dict) else None):
+            if isinstance(step, int) and not isinstance(step, bool):
+                return step
         m = _STEP_IN_NAME.search(self.name)
         return int(m.group(1)) if m else None
 

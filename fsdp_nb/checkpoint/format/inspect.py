@@ -16,15 +16,17 @@ from typing import Any
 from ...errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from .atomic import read_marker, validate_files
 from .checksums import ChecksumMismatch, check_item, file_problem
+from .dcp_reader import read_items
 from .dtypes import tensor_bytes
 from .fullfile import full_suffix, read_full_meta
 from .info import CheckpointInfo, ChunkInfo, TensorInfo
-from .keys import MODEL, OPTIM_PREFIXES, is_bare, is_model_key
+from .keys import MODEL, OPTIM_STATE, nest_keys, optim_key
+from .layouts import Layout, find_layout
 from .metadata import META_FILE
 from .pickles import TRUST_HINT, refuse_code
 from .restricted import RefusedGlobal, load_dcp_metadata, read_capped
 from .safetensors_layout import is_safetensors_folder
-from .side_files import data_folder, side_extra
+from .side_files import side_extra
 from .storage import is_temporary, url_to_fs
 
 __all__ = ["dcp_files_problem", "inspect", "read_dcp_metadata", "verify_checksums"]
@@ -145,7 +147,12 @@ def _inspect_full(fs: Any, p: str, url: str, weights_only: bool = True) -> Check
 
 
 def _inspect_sharded(fs: Any, p: str, url: str, verify: bool, weights_only: bool = True) -> CheckpointInfo:
-    p, side = data_folder(fs, p)
+    try:
+        layout = find_layout(fs, p, lambda f: read_dcp_metadata(fs, f, url, weights_only=weights_only)
+                             .state_dict_metadata, url)
+    except (CorruptCheckpointError, UnsafeCheckpointError):
+        layout = Layout("dcp", p)  # the same problem is met again below, and reported
+    p = layout.folder
     marker = read_marker(fs, p)
     try:
         meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
@@ -153,18 +160,9 @@ def _inspect_sharded(fs: Any, p: str, url: str, verify: bool, weights_only: bool
         meta = {}
     # written by dcp.save itself: no fsdp_nb files, and not one of our unfinished saves
     plain = marker is None and not meta and not is_temporary(p)
-    if plain and (extra := side_extra(fs, side, url, weights_only)) is not None:
-        meta = {"extra": extra}  # another trainer's folder (Lightning Fabric: meta.pt)
-    problem = None
-    if marker is None and not plain:
-        problem = "not committed (no completion marker): an unfinished or interrupted save"
-    elif marker is not None:
-        problem = validate_files(fs, p, marker)
-        if problem is None and verify:
-            try:
-                verify_checksums(fs, p, url, marker)
-            except CorruptCheckpointError as exc:
-                problem = str(exc)
+    if plain and (extra := side_extra(fs, layout, url, weights_only)) is not None:
+        meta = {"extra": extra}  # another trainer's files beside its shards (Lightning's meta.pt)
+    problem = _commit_problem(fs, p, url, marker, plain, verify)
     infos: dict[str, TensorInfo] = {}
     try:
         md = read_dcp_metadata(fs, p, url, weights_only=weights_only)
@@ -179,24 +177,59 @@ def _inspect_sharded(fs: Any, p: str, url: str, verify: bool, weights_only: bool
                 refuse_code(fs, p, url, md)
             except UnsafeCheckpointError as exc:
                 problem = str(exc)
-        infos = _tensor_infos(md)
-    files = {k: int(v["size"]) for k, v in (marker or {}).get("files", {}).items()}
-    if not files:
+        infos = _tensor_infos(md, layout)
+        if layout.optim_in_own_folder:
+            infos.update(_tensor_infos(read_dcp_metadata(fs, layout.optim_folder, url, weights_only=weights_only),
+                                       layout))
+        if plain and problem is None:
+            meta = _with_folder_state(fs, layout, md, meta, weights_only)
+    return _with_meta(url, "sharded", problem is None, problem, meta, infos, _files(fs, p, marker),
+                      "dcp" if plain else "fsdp_nb", layout.name)
+
+
+def _commit_problem(fs: Any, p: str, url: str, marker: dict | None, plain: bool, verify: bool) -> str | None:
+    """Why folder ``p`` is not a committed checkpoint (its marker, its files' sizes and,
+    with ``verify``, their checksums), or None."""
+    if marker is None:
+        return None if plain else "not committed (no completion marker): an unfinished or interrupted save"
+    problem = validate_files(fs, p, marker)
+    if problem is None and verify:
         try:
-            files = {posixpath.basename(e["name"]): int(e.get("size") or 0) for e in fs.ls(p, detail=True)}
-        except Exception:  # noqa: BLE001 - a listing that fails leaves the sizes unknown, not the inspection
-            files = {}
-    return _with_meta(url, "sharded", problem is None, problem, meta, infos, files, "dcp" if plain else "fsdp_nb")
+            verify_checksums(fs, p, url, marker)
+        except CorruptCheckpointError as exc:
+            problem = str(exc)
+    return problem
 
 
-def _tensor_infos(md: Any) -> dict[str, TensorInfo]:
-    """Each stored tensor of DCP metadata ``md``, with its chunks; a plain DCP save's
-    top-level keys (torchtitan's layout) are named as model keys (``model.<fqn>``)."""
+def _files(fs: Any, p: str, marker: dict | None) -> dict[str, int]:
+    """File name -> size: as the marker recorded them, else as listed."""
+    files = {k: int(v["size"]) for k, v in (marker or {}).get("files", {}).items()}
+    if files:
+        return files
+    try:
+        return {posixpath.basename(e["name"]): int(e.get("size") or 0) for e in fs.ls(p, detail=True)}
+    except Exception:  # noqa: BLE001 - a listing that fails leaves the sizes unknown, not the inspection
+        return {}
+
+
+def _with_folder_state(fs: Any, layout: Layout, md: Any, meta: dict, weights_only: bool) -> dict:
+    """``meta`` with the trainer state the layout keeps in the DCP folder itself
+    (torchtitan's ``train_state``) added to its ``extra``."""
+    kept = [k for k in md.state_dict_metadata if k.split(".", 1)[0] in layout.extra_roots]
+    if not kept:
+        return meta
+    found = nest_keys(read_items(fs, layout.folder, md, kept, weights_only=weights_only), md.planner_data)
+    return {**meta, "extra": {**meta.get("extra", {}), **found}}
+
+
+def _tensor_infos(md: Any, layout: Layout) -> dict[str, TensorInfo]:
+    """Each stored tensor of DCP metadata ``md``, with its chunks, named as fsdp_nb names
+    them whatever the layout: ``model.<fqn>``, ``optim.state.<fqn>.<key>``; the rest (a
+    trainer's other tensors) as stored."""
     storage = md.storage_data or {}
     by_fqn: dict[str, list[Any]] = {}
     for idx, si in storage.items():
         by_fqn.setdefault(idx.fqn, []).append((idx, si))
-    bare = is_bare(md.state_dict_metadata)
     infos: dict[str, TensorInfo] = {}
     for fqn, tmd in md.state_dict_metadata.items():
         if not hasattr(tmd, "chunks"):
@@ -210,12 +243,16 @@ def _tensor_infos(md: Any) -> dict[str, TensorInfo]:
                 (),
             )
             chunks.append(ChunkInfo(tuple(idx.offset or ()), sizes, si.relative_path, si.offset, si.length))
-        name = MODEL + fqn if bare and is_model_key(fqn, bare) else fqn
+        name = fqn
+        if (param := layout.fqn(fqn)) is not None:
+            name = MODEL + param
+        elif (entry := layout.optim_fqn(fqn)) is not None:
+            name = optim_key(*entry)
         infos[name] = TensorInfo(name, shape, dtype, tensor_bytes(shape, dtype), tuple(chunks))
     return infos
 
 
-def _with_meta(url, kind, valid, problem, meta, infos, files, source) -> CheckpointInfo:
+def _with_meta(url, kind, valid, problem, meta, infos, files, source, layout=None) -> CheckpointInfo:
     ws = meta.get("world_size")
     if ws is None and kind == "sharded":
         ranks = {f.split("_")[2] for f in files if f.startswith("__") and f.endswith(".distcp")}
@@ -235,7 +272,8 @@ def _with_meta(url, kind, valid, problem, meta, infos, files, source) -> Checkpo
         param_count=meta.get("param_count"),
         mesh=meta.get("mesh", {}),
         files=files,
-        has_optimizer=any(k.startswith(OPTIM_PREFIXES) for k in infos) or bool(meta.get("optimizer")),
+        has_optimizer=any(k.startswith(OPTIM_STATE) for k in infos) or bool(meta.get("optimizer")),
+        layout=meta.get("layout") or layout or ("fsdp_nb" if source == "fsdp_nb" else source),
         source=source,
         hf_config=meta.get("hf_config"),
         hf_generation_config=meta.get("hf_generation_config"),

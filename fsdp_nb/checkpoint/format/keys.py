@@ -8,50 +8,15 @@ parameter FQNs do, so a flat key splits at its last dot.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = [
-    "MODEL", "OPTIM_PREFIXES", "OPTIM_STATE", "flat_optim_state", "is_bare", "is_model_key", "optim_key",
-    "optim_root", "split_optim_key",
-]
+__all__ = ["MODEL", "OPTIM_STATE", "flat_optim_state", "nest_keys", "optim_key", "rekey_optim", "split_optim_key"]
 
 MODEL = "model."
 """Prefix of model tensors."""
 OPTIM_STATE = "optim.state."
 """Prefix of optimizer state entries."""
-OPTIM_PREFIXES = ("optim.", "optimizer.")
-"""Top-level keys of a plain DCP save that hold optimizer state, not the model's."""
-
-
-def is_bare(keys: Iterable[str], expected: Iterable[str] | None = None) -> bool:
-    """True for a plain ``dcp.save`` of the model's own state dict (torchtitan's layout)
-    rather than one nesting it under ``model.`` (fsdp_nb, ``get_state_dict`` users).
-
-    Without ``expected``: no key under ``model.``. With the model's own names
-    (``expected``), the spelling more of them are stored under: a Hugging Face model's
-    own names often start with ``model.`` too."""
-    keys = set(keys)
-    if expected is None:
-        return not any(k.startswith(MODEL) for k in keys)
-    expected = list(expected)
-    as_is = sum(k in keys for k in expected)
-    nested = sum(MODEL + k in keys for k in expected)
-    return as_is > nested if as_is or nested else is_bare(keys)
-
-
-def optim_root(keys: Iterable[str]) -> str:
-    """Where a DCP folder keeps its optimizer: ``"optim"`` (fsdp_nb), or ``"optimizer"``
-    (Lightning Fabric's and torchtitan's key) when only that one holds optimizer state."""
-    keys = list(keys)
-    if any(k.startswith("optimizer.state.") for k in keys) and not any(k.startswith(OPTIM_STATE) for k in keys):
-        return "optimizer"
-    return "optim"
-
-
-def is_model_key(key: str, bare: bool) -> bool:
-    """Whether stored ``key`` is a model tensor, in a bare save (``is_bare``) or a nested one."""
-    return not key.startswith(OPTIM_PREFIXES) if bare else key.startswith(MODEL)
 
 
 def optim_key(fqn: str, key: str) -> str:
@@ -70,3 +35,37 @@ def flat_optim_state(state: Mapping[str, Mapping[str, Any]]) -> Iterator[tuple[s
     for fqn, entries in state.items():
         for key, value in entries.items():
             yield optim_key(fqn, key), fqn, key, value
+
+
+def rekey_optim(osd: dict[str, Any], flat: bool, rename: Callable[[str], str]) -> dict[str, Any]:
+    """Optimizer state dict ``osd`` with every parameter name ``fqn`` as ``rename(fqn)``:
+    nested (``state`` and each group's ``params``) or flat (``state.<fqn>.<key>``,
+    ``param_groups.<fqn>.<key>``). Tensors are not copied."""
+    if flat:
+        out: dict[str, Any] = {}
+        for k, v in osd.items():
+            head, _, rest = k.partition(".")
+            fqn, _, key = rest.rpartition(".")
+            out[f"{head}.{rename(fqn)}.{key}" if head in ("state", "param_groups") and fqn else k] = v
+        return out
+    return {
+        **osd,
+        "state": {rename(fqn): entries for fqn, entries in osd.get("state", {}).items()},
+        "param_groups": [{**g, "params": [rename(p) for p in g.get("params", [])]}
+                         for g in osd.get("param_groups", [])],
+    }
+
+
+def nest_keys(flat: Mapping[str, Any], paths: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The nested dict DCP flattened into ``flat`` (``train_state.step`` →
+    ``{"train_state": {"step": …}}``), by each key's path in ``paths`` (a DCP metadata's
+    ``planner_data``) where it has one, else by the key's first dot."""
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        path = (paths or {}).get(k)
+        parts = [str(x) for x in path] if isinstance(path, (tuple, list)) and path else k.split(".", 1)
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = v
+    return out

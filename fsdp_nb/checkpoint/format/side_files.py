@@ -1,10 +1,11 @@
-"""Where other trainers keep their DCP shards and the state beside them, read weights-only.
+"""The state other trainers keep beside their shards, read weights-only.
 
-Lightning Fabric's ModelParallel strategy writes the model and optimizer with DCP and
-everything else ``fabric.save`` was given (a step, a learning rate) with ``torch.save``
-into ``meta.pt`` in the same folder. OLMo-core keeps its shards in ``model_and_optim/``
-and the trainer's state in ``train/rank0.pt``. ``sess.load`` returns that state as the
-checkpoint's ``extra``; ``inspect`` shows it.
+Lightning (Fabric and Trainer) ``torch.save``\\ s everything that is not a model or an
+optimizer (a step, the loops' state) into ``meta.pt`` beside its DCP shards; OLMo-core
+keeps the trainer's state in ``train/rank0.pt``; Accelerate its schedulers in
+``scheduler.bin`` and registered objects in ``custom_checkpoint_<i>.pkl``. ``sess.load``
+returns that state as the checkpoint's ``extra``; ``inspect`` shows it. Which files a
+checkpoint has is its layout's (``layouts.find_layout``).
 """
 
 from __future__ import annotations
@@ -12,40 +13,32 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
+from .layouts import Layout
 from .pickles import load_pt
 
-__all__ = ["OLMO_CORE_SHARDS", "OLMO_CORE_STATE", "SIDE_FILE", "data_folder", "side_extra"]
-
-SIDE_FILE = "meta.pt"
-"""Lightning Fabric's file of the state that is not a model or an optimizer."""
-OLMO_CORE_SHARDS = "model_and_optim"
-"""The subfolder of an OLMo-core step folder that holds the DCP shards."""
-OLMO_CORE_STATE = "train/rank0.pt"
-"""The trainer state of an OLMo-core step folder (rank 0's)."""
+__all__ = ["side_extra"]
 
 
-def data_folder(fs: Any, p: str) -> tuple[str, str]:
-    """(the folder holding checkpoint ``p``'s DCP shards, the file of its other state):
-    ``p`` itself and ``meta.pt`` in it, or for an OLMo-core step folder
-    ``model_and_optim/`` and ``train/rank0.pt``."""
-    sub = posixpath.join(p, OLMO_CORE_SHARDS)
-    if not fs.exists(posixpath.join(p, ".metadata")) and fs.exists(posixpath.join(sub, ".metadata")):
-        return sub, posixpath.join(p, OLMO_CORE_STATE)
-    return p, posixpath.join(p, SIDE_FILE)
+def side_extra(fs: Any, layout: Layout, url: str, weights_only: bool = True) -> dict[str, Any] | None:
+    """The other state in ``layout``'s side files as one dict, or None when it has none.
 
-
-def side_extra(fs: Any, path: str, url: str, weights_only: bool = True) -> dict[str, Any] | None:
-    """The other state in file ``path`` (``data_folder``'s second answer) as a dict, or
-    None when there is no such file.
+    A file holding a dict (``meta.pt``, ``train/rank0.pt``) gives its entries; any other
+    file gives one entry named for the file (``scheduler``, ``custom_checkpoint_0``).
 
     Args:
-        fs: the fsspec filesystem ``path`` is on.
-        path: the side file.
+        fs: the fsspec filesystem the files are on.
+        layout: the checkpoint's layout, whose ``side_files`` are read.
         url: the checkpoint as the user named it, for errors.
-        weights_only: through torch's weights-only unpickler; one that could run code is
-            refused (``UnsafeCheckpointError``). False trusts it.
+        weights_only: through torch's weights-only unpickler; a file that could run code
+            is refused (``UnsafeCheckpointError``). False trusts them.
     """
-    if not fs.exists(path):
+    if not layout.side_files:
         return None
-    side = load_pt(fs, path, url, weights_only)
-    return dict(side) if isinstance(side, dict) else {SIDE_FILE: side}
+    out: dict[str, Any] = {}
+    for path in layout.side_files:
+        value = load_pt(fs, path, url, weights_only)
+        if isinstance(value, dict) and layout.name != "accelerate":
+            out.update(value)
+        else:
+            out[posixpath.basename(path).rsplit(".", 1)[0]] = value
+    return out

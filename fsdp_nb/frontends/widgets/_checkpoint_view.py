@@ -24,7 +24,9 @@ def _when(t: float | None, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
 
 
 def _kind(info: CheckpointInfo) -> str:
-    return info.kind + ("" if info.valid else " INVALID")
+    """``sharded`` / ``full``, with whose layout it is when not fsdp_nb's (``sharded (torchtitan)``)."""
+    other = "" if info.layout in ("fsdp_nb", "safetensors") and info.source != "dcp" else f" ({info.layout})"
+    return info.kind + other + ("" if info.valid else " INVALID")
 
 
 def label(info: CheckpointInfo) -> str:
