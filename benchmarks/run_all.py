@@ -29,6 +29,7 @@ BENCHES = {
     "checkpoint_io": ("checkpoint_io.py", [], ["--mb", "64", "--ranks", "2"]),
     "memory_sampler": ("memory_sampler.py", [], ["--rounds", "2", "--steps", "4"]),
     "failures": ("failures.py", [], ["--reps", "1"]),
+    "hangs": ("hangs.py", [], ["--rounds", "3", "--steps", "30"]),
     "launchers": ("launchers.py", [], ["--only", "local"]),
     "kernel_restart": ("kernel_restart.py", [], ["--reps", "1"]),
     # the GPU path: a transformer on one engine per GPU (nccl), or the same code on 2 CPU ranks

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .models.sharded_model import ShardedModel
     from .models.wrap import WrapRecord
 
-__all__ = ["SessionContext"]
+__all__ = ["SessionContext", "SessionFacts"]
 
 
 @dataclass(eq=False, kw_only=True)
@@ -92,3 +92,66 @@ class SessionContext:
         """Raise ``SessionClosedError`` when the session was shut down."""
         if self.state == "closed":
             raise SessionClosedError("this session was shut down; start a new fsdp_nb.Session()")
+
+
+class SessionFacts:
+    """What a session is, read from its context: the ``Session`` façade's read-only
+    properties (sizes, state, engines, registries)."""
+
+    _ctx: SessionContext
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return self._ctx.world_size
+
+    @property
+    def ranks(self) -> list[RankInfo]:
+        """Per-rank info in rank order: rank, engine id, host, pid, device, local rank."""
+        return self._ctx.ranks
+
+    @property
+    def state(self) -> str:
+        """``ready``, ``degraded`` (a rank died: ``restart()``), ``closed``, ``failed`` (or ``starting``)."""
+        return self._ctx.state
+
+    @property
+    def backend(self) -> str | None:
+        """Process-group backend (``gloo``, ``nccl``)."""
+        return self._ctx.backend
+
+    @property
+    def launcher(self) -> str:
+        """The ipyparallel launcher that started the engines, or ``"connected"``."""
+        return self._ctx.launcher
+
+    @property
+    def keep_alive(self) -> bool | float:
+        """Whether the engines outlive this kernel (seconds: until idle that long)."""
+        return self._ctx.keeper.keep_alive if self._ctx.keeper is not None else False
+
+    @property
+    def models(self) -> dict[str, ShardedModel]:
+        """Engine global name -> the ``ShardedModel`` of each model wrapped on the ranks."""
+        return self._ctx.models
+
+    @property
+    def start_phases(self) -> dict[str, float]:
+        """Seconds each phase of this session's start took (``verbose=True`` prints them)."""
+        return self._ctx.start_phases
+
+    @property
+    def restart_phases(self) -> dict[str, float]:
+        """Seconds each phase of the last ``restart()`` took (empty before one)."""
+        return self._ctx.restart_phases
+
+    @property
+    def cluster(self) -> EngineCluster:
+        """The engines: rank <-> engine map, liveness, process control."""
+        return self._ctx.cluster
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """Sends work to the ranks and gathers it; failures go to the recovering policy.
+        SessionClosedError after ``shutdown()``."""
+        return self._ctx.dispatcher

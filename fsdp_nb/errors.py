@@ -96,17 +96,24 @@ class DeadRankError(FsdpNbError, RuntimeError):
 class RankTimeoutError(FsdpNbError, TimeoutError):
     """A call did not finish on every rank within its ``timeout``.
 
-    ``pending``: the ranks still running; ``stacks``: where each of them was (rank ->
-    its threads' stacks as text), shown after the message."""
+    ``pending``: the ranks still running; ``diagnosis``: one line per rank, who waits in
+    which collective and who is missing from it, and where (the message starts with
+    them); ``stacks``: where each rank was (rank -> its stacks as text, framework frames
+    folded), shown after them."""
 
-    def __init__(self, what: str, timeout: float, pending: list[int], stacks: dict[int, str] | None = None):
+    def __init__(self, what: str, timeout: float, pending: list[int], stacks: dict[int, str] | None = None,
+                 diagnosis: list[str] | tuple[str, ...] = ()):
         self.pending = sorted(pending)
+        self.diagnosis = list(diagnosis)
+        """Who waits in which collective, who is missing and where: one line per rank."""
         self.stacks = dict(stacks or {})
         """Rank -> the stacks it was in when the timeout struck."""
+        lines = "".join(f"\n  {line}" for line in self.diagnosis)
         text = "".join(f"\n\n--- rank {r} was at:\n{s.rstrip()}" for r, s in sorted(self.stacks.items()))
         super().__init__(
             f"{what} did not finish within {timeout:g} s on rank(s) "
-            f"{', '.join(map(str, self.pending))}; sess.status() shows where they are.{text}"
+            f"{', '.join(map(str, self.pending))}{':' if lines else '; sess.status() shows where they are.'}"
+            f"{lines}{text}"
         )
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint.session_checkpoints import SessionCheckpoints
-from .context import SessionContext
+from .context import SessionContext, SessionFacts
 from .frontends import magics
 from .frontends.session_view import session_html, session_text
 from .frontends.widgets.session_widgets import SessionWidgets
@@ -31,9 +31,6 @@ if TYPE_CHECKING:
 
     from .models.sharded_model import ShardedModel
     from .recovery.status import SessionStatus
-    from .runtime.cluster import EngineCluster
-    from .runtime.dispatch import Dispatcher
-    from .runtime.rendezvous import RankInfo
 
 log = logging.getLogger("fsdp_nb")
 
@@ -43,7 +40,7 @@ _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
 """Every open session of this kernel: shut down at exit, found again by ``attach``."""
 
 
-class Session(SessionCheckpoints, SessionWidgets):
+class Session(SessionFacts, SessionCheckpoints, SessionWidgets):
     """An ipyparallel cluster whose engines are the ranks of one process group.
 
     ``Session(n)`` starts the engines and forms the group; ``Session.connect`` takes a
@@ -60,6 +57,8 @@ class Session(SessionCheckpoints, SessionWidgets):
         activate: make ``%%px`` / ``%px`` run on this session's ranks.
         grace: seconds other ranks may keep running after one rank failed before the
             session stops them, raises the failure and recovers.
+        hang_after: seconds a collective may wait before the running cell shows who
+            waits in which collective and who is missing, and where (None: never).
         keep_alive: ``True`` (or seconds of idleness allowed): the engines outlive this
             kernel, and ``Session.attach()`` in the next one takes them back.
         verbose: print how long each phase of the start took (``start_phases``).
@@ -79,6 +78,7 @@ class Session(SessionCheckpoints, SessionWidgets):
         pg_timeout: float = 1800.0,
         activate: bool = True,
         grace: float = 3.0,
+        hang_after: float | None = start_stop.HANG_AFTER,
         keep_alive: bool | float = False,
         verbose: bool = False,
         standby: bool = True,
@@ -86,12 +86,14 @@ class Session(SessionCheckpoints, SessionWidgets):
     ):
         n, backend = checks.validate(n, backend, launcher)
         checks.check_grace(grace)
+        checks.check_hang_after(hang_after)
         checks.check_standby(standby)
         keep_alive = check_keep_alive(keep_alive)
         self._open(start_stop.start(
             n, backend, launcher, timeout=timeout, pg_timeout=pg_timeout, grace=grace,
             keep_alive=keep_alive, standby=standby, cluster_kwargs=cluster_kwargs,
         ), activate)
+        self.hang_after = hang_after
         if verbose:
             print(phase_table(self.start_phases), flush=True)  # asked for: the user reads it
 
@@ -186,62 +188,6 @@ class Session(SessionCheckpoints, SessionWidgets):
         return self._ctx
 
     @property
-    def world_size(self) -> int:
-        """Number of ranks."""
-        return self._ctx.world_size
-
-    @property
-    def ranks(self) -> list[RankInfo]:
-        """Per-rank info in rank order: rank, engine id, host, pid, device, local rank."""
-        return self._ctx.ranks
-
-    @property
-    def state(self) -> str:
-        """``ready``, ``degraded`` (a rank died: ``restart()``), ``closed``, ``failed`` (or ``starting``)."""
-        return self._ctx.state
-
-    @property
-    def backend(self) -> str | None:
-        """Process-group backend (``gloo``, ``nccl``)."""
-        return self._ctx.backend
-
-    @property
-    def launcher(self) -> str:
-        """The ipyparallel launcher that started the engines, or ``"connected"``."""
-        return self._ctx.launcher
-
-    @property
-    def keep_alive(self) -> bool | float:
-        """Whether the engines outlive this kernel (seconds: until idle that long)."""
-        return self._ctx.keeper.keep_alive if self._ctx.keeper is not None else False
-
-    @property
-    def models(self) -> dict[str, ShardedModel]:
-        """Engine global name -> the ``ShardedModel`` of each model wrapped on the ranks."""
-        return self._ctx.models
-
-    @property
-    def start_phases(self) -> dict[str, float]:
-        """Seconds each phase of this session's start took (``verbose=True`` prints them)."""
-        return self._ctx.start_phases
-
-    @property
-    def restart_phases(self) -> dict[str, float]:
-        """Seconds each phase of the last ``restart()`` took (empty before one)."""
-        return self._ctx.restart_phases
-
-    @property
-    def cluster(self) -> EngineCluster:
-        """The engines: rank <-> engine map, liveness, process control."""
-        return self._ctx.cluster
-
-    @property
-    def dispatcher(self) -> Dispatcher:
-        """Sends work to the ranks and gathers it; failures go to the recovering policy.
-        SessionClosedError after ``shutdown()``."""
-        return self._ctx.dispatcher
-
-    @property
     def grace(self) -> float:
         """Seconds other ranks may keep running after one rank failed before the session
         stops them, raises the failure and recovers (``fsdp_nb.recovery``)."""
@@ -251,6 +197,15 @@ class Session(SessionCheckpoints, SessionWidgets):
     def grace(self, seconds: float) -> None:
         checks.check_grace(seconds)
         self._ctx.recovering.policy.grace = float(seconds)
+
+    @property
+    def hang_after(self) -> float | None:
+        """Seconds a collective may wait before the running cell explains it (None: never)."""
+        return self._ctx.recovering.hang_after
+
+    @hang_after.setter
+    def hang_after(self, seconds: float | None) -> None:
+        self._ctx.recovering.hang_after = checks.check_hang_after(seconds)
 
     @property
     def client(self) -> ipp.Client:
@@ -263,7 +218,8 @@ class Session(SessionCheckpoints, SessionWidgets):
 
     # -- running code -------------------------------------------------------------
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+            hang_after: float | None = None, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank; results in rank order.
 
         Args:
@@ -271,11 +227,13 @@ class Session(SessionCheckpoints, SessionWidgets):
                 notebook globals it uses, other names resolve in the engine namespace.
             *args: its positional arguments (shipped by value).
             timeout: seconds before the call is stopped on every rank (None: no limit).
+            hang_after: seconds a collective may wait before the call is explained
+                while it runs (None: the session's ``hang_after``).
             **kwargs: its keyword arguments (shipped by value).
         """
         if not callable(fn):
             raise TypeError(f"run() needs a callable, got {type(fn).__name__}")
-        return calls.run(self.dispatcher, fn, args, kwargs, timeout)
+        return calls.run(self.dispatcher, fn, args, kwargs, timeout, checks.check_hang_after(hang_after))
 
     def execute(
         self,
@@ -284,6 +242,7 @@ class Session(SessionCheckpoints, SessionWidgets):
         ranks: Sequence[int] | None = None,
         output: str | None = "all",
         timeout: float | None = None,
+        hang_after: float | None = None,
     ) -> None:
         """Run ``code`` on every rank (as ``%%px`` does); raise the failing ranks' errors.
 
@@ -296,18 +255,21 @@ class Session(SessionCheckpoints, SessionWidgets):
             output: whose printed output to show: ``"all"`` (tagged by rank),
                 ``"rankN"``, or None.
             timeout: seconds before the code is stopped on every rank (None: no limit).
+            hang_after: seconds a collective may wait before the call is explained
+                while it runs (None: the session's ``hang_after``).
         """
-        self._execute(code, timeout, ranks=ranks, output=output, silent=True)
+        self._execute(code, timeout, ranks=ranks, output=output, silent=True, hang_after=hang_after)
 
     def _execute(self, code: str, timeout: float | None, *, ranks: Sequence[int] | None = None,
-                 output: str | None = "all", silent: bool = False) -> list[Any]:
+                 output: str | None = "all", silent: bool = False, hang_after: float | None = None) -> list[Any]:
         """``execute`` returning each rank's ExecuteReply (its ``Out`` value, unless
         ``silent``), for ``%%px``."""
         if not isinstance(code, str):
             raise TypeError(f"execute() needs source code as str, got {type(code).__name__}")
         targets = checks.check_ranks(ranks, self.world_size)
         return calls.execute(self.dispatcher, code, timeout, ranks=None if ranks is None else targets,
-                             echoed=checks.check_output(output, targets), silent=silent)
+                             echoed=checks.check_output(output, targets), silent=silent,
+                             hang_after=checks.check_hang_after(hang_after))
 
     def push(self, mapping: Mapping[str, Any]) -> None:
         """Bind ``mapping``'s names on every rank (values shipped by value).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -259,3 +260,23 @@ class FakeDispatcher:
         if isinstance(answer, BaseException):
             raise answer
         return answer
+
+
+def on_marker(path, action, timeout: float = 60.0) -> threading.Thread:
+    """Run ``action`` in a thread once ``path`` exists: a marker the engine writes when
+    it has reached the point where the fault should hit (never a timer)."""
+
+    def wait() -> None:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        action()
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    return t
+
+
+def mark_code(path) -> str:
+    """Engine code that writes the marker ``path``."""
+    return f"open({str(path)!r}, 'w').close()\n"

@@ -13,11 +13,11 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 
 import pytest
 import torch
+from helpers import mark_code, on_marker
 
 import fsdp_nb
 from fsdp_nb.engine.boot import PRELOAD
@@ -55,26 +55,6 @@ def fail_local():
 
 BLOCKED = "t = torch.ones(1)\ndist.all_reduce(t)\n"
 """A collective the other rank never joins: the rank running it blocks."""
-
-
-def _on_marker(path, action, timeout: float = 60.0) -> threading.Thread:
-    """Run ``action`` in a thread once ``path`` exists: a marker the engine writes when
-    it has reached the point where the fault should hit (never a timer)."""
-
-    def wait() -> None:
-        deadline = time.monotonic() + timeout
-        while not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        action()
-
-    t = threading.Thread(target=wait, daemon=True)
-    t.start()
-    return t
-
-
-def _mark(path) -> str:
-    """Engine code that writes the marker ``path``."""
-    return f"open({str(path)!r}, 'w').close()\n"
 
 
 def _build(s, shape="(2,)", names='("dp",)'):
@@ -167,14 +147,14 @@ def _idle(s) -> bool:
 def test_ctrl_c_during_collective_stops_every_rank_and_keeps_state(quick, tmp_path):
     before = _weights(quick)
     marker = tmp_path / "sleeping"
-    code = "if rank == 1:\n    " + _mark(marker) + "    time.sleep(30)\n" + BLOCKED
+    code = "if rank == 1:\n    " + mark_code(marker) + "    time.sleep(30)\n" + BLOCKED
     handlers = []  # what Ctrl-C found, for the message if it did not stop the call
 
     def press() -> None:
         handlers.append(signal.getsignal(signal.SIGINT))
         _thread.interrupt_main()
 
-    _on_marker(marker, press)
+    on_marker(marker, press)
     try:
         quick.execute(code)
     except KeyboardInterrupt:
@@ -199,7 +179,7 @@ def _sleep_on_rank_1_then_collective(marker):
 def test_ctrl_c_during_a_direct_run_stops_every_rank_and_keeps_state(quick, tmp_path):
     before = _weights(quick)
     marker = tmp_path / "sleeping"
-    _on_marker(marker, _thread.interrupt_main)
+    on_marker(marker, _thread.interrupt_main)
     with pytest.raises(KeyboardInterrupt):
         quick.run(_sleep_on_rank_1_then_collective, str(marker))
     assert _idle(quick)
@@ -352,9 +332,9 @@ def test_engine_killed_while_peer_waits_in_collective(fragile, tmp_path):
     assert s.cluster.owns_pid(victim)
     widget = s.status_widget()
     marker = tmp_path / "sleeping"
-    _on_marker(marker, lambda: os.kill(victim, signal.SIGKILL))
+    on_marker(marker, lambda: os.kill(victim, signal.SIGKILL))
     with pytest.raises(DeadRankError) as info:
-        s.execute("if rank == 1:\n    import time\n    " + _mark(marker) + "    time.sleep(30)\n" + BLOCKED)
+        s.execute("if rank == 1:\n    import time\n    " + mark_code(marker) + "    time.sleep(30)\n" + BLOCKED)
     assert info.value.dead_ranks == [1]
     assert widget.status.ranks[1].state == "dead" and widget.status.state == "degraded"
     st = s.status()
@@ -378,7 +358,7 @@ def test_engine_killed_during_a_direct_run(fragile, tmp_path):
     s = fragile
     victim = s.ranks[1].pid
     marker = tmp_path / "sleeping"
-    _on_marker(marker, lambda: os.kill(victim, signal.SIGKILL))
+    on_marker(marker, lambda: os.kill(victim, signal.SIGKILL))
     with pytest.raises(DeadRankError) as info:
         s.run(_sleep_on_rank_1_then_collective, str(marker))
     assert info.value.dead_ranks == [1]

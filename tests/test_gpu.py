@@ -5,7 +5,7 @@ formed as ``cpu:gloo,cuda:nccl``; wrap with bf16-mixed, auto_wrap, activation
 checkpointing and CPU offload on CUDA; training against one process; sync and async
 saves and loads; the memory feed's CUDA fields; an error cell, Ctrl-C in a GPU loop,
 kill -9 then ``restart(restore=)``; ``connect()`` choosing nccl; consolidate; the NCCL
-abort-and-re-form path that one GPU can show.
+abort-and-re-form path that one GPU can show; the hang watch on NCCL's flight recorder.
 """
 
 from __future__ import annotations
@@ -241,6 +241,38 @@ def test_nccl_abort_then_reform_trains_on(gsess):
     assert gsess.all_reduce_check() == float(sum(range(gsess.world_size)))
     losses = gsess.run(_train_on_ranks, "gab", x, y, 2)
     assert all(math.isfinite(loss) for ls in losses for loss in ls)
+
+
+def _cuda_all_reduce() -> float:
+    t = torch.ones(1, device="cuda")
+    torch.distributed.all_reduce(t)
+    return float(t)
+
+
+def test_the_hang_watch_reads_the_nccl_flight_recorder(gsess, tmp_path):
+    """NCCL ranks record their collectives (TORCH_NCCL_TRACE_BUFFER_SIZE, set at launch):
+    after a CUDA all_reduce the watch finds records and nothing in flight. With two GPUs
+    or more, a straggler is explained from them: rank 0 waits in a CUDA all_reduce."""
+    from fsdp_nb.engine import hang_watch
+
+    gsess.run(_cuda_all_reduce)
+    assert all(got == {} for got in gsess.run(hang_watch._from_recorder))  # records, none in flight
+    if gsess.world_size < 2:
+        return
+    go, seen = tmp_path / "go", []
+
+    def release(event):
+        if event.phase == "hang":
+            seen.append(event.note)
+            go.touch()
+
+    gsess.dispatcher.observers.append(release)
+    try:
+        gsess.execute(f"import os, time\nwhile rank == 1 and not os.path.exists({str(go)!r}):\n"
+                      "    time.sleep(0.02)\nt = torch.ones(1, device='cuda')\ndist.all_reduce(t)\n", hang_after=1)
+    finally:
+        gsess.dispatcher.observers.remove(release)
+    assert seen and "rank 1 is not in it" in seen[0] and "rank 0 waits in all_reduce #" in seen[0]
 
 
 def test_consolidate_a_gpu_trained_checkpoint(gsess, tmp_path):

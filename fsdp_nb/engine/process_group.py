@@ -66,6 +66,13 @@ waiting call raises (CleanUpOnly) instead of tearing the engine down (3, the
 default), so a rank keeps its variables and the session can re-form the group."""
 
 
+FLIGHT_RECORDER_ENTRIES = "2000"
+"""Collectives torch's flight recorder keeps per rank (``TORCH_FR_BUFFER_SIZE``, and
+``TORCH_NCCL_TRACE_BUFFER_SIZE`` for NCCL) unless the user set it: the hang watch
+(``hang_watch``) reads which collective each group has in flight from it. A ring of
+records, a few hundred bytes each; the training-step benchmark shows no cost."""
+
+
 def init_backend(backend: str) -> str:
     """The backend string ``init_process_group`` gets for a session backend.
 
@@ -90,8 +97,10 @@ def init(
     (``"cuda:0"``, ``"cpu"``).
     """
     os.environ.update(env)
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)  # the hang watch reads it
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ERROR_HANDLING)
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch

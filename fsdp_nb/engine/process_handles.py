@@ -110,6 +110,13 @@ class ProcessHandle:
             return not self._poll.poll(0)
         return handle_alive(self._proc, self._stamp)
 
+    def stopped(self) -> bool:
+        """The process is stopped (SIGSTOP, a debugger, a job control stop)."""
+        try:
+            return self._proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+        except psutil.NoSuchProcess:
+            return False
+
     def send_signal(self, sig: int) -> bool:
         """Send ``sig`` to this process; False if it has exited already."""
         try:

@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
+from ..runtime.checks import check_hang_after
+
 
 class Session(Protocol):
     """What the magics use of a ``fsdp_nb.Session``."""
@@ -31,7 +33,7 @@ class Session(Protocol):
     def attach(cls, cluster_id: str | None = None) -> Session: ...
 
     def _execute(self, code: str, timeout: float | None, *, ranks: Sequence[int] | None = None,
-                 output: str | None = "all") -> list[Any]: ...
+                 output: str | None = "all", hang_after: float | None = None) -> list[Any]: ...
 
     def debug(self, rank: int | None = None) -> str | None: ...
 
@@ -111,11 +113,13 @@ class PxMagics(Magics):
         """Run the cell on every rank in rank order.
 
         ``%%px --ranks 0,2`` runs it on some ranks only, ``--output rank0`` shows one
-        rank's output, ``--timeout S`` bounds it.
+        rank's output, ``--timeout S`` bounds it, ``--hang-after S`` explains a collective
+        that has waited S seconds.
         """
         args = parse_px(line)
         _show_results(
-            self._session()._execute(cell, args.timeout, ranks=args.ranks, output=args.output),
+            self._session()._execute(cell, args.timeout, ranks=args.ranks, output=args.output,
+                                     hang_after=args.hang_after),
             sorted(args.ranks) if args.ranks is not None else None,
         )
 
@@ -141,9 +145,12 @@ class PxArgs:
     """``--output rank0``: whose output to show (``all``: every rank's)."""
     timeout: float | None = None
     """``--timeout S``: seconds before the cell is stopped on every rank."""
+    hang_after: float | None = None
+    """``--hang-after S``: seconds a collective waits before the cell shows who waits where
+    and who is missing (default: the session's ``hang_after``)."""
 
 
-_PX_USAGE = "%%px [--ranks 0,2] [--output all|rankN] [--timeout SECONDS]"
+_PX_USAGE = "%%px [--ranks 0,2] [--output all|rankN] [--timeout SECONDS] [--hang-after SECONDS]"
 
 
 def parse_px(line: str) -> PxArgs:
@@ -160,6 +167,8 @@ def parse_px(line: str) -> PxArgs:
                 opts["output"] = value
             elif flag == "--timeout":
                 opts["timeout"] = float(value)
+            elif flag == "--hang-after":
+                opts["hang_after"] = check_hang_after(float(value))
             else:
                 raise ValueError(flag)
         except ValueError:

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..context import SessionContext
 from ..engine import process_group as _pg
+from ..frontends.hang_view import HangView
 from ..recovery.failure_policy import RecoveringPolicy
 from ..runtime import rendezvous
 from ..runtime.call_channel import CallChannel
@@ -27,7 +28,11 @@ from . import attach as _attach
 from .keepalive import Keeper
 from .record import SessionRecord
 
-__all__ = ["attach", "connect", "form", "start", "stop"]
+__all__ = ["HANG_AFTER", "attach", "connect", "form", "start", "stop"]
+
+HANG_AFTER = 30.0
+"""Seconds a call runs before the hang watch first asks the ranks where they are (the
+default of ``Session(hang_after=)``)."""
 
 log = logging.getLogger("fsdp_nb")
 
@@ -55,6 +60,8 @@ def form(
         pg_timeout=pg_timeout, omp_threads=threads,
     )
     ctx.recovering.policy = RecoveringPolicy(ctx, grace=grace)  # it needs the context it recovers
+    ctx.recovering.watch, ctx.recovering.hang_view = ctx.health.watch, HangView()
+    ctx.recovering.hang_after = HANG_AFTER
     clock = clock or PhaseClock()
     try:
         if not formed:

@@ -12,7 +12,11 @@ blocked leave the process group, a rank blocked in a gloo collective with them g
    GPUs blocking each other have not been run);
 2. ranks still running after ``nudge`` seconds get SIGINT (for Python code that is
    not in a collective; once more after an interrupt, whose SIGINT is lost on an
-   engine that had not yet started the call: a Ctrl-C right after sending); after
+   engine that had not yet started the call: a Ctrl-C right after sending), and on
+   gloo their watch thread (``runtime.hang_watch``) shuts their connections to the
+   other engines, which frees a rank whose peers are blocked too (mismatched
+   collectives); a rank that stopped answering at all while others wait for it
+   (SIGSTOP, stuck in C) is killed first (``_explain``) so they return; after
    ``wedge_timeout`` they count as wedged: killed (only
    engines this session started) and replaced as for a dead engine;
 3. every rank joins a new group on a fresh port and every DeviceMesh / FSDP2 module
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING
 from ..engine import health as _health
 from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError
 from ..runtime.dispatch import FailurePolicy, Pending
+from ..runtime.hang_report import HangReport, fold_stacks
 from .restart import reform, restart
 
 if TYPE_CHECKING:
@@ -68,18 +73,23 @@ class RecoveringPolicy(FailurePolicy):
         self, pending: Pending, failures: list[RankFailure], running: list[int]
     ) -> None:
         first = {f.rank for f in failures}
+        report = self._explain(running)
         note = self._recover(pending, running, interrupt=False, cause="partial failure")
         collateral = [f for f in self.ctx.dispatcher.failures(pending) if f.rank not in first]
         err = RankError(pending.what, list(failures) + collateral, self.ctx.world_size,
                         collateral=[f.rank for f in collateral])
+        if report.lines:
+            err.add_note("While the other ranks waited:" + "".join(f"\n  {line}" for line in report.lines))
         err.add_note(note)
         raise err
 
     def on_interrupt(self, pending: Pending, running: list[int]) -> None:
         if not running:
             return
+        report = self._explain(running)
         note = self._recover(pending, running, interrupt=True, cause="Ctrl-C")
-        print(f"fsdp_nb: interrupted {pending.what}; {note}", flush=True)
+        lines = "".join(f"\n  {line}" for line in report.lines)
+        print(f"fsdp_nb: interrupted {pending.what}{':' if lines else ''}{lines}\n{note}", flush=True)
 
     def on_dead(self, pending: Pending, dead: list[int]) -> None:
         ctx = self.ctx
@@ -104,11 +114,35 @@ class RecoveringPolicy(FailurePolicy):
         raise err
 
     def on_timeout(self, pending: Pending, running: list[int], timeout: float) -> None:
-        found = self.ctx.health.stacks(running)
+        report = self._explain(running)
+        found = self.ctx.health.stacks([r for r in running if r not in report.stalled])
         note = self._recover(pending, running, interrupt=True, cause="timeout")
-        err = RankTimeoutError(pending.what, timeout, running, stacks=found)
+        err = RankTimeoutError(pending.what, timeout, running, diagnosis=report.lines,
+                               stacks={r: fold_stacks(s) for r, s in found.items()})
         err.add_note(note)
         raise err
+
+    # the diagnosis -----------------------------------------------------------------
+
+    def _explain(self, running: list[int]) -> HangReport:
+        """Where every rank is (``runtime.hang_watch``), for the error's first lines; then
+        the ranks that did not answer, stopped or stuck in C while others wait for them
+        in a collective, are killed (only engines this session started), which closes
+        their sockets: the waiting ranks return to Python with their state, and
+        recovery replaces only the stuck ones."""
+        try:
+            report = self.ctx.health.watch.report(running)
+        except Exception as exc:  # noqa: BLE001 - the diagnosis must not stand in the way of the recovery
+            log.warning("fsdp_nb: could not ask the ranks where they are: %s", exc)
+            return HangReport()
+        c = self.ctx.cluster
+        silent = report.stalled if report.waiting else report.stopped  # others wait for them
+        stuck = [r for r in silent if r not in c.dead_ranks() and c.owns_pid(c.pids[r])]
+        if stuck:
+            log.warning("fsdp_nb: rank(s) %s stopped responding: killing them so the other ranks "
+                        "return with their state", ", ".join(map(str, stuck)))
+            self.ctx.cluster.kill(stuck)
+        return report
 
     # the dance ---------------------------------------------------------------------
 
@@ -203,6 +237,8 @@ class RecoveringPolicy(FailurePolicy):
                 late = [r for r in still if not pending.results[r].ready()]
                 if late:
                     c.signal(late, signal.SIGINT)
+                    if ctx.backend != "nccl":  # blocked in gloo on peers blocked too (mismatched
+                        ctx.health.watch.free(late)  # collectives): their own sockets closed free them
                 nudged = True
             if now - start > self.wedge_timeout:
                 return still

@@ -201,6 +201,9 @@ def _rank_after(r: RankStatus, event: CallEvent) -> RankStatus:
     if ph == "failed":
         f = next((f for f in event.failures if f.rank == r.rank), None)
         return replace(r, state="failed", activity=_short(f"{event.what}: {f.ename}: {f.evalue}")) if f else r
+    if ph == "hang":  # the rank's own line of the diagnosis
+        line = next((ln for ln in event.note.splitlines() if ln.startswith(f"rank {r.rank} ")), None)
+        return replace(r, activity=_short(line)) if line else r
     if ph == "interrupted" and mine:
         return replace(r, state="interrupted", activity=f"{event.what}: Ctrl-C")
     if ph == "dead" and mine:
@@ -224,7 +227,9 @@ def apply_event(status: SessionStatus, event: CallEvent, *, state: str | None = 
         line = f"{time.strftime('%H:%M:%S')} {event.what} {event.phase}"
         line += f" (rank {ranks})" if ranks and event.phase not in ("recovering", "recovered") else ""
         line += f": {detail or event.note}" if (detail or event.note) else ""
-        events = (*events, _short(line, 200))[-_EVENTS_KEPT:]
+        if event.phase.startswith("hang") and events and f" {event.what} hang" in events[-1]:
+            events = events[:-1]  # a diagnosis refreshed (or resolved) replaces the one shown
+        events = (*events, _short(line.replace("\n", "; "), 300))[-_EVENTS_KEPT:]
     return replace(
         status, state=state or status.state, taken=time.time(), events=events,
         ranks=tuple(_rank_after(r, event) for r in status.ranks),

@@ -20,17 +20,17 @@ __all__ = ["all_reduce_check", "execute", "pull", "push", "run"]
 
 
 def run(d: Dispatcher, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
-        timeout: float | None) -> list[Any]:
+        timeout: float | None, hang_after: float | None = None) -> list[Any]:
     """``fn(*args, **kwargs)`` on every rank, shipped by value; results in rank order."""
     what = f"run({getattr(fn, '__qualname__', type(fn).__name__)})"
     payload = (by_value(fn), by_value(args), by_value(kwargs))
-    return d.gather(d.apply(what, _ns.call, args=payload, fast=True), timeout)
+    return d.gather(d.apply(what, _ns.call, args=payload, fast=True), timeout, hang_after)
 
 
 def execute(d: Dispatcher, code: str, timeout: float | None, *, ranks: Sequence[int] | None,
-            echoed: Any, silent: bool) -> list[Any]:
+            echoed: Any, silent: bool, hang_after: float | None = None) -> list[Any]:
     """``code`` on ``ranks`` (None: every rank); each rank's ExecuteReply, in rank order."""
-    return d.gather(d.execute(code, ranks=ranks, echoed=echoed, silent=silent), timeout)
+    return d.gather(d.execute(code, ranks=ranks, echoed=echoed, silent=silent), timeout, hang_after)
 
 
 def push(d: Dispatcher, mapping: Mapping[str, Any]) -> None:

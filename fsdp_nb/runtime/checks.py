@@ -76,6 +76,14 @@ def check_grace(grace: float) -> None:
         raise ValueError(f"grace must be a number of seconds >= 0, got {grace!r}")
 
 
+def check_hang_after(seconds: float | None, what: str = "hang_after") -> float | None:
+    """``hang_after`` as seconds > 0 (None where allowed); ValueError naming what is allowed."""
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                or not 0 < seconds < float("inf")):
+        raise ValueError(f"{what} must be a number of seconds > 0 (None: the default), got {seconds!r}")
+    return None if seconds is None else float(seconds)
+
+
 def check_ranks(ranks: Sequence[int] | None, world_size: int) -> list[int]:
     """``ranks=`` of a call: distinct ranks of this session, sorted (None: every rank)."""
     allowed = f"ranks 0..{world_size - 1}"

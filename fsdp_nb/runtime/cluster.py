@@ -288,6 +288,12 @@ class EngineCluster:
         proc = self._handle(rank)
         return proc is not None and proc.alive()
 
+    def stopped_ranks(self, ranks: list[int]) -> list[int]:
+        """Of ``ranks``, those whose engine (on this host) is stopped (SIGSTOP)."""
+        here = socket.gethostname()
+        return [r for r in ranks if self.pids[r] is not None and self.hosts[r] == here
+                and (proc := self._handle(r)) is not None and proc.stopped()]
+
     def owns_pid(self, pid: int) -> bool:
         """True if ``pid`` is one of the engines this session started on this host."""
         return self.owns_engines and pid in self.pids

@@ -21,6 +21,8 @@ from typing import Any
 from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError
 from .call_channel import CallChannel
 from .cluster import EngineCluster
+from .hang_report import HangReport
+from .hang_watch import HangWatch, Watching
 from .results import Pending, RankResult, completed, failure, per_rank
 from .terminal import CtrlC, Echo
 
@@ -97,6 +99,14 @@ class Dispatcher:
         """Called on the notebook's thread as calls start, change, end and recover."""
         self.last_error: RankError | None = None
         """The last ``RankError`` a call raised: which rank failed first (``sess.debug``)."""
+        self.watch: HangWatch | None = None
+        """Asks the ranks where they are (the session's ``RankHealth.watch``); None: no hang watch."""
+        self.hang_after: float | None = None
+        """Seconds a call runs before the watch starts asking (the session's ``hang_after``;
+        None: never)."""
+        self.hang_view: Callable[[str, HangReport | None], None] | None = None
+        """Shows a call's live diagnosis (None: take it down): in place in a notebook, on
+        stderr in a script."""
 
     def notify(self, what: str, phase: str, ranks: Sequence[int] = (), *,
                failures: Sequence[RankFailure] = (), note: str = "") -> None:
@@ -185,12 +195,18 @@ class Dispatcher:
 
     # -- gather -----------------------------------------------------------------
 
-    def gather(self, pending: Pending, timeout: float | None = None) -> list[Any]:
-        """Wait for every rank; return results in rank order or raise the failures."""
+    def gather(self, pending: Pending, timeout: float | None = None, hang_after: float | None = None) -> list[Any]:
+        """Wait for every rank; return results in rank order or raise the failures.
+
+        ``hang_after``: seconds after which the hang watch explains a collective that
+        waits (default: the session's ``hang_after``)."""
+        hang_after = self.hang_after if hang_after is None else hang_after
+        watching = None if self.watch is None or hang_after is None else Watching(
+            self.watch, pending.what, pending.started, hang_after, self.notify, self.hang_view)
         with CtrlC() as ctrl_c:
             ctrl_c.hit = pending.interrupted
             try:
-                return self._gather(pending, timeout, ctrl_c)
+                return self._gather(pending, timeout, ctrl_c, watching)
             except RankError as exc:
                 self.last_error = exc
                 raise
@@ -199,8 +215,12 @@ class Dispatcher:
                 self.notify(pending.what, "interrupted", running)
                 self.policy.on_interrupt(pending, running)
                 raise
+            finally:
+                if watching is not None:
+                    watching.end()
 
-    def _gather(self, pending: Pending, timeout: float | None, ctrl_c: CtrlC) -> list[Any]:
+    def _gather(self, pending: Pending, timeout: float | None, ctrl_c: CtrlC,
+                watching: Watching | None = None) -> list[Any]:
         echo = Echo(pending) if self.echo else None
         first_failure_at: float | None = None
         next_liveness = time.monotonic() + self.liveness_every
@@ -229,12 +249,18 @@ class Dispatcher:
                     self.policy.on_dead(pending, dead)
             if timeout is not None and now - pending.started > timeout:
                 self.policy.on_timeout(pending, running, timeout)
+            if watching is not None:
+                watching.poll(running)
             poll = self.poll if now - pending.started < 1.0 else self.slow_poll
             pending.wait_for(running, poll)
             if pending.on_poll is not None:
                 pending.on_poll()
             if echo:
                 echo.flush()
+        return self._settle(pending, echo, ctrl_c)
+
+    def _settle(self, pending: Pending, echo: Echo | None, ctrl_c: CtrlC) -> list[Any]:
+        """Every rank has answered: the last output, then the results or the failures."""
         if echo:
             deadline = time.monotonic() + 5.0  # results may come before the last output
             for ar in pending.results.values():

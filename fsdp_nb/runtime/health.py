@@ -8,6 +8,7 @@ running cell:
   the engine and reads what was written, from C, so a rank blocked in a collective
   answers too. Engines on other hosts are named with where their file is. The files
   (0600) are in a 0700 folder of this user's, removed at shutdown (``close``).
+- where each rank is (``hang_watch``): a thread per engine answers signed requests.
 - NCCL abort: on NCCL sessions every engine runs a listener thread
   (``fsdp_nb.engine.nccl_abort``); :meth:`RankHealth.abort` asks it, in a request
   signed with the cluster's key, to abort the rank's communicators, which is what
@@ -28,6 +29,7 @@ from ..engine import health as _health
 from ..engine import nccl_abort as _nccl
 from ..engine.private_files import private_file
 from ..engine.signing import Link
+from .hang_watch import HangWatch
 
 if TYPE_CHECKING:
     from .cluster import EngineCluster
@@ -49,6 +51,8 @@ class RankHealth:
         """Where engines write their stack dumps (a 0700 folder, made on first ``install``)."""
         self.abort_links: dict[int, tuple[str, Link]] = {}
         """NCCL sessions: rank -> its engine's abort listener (endpoint, signed link)."""
+        self.watch = HangWatch(cluster)
+        """Where each rank is while a call waits (its engine's watch thread)."""
 
     def install(self, dispatcher: Dispatcher, ranks: list[int] | None = None, *, nccl: bool) -> None:
         """Install the hooks on ``ranks``' engines (all by default); ``nccl``: also
@@ -57,6 +61,7 @@ class RankHealth:
             self.folder = tempfile.mkdtemp(prefix="fsdp_nb_stacks_")  # 0700, this user's
         d = dispatcher
         d.gather(d.apply("install health", _health.install, ranks=ranks, args=(self.folder,)), 30)
+        self.watch.start(d, ranks)
         if nccl:
             self.start_abort_listeners(d, ranks)
 

@@ -1,0 +1,276 @@
+"""Where this rank is while a call runs, for the notebook's hang watch: told by a thread.
+
+A request through the engines' task queue waits behind the running cell, so ``start``
+(called once per engine, with the health hooks) runs a daemon thread with a zmq
+ROUTER socket on the address the notebook gives (loopback when the notebook is on
+this host). Each request, signed with the cluster's key (``signing.Link``, the
+thread's nonce in its key), gets one signed JSON reply: :func:`state`. A rank whose
+main thread runs Python or waits in a collective (which releases the GIL) answers;
+one that is stopped (SIGSTOP) or holds the GIL in C does not, and the notebook says
+so. A request that is unsigned, forged, replayed or over ``MAX_FRAME_BYTES`` is
+dropped before it is read further. The recovery may also ask it to shut the rank's
+connections to its peers (``FREE``): a main thread blocked in a gloo collective whose
+peers are blocked too (mismatched collectives) then returns, as when a peer leaves.
+
+What a rank is in comes from torch's flight recorder when the ranks run with it
+(``TORCH_FR_BUFFER_SIZE``; fsdp_nb sets it at launch): each process group's last
+enqueued and last completed collective, and the enqueued one's op, sizes, dtypes and
+start. Where it does not record (an engine started without it), the main thread's
+frame inside ``torch.distributed`` names the op, and the group's own sequence number
+its place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import sysconfig
+import threading
+import time
+from typing import Any
+
+from .signing import Link, Refused, engine_key, new_nonce
+
+__all__ = ["FREE", "MAX_FRAME_BYTES", "QUERY", "collective", "library_dirs", "main_frame", "start", "state"]
+
+log = logging.getLogger("fsdp_nb")
+
+QUERY = b"state"
+"""The payload of a request for this rank's state."""
+FREE = b"free "
+"""The head of a request to shut this rank's connections to its peers (JSON list of
+``[ip, port]`` after it): a main thread blocked in a gloo collective then returns."""
+MAX_FRAME_BYTES = 4096
+"""The largest frame the thread takes (a signed request is under 100 bytes)."""
+_COLLECTIVES = {
+    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "gather",
+    "scatter", "send", "recv", "broadcast_object_list", "monitored_barrier",
+}
+_TENSOR_ARGS = ("tensor", "input_tensor", "output_tensor", "tensor_list", "input", "output")
+_WATCH: dict[str, Any] = {}
+_SEEN: dict[tuple[str, int], float] = {}
+
+
+def library_dirs() -> tuple[str, ...]:
+    """Where library code lives: the standard library, site-packages and fsdp_nb itself."""
+    paths = sysconfig.get_paths()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the fsdp_nb package
+    return tuple({os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib")} | {here})
+
+
+def _is_user(filename: str, libs: tuple[str, ...]) -> bool:
+    if filename.startswith("<frozen") or filename.startswith("<string>"):
+        return False
+    return not os.path.realpath(filename).startswith(libs)
+
+
+def _where(filename: str, line: int) -> str:
+    """``cell line N`` for code from a cell (IPython names them ``/tmp/ipykernel_<pid>/<n>.py``
+    or ``<ipython-input-…>``), else ``file.py:N``."""
+    base = os.path.basename(filename)
+    if "ipykernel_" in filename or filename.startswith("<ipython-input") or filename.startswith("<cell"):
+        return f"cell line {line}"
+    return f"{base}:{line}"
+
+
+def main_frame(frame: Any = None) -> dict[str, Any] | None:
+    """The innermost frame of user code on the main thread (or of ``frame``): its
+    function, where it is (``cell line 3``) and the line's source; None when none is."""
+    import linecache
+
+    if frame is None:
+        frame = sys._current_frames().get(threading.main_thread().ident)
+    libs = library_dirs()
+    while frame is not None:
+        code = frame.f_code
+        if _is_user(code.co_filename, libs):
+            line = frame.f_lineno or 0
+            text = linecache.getline(code.co_filename, line).strip()
+            return {"function": code.co_name, "where": _where(code.co_filename, line), "code": text}
+        frame = frame.f_back
+    return None
+
+
+def _dtype(name: str) -> str:
+    """The flight recorder's dtype name (``Float``, ``BFloat16``) as torch spells it."""
+    table = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
+             "Long": "int64", "Int": "int32", "Bool": "bool", "Byte": "uint8", "Char": "int8"}
+    return table.get(name, name.lower())
+
+
+def _group_names(config: dict[str, Any]) -> dict[str, tuple[str, list[int] | None]]:
+    """pg name -> (description, ranks) from the flight recorder's ``pg_config``."""
+    out: dict[str, tuple[str, list[int] | None]] = {}
+    for name, cfg in (config or {}).items():
+        ranks = cfg.get("ranks")
+        try:
+            ranks = json.loads(ranks) if isinstance(ranks, str) else ranks
+        except ValueError:
+            ranks = None
+        out[str(name)] = (str(cfg.get("desc") or name), list(ranks) if isinstance(ranks, list) else None)
+    return out
+
+
+def _from_recorder() -> dict[str, Any] | None:
+    """This rank's collective in flight per the flight recorder ({} when none is, None
+    when it records nothing here)."""
+    import pickle
+
+    import torch
+
+    try:
+        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(
+            includeCollectives=True, includeStackTraces=False, onlyActive=False))
+    except (AttributeError, RuntimeError, pickle.UnpicklingError):
+        return None
+    entries = dump.get("entries") or []
+    if not entries:
+        return None
+    groups = _group_names(dump.get("pg_config") or {})
+    best: dict[str, Any] = {}
+    for pg, st in (dump.get("pg_status") or {}).items():
+        enq, done = int(st.get("last_enqueued_collective", -1)), int(st.get("last_completed_collective", -1))
+        if enq <= done:
+            continue
+        # the newest record of that sequence number: a group formed again (recovery) may
+        # be named anew in the status but not in the records, where older groups' remain
+        same = [e for e in entries if int(e.get("collective_seq_id", -1)) == enq and not e.get("is_p2p")]
+        named = [e for e in same if str((e.get("process_group") or ("",))[0]) == str(pg)]
+        if not (named or same):
+            continue
+        e = (named or same)[-1]
+        since = int(e.get("time_created_ns") or 0) / 1e9
+        if best and since >= best["since"]:
+            continue
+        desc = str((tuple(e.get("process_group") or ()) + ("", ""))[1])
+        desc, ranks = groups.get(str(pg), (desc or str(pg), None))
+        best = {"op": str(e.get("profiling_name", "")).split(":", 1)[-1], "group": desc or "default_pg",
+                "group_ranks": ranks, "seq": enq, "since": since,
+                "shapes": [list(x) for x in e.get("input_sizes") or []],
+                "dtypes": [_dtype(d) for d in e.get("input_dtypes") or []]}
+    return best
+
+
+def _from_frame(frame: Any) -> dict[str, Any]:
+    """This rank's collective from where its main thread waits in ``torch.distributed``
+    ({} when it is not in one): op, group and shapes from the call's own arguments."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _COLLECTIVES and code.co_filename.endswith("distributed_c10d.py"):
+            local = frame.f_locals
+            group = local.get("group") or local.get("pg")
+            try:
+                import torch.distributed as dist
+
+                pg = group or dist.distributed_c10d._get_default_group()
+                seq = int(pg._get_sequence_number_for_group())
+                desc = getattr(pg, "group_desc", None) or "default_pg"
+                ranks = dist.get_process_group_ranks(pg)
+            except (RuntimeError, AttributeError, ValueError):
+                seq, desc, ranks = -1, "default_pg", None
+            shapes, dtypes = [], []
+            for k in _TENSOR_ARGS:
+                for t in (local.get(k) if isinstance(local.get(k), list) else [local.get(k)]):
+                    if hasattr(t, "shape") and hasattr(t, "dtype"):
+                        shapes.append(list(t.shape))
+                        dtypes.append(str(t.dtype).replace("torch.", ""))
+            key = (code.co_name, seq)
+            if key not in _SEEN:  # first seen now: the wait is counted from here
+                _SEEN.clear()
+                _SEEN[key] = time.time()
+            since = _SEEN[key]
+            return {"op": code.co_name, "group": desc, "group_ranks": ranks, "seq": seq, "since": since,
+                    "shapes": shapes, "dtypes": dtypes}
+        frame = frame.f_back
+    return {}
+
+
+def collective() -> dict[str, Any]:
+    """The collective this rank waits in, or {}: ``op``, ``group`` (its description:
+    ``default_pg``, a mesh dimension), ``group_ranks``, ``seq`` (the group's sequence
+    number), ``since`` (Unix time it began), ``shapes`` and ``dtypes``."""
+    found = _from_recorder()
+    if not found:  # nothing recorded here, or a record the status does not name
+        found = _from_frame(sys._current_frames().get(threading.main_thread().ident))
+    return found
+
+
+def state(rank: int | None = None) -> dict[str, Any]:
+    """This rank, now: its collective in flight (``collective``), the innermost user frame
+    of its main thread (``main_frame``), its pid, rank and the time."""
+    if rank is None:
+        try:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_initialized() else None
+        except (RuntimeError, ValueError):
+            rank = None
+    return {"rank": rank, "pid": os.getpid(), "now": time.time(), "collective": collective(),
+            "frame": main_frame()}
+
+
+def _answer(payload: bytes) -> bytes:
+    """The JSON reply to a checked request: this rank's state, or (``FREE``) how many
+    connections to the given peers were shut."""
+    try:
+        if payload == QUERY:
+            return json.dumps(state(), default=str).encode()
+        from .health import close_connections_to
+
+        peers = [(str(ip), int(port)) for ip, port in json.loads(payload[len(FREE):])]
+        log.warning("fsdp_nb: closing this rank's connections to its peers (asked by the notebook's recovery)")
+        return json.dumps({"closed": close_connections_to(peers)}).encode()
+    except Exception as exc:  # noqa: BLE001 - the thread must keep answering; the notebook is told why
+        return json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
+
+
+def _serve(sock: Any, link: Link, endpoint: str) -> None:
+    """The thread: one request at a time, for as long as the engine lives (a daemon);
+    ends, closing its socket, when the engine's zmq context is terminated."""
+    import zmq
+
+    try:
+        while True:
+            frames = sock.recv_multipart(copy=False)
+            try:
+                if len(frames) != 2:
+                    raise Refused(f"{len(frames)} frames where a request has 2")
+                payload = link.unpack(frames[1].bytes)
+                if payload != QUERY and not payload.startswith(FREE):
+                    raise Refused("a signed message that is not a request of the hang watch")
+            except Refused as why:
+                link.refused(why, endpoint)
+                continue
+            sock.send_multipart([frames[0].bytes, link.pack(_answer(payload))])
+    except zmq.ContextTerminated:
+        log.debug("hang watch: the engine is exiting")
+    finally:
+        sock.close(linger=0)
+
+
+def start(addr: str) -> tuple[str, bytes]:
+    """Start (once per engine) the thread that tells where this rank is.
+
+    Args:
+        addr: the address to bind: loopback when the notebook runs on this host, else
+            the engine's address on the interface that routes to the controller.
+
+    Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``).
+    """
+    if "endpoint" in _WATCH:
+        return _WATCH["endpoint"], _WATCH["nonce"]
+    import zmq
+
+    nonce = new_nonce()
+    link = Link(engine_key(), "hang-watch", nonce, "server")
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    port = sock.bind_to_random_port(f"tcp://{addr}")
+    endpoint = f"tcp://{addr}:{port}"
+    threading.Thread(target=_serve, args=(sock, link, endpoint), name="fsdp_nb-hang-watch", daemon=True).start()
+    _WATCH.update(endpoint=endpoint, nonce=nonce, link=link)
+    return endpoint, nonce

@@ -1,0 +1,183 @@
+"""A hang, explained: which rank waits in which collective, who is missing and where.
+
+Pure functions over what each rank's watch thread told (``fsdp_nb.engine.hang_watch.state``):
+``hang_report`` turns them into one line per rank, mismatches and missing ranks first,
+for the live diagnosis, the status widget and the errors of a timeout, a Ctrl-C or a
+recovery. ``fold_stacks`` shortens a faulthandler dump to the user's frames.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.hang_watch import library_dirs
+
+__all__ = ["HangReport", "fold_stacks", "hang_report"]
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<fn>\S+)')
+
+
+@dataclass(frozen=True)
+class HangReport:
+    """The ranks of a call that waits, explained."""
+
+    lines: tuple[str, ...] = ()
+    """One line per rank (mismatches, then ranks missing from the collective, then the
+    ranks waiting in it); empty when no rank waits in a collective."""
+    waited: float = 0.0
+    """The longest any rank has waited in its collective, in seconds."""
+    waiting: tuple[int, ...] = ()
+    """Ranks that wait in a collective."""
+    missing: tuple[int, ...] = ()
+    """Ranks of a waiting collective's group that are not in it."""
+    stalled: tuple[int, ...] = ()
+    """Ranks that did not answer at all (stopped, or stuck in C holding the GIL)."""
+    mismatch: bool = False
+    """Ranks sit in different collectives under one sequence number, or in one op with
+    different shapes."""
+    stopped: tuple[int, ...] = field(default=())
+    """Of ``stalled``, the ranks whose process is stopped (SIGSTOP, a debugger)."""
+
+    def triggered(self, hang_after: float) -> bool:
+        """Whether some rank has waited in a collective for ``hang_after`` seconds."""
+        return bool(self.waiting) and self.waited >= hang_after
+
+    @property
+    def text(self) -> str:
+        """The lines, one per line."""
+        return "\n".join(self.lines)
+
+
+def _group(name: str) -> str:
+    return "the default group" if name in ("default_pg", "", "0") else f"group {name}"
+
+
+def _tensors(c: dict[str, Any]) -> str:
+    parts = [f"{dt}[{', '.join(map(str, shape))}]" for shape, dt in zip(c.get("shapes") or [], c.get("dtypes") or [])]
+    return ", ".join(parts[:3]) + (f", … ({len(parts)} tensors)" if len(parts) > 3 else "")
+
+
+def _coll(c: dict[str, Any]) -> str:
+    return f"{c.get('op', '?')} #{c.get('seq', '?')}"
+
+
+def _place(frame: dict[str, Any] | None) -> str:
+    if not frame:
+        return ""
+    code = f": {frame['code']}" if frame.get("code") else ""
+    return f"in {frame.get('function', '?')} ({frame.get('where', '?')}){code}"
+
+
+def _silent(r: int, stopped: set[int]) -> str:
+    if r in stopped:
+        return f"rank {r} is not responding (process stopped)"
+    return f"rank {r} is not responding (no answer: stuck in C holding the GIL, or gone)"
+
+
+def hang_report(states: dict[int, dict[str, Any] | None], stopped: set[int] | None = None,
+                running: set[int] | None = None) -> HangReport:
+    """Explain the ranks of a call from their states.
+
+    Args:
+        states: rank -> what its watch thread answered (``engine.hang_watch.state``), or
+            None when it did not answer.
+        stopped: ranks whose process is stopped (checked by the notebook).
+        running: the ranks still running the call (default: all in ``states``); the
+            others are idle.
+    """
+    running = set(states) if running is None else set(running)
+    stopped = set(stopped or ())
+    silent = sorted(r for r, st in states.items() if st is None or "error" in st)
+    coll = {r: st["collective"] for r, st in states.items() if st and st.get("collective")}
+    if not coll:
+        return HangReport(stalled=tuple(silent), stopped=tuple(r for r in silent if r in stopped))
+    waited = {r: max(0.0, float(states[r]["now"]) - float(c.get("since") or states[r]["now"])) for r, c in coll.items()}
+    mismatch_lines = _mismatches(coll)
+    members: set[int] = set()
+    for c in coll.values():
+        members |= set(c.get("group_ranks") or states)
+    missing = sorted(r for r in members if r not in coll and r in states or r in silent)
+    lines = list(mismatch_lines)
+    for r in missing:
+        st = states.get(r)
+        if st is None or "error" in st:
+            lines.append(_silent(r, stopped))
+        elif r not in running:
+            lines.append(f"rank {r} is not in it: idle (it finished the call, or was not asked to run it)")
+        else:
+            where = _place(st.get("frame"))
+            lines.append(f"rank {r} is not in it: {where}" if where else f"rank {r} is not in it (not in user code)")
+    for r in sorted(coll):
+        c = coll[r]
+        shapes = _tensors(c)
+        line = f"rank {r} waits in {_coll(c)} on {_group(str(c.get('group', '')))}"
+        line += f" ({shapes})" if shapes else ""
+        line += f" for {waited[r]:.0f} s"
+        frame = states[r].get("frame")
+        if frame:
+            line += f", from {frame.get('function', '?')} ({frame.get('where', '?')})"
+        lines.append(line)
+    return HangReport(lines=tuple(lines), waited=max(waited.values()), waiting=tuple(sorted(coll)),
+                      missing=tuple(missing), stalled=tuple(silent), mismatch=bool(mismatch_lines),
+                      stopped=tuple(r for r in silent if r in stopped))
+
+
+def _mismatches(coll: dict[int, dict[str, Any]]) -> list[str]:
+    """A line for each group and sequence number whose ranks sit in different ops, or in
+    one op with different shapes or dtypes."""
+    by_seq: dict[tuple[str, Any], dict[int, dict[str, Any]]] = {}
+    for r, c in coll.items():
+        by_seq.setdefault((str(c.get("group", "")), c.get("seq")), {})[r] = c
+    out = []
+    for (group, _seq), ranks in sorted(by_seq.items(), key=lambda kv: str(kv[0])):
+        ops = {c.get("op") for c in ranks.values()}
+        sigs = {(c.get("op"), repr(c.get("shapes")), repr(c.get("dtypes"))) for c in ranks.values()}
+        if len(sigs) < 2:
+            continue
+        what = "different collectives" if len(ops) > 1 else "the same op with different shapes"
+        parts = ", ".join(f"rank {r} in {_coll(c)}" + (f" ({_tensors(c)})" if len(ops) == 1 else "")
+                          for r, c in sorted(ranks.items()))
+        out.append(f"mismatch on {_group(group)} ({what}): {parts}")
+    return out
+
+
+def fold_stacks(dump: str, libs: tuple[str, ...] | None = None) -> str:
+    """A faulthandler dump with each run of library frames (site-packages, the standard
+    library, fsdp_nb: ``library_dirs``) folded into one line naming the packages, and the other threads folded
+    into one line: what is left is where the user's code is."""
+    libs = library_dirs() if libs is None else tuple(os.path.realpath(x) for x in libs)
+    blocks = [b for b in dump.split("\n\n") if b.strip()]
+    if not blocks:
+        return dump
+    out: list[str] = []
+    run: list[str] = []
+
+    def flush() -> None:
+        if run:
+            pkgs = sorted({_package(f, libs) for f in run})
+            out.append(f"  … {len(run)} framework frame{'s' if len(run) > 1 else ''} ({', '.join(pkgs[:5])})")
+            run.clear()
+
+    for line in blocks[0].splitlines():
+        m = _FRAME.match(line)
+        if m and os.path.realpath(m["file"]).startswith(libs):
+            run.append(m["file"])
+            continue
+        flush()
+        out.append(line)
+    flush()
+    if len(blocks) > 1:
+        out.append(f"  … {len(blocks) - 1} other thread{'s' if len(blocks) > 2 else ''} (framework)")
+    return "\n".join(out) + "\n"
+
+
+def _package(path: str, libs: tuple[str, ...]) -> str:
+    real = os.path.realpath(path)
+    for lib in libs:
+        if real.startswith(lib + os.sep):
+            rest = real[len(lib) + 1:]
+            return rest.split(os.sep, 1)[0].removesuffix(".py")
+    return os.path.basename(path)

@@ -1,0 +1,150 @@
+"""The hang watch, notebook side: ask every rank where it is, while a call waits.
+
+Each engine runs a thread that says where its rank is (``fsdp_nb.engine.hang_watch``);
+:meth:`HangWatch.report` asks the ranks of a call at once, over signed sockets that do
+not go through the engines' task queue (a request there waits behind the running
+cell), gives each ``answer_s`` to answer, checks which silent engines on this host are
+stopped (by their verified process handle), and explains the whole
+(``hang_report.hang_report``). The dispatcher calls it while a call has run for
+``hang_after`` seconds; the failure policy calls it to lead its errors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..engine import hang_watch as _watch
+from ..engine.signing import Link, Refused
+from .hang_report import HangReport, hang_report
+
+if TYPE_CHECKING:
+    from .cluster import EngineCluster
+    from .dispatch import Dispatcher
+
+__all__ = ["HangWatch", "Watching"]
+
+log = logging.getLogger("fsdp_nb")
+
+
+class HangWatch:
+    """The watch threads of one session's engines, and the questions put to them."""
+
+    answer_s: float = 1.0
+    """Seconds a rank has to answer before it counts as not responding."""
+
+    def __init__(self, cluster: EngineCluster):
+        self.cluster = cluster
+        """The engines (rank -> pid, host, handle)."""
+        self.links: dict[int, tuple[str, Link]] = {}
+        """Rank -> its engine's watch thread (endpoint, signed link)."""
+
+    def start(self, dispatcher: Dispatcher, ranks: list[int] | None = None) -> None:
+        """Start the watch thread of ``ranks``' engines (all by default; once per engine)."""
+        who = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
+        d = dispatcher
+        args = [(self.cluster.listen_address(r),) for r in who]
+        started = d.gather(d.apply("start the hang watch", _watch.start, args, ranks=who), 30)
+        for r, (endpoint, nonce) in zip(who, started):
+            self.links[r] = (endpoint, Link(self.cluster.key, "hang-watch", nonce, "client"))
+
+    def states(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
+        """What each of ``ranks`` says about itself (``engine.hang_watch.state``); None for
+        a rank that did not answer within ``answer_s`` (or has no watch thread)."""
+        return self._ask({r: _watch.QUERY for r in ranks})
+
+    def free(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
+        """Ask ``ranks`` to shut their connections to every other engine (their TCP
+        endpoints, read from their pids), so a main thread blocked in a gloo collective
+        returns; each rank's answer (``{"closed": n}``), None if it gave none."""
+        peers = self.cluster.tcp_endpoints()
+        return self._ask({r: _watch.FREE + json.dumps([e for q, es in peers.items() if q != r for e in es]).encode()
+                          for r in ranks})
+
+    def _ask(self, requests: dict[int, bytes]) -> dict[int, dict[str, Any] | None]:
+        """Send each rank its request at once; its JSON answer, None after ``answer_s``."""
+        import zmq
+
+        ranks = list(requests)
+
+        ctx = zmq.Context.instance()
+        socks: dict[Any, tuple[int, Link]] = {}
+        out: dict[int, dict[str, Any] | None] = {r: None for r in ranks}
+        poller = zmq.Poller()
+        for r in ranks:
+            if r not in self.links:
+                continue
+            endpoint, link = self.links[r]
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            sock.send(link.pack(requests[r]))
+            socks[sock] = (r, link)
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + self.answer_s
+        try:
+            while socks and any(out[r] is None for r, _ in socks.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                for sock, _ in poller.poll(left * 1000):
+                    r, link = socks[sock]
+                    try:
+                        out[r] = json.loads(link.unpack(sock.recv()))
+                    except (Refused, ValueError) as exc:
+                        link.refused(str(exc), self.links[r][0])
+        finally:
+            for sock in socks:
+                sock.close(linger=0)
+        return out
+
+    def report(self, running: list[int]) -> HangReport:
+        """Every rank explained, for a call that ``running`` ranks have not finished: where
+        each is, who waits in which collective, who is missing from it and where."""
+        states = self.states(list(range(self.cluster.world_size)))
+        silent = [r for r, st in states.items() if st is None]
+        return hang_report(states, set(self.cluster.stopped_ranks(silent)) if silent else set(), set(running))
+
+
+class Watching:
+    """One call's watch: once the call has run ``hang_after`` seconds, ask every rank
+    where it is each ``every`` seconds; while some rank has waited in a collective that
+    long, show the diagnosis (``view``) and tell the observers (``notify``), and say so
+    when the collective completes."""
+
+    every: float = 2.0
+    """Seconds between two questions to the ranks, once the watch is due."""
+
+    def __init__(self, watch: HangWatch, what: str, started: float, hang_after: float,
+                 notify: Callable[..., None], view: Callable[[str, HangReport | None], None] | None):
+        self.watch, self.what, self.hang_after = watch, what, hang_after
+        self.notify, self.view = notify, view
+        self.next = started + hang_after
+        self.shown: HangReport | None = None
+        """The diagnosis on display (None: nothing shown)."""
+
+    def poll(self, running: list[int]) -> None:
+        """Called on every turn of the gather loop; asks the ranks only when due."""
+        if time.monotonic() < self.next or not running:
+            return
+        report = self.watch.report(running)
+        self.next = time.monotonic() + self.every
+        if report.triggered(self.hang_after):
+            self.shown = report
+            self.notify(self.what, "hang", report.missing or report.waiting, note=report.text)
+            if self.view is not None:
+                self.view(self.what, report)
+        elif self.shown is not None:
+            self.end()
+
+    def end(self) -> None:
+        """The call ended or its collective completed: take the diagnosis down."""
+        if self.shown is None:
+            return
+        self.shown = None
+        self.notify(self.what, "hang-cleared", note="the collective completed")
+        if self.view is not None:
+            self.view(self.what, None)

@@ -1,0 +1,119 @@
+"""The hang diagnosis from what the ranks said, the folded stacks, and where it shows: no engines."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from fsdp_nb.engine.hang_watch import main_frame
+from fsdp_nb.frontends.hang_view import HangView
+from fsdp_nb.frontends.magics import parse_px
+from fsdp_nb.recovery.status import RankStatus, SessionStatus, apply_event
+from fsdp_nb.runtime.checks import check_hang_after
+from fsdp_nb.runtime.dispatch import CallEvent
+from fsdp_nb.runtime.hang_report import fold_stacks, hang_report
+
+NOW = 1_000_000.0
+
+
+def _waits(op="all_reduce", seq=57, shapes=([1],), dtypes=("float32",), waited=38.0, frame=None, group="default_pg"):
+    return {"now": NOW, "collective": {"op": op, "seq": seq, "group": group, "group_ranks": None,
+                                       "since": NOW - waited, "shapes": list(shapes), "dtypes": list(dtypes)},
+            "frame": frame}
+
+
+def _in(function="data_step", where="cell line 3", code="time.sleep(60)"):
+    return {"now": NOW, "collective": {}, "frame": {"function": function, "where": where, "code": code}}
+
+
+def test_a_straggler_is_named_first_then_who_waits_and_for_how_long():
+    r = hang_report({0: _waits(frame={"function": "train_step", "where": "cell line 9", "code": ""}), 1: _in()})
+    assert r.lines == (
+        "rank 1 is not in it: in data_step (cell line 3): time.sleep(60)",
+        "rank 0 waits in all_reduce #57 on the default group (float32[1]) for 38 s, from train_step (cell line 9)",
+    )
+    assert (r.waiting, r.missing, r.stalled, r.mismatch) == ((0,), (1,), (), False)
+    assert r.triggered(30) and not r.triggered(60)
+
+
+def test_a_rank_that_does_not_answer_is_named_stopped_or_stuck():
+    r = hang_report({0: _waits(), 1: None, 2: None}, stopped={1})
+    assert r.lines[:2] == ("rank 1 is not responding (process stopped)",
+                           "rank 2 is not responding (no answer: stuck in C holding the GIL, or gone)")
+    assert (r.stalled, r.stopped) == ((1, 2), (1,))
+
+
+def test_ranks_in_different_collectives_or_shapes_are_a_mismatch():
+    r = hang_report({0: _waits(seq=12), 1: _waits(op="broadcast", seq=12)})
+    assert r.mismatch and r.lines[0] == (
+        "mismatch on the default group (different collectives): rank 0 in all_reduce #12, rank 1 in broadcast #12")
+    r = hang_report({0: _waits(seq=12, shapes=([4],)), 1: _waits(seq=12, shapes=([8],))})
+    assert r.mismatch and r.lines[0] == ("mismatch on the default group (the same op with different shapes): "
+                                         "rank 0 in all_reduce #12 (float32[4]), rank 1 in all_reduce #12 (float32[8])")
+    assert not hang_report({0: _waits(seq=12), 1: _waits(seq=12)}).mismatch
+
+
+def test_an_idle_rank_and_no_collective_at_all():
+    r = hang_report({0: _waits(group="dp_shard"), 1: _in()}, running={0})
+    assert r.lines[0].startswith("rank 1 is not in it: idle") and "on group dp_shard" in r.lines[1]
+    quiet = hang_report({0: _in(), 1: _in()})
+    assert quiet.lines == () and not quiet.triggered(0)
+
+
+def test_stacks_are_folded_to_the_users_frames():
+    dump = (
+        'Current thread 0x01 (most recent call first):\n'
+        '  File "/lib/site/torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
+        '  File "/lib/site/torch/distributed/c10d_logger.py", line 83 in wrapper\n'
+        '  File "/tmp/ipykernel_7/123.py", line 4 in data_step\n'
+        '  File "/lib/site/ipykernel/kernelbase.py", line 1 in run\n'
+        '  File "/lib/std/asyncio/events.py", line 2 in run\n'
+        '\nThread 0x02 (most recent call first):\n  File "/lib/std/threading.py", line 1 in wait\n'
+    )
+    folded = fold_stacks(dump, libs=("/lib/site", "/lib/std"))
+    assert folded.splitlines() == [
+        "Current thread 0x01 (most recent call first):",
+        "  … 2 framework frames (torch)",
+        '  File "/tmp/ipykernel_7/123.py", line 4 in data_step',
+        "  … 2 framework frames (asyncio, ipykernel)",
+        "  … 1 other thread (framework)",
+    ]
+
+
+def test_the_main_threads_user_frame_is_this_test():
+    here = main_frame()
+    assert here["function"] == "test_the_main_threads_user_frame_is_this_test"
+    assert here["where"].startswith("test_hang_report.py:") and here["code"] == "here = main_frame()"
+
+
+def test_hang_after_is_checked_and_read_from_px():
+    assert parse_px("--hang-after 5").hang_after == 5.0 and parse_px("").hang_after is None
+    with pytest.raises(ValueError, match="hang-after"):
+        parse_px("--hang-after 0")
+    for bad in (0, -1, float("inf"), True, "30"):
+        with pytest.raises(ValueError, match="hang_after must be a number of seconds > 0"):
+            check_hang_after(bad)
+    assert check_hang_after(None) is None and check_hang_after(2) == 2.0
+
+
+def test_in_a_script_the_diagnosis_goes_to_stderr_when_it_says_something_new(capsys):
+    view = HangView()
+    view("execute", hang_report({0: _waits(waited=31), 1: _in()}))
+    view("execute", hang_report({0: _waits(waited=33), 1: _in()}))  # only the seconds changed
+    view("execute", None)
+    err = capsys.readouterr().err
+    assert err.count("fsdp_nb: execute has waited") == 1 and "rank 1 is not in it" in err
+    assert re.search(r"execute: the collective completed \(it had waited 33 s\)", err)
+
+
+def test_the_status_widget_keeps_one_line_per_diagnosis():
+    st = SessionStatus("ready", "gloo", ranks=(RankStatus(0, 0, "h", 1, "cpu", "busy"),
+                                                RankStatus(1, 1, "h", 2, "cpu", "busy")))
+    note = hang_report({0: _waits(), 1: _in()}).text
+    for _ in range(3):
+        st = apply_event(st, CallEvent("execute", "hang", (1,), note=note))
+    assert len(st.events) == 1 and "rank 1 is not in it" in st.events[0]
+    assert st.ranks[0].activity.startswith("rank 0 waits in all_reduce #57")
+    st = apply_event(st, CallEvent("execute", "hang-cleared", note="the collective completed"))
+    assert len(st.events) == 1 and "hang-cleared" in st.events[0]
