@@ -69,12 +69,31 @@ def cost(rounds: int, steps: int) -> dict[str, float]:
         for i in range(rounds):  # the order turns each round: no case always goes first
             for name, s, hang_after in runs[i % len(runs):] + runs[:i % len(runs)]:
                 got[name].append(_tokens(s, steps, hang_after))
+        asked = on.run(_question_ms)  # on a rank whose flight recorder is full of training
     finally:
         off.shutdown()
         on.shutdown()
     med = {k: statistics.median(v) for k, v in got.items()}
     return {**{f"{k} tokens/s": v for k, v in med.items()},
-            **{f"{k} / off": med[k] / med["off"] for k in med if k != "off"}}
+            **{f"{k} / off": med[k] / med["off"] for k in med if k != "off"},
+            "one question on a rank, ms (the watch's, every 2 s)": max(a for a, _ in asked),
+            "one question on a rank, ms (an error's: every record read)": max(b for _, b in asked)}
+
+
+def _question_ms(n: int = 200) -> tuple[float, float]:
+    """Milliseconds the engine's watch thread spends on one question: the cheap one the
+    watch repeats, and the one an error asks (records read)."""
+    import time as _t
+
+    from fsdp_nb.engine import hang_watch
+
+    out = []
+    for now in (False, True):
+        t0 = _t.perf_counter()
+        for _ in range(n):
+            hang_watch.state(now=now)
+        out.append((_t.perf_counter() - t0) / n * 1e3)
+    return out[0], out[1]
 
 
 def straggler(s: fsdp_nb.Session, tmp: Path) -> float:

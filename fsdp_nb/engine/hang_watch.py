@@ -14,8 +14,8 @@ peers are blocked too (mismatched collectives) then returns, as when a peer leav
 
 What a rank is in comes from torch's flight recorder when the ranks run with it
 (``TORCH_FR_BUFFER_SIZE``; fsdp_nb sets it at launch): each process group's last
-enqueued and last completed collective, and the enqueued one's op, sizes, dtypes and
-start. Where it does not record (an engine started without it), the main thread's
+enqueued and last completed collective, and, for one still in flight since the last
+question, its op, sizes, dtypes and start. Where it does not record (an engine started without it), the main thread's
 frame inside ``torch.distributed`` names the op, and the group's own sequence number
 its place.
 """
@@ -31,14 +31,18 @@ import threading
 import time
 from typing import Any
 
-from .signing import Link, Refused, engine_key, new_nonce
+from .signing import Link, Refused, start_listener
 
-__all__ = ["FREE", "MAX_FRAME_BYTES", "QUERY", "collective", "library_dirs", "main_frame", "start", "state"]
+__all__ = ["FREE", "MAX_FRAME_BYTES", "QUERY", "QUERY_NOW", "collective", "library_dirs", "main_frame", "start", "state"]
 
 log = logging.getLogger("fsdp_nb")
 
 QUERY = b"state"
-"""The payload of a request for this rank's state."""
+"""The payload of a request for this rank's state (what has been in flight since the
+last such request, the watch's cheap question)."""
+QUERY_NOW = b"state now"
+"""The payload of a request for this rank's state, every collective in flight now
+included (an error's one question)."""
 FREE = b"free "
 """The head of a request to shut this rank's connections to its peers (JSON list of
 ``[ip, port]`` after it): a main thread blocked in a gloo collective then returns."""
@@ -52,6 +56,8 @@ _COLLECTIVES = {
 _TENSOR_ARGS = ("tensor", "input_tensor", "output_tensor", "tensor_list", "input", "output")
 _WATCH: dict[str, Any] = {}
 _SEEN: dict[tuple[str, int], float] = {}
+_FLYING: dict[str, int] = {}
+"""Group -> the collective it had in flight at the last question (``_from_recorder``)."""
 
 
 def library_dirs() -> tuple[str, ...]:
@@ -114,27 +120,45 @@ def _group_names(config: dict[str, Any]) -> dict[str, tuple[str, list[int] | Non
     return out
 
 
-def _from_recorder() -> dict[str, Any] | None:
-    """This rank's collective in flight per the flight recorder ({} when none is, None
-    when it records nothing here)."""
+def _dump(collectives: bool) -> dict[str, Any] | None:
+    """torch's flight recorder, read: each group's status, and (``collectives``) the
+    records of collectives not yet completed. None where it does not record."""
     import pickle
 
     import torch
 
     try:
-        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(
-            includeCollectives=True, includeStackTraces=False, onlyActive=False))
+        return pickle.loads(torch._C._distributed_c10d._dump_fr_trace(
+            includeCollectives=collectives, includeStackTraces=False, onlyActive=True))
     except (AttributeError, RuntimeError, pickle.UnpicklingError):
         return None
-    entries = dump.get("entries") or []
-    if not entries:
+
+
+def _from_recorder(now: bool = False) -> dict[str, Any] | None:
+    """This rank's collective in flight per the flight recorder: {} when none has been
+    in flight since the last question (``now``: none is in flight), None when it records
+    nothing here.
+
+    The groups' status alone costs microseconds; the records (milliseconds, with the GIL)
+    are read only when a collective was already in flight at the last question, so a
+    training loop whose collectives come and go pays nothing for being watched."""
+    status = _dump(collectives=False)
+    if status is None or not status.get("pg_status"):
         return None
+    flying = {pg: int(st.get("last_enqueued_collective", -1)) for pg, st in status["pg_status"].items()
+              if int(st.get("last_enqueued_collective", -1)) > int(st.get("last_completed_collective", -1))}
+    stayed = flying if now else {pg: seq for pg, seq in flying.items() if _FLYING.get(pg) == seq}
+    _FLYING.clear()
+    _FLYING.update(flying)
+    if not stayed:
+        return {}
+    dump = _dump(collectives=True)
+    if dump is None:
+        return None
+    entries = dump.get("entries") or []
     groups = _group_names(dump.get("pg_config") or {})
     best: dict[str, Any] = {}
-    for pg, st in (dump.get("pg_status") or {}).items():
-        enq, done = int(st.get("last_enqueued_collective", -1)), int(st.get("last_completed_collective", -1))
-        if enq <= done:
-            continue
+    for pg, enq in stayed.items():
         # the newest record of that sequence number: a group formed again (recovery) may
         # be named anew in the status but not in the records, where older groups' remain
         same = [e for e in entries if int(e.get("collective_seq_id", -1)) == enq and not e.get("is_p2p")]
@@ -188,19 +212,21 @@ def _from_frame(frame: Any) -> dict[str, Any]:
     return {}
 
 
-def collective() -> dict[str, Any]:
+def collective(now: bool = False) -> dict[str, Any]:
     """The collective this rank waits in, or {}: ``op``, ``group`` (its description:
     ``default_pg``, a mesh dimension), ``group_ranks``, ``seq`` (the group's sequence
-    number), ``since`` (Unix time it began), ``shapes`` and ``dtypes``."""
-    found = _from_recorder()
+    number), ``since`` (Unix time it began), ``shapes`` and ``dtypes``. Without ``now``,
+    only one already in flight at the previous question (``_from_recorder``)."""
+    found = _from_recorder(now)
     if not found:  # nothing recorded here, or a record the status does not name
         found = _from_frame(sys._current_frames().get(threading.main_thread().ident))
     return found
 
 
-def state(rank: int | None = None) -> dict[str, Any]:
-    """This rank, now: its collective in flight (``collective``), the innermost user frame
-    of its main thread (``main_frame``), its pid, rank and the time."""
+def state(rank: int | None = None, now: bool = True) -> dict[str, Any]:
+    """This rank, now: its collective in flight (``collective``; ``now=False``: only one
+    in flight since the previous question), the innermost user frame of its main thread
+    (``main_frame``), its pid, rank and the time."""
     if rank is None:
         try:
             import torch.distributed as dist
@@ -208,7 +234,7 @@ def state(rank: int | None = None) -> dict[str, Any]:
             rank = dist.get_rank() if dist.is_initialized() else None
         except (RuntimeError, ValueError):
             rank = None
-    return {"rank": rank, "pid": os.getpid(), "now": time.time(), "collective": collective(),
+    return {"rank": rank, "pid": os.getpid(), "now": time.time(), "collective": collective(now),
             "frame": main_frame()}
 
 
@@ -216,8 +242,8 @@ def _answer(payload: bytes) -> bytes:
     """The JSON reply to a checked request: this rank's state, or (``FREE``) how many
     connections to the given peers were shut."""
     try:
-        if payload == QUERY:
-            return json.dumps(state(), default=str).encode()
+        if payload in (QUERY, QUERY_NOW):
+            return json.dumps(state(now=payload == QUERY_NOW), default=str).encode()
         from .health import close_connections_to
 
         peers = [(str(ip), int(port)) for ip, port in json.loads(payload[len(FREE):])]
@@ -239,7 +265,7 @@ def _serve(sock: Any, link: Link, endpoint: str) -> None:
                 if len(frames) != 2:
                     raise Refused(f"{len(frames)} frames where a request has 2")
                 payload = link.unpack(frames[1].bytes)
-                if payload != QUERY and not payload.startswith(FREE):
+                if payload not in (QUERY, QUERY_NOW) and not payload.startswith(FREE):
                     raise Refused("a signed message that is not a request of the hang watch")
             except Refused as why:
                 link.refused(why, endpoint)
@@ -260,17 +286,8 @@ def start(addr: str) -> tuple[str, bytes]:
 
     Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``).
     """
-    if "endpoint" in _WATCH:
-        return _WATCH["endpoint"], _WATCH["nonce"]
-    import zmq
+    if "endpoint" not in _WATCH:
+        import zmq
 
-    nonce = new_nonce()
-    link = Link(engine_key(), "hang-watch", nonce, "server")
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-    port = sock.bind_to_random_port(f"tcp://{addr}")
-    endpoint = f"tcp://{addr}:{port}"
-    threading.Thread(target=_serve, args=(sock, link, endpoint), name="fsdp_nb-hang-watch", daemon=True).start()
-    _WATCH.update(endpoint=endpoint, nonce=nonce, link=link)
-    return endpoint, nonce
+        _WATCH.update(start_listener(addr, "hang-watch", zmq.ROUTER, MAX_FRAME_BYTES, _serve, "fsdp_nb-hang-watch"))
+    return _WATCH["endpoint"], _WATCH["nonce"]

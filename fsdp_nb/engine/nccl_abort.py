@@ -23,10 +23,9 @@ watchdog aborts rather than kills the engine when an NCCL error or timeout is se
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
-from .signing import Link, Refused, engine_key, new_nonce
+from .signing import Link, Refused, start_listener
 
 __all__ = ["ABORT", "MAX_FRAME_BYTES", "abort_nccl", "received", "start"]
 
@@ -113,21 +112,11 @@ def start(addr: str) -> tuple[str, bytes]:
 
     Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``).
     """
-    if "endpoint" in _LISTENER:
-        return _LISTENER["endpoint"], _LISTENER["nonce"]
-    import zmq
+    if "endpoint" not in _LISTENER:
+        import zmq
 
-    nonce = new_nonce()
-    link = Link(engine_key(), "nccl-abort", nonce, "server")
-    sock = zmq.Context.instance().socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-    port = sock.bind_to_random_port(f"tcp://{addr}")
-    endpoint = f"tcp://{addr}:{port}"
-    threading.Thread(target=_serve, args=(sock, link, endpoint), name="fsdp_nb-nccl-abort",
-                     daemon=True).start()
-    _LISTENER.update(endpoint=endpoint, nonce=nonce, link=link)
-    return endpoint, nonce
+        _LISTENER.update(start_listener(addr, "nccl-abort", zmq.PULL, MAX_FRAME_BYTES, _serve, "fsdp_nb-nccl-abort"))
+    return _LISTENER["endpoint"], _LISTENER["nonce"]
 
 
 def received() -> tuple[int, int, int]:

@@ -36,7 +36,7 @@ from typing import Any
 
 __all__ = [
     "AUTH_BYTES", "HEADER_BYTES", "Link", "Refused", "cluster_key", "engine_key", "frame_bytes", "frame_digests",
-    "new_nonce",
+    "new_nonce", "start_listener",
 ]
 
 log = logging.getLogger("fsdp_nb")
@@ -199,3 +199,26 @@ def cluster_key(client: Any) -> bytes:
             "a key (ipyparallel's default: do not set Session.key to empty)."
         )
     return key
+
+
+def start_listener(addr: str, purpose: str, sock_type: int, max_bytes: int, serve: Any,
+                   name: str) -> dict[str, Any]:
+    """The server side of a signed channel: a zmq socket of ``sock_type`` bound on
+    ``addr`` (a free port), taking frames of at most ``max_bytes`` (zmq drops larger
+    senders), a fresh nonce and this engine's ``Link`` for ``purpose``, served by
+    ``serve(sock, link, endpoint)`` on a daemon thread named ``name``.
+
+    Returns ``{"endpoint", "nonce", "link"}``: the first two are what the notebook needs
+    for its side of the link.
+    """
+    import zmq
+
+    nonce = new_nonce()
+    link = Link(engine_key(), purpose, nonce, "server")
+    sock = zmq.Context.instance().socket(sock_type)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    port = sock.bind_to_random_port(f"tcp://{addr}")
+    endpoint = f"tcp://{addr}:{port}"
+    threading.Thread(target=serve, args=(sock, link, endpoint), name=name, daemon=True).start()
+    return {"endpoint": endpoint, "nonce": nonce, "link": link}

@@ -51,10 +51,12 @@ class HangWatch:
         for r, (endpoint, nonce) in zip(who, started):
             self.links[r] = (endpoint, Link(self.cluster.key, "hang-watch", nonce, "client"))
 
-    def states(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
+    def states(self, ranks: list[int], now: bool = True) -> dict[int, dict[str, Any] | None]:
         """What each of ``ranks`` says about itself (``engine.hang_watch.state``); None for
-        a rank that did not answer within ``answer_s`` (or has no watch thread)."""
-        return self._ask({r: _watch.QUERY for r in ranks})
+        a rank that did not answer within ``answer_s`` (or has no watch thread).
+        ``now=False``: the watch's cheap question, whose answer names only a collective
+        already in flight at the previous one."""
+        return self._ask({r: _watch.QUERY_NOW if now else _watch.QUERY for r in ranks})
 
     def free(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
         """Ask ``ranks`` to shut their connections to every other engine (their TCP
@@ -101,10 +103,11 @@ class HangWatch:
                 sock.close(linger=0)
         return out
 
-    def report(self, running: list[int]) -> HangReport:
+    def report(self, running: list[int], now: bool = True) -> HangReport:
         """Every rank explained, for a call that ``running`` ranks have not finished: where
-        each is, who waits in which collective, who is missing from it and where."""
-        states = self.states(list(range(self.cluster.world_size)))
+        each is, who waits in which collective, who is missing from it and where.
+        ``now=False``: the watch's repeated cheap question (``states``)."""
+        states = self.states(list(range(self.cluster.world_size)), now)
         silent = [r for r, st in states.items() if st is None]
         return hang_report(states, set(self.cluster.stopped_ranks(silent)) if silent else set(), set(running))
 
@@ -113,7 +116,9 @@ class Watching:
     """One call's watch: once the call has run ``hang_after`` seconds, ask every rank
     where it is each ``every`` seconds; while some rank has waited in a collective that
     long, show the diagnosis (``view``) and tell the observers (``notify``), and say so
-    when the collective completes."""
+    when the collective completes. A rank names a collective only when it was already
+    in flight at the previous question (one ``every`` later), which keeps the questions
+    cheap while training runs."""
 
     every: float = 2.0
     """Seconds between two questions to the ranks, once the watch is due."""
@@ -130,7 +135,7 @@ class Watching:
         """Called on every turn of the gather loop; asks the ranks only when due."""
         if time.monotonic() < self.next or not running:
             return
-        report = self.watch.report(running)
+        report = self.watch.report(running, now=False)
         self.next = time.monotonic() + self.every
         if report.triggered(self.hang_after):
             self.shown = report
