@@ -1,8 +1,8 @@
 """Trust, tried as an outsider would: another process on the same machine, without the
 cluster's key, against a real 2-rank session.
 
-- each fsdp_nb socket (the direct call channel, the NCCL abort listener, the memory
-  feed) gets the outsider's pickled call, ``b"abort"``, a subscription, random,
+- each fsdp_nb socket (the direct call channel, the NCCL abort listener, the hang
+  watch, the memory feed) gets the outsider's pickled call, ``b"abort"``, a subscription, random,
   truncated and oversized frames and a captured frame replayed: nothing runs, nothing
   aborts, nothing leaks, and the session answers its next call;
 - everything the session listens on is on loopback;
@@ -175,6 +175,54 @@ def test_abort_without_the_key_aborts_nothing(sess):
            "both listeners dropping the replay")
     assert all(g[0] == b[0] + 1 for g, b in zip(sess.run(nccl_abort.received), before))
     assert sess.all_reduce_check() == 1.0
+    for s in socks:
+        s.close()
+
+
+def _watch_dropped() -> int:
+    from fsdp_nb.engine import hang_watch
+
+    return hang_watch._WATCH["link"].dropped
+
+
+def test_an_outsider_can_neither_ask_where_a_rank_is_nor_close_its_connections(sess):
+    """The hang watch's threads: a request unsigned, signed with another key, or a
+    genuine one captured and replayed gets no answer and closes nothing."""
+    from fsdp_nb.engine import hang_watch
+
+    watch = sess.context.health.watch
+    assert all(ep.startswith("tcp://127.0.0.1:") for ep, _ in watch.links.values())  # loopback only
+    before = sess.run(_watch_dropped)
+    peers = b"[" + b", ".join(b'["127.0.0.1", %d]' % p for es in sess.cluster.tcp_endpoints().values()
+                              for _, p in es) + b"]"
+    socks = []
+    for ep, _ in watch.links.values():
+        s = _outsider(zmq.DEALER, ep)
+        s.send(hang_watch.QUERY)
+        s.send(hang_watch.FREE + peers)
+        s.send(Link(os.urandom(32), "hang-watch", new_nonce(), "client").pack(hang_watch.FREE + peers))
+        socks.append(s)
+    _until(lambda: all(g - b == 3 for g, b in zip(sess.run(_watch_dropped), before)),
+           "both watch threads dropping the three requests")
+    assert all(_nothing_came(s) for s in socks)
+    # the notebook's own question is answered; captured and replayed, it is dropped
+    captured: list[tuple[str, bytes]] = []
+    for ep, link in watch.links.values():
+        pack = link.pack
+        link.pack = lambda payload, ep=ep, pack=pack: captured.append((ep, pack(payload))) or captured[-1][1]
+    try:
+        assert all(st is not None for st in watch.states([0, 1]).values())
+    finally:
+        for _, link in watch.links.values():
+            del link.pack
+    for ep, frame in captured:
+        s = _outsider(zmq.DEALER, ep)
+        s.send(frame)
+        socks.append(s)
+    _until(lambda: all(g - b == 4 for g, b in zip(sess.run(_watch_dropped), before)),
+           "both watch threads dropping the replay")
+    assert all(_nothing_came(s) for s in socks[-2:])
+    assert sess.all_reduce_check() == 1.0  # no connection of the group was closed
     for s in socks:
         s.close()
 
