@@ -253,28 +253,19 @@ def _answer(payload: bytes) -> bytes:
         return json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
 
 
-def _serve(sock: Any, link: Link, endpoint: str) -> None:
-    """The thread: one request at a time, for as long as the engine lives (a daemon);
-    ends, closing its socket, when the engine's zmq context is terminated."""
-    import zmq
-
+def _handle(sock: Any, link: Link, endpoint: str, frames: list[Any]) -> None:
+    """One message to the thread (``signing.start_listener`` runs the loop): a checked
+    request gets its signed answer; anything else is dropped and counted, unanswered."""
     try:
-        while True:
-            frames = sock.recv_multipart(copy=False)
-            try:
-                if len(frames) != 2:
-                    raise Refused(f"{len(frames)} frames where a request has 2")
-                payload = link.unpack(frames[1].bytes)
-                if payload not in (QUERY, QUERY_NOW) and not payload.startswith(FREE):
-                    raise Refused("a signed message that is not a request of the hang watch")
-            except Refused as why:
-                link.refused(why, endpoint)
-                continue
-            sock.send_multipart([frames[0].bytes, link.pack(_answer(payload))])
-    except zmq.ContextTerminated:
-        log.debug("hang watch: the engine is exiting")
-    finally:
-        sock.close(linger=0)
+        if len(frames) != 2:
+            raise Refused(f"{len(frames)} frames where a request has 2")
+        payload = link.unpack(frames[1].bytes)
+        if payload not in (QUERY, QUERY_NOW) and not payload.startswith(FREE):
+            raise Refused("a signed message that is not a request of the hang watch")
+    except Refused as why:
+        link.refused(why, endpoint)
+        return
+    sock.send_multipart([frames[0].bytes, link.pack(_answer(payload))])
 
 
 def start(addr: str) -> tuple[str, bytes]:
@@ -289,5 +280,5 @@ def start(addr: str) -> tuple[str, bytes]:
     if "endpoint" not in _WATCH:
         import zmq
 
-        _WATCH.update(start_listener(addr, "hang-watch", zmq.ROUTER, MAX_FRAME_BYTES, _serve, "fsdp_nb-hang-watch"))
+        _WATCH.update(start_listener(addr, "hang-watch", zmq.ROUTER, MAX_FRAME_BYTES, _handle, "fsdp_nb-hang-watch"))
     return _WATCH["endpoint"], _WATCH["nonce"]

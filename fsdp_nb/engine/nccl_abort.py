@@ -78,29 +78,20 @@ def abort_nccl() -> int:
     return n
 
 
-def _serve(sock: Any, link: Link, endpoint: str) -> None:
-    """The listener thread: lives as long as the engine (a daemon), one request at a
-    time; ends, closing its socket, when the engine's zmq context is terminated."""
-    import zmq
-
+def _handle(sock: Any, link: Link, endpoint: str, frames: list[Any]) -> None:
+    """One message to the listener (``signing.start_listener`` runs the loop): a checked
+    abort request aborts; anything else is dropped and counted."""
     try:
-        while True:
-            frames = sock.recv_multipart(copy=False)
-            try:
-                if len(frames) != 1:
-                    raise Refused(f"{len(frames)} frames where an abort request has 1")
-                if link.unpack(frames[0]) != ABORT:
-                    raise Refused("a signed message that is not an abort request")
-            except Refused as why:
-                link.refused(why, endpoint)
-                continue
-            log.warning("fsdp_nb: aborting NCCL communicators (asked by the notebook)")
-            _LISTENER["aborted"] = _LISTENER.get("aborted", 0) + abort_nccl()
-            _LISTENER["received"] = _LISTENER.get("received", 0) + 1
-    except zmq.ContextTerminated:
-        log.debug("NCCL abort listener: the engine is exiting")
-    finally:
-        sock.close(linger=0)
+        if len(frames) != 1:
+            raise Refused(f"{len(frames)} frames where an abort request has 1")
+        if link.unpack(frames[0]) != ABORT:
+            raise Refused("a signed message that is not an abort request")
+    except Refused as why:
+        link.refused(why, endpoint)
+        return
+    log.warning("fsdp_nb: aborting NCCL communicators (asked by the notebook)")
+    _LISTENER["aborted"] = _LISTENER.get("aborted", 0) + abort_nccl()
+    _LISTENER["received"] = _LISTENER.get("received", 0) + 1
 
 
 def start(addr: str) -> tuple[str, bytes]:
@@ -115,7 +106,7 @@ def start(addr: str) -> tuple[str, bytes]:
     if "endpoint" not in _LISTENER:
         import zmq
 
-        _LISTENER.update(start_listener(addr, "nccl-abort", zmq.PULL, MAX_FRAME_BYTES, _serve, "fsdp_nb-nccl-abort"))
+        _LISTENER.update(start_listener(addr, "nccl-abort", zmq.PULL, MAX_FRAME_BYTES, _handle, "fsdp_nb-nccl-abort"))
     return _LISTENER["endpoint"], _LISTENER["nonce"]
 
 

@@ -201,12 +201,14 @@ def cluster_key(client: Any) -> bytes:
     return key
 
 
-def start_listener(addr: str, purpose: str, sock_type: int, max_bytes: int, serve: Any,
+def start_listener(addr: str, purpose: str, sock_type: int, max_bytes: int, handle: Any,
                    name: str) -> dict[str, Any]:
     """The server side of a signed channel: a zmq socket of ``sock_type`` bound on
     ``addr`` (a free port), taking frames of at most ``max_bytes`` (zmq drops larger
-    senders), a fresh nonce and this engine's ``Link`` for ``purpose``, served by
-    ``serve(sock, link, endpoint)`` on a daemon thread named ``name``.
+    senders), a fresh nonce and this engine's ``Link`` for ``purpose``. A daemon thread
+    named ``name`` calls ``handle(sock, link, endpoint, frames)`` for each message, one at
+    a time, for as long as the engine lives; it ends, closing the socket, when the
+    engine's zmq context is terminated.
 
     Returns ``{"endpoint", "nonce", "link"}``: the first two are what the notebook needs
     for its side of the link.
@@ -220,5 +222,15 @@ def start_listener(addr: str, purpose: str, sock_type: int, max_bytes: int, serv
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     port = sock.bind_to_random_port(f"tcp://{addr}")
     endpoint = f"tcp://{addr}:{port}"
-    threading.Thread(target=serve, args=(sock, link, endpoint), name=name, daemon=True).start()
+
+    def serve() -> None:
+        try:
+            while True:
+                handle(sock, link, endpoint, sock.recv_multipart(copy=False))
+        except zmq.ContextTerminated:
+            log.debug("%s: the engine is exiting", name)
+        finally:
+            sock.close(linger=0)
+
+    threading.Thread(target=serve, name=name, daemon=True).start()
     return {"endpoint": endpoint, "nonce": nonce, "link": link}
