@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # started in the background by a non-interactive shell, which ignores SIGINT: the
+    # Ctrl-C tests press it with _thread.interrupt_main(), which needs Python's handler,
+    # and the engines started from here would inherit the ignoring
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 IPYTHONDIR = tempfile.mkdtemp(prefix="fsdp_nb_ipython_")
 os.environ["IPYTHONDIR"] = IPYTHONDIR
 
