@@ -137,7 +137,8 @@ class RecoveringPolicy(FailurePolicy):
             return HangReport()
         c = self.ctx.cluster
         silent = report.stalled if report.waiting else report.stopped  # others wait for them
-        stuck = [r for r in silent if r not in c.dead_ranks() and c.owns_pid(c.pids[r])]
+        gone = set(c.dead_ranks()) if silent else set()
+        stuck = [r for r in silent if r not in gone and c.owns_pid(c.pids[r])]
         if stuck:
             log.warning("fsdp_nb: rank(s) %s stopped responding: killing them so the other ranks "
                         "return with their state", ", ".join(map(str, stuck)))

@@ -147,9 +147,14 @@ def _inspect_full(fs: Any, p: str, url: str, weights_only: bool = True) -> Check
 
 
 def _inspect_sharded(fs: Any, p: str, url: str, verify: bool, weights_only: bool = True) -> CheckpointInfo:
+    read: dict[str, Any] = {}  # folder -> its DCP metadata, read once
+
+    def keys(folder: str) -> Any:
+        read[folder] = read_dcp_metadata(fs, folder, url, weights_only=weights_only)
+        return read[folder].state_dict_metadata
+
     try:
-        layout = find_layout(fs, p, lambda f: read_dcp_metadata(fs, f, url, weights_only=weights_only)
-                             .state_dict_metadata, url)
+        layout = find_layout(fs, p, keys, url)
     except (CorruptCheckpointError, UnsafeCheckpointError):
         layout = Layout("dcp", p)  # the same problem is met again below, and reported
     p = layout.folder
@@ -165,7 +170,7 @@ def _inspect_sharded(fs: Any, p: str, url: str, verify: bool, weights_only: bool
     problem = _commit_problem(fs, p, url, marker, plain, verify)
     infos: dict[str, TensorInfo] = {}
     try:
-        md = read_dcp_metadata(fs, p, url, weights_only=weights_only)
+        md = read.get(p) or read_dcp_metadata(fs, p, url, weights_only=weights_only)
     except (CorruptCheckpointError, UnsafeCheckpointError) as exc:
         problem = problem or str(exc)
         md = None
@@ -179,8 +184,9 @@ def _inspect_sharded(fs: Any, p: str, url: str, verify: bool, weights_only: bool
                 problem = str(exc)
         infos = _tensor_infos(md, layout)
         if layout.optim_in_own_folder:
-            infos.update(_tensor_infos(read_dcp_metadata(fs, layout.optim_folder, url, weights_only=weights_only),
-                                       layout))
+            optim_md = read.get(layout.optim_folder) or read_dcp_metadata(fs, layout.optim_folder, url,
+                                                                          weights_only=weights_only)
+            infos.update(_tensor_infos(optim_md, layout))
         if plain and problem is None:
             meta = _with_folder_state(fs, layout, md, meta, weights_only)
     return _with_meta(url, "sharded", problem is None, problem, meta, infos, _files(fs, p, marker),
