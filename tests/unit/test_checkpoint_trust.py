@@ -151,3 +151,17 @@ def test_a_poisoned_full_pt_file_is_refused(tmp_path):
     assert not info.valid and "could run code" in info.problem
     assert not marker.exists() and not (tmp_path / "sharded").exists() and not (tmp_path / "hf").exists()
     assert os.listdir(tmp_path) == ["full.pt"]  # no temporary folders left either
+
+
+def test_a_trainer_state_item_that_could_run_code_is_read_by_nobody(tmp_path):
+    """torchtitan keeps its ``train_state`` as pickled items in the DCP folder, which
+    ``inspect`` reads for ``extra`` (no verify asked): weights-only, so a poisoned one runs
+    nothing and the checkpoint is reported, not trusted."""
+    marker = tmp_path / "ran"
+    path = tmp_path / "step-3"
+    dcp.save({"w": torch.randn(4), "train_state": {"step": RunsCode(_touch(marker))}},
+             checkpoint_id=str(path), no_dist=True)
+    info = fsdp_nb.inspect(str(path))
+    assert info.layout == "torchtitan" and not info.valid
+    assert "item 'train_state.step'" in info.problem and "could run code" in info.problem
+    assert not marker.exists()

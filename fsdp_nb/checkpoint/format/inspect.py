@@ -187,8 +187,13 @@ def _inspect_sharded(fs: Any, p: str, url: str, verify: bool, weights_only: bool
             optim_md = read.get(layout.optim_folder) or read_dcp_metadata(fs, layout.optim_folder, url,
                                                                           weights_only=weights_only)
             infos.update(_tensor_infos(optim_md, layout))
-        if plain and problem is None:
-            meta = _with_folder_state(fs, layout, md, meta, weights_only)
+        if plain and problem is None and layout.extra_roots:
+            try:
+                if weights_only:  # every pickled item checked before any is unpickled
+                    refuse_code(fs, p, url, md)
+                meta = _with_folder_state(fs, layout, md, meta, weights_only)
+            except (UnsafeCheckpointError, CorruptCheckpointError) as exc:
+                problem = str(exc)
     return _with_meta(url, "sharded", problem is None, problem, meta, infos, _files(fs, p, marker),
                       "dcp" if plain else "fsdp_nb", layout.name)
 
