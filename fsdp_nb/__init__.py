@@ -16,6 +16,7 @@ from .errors import (
     RankError,
     RankFailure,
     RankTimeoutError,
+    ResizeError,
     SessionClosedError,
     UnsafeCheckpointError,
 )
@@ -38,6 +39,7 @@ _LAZY = {
     "consolidate": "checkpoint.consolidate",
     "export_safetensors": "checkpoint.export",
     "sessions": "lifetime.keepalive",
+    "ResizeReport": "lifetime.resize",
 }
 
 
@@ -69,6 +71,8 @@ __all__ = [
     "RankFailure",
     "RankInfo",
     "RankTimeoutError",
+    "ResizeError",
+    "ResizeReport",
     "Session",
     "SessionClosedError",
     "SessionContext",

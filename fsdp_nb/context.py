@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from .errors import SessionClosedError
 from .runtime.call_channel import CallChannel
 from .runtime.cluster import EngineCluster
+from .runtime.definitions import Definitions
 from .runtime.dispatch import Dispatcher
 from .runtime.health import RankHealth
 from .runtime.lifecycle import Lifecycle
@@ -58,6 +59,9 @@ class SessionContext:
     """Engine global name -> how it was wrapped, replayed by ``restart()``."""
     models: dict[str, ShardedModel] = field(default_factory=dict)
     """Engine global name -> the ``ShardedModel`` of each model wrapped on the ranks."""
+    definitions: Definitions = field(default_factory=Definitions)
+    """Imports, classes and functions made on every rank: what a rank that joins later
+    is given (``sess.resize``, ``sess.restart``)."""
     saves: list[AsyncCheckpoint] = field(default_factory=list)
     """Async saves still being written; the next save, load or shutdown waits for them."""
     keeper: Keeper | None = None

@@ -18,6 +18,7 @@ __all__ = [
     "RankError",
     "RankFailure",
     "RankTimeoutError",
+    "ResizeError",
     "SessionClosedError",
     "UnsafeCheckpointError",
 ]
@@ -133,3 +134,14 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint holds a pickle that could run code when loaded, or metadata that names
     files outside its folder; refused before anything was loaded
     (``fsdp_nb.checkpoint.format.pickles``)."""
+
+
+class ResizeError(FsdpNbError, RuntimeError):
+    """``sess.resize`` failed after the world began to change. The message names the
+    folder the models' state was staged in (kept: ``sess.load`` reads it) and how to
+    go on; the session is left degraded for ``sess.restart()``."""
+
+    def __init__(self, message: str, staged: str | None = None):
+        super().__init__(message)
+        self.staged = staged
+        """The staging folder holding each model's state (one DCP folder per model)."""

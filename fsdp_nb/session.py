@@ -29,6 +29,7 @@ from .runtime.phases import phase_table
 if TYPE_CHECKING:
     import ipyparallel as ipp
 
+    from .lifetime.resize import ResizeReport
     from .models.sharded_model import ShardedModel
     from .recovery.status import SessionStatus
 
@@ -267,9 +268,12 @@ class Session(SessionFacts, SessionCheckpoints, SessionWidgets):
         if not isinstance(code, str):
             raise TypeError(f"execute() needs source code as str, got {type(code).__name__}")
         targets = checks.check_ranks(ranks, self.world_size)
-        return calls.execute(self.dispatcher, code, timeout, ranks=None if ranks is None else targets,
-                             echoed=checks.check_output(output, targets), silent=silent,
-                             hang_after=checks.check_hang_after(hang_after))
+        replies = calls.execute(self.dispatcher, code, timeout, ranks=None if ranks is None else targets,
+                                echoed=checks.check_output(output, targets), silent=silent,
+                                hang_after=checks.check_hang_after(hang_after))
+        if ranks is None:  # on every rank: a rank that joins later is given its definitions
+            self._ctx.definitions.note_code(code)
+        return replies
 
     def push(self, mapping: Mapping[str, Any]) -> None:
         """Bind ``mapping``'s names on every rank (values shipped by value).
@@ -280,6 +284,7 @@ class Session(SessionFacts, SessionCheckpoints, SessionWidgets):
         if not isinstance(mapping, Mapping) or not all(isinstance(k, str) for k in mapping):
             raise TypeError("push() needs a mapping of str names to values")
         calls.push(self.dispatcher, mapping)
+        self._ctx.definitions.note_push(mapping)
 
     def pull(self, name: str) -> list[Any]:
         """The value of engine global ``name`` on every rank, in rank order.
@@ -357,6 +362,24 @@ class Session(SessionFacts, SessionCheckpoints, SessionWidgets):
             raise TypeError(f"drop must be a list of wrapped model names, got {drop!r}")
         restart(self._ctx, restore=restore, drop=tuple(drop))
         return self
+
+    def resize(self, n: int, *, staging: str | None = None) -> ResizeReport:
+        """Grow or shrink the world to ``n`` ranks, keeping every wrapped model and its
+        optimizers, re-sharded in place, and the other variables of the ranks that stay.
+
+        Growing adds engines (the standby first); shrinking retires the highest ranks.
+        New ranks get the session's imports, classes and functions, and the optimizers.
+        Anything that stops it (a mesh that does not fit ``n``, too little room to stage)
+        is refused before anything changes.
+
+        Args:
+            n: the new number of ranks.
+            staging: a folder in memory the state passes through (default ``/dev/shm``;
+                ranks on several hosts need one every host mounts).
+        """
+        from .lifetime.resize import resize
+
+        return resize(self._ctx, n, staging)
 
     def debug(self, rank: int | None = None, commands: Sequence[str] | None = None) -> str | None:
         """Post-mortem pdb on the frame where ``rank`` failed.

@@ -5,7 +5,8 @@ formed as ``cpu:gloo,cuda:nccl``; wrap with bf16-mixed, auto_wrap, activation
 checkpointing and CPU offload on CUDA; training against one process; sync and async
 saves and loads; the memory feed's CUDA fields; an error cell, Ctrl-C in a GPU loop,
 kill -9 then ``restart(restore=)``; ``connect()`` choosing nccl; consolidate; the NCCL
-abort-and-re-form path that one GPU can show; the hang watch on NCCL's flight recorder.
+abort-and-re-form path that one GPU can show; the hang watch on NCCL's flight recorder;
+``sess.resize`` on NCCL (refused past the host's GPUs; n -> n-1 -> n with two or more).
 """
 
 from __future__ import annotations
@@ -301,6 +302,48 @@ def test_kill_9_then_restart_restore(tmp_path):
         assert s.backend == "nccl" and s.ranks[0].device.startswith("cuda")
         after = sm.state_dict()
         assert all(torch.equal(saved[k], after[k]) for k in saved)
+    finally:
+        s.shutdown()
+
+
+def _full_cuda_state():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    g = globals()
+    msd, osd = get_state_dict(g["grs"], [g["gopt"]], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return (msd, osd) if g["rank"] == 0 else None
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_resize_on_nccl():
+    """Growing past this host's GPUs is refused before anything changes (one GPU shows
+    that); with two or more, n -> n-1 -> n keeps the CUDA weights and AdamW state
+    bit-equal, and the group trains on."""
+    n = torch.cuda.device_count()
+    s = fsdp_nb.Session(activate=False, grace=1.0)
+    try:
+        s.execute("import torch")
+        s.wrap(Net, name="grs")
+        s.execute(f"gopt = torch.optim.AdamW(grs.parameters(), lr=1e-3)\n"
+                  f"grs(torch.randn(2, 3, {DIM}, device='cuda')).square().mean().backward()\ngopt.step()")
+        before = s.run(_full_cuda_state)[0]
+        with pytest.raises(ValueError, match=f"this host has {n} GPU"):
+            s.resize(n + 1)
+        assert s.world_size == n and s.state == "ready"
+        if n < 2:
+            return
+        for size in (n - 1, n):
+            s.resize(size)
+            assert s.backend == "nccl" and s.world_size == size
+            assert _equal(before, s.run(_full_cuda_state)[0])
+        assert s.all_reduce_check() == float(sum(range(n)))
     finally:
         s.shutdown()
 

@@ -16,7 +16,9 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 EXPECTED = {
     # what each notebook must show: text a broken session, wrap or recovery would change
     "01_quickstart": ["rank 0 of 2 on cpu", "rank 1 of 2 on cpu", "final loss"],
-    "02_checkpoints": ["valid, world_size=2", "(2, {'step': 5},", "({'step': 5}, True)"],
+    "02_checkpoints": ["valid, world_size=2", "(2, {'step': 5},", "({'step': 5}, True)",
+                       "resized 3 -> 2 ranks in", "model 'model' re-sharded with optimizer",
+                       "world size 2 same weights: True"],
     "03_large_model": ["full model:", "rank 0: step ok", "rank 1: step ok"],
     "04_failures": ["caught:", "rank 1 found bad data", "interrupted; session state: ready",
                     "rank(s) 1", "all_reduce after recovery: 1.0",

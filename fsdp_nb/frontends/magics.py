@@ -131,7 +131,7 @@ class PxMagics(Magics):
     @line_magic
     def fsdp(self, line: str) -> Any:
         """``%fsdp start [N] [--backend B]`` | ``status`` | ``stop`` | ``list`` |
-        ``attach [CLUSTER_ID]`` | ``debug [RANK]``."""
+        ``attach [CLUSTER_ID]`` | ``debug [RANK]`` | ``resize N``."""
         return fsdp_command(line, self.shell)
 
 
@@ -230,6 +230,13 @@ def _debug(line: str, rest: list[str], ns: dict[str, Any]) -> None:
         sess.debug(int(rest[0]) if rest else None)
 
 
+def _resize(line: str, rest: list[str], ns: dict[str, Any]) -> Any:
+    if len(rest) != 1 or not rest[0].isdigit():
+        raise ValueError(f"usage: %fsdp resize N (the new number of ranks); got {line!r}")
+    sess = _status(line, rest, ns)
+    return sess.resize(int(rest[0])) if sess is not None else None
+
+
 def _stop(line: str, rest: list[str], ns: dict[str, Any]) -> None:
     sess = _status(line, rest, ns)
     if sess is not None:
@@ -239,6 +246,7 @@ def _stop(line: str, rest: list[str], ns: dict[str, Any]) -> None:
 
 _COMMANDS: dict[str, Callable[[str, list[str], dict[str, Any]], Any]] = {
     "start": _start, "status": _status, "stop": _stop, "list": _list, "attach": _attach, "debug": _debug,
+    "resize": _resize,
 }
 
 

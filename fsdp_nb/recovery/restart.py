@@ -11,6 +11,7 @@ The failure policy that calls them on errors is ``fsdp_nb.recovery.failure_polic
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from ..engine import health as _health
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from ..context import SessionContext
 
 __all__ = ["reform", "restart"]
+
+log = logging.getLogger("fsdp_nb")
 
 
 def reform(ctx: SessionContext) -> None:
@@ -41,7 +44,8 @@ def restart(ctx: SessionContext, restore: str | None = None, drop: tuple[str, ..
     """Bring back the same ranks and rebuild the session.
 
     Dead engines are replaced (new engine, same rank), every rank joins a new process
-    group, and models wrapped with ``sess.wrap`` are wrapped again on every rank
+    group, the replaced ranks get the session's imports, classes and functions
+    (``fsdp_nb.runtime.definitions``), and models wrapped with ``sess.wrap`` are wrapped again on every rank
     (``fsdp_nb.models.wrap.replay_wraps``). On a healthy session this only re-forms the
     group, keeping every rank's state. ``restore``: a checkpoint loaded into the
     last wrapped model afterwards (``sess.load``). A model wrapped from a notebook
@@ -81,6 +85,10 @@ def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...]) ->
         clock.mark("health hooks")
     reform(ctx)
     clock.mark("group re-formed")
+    if dead and len(ctx.definitions):
+        for failure in ctx.definitions.replay(ctx.plain_dispatcher, dead):
+            log.warning("restart: a definition did not run on the new engine: %s", failure)
+        clock.mark("definitions replayed")
     if dead and ctx.wraps:
         replay_wraps(ctx, drop, ctx.plain_dispatcher)
         clock.mark("wraps replayed")

@@ -162,6 +162,15 @@ class CallChannel:
         log.warning("rank %d: no direct call socket (%s); its calls go through ipyparallel", rank, exc)
         self._failed.add(self.cluster.engine_ids[rank])
 
+    def drop(self, engine_ids: list[int]) -> None:
+        """Close the sockets to engines that are no longer ranks (``sess.resize``)."""
+        with self._lock:
+            for eid in engine_ids:
+                sock = self._socks.pop(eid, None)
+                if sock is not None:
+                    self._links.pop(sock, None)
+                    sock.close(linger=0)
+
     def close(self) -> None:
         with self._lock:
             for sock in self._socks.values():

@@ -80,6 +80,11 @@ class RankHealth:
         """Ask ``ranks``' engines to abort their NCCL communicators (those with a listener)."""
         abort_collectives([self.abort_links[r] for r in ranks if r in self.abort_links])
 
+    def forget(self, rank: int) -> None:
+        """``rank`` left the world (``sess.resize``): drop its watch and abort links."""
+        self.watch.links.pop(rank, None)
+        self.abort_links.pop(rank, None)
+
     def close(self) -> None:
         """Remove the stack dump folder (the session is over)."""
         if self.folder is not None:

@@ -92,6 +92,7 @@ class MemoryFeed:
             raise ValueError(f"history must be an int >= 2 (samples kept per rank), got {history!r}")
         self.ctx = ctx
         self.interval = float(interval)
+        self.keep = history
         self.world_size = ctx.world_size
         self.history: list[deque[MemorySample]] = [deque(maxlen=history)
                                                    for _ in range(self.world_size)]
@@ -158,7 +159,21 @@ class MemoryFeed:
                                         name=f"fsdp_nb-memory-feed-{self.token[:8]}")
         self._thread.start()
         self.ctx.lifecycle.on_close(self.close)
+        if self._follow not in self.ctx.recovering.observers:
+            self.ctx.recovering.observers.append(self._follow)
         return self
+
+    def _follow(self, event: Any) -> None:
+        """After ``sess.resize``, sample the new world's ranks (new samplers, a new topic:
+        the old ones end as they see their subscriber go)."""
+        if event.what != "resize" or event.phase != "recovered" or not self.running:
+            return
+        self.close()
+        with self._lock:
+            self.world_size = self.ctx.world_size
+            self.history = [deque(maxlen=self.keep) for _ in range(self.world_size)]
+            self.token = uuid.uuid4().hex
+        self.start()
 
     def close(self) -> None:
         """Stop receiving; the engines' samplers end when they see the unsubscribe."""
