@@ -1,8 +1,9 @@
 """Helpers the tests share (polling for a condition is the package's own
 ``fsdp_nb.runtime.cluster.wait_until``): a real kernel driven through
 jupyter_client, hand-built shard tables, the page cache's view of a file, a pickle
-that runs code (what an attacker puts in a checkpoint), and the fakes
-of the unit tier (a cluster and a dispatcher that run nothing).
+that runs code (what an attacker puts in a checkpoint), the fakes
+of the unit tier (a cluster and a dispatcher that run nothing), and the whole state of
+a model and its optimizer, gathered and compared bit for bit.
 """
 
 from __future__ import annotations
@@ -280,3 +281,36 @@ def on_marker(path, action, timeout: float = 60.0) -> threading.Thread:
 def mark_code(path) -> str:
     """Engine code that writes the marker ``path``."""
     return f"open({str(path)!r}, 'w').close()\n"
+
+
+def full_state(model_name: str, optim_name: str) -> Callable[[], Any]:
+    """A function for ``sess.run``: the full state of engine globals ``model_name`` and
+    ``optim_name`` (model and optimizer state dicts, CPU tensors) on rank 0, None elsewhere."""
+
+    def get() -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        g = globals()
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        msd, osd = get_state_dict(g[model_name], [g[optim_name]], options=opts)
+        return (msd, osd) if g["rank"] == 0 else None
+
+    return get
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    """``a`` and ``b`` (nested dicts, lists, tensors, values) are equal, tensors bit for bit."""
+    import torch
+
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{where} differs"
+    else:
+        assert a == b, where

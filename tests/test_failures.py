@@ -405,7 +405,10 @@ def test_kill_9_idle_engine_then_restart_brings_same_ranks_back(fragile, caplog)
     # and a new standby waits for the next death, unregistered
     assert s.cluster.standby.pid != standby.pid and s.cluster.standby.alive()
     assert len(s.cluster.cluster.engines) == sets + 1 and set(client.ids) - old_ids == set(early)
-    assert list(s.restart_phases) == ["engines replaced", "health hooks", "group re-formed"]
+    assert list(s.restart_phases) == ["engines replaced", "health hooks", "group re-formed", "definitions replayed"]
+    # the replaced rank has the session's imports and functions again, not its variables
+    assert s.run(lambda: (callable(globals().get("fail_step")), "torch" in globals(),
+                          "fail_net" in globals())) == [(True, True, False), (True, True, True)]
     # the replacement has the launcher's environment, and imported DCP while registering
     assert s.run(_engine_env)[0] == ("1", THREADS, True)
     assert s.context.channel.ready_for([0, 1])

@@ -23,6 +23,7 @@ import time
 
 import pytest
 import torch
+from helpers import assert_same, full_state
 from torch import nn
 
 import fsdp_nb
@@ -306,22 +307,6 @@ def test_kill_9_then_restart_restore(tmp_path):
         s.shutdown()
 
 
-def _full_cuda_state():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    g = globals()
-    msd, osd = get_state_dict(g["grs"], [g["gopt"]], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return (msd, osd) if g["rank"] == 0 else None
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-
-
 def test_resize_on_nccl():
     """Growing past this host's GPUs is refused before anything changes (one GPU shows
     that); with two or more, n -> n-1 -> n keeps the CUDA weights and AdamW state
@@ -333,7 +318,7 @@ def test_resize_on_nccl():
         s.wrap(Net, name="grs")
         s.execute(f"gopt = torch.optim.AdamW(grs.parameters(), lr=1e-3)\n"
                   f"grs(torch.randn(2, 3, {DIM}, device='cuda')).square().mean().backward()\ngopt.step()")
-        before = s.run(_full_cuda_state)[0]
+        before = s.run(full_state("grs", "gopt"))[0]
         with pytest.raises(ValueError, match=f"this host has {n} GPU"):
             s.resize(n + 1)
         assert s.world_size == n and s.state == "ready"
@@ -342,7 +327,7 @@ def test_resize_on_nccl():
         for size in (n - 1, n):
             s.resize(size)
             assert s.backend == "nccl" and s.world_size == size
-            assert _equal(before, s.run(_full_cuda_state)[0])
+            assert_same(before, s.run(full_state("grs", "gopt"))[0], f"{size} ranks")
         assert s.all_reduce_check() == float(sum(range(n)))
     finally:
         s.shutdown()

@@ -28,6 +28,7 @@ from fsdp_nb.runtime.rendezvous import local_ranks, rank_env, rank_order
 sys.path.insert(0, str(Path(__file__).parent))
 import netns_hosts  # noqa: E402
 import slurm_local  # noqa: E402
+from helpers import assert_same, full_state  # noqa: E402
 
 TRAIN = """
 import torch
@@ -249,24 +250,6 @@ def test_netns_hybrid_shards_within_host_replicates_across(netns_session):
         assert [hosts[x] for x in g[0]] == [hosts[r]] * 2, f"rank {r} shards with {g[0]}"
 
 
-def _mh_full_state():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    g = globals()
-    msd, osd = get_state_dict(g["mh_rs"], [g["mh_opt"]], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return (msd, osd) if g["rank"] == 0 else None
-
-
-def _equal(x, y) -> bool:
-    import torch
-
-    if isinstance(x, dict):
-        return x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
-    if isinstance(x, (list, tuple)):
-        return len(x) == len(y) and all(_equal(p, q) for p, q in zip(x, y))
-    return torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
-
-
 @pytest.mark.root
 def test_netns_resize_across_hosts(netns_session):
     """4 ranks on two hosts -> 2 (rank 0's host keeps them; the other's engines stay with their
@@ -280,18 +263,18 @@ def test_netns_resize_across_hosts(netns_session):
     sess.wrap(torch.nn.Linear(8, 8), name="mh_rs", sharding="hybrid")
     sess.execute("mh_opt = torch.optim.AdamW(mh_rs.parameters(), lr=0.1)\n"
                  "mh_rs(torch.ones(2, 8)).sum().backward()\nmh_opt.step()\nmh_opt.zero_grad()")
-    before = sess.run(_mh_full_state)[0]
+    before = sess.run(full_state("mh_rs", "mh_opt"))[0]
     with pytest.raises(ValueError, match="/dev/shm is each host's own"):
         sess.resize(2)
     staging = tempfile.mkdtemp(prefix="fsdp_nb_mh_stage_")  # both hosts share this filesystem
     try:
         sess.resize(2, staging=staging)
         assert [r.host for r in sess.ranks] == [a, a] and sess.all_reduce_check() == 1.0
-        assert _equal(sess.run(_mh_full_state)[0], before)
+        assert_same(before, sess.run(full_state("mh_rs", "mh_opt"))[0])
         assert len(sess.client.ids) == 4, "the attached cluster's engines stay registered"
         sess.resize(4, staging=staging)
         assert sorted(r.host for r in sess.ranks) == [a, a, b, b] and sess.all_reduce_check() == 6.0
-        assert _equal(sess.run(_mh_full_state)[0], before)
+        assert_same(before, sess.run(full_state("mh_rs", "mh_opt"))[0])
         assert sess.models["mh_rs"].summary.mesh_shape == (2, 2)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

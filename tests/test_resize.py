@@ -17,6 +17,7 @@ import stat
 
 import pytest
 import torch
+from helpers import assert_same, full_state
 from torch import nn
 
 from fsdp_nb.engine.wrap import forget_all
@@ -84,35 +85,6 @@ class Trap(nn.Module):
         if dist.is_initialized() and dist.get_world_size() == 4:
             raise RuntimeError("Trap refuses 4 ranks")
         self.w = nn.Linear(4, 4)
-
-
-def full_state(net_name: str, optim_name: str):
-    """Every rank: the full model and optimizer state on rank 0 (CPU tensors)."""
-
-    def get():
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        g = globals()
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        msd, osd = get_state_dict(g[net_name], [g[optim_name]], options=opts)
-        return (msd, osd) if g["rank"] == 0 else None
-
-    return get
-
-
-def assert_same(a, b, where=""):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), f"{where} differs"
-    else:
-        assert a == b, where
 
 
 def _drop(sess, *names: str) -> None:
@@ -229,6 +201,9 @@ def _tp_model():
 
 def test_resize_refuses_before_changing_anything(sess, tmp_path):
     before = (list(sess.cluster.engine_ids), sess.pull("world_size"))
+    # the models other tests left on the shared session are set aside: only this test's are checked
+    others = dict(sess.context.wraps)
+    sess.context.wraps.clear()
     sess.wrap(_tp_model, name="tp", parallelize=_tp_plan, tensor_parallel_size=2)
     weights = sess.models["tp"].state_dict()
     try:
@@ -243,8 +218,8 @@ def test_resize_refuses_before_changing_anything(sess, tmp_path):
         sess.execute("both = torch.optim.SGD([*tp.parameters(), *other.parameters()], lr=0.1)")
         with pytest.raises(ValueError, match="optimizer 'both' steps parameters of several wrapped models"):
             sess.resize(4)
-        sess.execute("del both\nloose = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)")
-        with pytest.raises(ValueError, match="optimizer 'loose' steps parameters of no wrapped model"):
+        sess.execute("del both\nloose = torch.optim.SGD([*tp.parameters(), torch.nn.Parameter(torch.ones(2))], lr=0.1)")
+        with pytest.raises(ValueError, match="optimizer 'loose' steps parameters of wrapped model 'tp' and others"):
             sess.resize(4)
         sess.execute("del loose")
         assert sess.resize(2).new == 2  # the same size: nothing to do
@@ -253,6 +228,7 @@ def test_resize_refuses_before_changing_anything(sess, tmp_path):
         assert_same(weights, sess.models["tp"].state_dict())
     finally:
         _drop(sess, "tp", "other")
+        sess.context.wraps.update(others)
 
 
 def test_resize_magic_usage(shell):

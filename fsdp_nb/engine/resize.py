@@ -57,13 +57,16 @@ def _optimizers() -> dict[str, Any]:
 
 
 def _owner(optim: Any, owners: dict[int, str]) -> tuple[str | None, str | None]:
-    """(the wrapped model whose parameters ``optim`` steps, problem)."""
+    """(the wrapped model whose parameters ``optim`` steps, problem). An optimizer over no
+    wrapped model's parameters (one left from a model wrapped again, one over the user's
+    own tensors) is neither: it stays a variable of the ranks that have it."""
     found = {owners.get(id(p)) for g in optim.param_groups for p in g["params"]}
-    if None in found:
-        return None, "steps parameters of no wrapped model"
-    if len(found) > 1:
-        return None, f"steps parameters of several wrapped models ({', '.join(sorted(found))})"
-    return (found.pop() if found else None), None
+    models = sorted(m for m in found if m is not None)
+    if len(models) > 1:
+        return None, f"steps parameters of several wrapped models ({', '.join(models)})"
+    if models and None in found:
+        return None, f"steps parameters of wrapped model {models[0]!r} and others that no wrapped model holds"
+    return (models[0] if models else None), None
 
 
 def survey(models: tuple[str, ...]) -> RankSurvey:

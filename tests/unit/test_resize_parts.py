@@ -170,3 +170,25 @@ def test_optimizer_state_templates_from_the_staged_metadata():
     assert _templates(params, rec, "optim_1", md) == {}
     md.state_dict_metadata["optim.state.w.count"] = BytesStorageMetadata()  # not a tensor: DCP's way
     assert _templates(params, rec, "optim", md) is None
+
+
+def test_survey_carries_a_models_optimizers_and_leaves_the_rest(monkeypatch):
+    from fsdp_nb.engine import wrap as ew
+    from fsdp_nb.engine.resize import survey
+
+    a, b, old = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    monkeypatch.setitem(ew.MODELS, "a", ew.Wrapped(a, None, None))
+    monkeypatch.setitem(ew.MODELS, "b", ew.Wrapped(b, None, None))
+    ns = user_ns()
+    for name, value in {"opt_a": torch.optim.SGD(a.parameters(), lr=0.1),
+                        "stale": torch.optim.SGD(old.parameters(), lr=0.1),  # a model wrapped again since
+                        "steps": 3, "_private": 1, "helper": len}.items():
+        monkeypatch.setitem(ns, name, value)
+    got = survey(("a", "b"))
+    assert got.optimizers == {"a": ("opt_a",), "b": ()} and got.problems == ()
+    assert {"stale", "steps"} <= set(got.variables) and not {"opt_a", "a", "_private", "helper"} & set(got.variables)
+    monkeypatch.setitem(ns, "both", torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1))
+    monkeypatch.setitem(ns, "mixed", torch.optim.SGD([*b.parameters(), *old.parameters()], lr=0.1))
+    assert survey(("a", "b")).problems == (
+        "optimizer 'both' steps parameters of several wrapped models (a, b)",
+        "optimizer 'mixed' steps parameters of wrapped model 'b' and others that no wrapped model holds")
