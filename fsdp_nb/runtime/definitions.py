@@ -11,6 +11,7 @@ a definition made again replaces the earlier one.
 from __future__ import annotations
 
 import ast
+import functools
 import logging
 import types
 from collections.abc import Mapping
@@ -29,23 +30,33 @@ log = logging.getLogger("fsdp_nb")
 _KEPT = (ast.Import, ast.ImportFrom, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
+@functools.cache
+def _transformer() -> Any:
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    return TransformerManager()
+
+
 def _python(code: str) -> str:
     """``code`` as IPython runs it: magics and shell escapes turned into Python."""
-    try:
-        from IPython.core.inputtransformer2 import TransformerManager
-    except ImportError:  # pragma: no cover - the notebook side has IPython
-        return code
-    return TransformerManager().transform_cell(code)
+    return _transformer().transform_cell(code)
 
 
 def top_level_definitions(code: str) -> list[tuple[str, str]]:
     """``(key, source)`` of each top-level import, class and function in cell ``code``:
     the key is the name a definition binds (``import:`` + the statement for imports);
-    empty when the cell is not Python (it would not have run either)."""
-    try:
-        tree = ast.parse(_python(code))
-    except SyntaxError:
+    empty when the cell is not Python (it would not have run either). This runs after
+    every cell, so a cell without those words is not parsed, and IPython's transforms
+    (magics, ``!`` lines) are applied only to a cell that is not plain Python."""
+    if not any(word in code for word in ("import", "class", "def")):
         return []
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        try:
+            tree = ast.parse(_python(code))
+        except SyntaxError:
+            return []
     out = []
     for node in tree.body:
         if not isinstance(node, _KEPT):
