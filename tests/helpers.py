@@ -9,11 +9,12 @@ a model and its optimizer, gathered and compared bit for bit.
 from __future__ import annotations
 
 import ast
+import contextlib
 import ctypes
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -314,3 +315,21 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
         assert torch.equal(a, b), f"{where} differs"
     else:
         assert a == b, where
+
+
+@contextlib.contextmanager
+def release_on_diagnosis(sess: Any, go: Any) -> Iterator[list[str]]:
+    """While inside, the first hang diagnosis ``sess`` reports creates the file ``go``
+    (which a straggling rank polls for); yields the diagnoses' texts as they come."""
+    seen: list[str] = []
+
+    def release(event: Any) -> None:
+        if event.phase == "hang":
+            seen.append(event.note)
+            go.touch()
+
+    sess.dispatcher.observers.append(release)
+    try:
+        yield seen
+    finally:
+        sess.dispatcher.observers.remove(release)

@@ -23,7 +23,7 @@ import time
 
 import pytest
 import torch
-from helpers import assert_same, full_state
+from helpers import assert_same, full_state, release_on_diagnosis
 from torch import nn
 
 import fsdp_nb
@@ -261,19 +261,10 @@ def test_the_hang_watch_reads_the_nccl_flight_recorder(gsess, tmp_path):
     assert all(got == {} for got in gsess.run(hang_watch._from_recorder))  # records, none in flight
     if gsess.world_size < 2:
         return
-    go, seen = tmp_path / "go", []
-
-    def release(event):
-        if event.phase == "hang":
-            seen.append(event.note)
-            go.touch()
-
-    gsess.dispatcher.observers.append(release)
-    try:
+    go = tmp_path / "go"
+    with release_on_diagnosis(gsess, go) as seen:
         gsess.execute(f"import os, time\nwhile rank == 1 and not os.path.exists({str(go)!r}):\n"
                       "    time.sleep(0.02)\nt = torch.ones(1, device='cuda')\ndist.all_reduce(t)\n", hang_after=1)
-    finally:
-        gsess.dispatcher.observers.remove(release)
     assert seen and "rank 1 is not in it" in seen[0] and "rank 0 waits in all_reduce #" in seen[0]
 
 

@@ -10,7 +10,7 @@ import re
 import psutil
 import pytest
 import torch
-from helpers import mark_code, on_marker
+from helpers import mark_code, on_marker, release_on_diagnosis
 
 from fsdp_nb.errors import RankError, RankTimeoutError
 
@@ -32,12 +32,6 @@ def _line(code: str, text: str) -> int:
 def test_a_straggler_is_explained_while_the_cell_waits_and_its_arrival_ends_the_cell(sess, tmp_path, capsys):
     go = tmp_path / "go"
     seen = _follow(sess)
-
-    def release(event):  # the first diagnosis lets the straggler go
-        if event.phase == "hang":
-            go.touch()
-
-    sess.dispatcher.observers.append(release)
     code = (
         "import os, time, torch\nimport torch.distributed as dist\n"
         "def data_step():\n"
@@ -46,9 +40,10 @@ def test_a_straggler_is_explained_while_the_cell_waits_and_its_arrival_ends_the_
         "if rank == 1:\n    data_step()\n" + BLOCKED + "straggled = float(t)\n"
     )
     try:
-        sess.execute(code, hang_after=1)
+        with release_on_diagnosis(sess, go):  # the first diagnosis lets the straggler go
+            sess.execute(code, hang_after=1)
     finally:
-        sess.dispatcher.observers[-2:] = []
+        sess.dispatcher.observers.pop(-1)  # _follow's
     assert sess.pull("straggled") == [2.0, 2.0]  # the cell ended normally
     phases = [p for p, _ in seen]
     assert phases[0] == "hang" and phases[-1] == "hang-cleared"
@@ -119,18 +114,12 @@ def test_without_the_flight_recorder_the_waiting_collective_is_read_from_the_sta
                                                                                    monkeypatch):
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")  # the engines record nothing (fsdp_nb keeps a user's value)
     s = session_factory(2, private=True, standby=False)
-    go, seen = tmp_path / "go", []
-
-    def release(event):
-        if event.phase == "hang":
-            seen.append(event.note)
-            go.touch()
-
-    s.dispatcher.observers.append(release)
+    go = tmp_path / "go"
     code = ("import os, time, torch\nimport torch.distributed as dist\n"
             f"while rank == 1 and not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n" + BLOCKED)
     try:
-        s.execute(code, hang_after=1)
+        with release_on_diagnosis(s, go) as seen:
+            s.execute(code, hang_after=1)
         assert s.run(lambda: os.environ["TORCH_FR_BUFFER_SIZE"]) == ["0", "0"]
     finally:
         s.shutdown()

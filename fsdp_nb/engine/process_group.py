@@ -71,7 +71,7 @@ FLIGHT_RECORDER_ENTRIES = "256"
 ``TORCH_NCCL_TRACE_BUFFER_SIZE`` for NCCL) unless the user set it: the hang watch
 (``hang_watch``) reads which collective each group has in flight from it. A ring of
 records: a collective in flight is among the newest, and reading 256 of them takes
-about 1 ms (2000: 27 ms, measured); the training-step benchmark shows no cost."""
+a few ms (2000: 27 ms, measured); the training-step benchmark shows no cost."""
 
 
 def init_backend(backend: str) -> str:

@@ -4,7 +4,7 @@ The notebook (``fsdp_nb.lifetime.resize``) calls, in this order:
 
 1. ``survey`` on every rank: which engine globals are optimizers over which wrapped
    model, which cannot be carried, and which other variables a user made.
-2. ``recipe`` on rank 0, once per optimizer: how to build it on a rank that never had it
+2. ``recipes`` on rank 0: how to build each optimizer on a rank that never had it
    (checked there by building it over stand-in parameters).
 3. ``watch_memory`` then ``stage`` on the ranks of the old world: each model's shards and
    its optimizers' state go into one DCP folder per model in the staging folder (a tmpfs,
@@ -41,7 +41,9 @@ from .wrap import MODELS, _local, forget_all
 
 log = logging.getLogger("fsdp_nb")
 
-__all__ = ["leave", "memory_peak", "recipe", "restore", "stage", "state_size", "survey", "watch_memory"]
+__all__ = [
+    "leave", "memory_peak", "recipe", "recipes", "restore", "stage", "state_size", "survey", "watch_memory",
+]
 
 OWN_NAMES = frozenset({"In", "Out", "exit", "quit", "get_ipython", "rank", "world_size", "device", "torch", "dist"})
 """Engine globals IPython and fsdp_nb bind themselves: never reported as a user's variables."""
@@ -87,7 +89,8 @@ def survey(models: tuple[str, ...]) -> RankSurvey:
         if not k.startswith("_") and k not in OWN_NAMES and k not in carried
         and not isinstance(v, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType))
     )
-    return RankSurvey({m: tuple(o) for m, o in optimizers.items()}, tuple(problems), tuple(variables))
+    carry = {m: tuple(o) for m, o in optimizers.items()}
+    return RankSurvey(carry, tuple(problems), tuple(variables), 0 if problems else state_size(carry))
 
 
 def recipe(oname: str, model: str) -> tuple[OptimizerRecipe, str | None]:
@@ -109,6 +112,11 @@ def recipe(oname: str, model: str) -> tuple[OptimizerRecipe, str | None]:
         return out, (f"optimizer {oname!r} ({cls.__qualname__}) cannot be built again on a new rank: "
                      f"{type(exc).__name__}: {exc}")
     return out, None
+
+
+def recipes(optimizers: dict[str, tuple[str, ...]]) -> dict[str, tuple[tuple[OptimizerRecipe, str | None], ...]]:
+    """``recipe`` of every optimizer of every wrapped model (``optimizers``), in one call."""
+    return {model: tuple(recipe(o, model) for o in onames) for model, onames in optimizers.items()}
 
 
 def state_size(optimizers: dict[str, tuple[str, ...]]) -> int:

@@ -201,23 +201,26 @@ def cluster_key(client: Any) -> bytes:
     return key
 
 
-def start_listener(addr: str, purpose: str, sock_type: int, max_bytes: int, handle: Any,
-                   name: str) -> dict[str, Any]:
-    """The server side of a signed channel: a zmq socket of ``sock_type`` bound on
-    ``addr`` (a free port), taking frames of at most ``max_bytes`` (zmq drops larger
-    senders), a fresh nonce and this engine's ``Link`` for ``purpose``. A daemon thread
-    named ``name`` calls ``handle(sock, link, endpoint, frames)`` for each message, one at
-    a time, for as long as the engine lives; it ends, closing the socket, when the
-    engine's zmq context is terminated.
+def start_listener(state: dict[str, Any], addr: str, purpose: str, sock_type: str, max_bytes: int,
+                   handle: Any, name: str) -> tuple[str, bytes]:
+    """The server side of a signed channel, started once per engine: a zmq socket of
+    ``sock_type`` (``"ROUTER"``, ``"PULL"``) bound on ``addr`` (a free port), taking frames
+    of at most ``max_bytes`` (zmq drops larger senders), a fresh nonce and this engine's
+    ``Link`` for ``purpose``. A daemon thread named ``name`` calls ``handle(sock, link,
+    endpoint, frames)`` for each message, one at a time, for as long as the engine lives;
+    it ends, closing the socket, when the engine's zmq context is terminated.
 
-    Returns ``{"endpoint", "nonce", "link"}``: the first two are what the notebook needs
-    for its side of the link.
+    ``state`` (the caller's module dict) keeps ``endpoint``, ``nonce`` and ``link``; a
+    second call finds them there and starts nothing. Returns the endpoint and nonce: what
+    the notebook needs for its side of the link.
     """
+    if "endpoint" in state:
+        return state["endpoint"], state["nonce"]
     import zmq
 
     nonce = new_nonce()
     link = Link(engine_key(), purpose, nonce, "server")
-    sock = zmq.Context.instance().socket(sock_type)
+    sock = zmq.Context.instance().socket(getattr(zmq, sock_type))
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     port = sock.bind_to_random_port(f"tcp://{addr}")
@@ -233,4 +236,5 @@ def start_listener(addr: str, purpose: str, sock_type: int, max_bytes: int, hand
             sock.close(linger=0)
 
     threading.Thread(target=serve, name=name, daemon=True).start()
-    return {"endpoint": endpoint, "nonce": nonce, "link": link}
+    state.update(endpoint=endpoint, nonce=nonce, link=link)
+    return endpoint, nonce

@@ -104,12 +104,13 @@ def resize(ctx: SessionContext, n: int, staging: str | None = None, timeout: flo
             ``/dev/shm``.
         timeout: seconds new engines may take to register.
     """
+    clock = PhaseClock()
     plan = check(ctx, n, staging)
     report = ResizeReport(ctx.world_size, n)
     if n == ctx.world_size:
         return report
     wait_pending(ctx)
-    clock = PhaseClock()
+    clock.mark("checked")
     report.phases = clock.times
     folder = tempfile.mkdtemp(prefix="fsdp_nb-resize-", dir=plan.staging)  # 0700, this user's
     ctx.dispatcher.notify("resize", "recovering", tuple(range(ctx.world_size)), note=f"{ctx.world_size} -> {n} ranks")

@@ -1,7 +1,8 @@
 """Everything ``sess.resize`` checks before it changes anything.
 
-``check`` asks the ranks what they hold (``fsdp_nb.engine.resize.survey`` and, on rank
-0, each optimizer's ``recipe``) and runs the pure checks below; any problem raises a
+``check`` asks the ranks what they hold (``fsdp_nb.engine.resize.survey``: the optimizers,
+the variables, the bytes to stage) and, on rank 0, how to build each optimizer again
+(``recipes``) and runs the pure checks below; any problem raises a
 ``ValueError`` naming what was wrong and what to do, with the session untouched.
 """
 
@@ -167,19 +168,12 @@ def check(ctx: SessionContext, n: Any, staging: Any) -> ResizePlan:
     folder = staging_folder(staging, [r.host for r in ctx.ranks] + added)
     plans = mesh_plans(ctx.wraps, n, ctx.backend or "gloo", hosts)
     d = ctx.plain_dispatcher
-    optimizers, variables = agree_surveys(d.gather(d.apply("survey", _er.survey, args=(tuple(ctx.wraps),)), 60))
-    check_space(shutil.disk_usage(folder).free, _state_bytes(ctx, optimizers), folder)
-    recipes: dict[str, tuple[OptimizerRecipe, ...]] = {}
-    for model, onames in optimizers.items():
-        got = [d.gather(d.apply(f"recipe of {o!r}", _er.recipe, args=(o, model), ranks=[0]), 60)[0] for o in onames]
-        problems = [p for _, p in got if p]
-        if problems and n > ctx.world_size:  # only a new rank builds one
-            raise ValueError(f"{problems[0]}. Nothing was changed.")
-        recipes[model] = tuple(r for r, _ in got)
+    surveys = d.gather(d.apply("survey", _er.survey, args=(tuple(ctx.wraps),)), 60)
+    optimizers, variables = agree_surveys(surveys)
+    check_space(shutil.disk_usage(folder).free, sum(s.state_bytes for s in surveys), folder)
+    (got,) = d.gather(d.apply("optimizer recipes", _er.recipes, args=(optimizers,), ranks=[0]), 60)
+    problems = [p for pairs in got.values() for _, p in pairs if p]
+    if problems and n > ctx.world_size:  # only a new rank builds one
+        raise ValueError(f"{problems[0]}. Nothing was changed.")
+    recipes = {model: tuple(r for r, _ in pairs) for model, pairs in got.items()}
     return ResizePlan(n, folder, plans, optimizers, recipes, variables)
-
-
-def _state_bytes(ctx: SessionContext, optimizers: Mapping[str, tuple[str, ...]]) -> int:
-    """Bytes the state of every model and optimizer takes, summed over the ranks."""
-    d = ctx.plain_dispatcher
-    return sum(d.gather(d.apply("state size", _er.state_size, args=(dict(optimizers),)), 60))

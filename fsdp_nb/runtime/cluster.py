@@ -174,7 +174,7 @@ class EngineCluster:
         client otherwise."""
         try:
             if self.cluster is not None:
-                self._ask_engines_to_exit()
+                self.ask_to_exit()
                 self.cluster.stop_cluster_sync()
                 killed = stop_processes(self.controller_pids, wait=STOP_WAIT)
                 if killed:
@@ -185,21 +185,21 @@ class EngineCluster:
             except Exception as exc:  # noqa: BLE001 - stopping anyway: the client's sockets close with the process
                 log.debug("closing the ipyparallel client: %s", exc)
 
-    def _ask_engines_to_exit(self, wait: float = 5.0) -> None:
-        """Shut our engines down through their control channel first.
-
-        They then exit with status 0 and the launcher stays quiet, instead of printing
-        every engine's log into the notebook as it does for engines it had to kill.
-        """
+    def ask_to_exit(self, ranks: list[int] | None = None, wait: float = 5.0) -> list[int]:
+        """Shut ``ranks``' engines down through their control channel (None: every
+        registered engine) and wait up to ``wait`` s for those on this host to exit; the
+        ranks among them still running. Engines asked so exit with status 0 and the
+        launcher stays quiet, instead of printing the log of every engine it had to kill."""
+        targets = list(self.client.ids) if ranks is None else [self.engine_ids[r] for r in ranks]
         try:
-            self.client.shutdown(targets=list(self.client.ids), block=False)
+            self.client.shutdown(targets=targets, block=False)
         except Exception:  # noqa: BLE001 - engines already gone or unreachable: the caller kills them by handle
-            return
-        deadline = time.monotonic() + wait
+            return []
         here = socket.gethostname()
-        local = [r for r, (p, h) in enumerate(zip(self.pids, self.hosts)) if p and h == here]
-        while time.monotonic() < deadline and any(self._alive(r) for r in local):
-            time.sleep(0.05)
+        local = [r for r in (range(self.world_size) if ranks is None else ranks)
+                 if self.pids[r] and self.hosts[r] == here]
+        wait_until(lambda: not any(self._alive(r) for r in local), wait)
+        return [r for r in local if self._alive(r)]
 
     # -- ranks -------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..engine import hang_watch as _watch
 from ..engine.signing import Link, Refused
 from .hang_report import HangReport, hang_report
+from .listeners import start_listeners
 
 if TYPE_CHECKING:
     from .cluster import EngineCluster
@@ -44,12 +45,8 @@ class HangWatch:
 
     def start(self, dispatcher: Dispatcher, ranks: list[int] | None = None) -> None:
         """Start the watch thread of ``ranks``' engines (all by default; once per engine)."""
-        who = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
-        d = dispatcher
-        args = [(self.cluster.listen_address(r),) for r in who]
-        started = d.gather(d.apply("start the hang watch", _watch.start, args, ranks=who), 30)
-        for r, (endpoint, nonce) in zip(who, started):
-            self.links[r] = (endpoint, Link(self.cluster.key, "hang-watch", nonce, "client"))
+        self.links.update(start_listeners(self.cluster, dispatcher, "start the hang watch", _watch.start,
+                                          "hang-watch", ranks))
 
     def states(self, ranks: list[int], now: bool = True) -> dict[int, dict[str, Any] | None]:
         """What each of ``ranks`` says about itself (``engine.hang_watch.state``); None for

@@ -30,6 +30,7 @@ from ..engine import nccl_abort as _nccl
 from ..engine.private_files import private_file
 from ..engine.signing import Link
 from .hang_watch import HangWatch
+from .listeners import start_listeners
 
 if TYPE_CHECKING:
     from .cluster import EngineCluster
@@ -68,13 +69,8 @@ class RankHealth:
     def start_abort_listeners(self, dispatcher: Dispatcher, ranks: list[int] | None = None) -> None:
         """Start the NCCL abort listener of ``ranks``' engines (all by default; once per
         engine) and keep a signed link to each."""
-        who = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
-        d = dispatcher
-        args = [(self.cluster.listen_address(r),) for r in who]
-        started = d.gather(d.apply("start NCCL abort listener", _nccl.start, args, ranks=who), 30)
-        key = self.cluster.key
-        for r, (endpoint, nonce) in zip(who, started):
-            self.abort_links[r] = (endpoint, Link(key, "nccl-abort", nonce, "client"))
+        self.abort_links.update(start_listeners(self.cluster, dispatcher, "start NCCL abort listener",
+                                                _nccl.start, "nccl-abort", ranks))
 
     def abort(self, ranks: list[int]) -> None:
         """Ask ``ranks``' engines to abort their NCCL communicators (those with a listener)."""

@@ -64,14 +64,14 @@ def adopt_engines(cluster: EngineCluster, k: int, known: set[int], timeout: floa
 
 def retire_ranks(cluster: EngineCluster, n: int, wait: float = 10.0) -> list[int]:
     """Remove ranks ``n`` and above from the rank map; engines this session started are
-    shut down (and killed through their verified handle if still there after ``wait``
-    seconds). The engine ids retired."""
+    shut down (``EngineCluster.ask_to_exit``) and, on this host, killed through their
+    verified handle if still running after ``wait`` seconds. The engine ids retired."""
     gone = list(range(n, cluster.world_size))
     eids = [cluster.engine_ids[r] for r in gone]
-    if cluster.owns_engines and eids:
-        cluster.client.shutdown(targets=eids, block=False)
-        if not wait_until(lambda: set(gone) <= set(cluster.dead_ranks()), wait):
-            cluster.kill([r for r in gone if r not in cluster.dead_ranks()], wait)
+    if cluster.owns_engines and gone:
+        left = cluster.ask_to_exit(gone, wait)
+        if left:
+            cluster.kill(left, wait)
     del cluster.engine_ids[n:], cluster.pids[n:], cluster.hosts[n:], cluster.started[n:]
     cluster.ranks = cluster.ranks[:n]
     return eids

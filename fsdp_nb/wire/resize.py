@@ -39,3 +39,6 @@ class RankSurvey:
     variables: tuple[str, ...]
     """The other engine globals a user made (data, tensors, schedulers...): they stay
     on the ranks that survive and are not created on new ones."""
+    state_bytes: int = 0
+    """Bytes of the wrapped models and their optimizers' state on this rank: what a resize
+    stages from it."""

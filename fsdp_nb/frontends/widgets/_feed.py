@@ -92,7 +92,6 @@ class MemoryFeed:
             raise ValueError(f"history must be an int >= 2 (samples kept per rank), got {history!r}")
         self.ctx = ctx
         self.interval = float(interval)
-        self.keep = history
         self.world_size = ctx.world_size
         self.history: list[deque[MemorySample]] = [deque(maxlen=history)
                                                    for _ in range(self.world_size)]
@@ -171,7 +170,8 @@ class MemoryFeed:
         self.close()
         with self._lock:
             self.world_size = self.ctx.world_size
-            self.history = [deque(maxlen=self.keep) for _ in range(self.world_size)]
+            keep = self.history[0].maxlen
+            self.history = [deque(maxlen=keep) for _ in range(self.world_size)]
             self.token = uuid.uuid4().hex
         self.start()
 
