@@ -30,6 +30,7 @@ from ..checkpoint.format.safetensors_layout import (
 )
 from ..checkpoint.format.storage import url_to_fs
 from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ..torch_compat import compute_local_shape_and_global_offset, local_tensor
 from ..wire.checkpoint import LoadSpec, Outcome
 from . import progress_feed
 from .checkpoint_save import begin, rank_and_world, state_bytes
@@ -134,7 +135,7 @@ def _fill(spec: LoadSpec, fs: Any, ck: Any, msd: dict, usable: set[str]) -> Outc
             for k in sorted(usable):
                 target = msd[k]
                 piece = _read_owned(r, ck.model[k], target)
-                getattr(target, "_local_tensor", target).copy_(getattr(piece, "_local_tensor", piece))
+                local_tensor(target).copy_(local_tensor(piece))
                 del piece
     except Exception as exc:  # noqa: BLE001 - any read failure becomes the agreed CorruptCheckpointError
         problem = f"checkpoint {spec.url!r}: reading failed ({type(exc).__name__}: {exc})"
@@ -148,8 +149,6 @@ def _read_owned(r: PieceReader, st: Stored, like: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     if isinstance(like, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
         local = r.read(st, tuple(offset), tuple(shape)).to(device=like.device, dtype=like.dtype)
         return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,

@@ -36,6 +36,7 @@ from ..checkpoint.format.checksums import record_writer
 from ..checkpoint.format.fullfile import write_full
 from ..checkpoint.format.inspect import inspect
 from ..checkpoint.format.storage import dcp_writer, sibling, url_to_fs
+from ..torch_compat import tree_leaves
 from ..wire.checkpoint import LoadSpec, Outcome, SaveProgress, SaveSpec
 from . import progress_feed
 from .async_saves import copied, drain, hold_until_staged, stager, submit
@@ -341,7 +342,6 @@ def _side_files(spec: SaveSpec) -> dict[str, bytes]:
 def state_bytes(sd: Any) -> int:
     """Bytes of this rank's tensors in state dict ``sd`` (a DTensor counts its local shard)."""
     import torch
-    from torch.utils._pytree import tree_leaves
 
     n = 0
     for t in tree_leaves(sd):

@@ -26,6 +26,7 @@ from ..checkpoint.format.reader import named_corruption, open_sharded
 from ..checkpoint.format.side_files import side_extra
 from ..checkpoint.format.storage import is_temporary
 from ..errors import CheckpointError, CorruptCheckpointError
+from ..torch_compat import tree_map_only
 from ..wire.checkpoint import LoadSpec, Outcome
 from . import progress_feed
 from .checkpoint_save import any_rank, checkpoint_group, rank_and_world, state_bytes
@@ -140,7 +141,6 @@ def load_dcp(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome
     """Load the DCP checkpoint folder ``p`` (any layout) into ``model`` and ``optim``."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.utils._pytree import tree_map_only
 
     url, strict = spec.url, spec.strict
     problem: str | None = None

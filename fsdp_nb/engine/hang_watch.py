@@ -12,12 +12,17 @@ dropped before it is read further. The recovery may also ask it to shut the rank
 connections to its peers (``FREE``): a main thread blocked in a gloo collective whose
 peers are blocked too (mismatched collectives) then returns, as when a peer leaves.
 
-What a rank is in comes from torch's flight recorder when the ranks run with it
-(``TORCH_FR_BUFFER_SIZE``; fsdp_nb sets it at launch): each process group's last
-enqueued and last completed collective, and, for one still in flight since the last
-question, its op, sizes, dtypes and start. Where it does not record (an engine started without it), the main thread's
-frame inside ``torch.distributed`` names the op, and the group's own sequence number
-its place.
+What a rank is in comes from three sources, cheapest first, none of which costs a
+collective anything: each process group's count of issued collectives
+(``issued``: a member that issued fewer than the others is missing from the next
+one; read only when the notebook asks), the main thread's frame inside
+``torch.distributed`` (a synchronous collective names its op and tensors there), and
+torch's flight recorder where the ranks run with it (``TORCH_FR_BUFFER_SIZE``): each
+group's last enqueued and last completed collective, and, for one still in flight
+since the last question, its op, sizes, dtypes and start. fsdp_nb turns the recorder
+on for gloo only (``process_group.init``): on NCCL each record costs the training
+step (a fifth of an H200's throughput for a 368M model), so there it is the user's
+opt-in.
 """
 
 from __future__ import annotations
@@ -25,15 +30,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import sysconfig
 import threading
 import time
 from typing import Any
 
+from ..torch_compat import (
+    current_frames,
+    default_group,
+    dump_flight_recorder,
+    group_sequence_numbers,
+    process_groups,
+)
 from .signing import Link, Refused, start_listener
 
-__all__ = ["FREE", "MAX_FRAME_BYTES", "QUERY", "QUERY_NOW", "collective", "library_dirs", "main_frame", "start", "state"]
+__all__ = ["FREE", "MAX_FRAME_BYTES", "QUERY", "QUERY_NOW", "collective", "issued", "library_dirs", "main_frame", "start",
+           "state"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -58,6 +70,8 @@ _WATCH: dict[str, Any] = {}
 _SEEN: dict[tuple[str, int], float] = {}
 _FLYING: dict[str, int] = {}
 """Group -> the collective it had in flight at the last question (``_from_recorder``)."""
+_ISSUED: dict[tuple[str, str], tuple[int, float]] = {}
+"""(group, backend) -> (its count of issued collectives, when that count was first seen)."""
 
 
 def library_dirs() -> tuple[str, ...]:
@@ -88,7 +102,7 @@ def main_frame(frame: Any = None) -> dict[str, Any] | None:
     import linecache
 
     if frame is None:
-        frame = sys._current_frames().get(threading.main_thread().ident)
+        frame = current_frames().get(threading.main_thread().ident)
     libs = library_dirs()
     while frame is not None:
         code = frame.f_code
@@ -126,11 +140,8 @@ def _dump(collectives: bool) -> dict[str, Any] | None:
     dump, not the pickled one, so nothing is unpickled: the status alone reads as fast
     (0.01 ms), 256 records slower (about 4 ms against 1.3–2.8 ms, measured), which is paid
     only while a collective stays in flight between two questions."""
-    import torch
-
     try:
-        return json.loads(torch._C._distributed_c10d._dump_fr_trace_json(
-            includeCollectives=collectives, onlyActive=True))
+        return json.loads(dump_flight_recorder(collectives))
     except (AttributeError, RuntimeError, ValueError):
         return None
 
@@ -190,8 +201,8 @@ def _from_frame(frame: Any) -> dict[str, Any]:
             try:
                 import torch.distributed as dist
 
-                pg = group or dist.distributed_c10d._get_default_group()
-                seq = int(pg._get_sequence_number_for_group())
+                pg = group or default_group()
+                seq = max(group_sequence_numbers(pg).values(), default=-1)
                 desc = getattr(pg, "group_desc", None) or "default_pg"
                 ranks = dist.get_process_group_ranks(pg)
             except (RuntimeError, AttributeError, ValueError):
@@ -220,13 +231,49 @@ def collective(now: bool = False) -> dict[str, Any]:
     only one already in flight at the previous question (``_from_recorder``)."""
     found = _from_recorder(now)
     if not found:  # nothing recorded here, or a record the status does not name
-        found = _from_frame(sys._current_frames().get(threading.main_thread().ident))
+        found = _from_frame(current_frames().get(threading.main_thread().ident))
     return found
+
+
+def issued() -> list[dict[str, Any]]:
+    """Each process group's count of issued collectives on this rank, per backend:
+    ``group`` (its name, the same on every member), ``desc`` (``default_pg``, a mesh
+    dimension), ``ranks``, ``backend``, ``seq`` and ``since`` (when this count was first
+    seen here, Unix time). Microseconds per group, paid only when the notebook asks:
+    unlike the flight recorder, nothing is done per collective."""
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return []
+        groups = process_groups()
+    except (RuntimeError, AttributeError, ImportError):
+        return []
+    now, out, seen = time.time(), [], set()
+    for pg in groups:
+        try:
+            name = str(pg.group_name)
+            desc = str(getattr(pg, "group_desc", None) or name)
+            ranks = list(dist.get_process_group_ranks(pg))
+            counts = group_sequence_numbers(pg)
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+        for backend, seq in counts.items():
+            key = (name, backend)
+            seen.add(key)
+            if _ISSUED.get(key, (None,))[0] != seq:
+                _ISSUED[key] = (seq, now)
+            out.append({"group": name, "desc": desc, "ranks": ranks, "backend": backend, "seq": seq,
+                        "since": _ISSUED[key][1]})
+    for key in set(_ISSUED) - seen:  # groups destroyed since
+        del _ISSUED[key]
+    return out
 
 
 def state(rank: int | None = None, now: bool = True) -> dict[str, Any]:
     """This rank, now: its collective in flight (``collective``; ``now=False``: only one
-    in flight since the previous question), the innermost user frame of its main thread
+    in flight since the previous question), each group's issued collectives
+    (``issued``), the innermost user frame of its main thread
     (``main_frame``), its pid, rank and the time."""
     if rank is None:
         try:
@@ -236,7 +283,7 @@ def state(rank: int | None = None, now: bool = True) -> dict[str, Any]:
         except (RuntimeError, ValueError):
             rank = None
     return {"rank": rank, "pid": os.getpid(), "now": time.time(), "collective": collective(now),
-            "frame": main_frame()}
+            "issued": issued(), "frame": main_frame()}
 
 
 def _answer(payload: bytes) -> bytes:

@@ -22,6 +22,13 @@ import types
 import warnings
 from typing import Any
 
+from ..torch_compat import (
+    fsdp_mesh_info_classes,
+    mesh_group_names,
+    process_groups,
+    set_mesh_group_names,
+)
+
 log = logging.getLogger("fsdp_nb")
 
 __all__ = [
@@ -103,14 +110,12 @@ def leave_group(peer_endpoints: list[tuple[str, int]] | None = None) -> bool:
 
     had = dist.is_available() and dist.is_initialized()
     if had:
-        from torch.distributed import distributed_c10d as c10d
-
         from .nccl_abort import abort_nccl
 
         # an NCCL communicator's destroy may wait for peers that will never come:
         # abort it first (gloo groups are unaffected)
         abort_nccl()
-        groups = list(c10d._world.pg_map.keys())
+        groups = process_groups()
         dist.destroy_process_group()
         _drop_references(groups)
         del groups
@@ -248,21 +253,13 @@ def rebind_groups(partitions: list[tuple[tuple[int, ...], ...]] | None = None) -
                 mine[row] = pg.group_name
     rebound = 0
     for m in meshes:
-        names = list(m._dim_group_names)
+        names = mesh_group_names(m)
         for d in range(min(len(names), m.mesh.ndim)):
             row = next((r for r in _rows(m, d) if me in r), None)
             if row is not None and row in mine and names[d] != mine[row]:
                 names[d] = mine[row]
                 rebound += 1
-        m._dim_group_names = names
-        registry = getattr(m, "_pg_registry", None)
-        if isinstance(registry, dict):
-            registry.clear()
-            for n in names:
-                try:
-                    registry[n] = dist.distributed_c10d._resolve_process_group(n)
-                except Exception as exc:  # noqa: BLE001 - a group not formed yet is resolved on the next pass
-                    log.debug("mesh group %s not resolvable yet: %s", n, exc)
+        set_mesh_group_names(m, names)
     fsdp = _refresh_fsdp()
     return {"meshes": len(meshes), "groups_created": created, "names_rebound": rebound,
             "fsdp_groups": fsdp}
@@ -270,13 +267,10 @@ def rebind_groups(partitions: list[tuple[tuple[int, ...], ...]] | None = None) -
 
 def _refresh_fsdp() -> int:
     """Point FSDP2 mesh infos at the live process groups of their meshes."""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_common import (
-            DDPMeshInfo,
-            FSDPMeshInfo,
-        )
-    except ImportError:  # pragma: no cover - older torch
+    classes = fsdp_mesh_info_classes()
+    if classes is None:
         return 0
+    FSDPMeshInfo, DDPMeshInfo = classes  # noqa: N806 - the classes, by their names
     n = 0
     for o in _instances(FSDPMeshInfo, DDPMeshInfo):  # HSDP infos are both
         if isinstance(o, FSDPMeshInfo):

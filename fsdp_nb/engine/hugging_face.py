@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..torch_compat import hf_init_weights
+
 __all__ = ["hugging_face_meta", "initialize_weights", "is_hugging_face", "tied_parameters"]
 
 
@@ -31,7 +33,7 @@ def initialize_weights(model: Any) -> None:
     if callable(initialize):
         initialize()
     else:  # transformers 4: the same, one module at a time
-        model.apply(model._init_weights)
+        model.apply(lambda m: hf_init_weights(model, m))
 
 
 def tied_parameters(model: Any) -> dict[str, str]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..torch_compat import group_backend, process_groups
 from .signing import Link, Refused, start_listener
 
 __all__ = ["ABORT", "MAX_FRAME_BYTES", "abort_nccl", "received", "start"]
@@ -45,16 +46,14 @@ def _is_nccl(backend: Any) -> bool:
 
 
 def _nccl_backends() -> list[Any]:
-    import torch
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
 
     if not (dist.is_available() and dist.is_initialized()):
         return []
     found = []
-    for pg in list(c10d._world.pg_map):
+    for pg in process_groups():
         try:
-            backend = pg._get_backend(torch.device("cuda"))
+            backend = group_backend(pg, "cuda")
         except RuntimeError:  # no CUDA backend in this group
             continue
         if _is_nccl(backend):

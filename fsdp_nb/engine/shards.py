@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from ..torch_compat import compute_local_shape_and_global_offset
 from ..wire.shards import ParamShard
 from .wrap import get
 
@@ -21,7 +22,6 @@ def local_shards(name: str) -> list[ParamShard]:
     ``ShardedModel.shards()`` joins the ranks' rows."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     entry = get(name)
     rows = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from ..torch_compat import local_tensor
 from .wrap import get
 
 __all__ = ["full_state_dict", "load_full_chunk"]
@@ -60,7 +61,7 @@ def load_full_chunk(name: str, chunk: dict[str, Any] | None) -> int:
                     full.to(target.dtype), target.device_mesh, target.placements,
                     src_data_rank=None,
                 ).to_local()
-                target._local_tensor.copy_(piece)
+                local_tensor(target).copy_(piece)
             else:
                 target.copy_(full)
             del full

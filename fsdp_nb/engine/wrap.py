@@ -38,6 +38,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from ..torch_compat import activation_checkpoint, hf_init_weights, local_tensor
 from .hugging_face import initialize_weights, is_hugging_face
 from .namespace import unship, user_ns
 
@@ -210,12 +211,10 @@ def _policies(options: Any, device_type: str) -> dict[str, Any]:
 
 def _checkpoint(model: Any, classes: frozenset[type]) -> tuple[str, ...]:
     """Activation checkpointing on matching submodules (composable API: FQNs unchanged)."""
-    from torch.distributed._composable import checkpoint
-
     done = []
     for fqn, m in list(model.named_modules()):
         if matches(m, classes):
-            checkpoint(m)
+            activation_checkpoint(m)
             done.append(fqn)
     return tuple(done)
 
@@ -237,7 +236,7 @@ def _sync_replicas(model: Any, plan: Any) -> None:
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             if isinstance(t, DTensor):
-                local = t._local_tensor
+                local = local_tensor(t)
                 for dim, pl in enumerate(t.placements):
                     if isinstance(pl, Replicate) and t.device_mesh.size(dim) > 1 and local.numel():
                         g = t.device_mesh.get_group(dim)
@@ -296,7 +295,7 @@ def _init_buffers(model: Any) -> None:
             if not getattr(m, "_non_persistent_buffers_set", None):
                 continue
             if hf:
-                model._init_weights(m)
+                hf_init_weights(model, m)
             elif callable(getattr(m, "reset_parameters", None)):
                 m.reset_parameters()
 

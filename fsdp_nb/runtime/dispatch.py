@@ -252,6 +252,8 @@ class Dispatcher:
             if watching is not None:
                 watching.poll(running)
             poll = self.poll if now - pending.started < 1.0 else self.slow_poll
+            if watching is not None:  # wake for the watch's next question, not a turn later
+                poll = max(0.0, min(poll, watching.next - time.monotonic()))
             pending.wait_for(running, poll)
             if pending.on_poll is not None:
                 pending.on_poll()

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..engine.hang_watch import library_dirs
 
-__all__ = ["HangReport", "fold_stacks", "hang_report"]
+__all__ = ["HangReport", "ahead", "fold_stacks", "hang_report"]
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<fn>\S+)')
 
@@ -92,6 +92,8 @@ def hang_report(states: dict[int, dict[str, Any] | None], stopped: set[int] | No
     stopped = set(stopped or ())
     silent = sorted(r for r, st in states.items() if st is None or "error" in st)
     coll = {r: st["collective"] for r, st in states.items() if st and st.get("collective")}
+    for r, c in ahead(states).items():
+        coll.setdefault(r, c)
     if not coll:
         return HangReport(stalled=tuple(silent), stopped=tuple(r for r in silent if r in stopped))
     waited = {r: max(0.0, float(states[r]["now"]) - float(c.get("since") or states[r]["now"])) for r, c in coll.items()}
@@ -125,11 +127,38 @@ def hang_report(states: dict[int, dict[str, Any] | None], stopped: set[int] | No
                       stopped=tuple(r for r in silent if r in stopped))
 
 
+def ahead(states: dict[int, dict[str, Any] | None]) -> dict[int, dict[str, Any]]:
+    """The collective each rank waits in, told by the groups' counts of issued
+    collectives (``engine.hang_watch.issued``): in a group whose members issued
+    different counts, collective ``lowest + 1`` cannot complete, and every member that
+    issued it waits in it (since its count last changed); the op is not known from a
+    count. Where the flight recorder is off (NCCL), this is what names a hang."""
+    counts: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    for r, st in states.items():
+        for g in (st or {}).get("issued") or ():
+            counts.setdefault((str(g.get("group")), str(g.get("backend"))), {})[r] = g
+    out: dict[int, dict[str, Any]] = {}
+    for by_rank in counts.values():
+        members = set(next(iter(by_rank.values())).get("ranks") or by_rank)
+        by_rank = {r: g for r, g in by_rank.items() if r in members}
+        if not members <= set(by_rank):  # a member did not answer: nothing to compare with
+            continue
+        low = min(int(g["seq"]) for g in by_rank.values())
+        for r, g in by_rank.items():
+            if int(g["seq"]) > low and r not in out:
+                out[r] = {"op": "collective", "group": g.get("desc") or g.get("group"),
+                          "group_ranks": sorted(members), "seq": low + 1,
+                          "since": float(g.get("since") or 0.0), "from_counts": True}
+    return out
+
+
 def _mismatches(coll: dict[int, dict[str, Any]]) -> list[str]:
     """A line for each group and sequence number whose ranks sit in different ops, or in
-    one op with different shapes or dtypes."""
+    one op with different shapes or dtypes (an op told by counts alone is not compared)."""
     by_seq: dict[tuple[str, Any], dict[int, dict[str, Any]]] = {}
     for r, c in coll.items():
+        if c.get("from_counts"):
+            continue
         by_seq.setdefault((str(c.get("group", "")), c.get("seq")), {})[r] = c
     out = []
     for (group, _seq), ranks in sorted(by_seq.items(), key=lambda kv: str(kv[0])):

@@ -61,6 +61,39 @@ def test_an_idle_rank_and_no_collective_at_all():
     assert quiet.lines == () and not quiet.triggered(0)
 
 
+def _counts(seq, since_ago=5.0, frame=None, group="0", desc="default_pg", ranks=(0, 1), backend="nccl"):
+    """A rank whose watch found no collective (NCCL, no flight recorder) but counts."""
+    return {"now": NOW, "collective": {}, "frame": frame,
+            "issued": [{"group": group, "desc": desc, "ranks": list(ranks), "backend": backend, "seq": seq,
+                        "since": NOW - since_ago}]}
+
+
+def test_without_the_recorder_the_issued_counts_name_who_waits_and_who_is_missing():
+    # rank 0 issued collective 58, which rank 1 has not: rank 0 waits in it, rank 1 is missing
+    r = hang_report({0: _counts(58, since_ago=7.0, frame={"function": "step", "where": "cell line 4", "code": ""}),
+                     1: _counts(57, frame={"function": "data_step", "where": "cell line 2", "code": "load()"})})
+    assert r.lines == (
+        "rank 1 is not in it: in data_step (cell line 2): load()",
+        "rank 0 waits in collective #58 on the default group for 7 s, from step (cell line 4)",
+    )
+    assert (r.waiting, r.missing, r.mismatch) == ((0,), (1,), False) and r.triggered(5) and not r.triggered(8)
+    # the CPU ran ahead (async NCCL): 3 issued past the laggard, still #58 is the one it waits in
+    assert "collective #58 " in hang_report({0: _counts(60), 1: _counts(57)}).lines[1]
+
+
+def test_equal_counts_or_a_silent_member_say_nothing_and_a_frame_wins_over_counts():
+    assert hang_report({0: _counts(9), 1: _counts(9)}).lines == ()
+    assert hang_report({0: _counts(9), 1: None}).waiting == ()  # nothing to compare rank 0 with
+    # a subgroup: only its members are compared
+    sub = hang_report({0: _counts(4, group="3", desc="dp", ranks=(0, 2)), 1: _counts(1, ranks=(0, 1, 2)),
+                       2: _counts(3, group="3", desc="dp", ranks=(0, 2))})
+    assert sub.waiting == (0,) and "on group dp" in sub.lines[-1] and sub.missing == (2,)
+    # a rank whose frame names its collective keeps it; no mismatch with a count-told one
+    framed = _waits(seq=5) | {"issued": _counts(5)["issued"]}
+    r = hang_report({0: framed, 1: _counts(4)})
+    assert r.lines[-1].startswith("rank 0 waits in all_reduce #5") and not r.mismatch
+
+
 def test_stacks_are_folded_to_the_users_frames():
     dump = (
         'Current thread 0x01 (most recent call first):\n'

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
+from ...torch_compat import fsspec_reader, narrow_tensor_by_index
 from .checksums import ChecksumMismatch
 
 __all__ = ["can_stage", "read_items", "safe_reader"]
@@ -64,9 +65,7 @@ def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
         args: tuple = (path,)
         kw: dict[str, Any] = {}
     else:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        base, args, kw = FsspecReader, (to_url(fs, path),), dict(so)
+        base, args, kw = fsspec_reader(), (to_url(fs, path),), dict(so)
 
     reader = type("SafeReader", (_SafeReading, base), {})(*args, **kw)
     reader.metadata, reader.checks, reader.on_read = metadata, checks, on_read
@@ -275,7 +274,6 @@ def _item(planner: Any, req: Any, md: Any, view: memoryview) -> Any:
     """What read item ``view`` holds for request ``req``: its bytes, or (a tensor item)
     the requested slice of its tensor, built over ``view`` and matched against the
     planner's target."""
-    from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint.planner import LoadItemType
 
     from .item_tensor import tensor_from_item

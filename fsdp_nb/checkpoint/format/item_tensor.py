@@ -15,6 +15,8 @@ import struct
 import zipfile
 from typing import Any
 
+from ...torch_compat import weights_only_unpickler
+
 __all__ = ["tensor_from_item"]
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
@@ -62,7 +64,8 @@ def tensor_from_item(view: memoryview) -> Any:
 
 def _over(view: memoryview) -> Any:
     import torch
-    from torch._weights_only_unpickler import Unpickler
+
+    Unpickler = weights_only_unpickler()  # noqa: N806 - the class, by its name
 
     zf = zipfile.ZipFile(_ViewFile(view))
     pkl = next(n for n in zf.namelist() if n.endswith("/data.pkl"))

@@ -30,6 +30,7 @@ import re
 from typing import Any
 
 from ...errors import CorruptCheckpointError, UnsafeCheckpointError
+from ...torch_compat import set_element
 
 __all__ = [
     "TRUST_HINT", "full_load_planner", "is_weights_only", "load_item", "load_planner", "load_pt",
@@ -164,8 +165,6 @@ class _WeightsOnlyBytes:
     ``torch.load(weights_only=False)``); a refusal names the item and its file."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
         fqn = read_item.dest_index.fqn
         storage = getattr(getattr(self, "metadata", None), "storage_data", None) or {}
         info = storage.get(read_item.storage_index)

@@ -19,6 +19,8 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ...torch_compat import fsspec_writer
+
 log = logging.getLogger("fsdp_nb")
 
 __all__ = ["fsync_dir", "options_for", "set_storage_options", "url_to_fs"]
@@ -113,9 +115,7 @@ def dcp_writer(fs: fsspec.AbstractFileSystem, path: str, options: dict[str, Any]
 
     if is_local(fs):
         return FileSystemWriter(path, sync_files=True)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(to_url(fs, path), sync_files=False, **options)
+    return fsspec_writer()(to_url(fs, path), sync_files=False, **options)
 
 
 def fsync_dir(path: str) -> None:

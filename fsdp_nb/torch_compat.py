@@ -1,0 +1,232 @@
+"""Every use of torch's private API, and every branch on torch's version, in one place.
+
+A new torch breaks private names first (``_world``, ``_local_tensor``, a module moved
+under ``_composable``), so fsdp_nb touches them only here, each behind a small function
+that says what it is for; ``tests/unit/test_torch_compat.py`` calls each one on every
+torch CI runs (the lowest supported and the newest), so a rename fails CI in one place.
+Nothing here imports torch at import time: the notebook side imports this module
+without paying for torch.
+
+Supported: torch 2.11 (the oldest a GPU image here has) to the newest release.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "BF16_MIXED_ON_CPU_SINCE", "FLIGHT_RECORDER_ENV", "LOWEST", "activation_checkpoint",
+    "bf16_mixed_on_cpu", "compute_local_shape_and_global_offset", "current_frames", "default_group",
+    "dump_flight_recorder", "fsdp_mesh_info_classes", "fsspec_reader", "fsspec_writer",
+    "group_backend", "group_sequence_numbers", "hf_init_weights", "local_tensor",
+    "mesh_group_names", "narrow_tensor_by_index", "process_groups", "resolve_process_group",
+    "set_element", "set_mesh_group_names", "torch_version", "tree_leaves", "tree_map_only",
+    "weights_only_unpickler",
+]
+
+LOWEST = (2, 11)
+"""The oldest torch fsdp_nb supports (``pyproject.toml`` says the same)."""
+FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
+"""The variable every supported torch reads for the flight recorder's size, NCCL
+included (2.11 reads it first and warns about ``TORCH_NCCL_TRACE_BUFFER_SIZE``, the
+name it replaces, so fsdp_nb never sets the old one)."""
+BF16_MIXED_ON_CPU_SINCE = (2, 12)
+"""The first torch whose FSDP2 runs a bf16-mixed backward on CPU tensors over gloo
+(2.11 raises "Found dtype Float but expected BFloat16" there; CUDA is unaffected)."""
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the torch installed, read from its version string."""
+    import torch
+
+    major, minor = torch.__version__.split("+", 1)[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def bf16_mixed_on_cpu() -> bool:
+    """Whether this torch trains an FSDP2 model with bf16 compute and fp32 gradient
+    reduction on CPU (``BF16_MIXED_ON_CPU_SINCE``)."""
+    return torch_version() >= BF16_MIXED_ON_CPU_SINCE
+
+
+# -- process groups -------------------------------------------------------------------
+
+
+def process_groups() -> list[Any]:
+    """Every process group this rank belongs to (the default group and each subgroup,
+    a device mesh's among them), in creation order."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return list(c10d._world.pg_map)
+
+
+def default_group() -> Any:
+    """The default process group (raises when none is formed)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_group()
+
+
+def group_sequence_numbers(pg: Any) -> dict[str, int]:
+    """How many collectives ``pg`` has issued on this rank, per backend (``{"nccl": n}``,
+    ``{"gloo": n}``, both in a ``cpu:gloo,cuda:nccl`` group): the same
+    on every member once each has issued them, so a member that issued fewer is behind
+    the others. A read of a counter, for the hang watch's question; nothing per
+    collective."""
+    out: dict[str, int] = {}
+    for device in sorted({str(d.type) for d in getattr(pg, "_device_types", ())}):
+        try:
+            backend = group_backend(pg, device)
+            name = type(backend).__name__.lower().removeprefix("processgroup") or device
+            if name not in out:  # plain gloo serves cpu and cuda tensors: one backend
+                out[name] = int(backend._get_sequence_number_for_group())
+        except (RuntimeError, AttributeError):  # no backend for that device in this group
+            continue
+    if not out:
+        out[str(pg.name())] = int(pg._get_sequence_number_for_group())
+    return out
+
+
+def group_backend(pg: Any, device: str) -> Any:
+    """The backend that carries ``device`` tensors in ``pg`` (RuntimeError if none)."""
+    import torch
+
+    return pg._get_backend(torch.device(device))
+
+
+def resolve_process_group(name: str) -> Any:
+    """The live process group registered under ``name``."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._resolve_process_group(name)
+
+
+def mesh_group_names(mesh: Any) -> list[str]:
+    """The process-group name of each dimension of device mesh ``mesh``."""
+    return list(mesh._dim_group_names)
+
+
+def set_mesh_group_names(mesh: Any, names: list[str]) -> None:
+    """Point ``mesh``'s dimensions at the groups named ``names`` (after the group was
+    formed again), and its group cache at those groups."""
+    mesh._dim_group_names = list(names)
+    registry = getattr(mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()
+        for n in names:
+            try:
+                registry[n] = resolve_process_group(n)
+            except (RuntimeError, ValueError, KeyError):  # a group not formed yet resolves later
+                continue
+
+
+def dump_flight_recorder(collectives: bool) -> str:
+    """torch's flight recorder as JSON: each group's status and (``collectives``) the
+    records of collectives not yet completed. Raises AttributeError / RuntimeError
+    where this torch has no such dump."""
+    import torch
+
+    return torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=collectives, onlyActive=True)
+
+
+def fsdp_mesh_info_classes() -> tuple[type, type] | None:
+    """FSDP2's (FSDPMeshInfo, DDPMeshInfo), whose process groups a re-formed group
+    must replace; None where this torch has neither."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
+    except ImportError:
+        return None
+    return FSDPMeshInfo, DDPMeshInfo
+
+
+# -- tensors and modules -------------------------------------------------------------
+
+
+def local_tensor(t: Any) -> Any:
+    """The tensor this rank holds of DTensor ``t`` (not a copy: writing to it writes the
+    shard); ``t`` itself when it is a plain tensor."""
+    return getattr(t, "_local_tensor", t)
+
+
+def compute_local_shape_and_global_offset(shape: Any, mesh: Any, placements: Any) -> tuple[Any, Any]:
+    """(local shape, global offset) of this rank's piece of a tensor of global
+    ``shape`` placed on ``mesh`` with ``placements``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as f
+
+    return f(shape, mesh, placements)
+
+
+def activation_checkpoint(module: Any) -> Any:
+    """Activation checkpointing on ``module`` through the composable API (parameter
+    names unchanged, unlike the wrapper class)."""
+    from torch.distributed._composable import checkpoint
+
+    return checkpoint(module)
+
+
+def hf_init_weights(model: Any, module: Any) -> None:
+    """A Hugging Face model's own initialisation of one of its ``module``s."""
+    model._init_weights(module)
+
+
+def tree_map_only(cls: Any, fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` with each leaf of type ``cls`` replaced by ``fn(leaf)``."""
+    from torch.utils._pytree import tree_map_only as f
+
+    return f(cls, fn, tree)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of a nested dict / list / tuple."""
+    from torch.utils._pytree import tree_leaves as f
+
+    return f(tree)
+
+
+# -- checkpoints ---------------------------------------------------------------------
+
+
+def fsspec_writer() -> type:
+    """DCP's storage writer over an fsspec file system (remote URLs)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter
+
+
+def fsspec_reader() -> type:
+    """DCP's storage reader over an fsspec file system (remote URLs)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader
+
+
+def narrow_tensor_by_index(tensor: Any, offsets: Any, sizes: Any) -> Any:
+    """The view of ``tensor`` that starts at ``offsets`` and spans ``sizes``."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index as f
+
+    return f(tensor, offsets, sizes)
+
+
+def set_element(root: Any, path: Any, value: Any) -> None:
+    """Put ``value`` at DCP object path ``path`` in state dict ``root``."""
+    from torch.distributed.checkpoint._traverse import set_element as f
+
+    f(root, path, value)
+
+
+def weights_only_unpickler() -> type:
+    """torch's weights-only unpickler class (what ``torch.load(weights_only=True)``
+    uses), for reading a pickle in place over a buffer."""
+    from torch._weights_only_unpickler import Unpickler
+
+    return Unpickler
+
+
+# -- the interpreter -----------------------------------------------------------------
+
+
+def current_frames() -> dict[int, Any]:
+    """Thread id -> its innermost frame, for every thread (a snapshot)."""
+    return sys._current_frames()

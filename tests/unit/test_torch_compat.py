@@ -1,0 +1,145 @@
+"""Every private torch name fsdp_nb uses, called on the torch installed: CI runs this on
+the lowest supported torch and on the newest, so a rename fails here, in one place.
+One process, a one-rank gloo group, no engines."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_nb import torch_compat as tc
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """A one-rank gloo group, its flight recorder off as on an NCCL session; left at the end."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already formed in this process")
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_version_is_in_the_supported_range_and_pyproject_says_the_same():
+    assert tc.torch_version() >= tc.LOWEST
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        pin = re.search(r'"torch>=(\d+)\.(\d+)', f.read())
+    assert pin and (int(pin[1]), int(pin[2])) == tc.LOWEST
+    assert tc.bf16_mixed_on_cpu() == (tc.torch_version() >= tc.BF16_MIXED_ON_CPU_SINCE)
+
+
+def test_groups_their_counts_and_backends(group):
+    assert tc.default_group() is group and group in tc.process_groups()
+    before = tc.group_sequence_numbers(group)
+    assert list(before) == ["gloo"]
+    dist.all_reduce(torch.ones(2))
+    assert tc.group_sequence_numbers(group)["gloo"] == before["gloo"] + 1
+    assert type(tc.group_backend(group, "cpu")).__name__ == "ProcessGroupGloo"
+    assert tc.resolve_process_group(group.group_name) is group
+
+
+def test_a_mesh_names_its_groups_and_can_be_pointed_at_others(group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    names = tc.mesh_group_names(mesh)
+    assert names and all(tc.resolve_process_group(n) is not None for n in names)
+    sub = dist.new_group([0])
+    tc.set_mesh_group_names(mesh, [sub.group_name])
+    assert tc.mesh_group_names(mesh) == [sub.group_name] and mesh.get_group(0) is sub
+
+
+def test_the_flight_recorder_dump_is_json(group):
+    dump = json.loads(tc.dump_flight_recorder(collectives=True))
+    assert "pg_status" in dump or "entries" in dump or "version" in dump
+
+
+def test_fsdp_mesh_infos_local_tensors_and_shapes(group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    classes = tc.fsdp_mesh_info_classes()
+    assert classes is not None and all(isinstance(c, type) for c in classes)
+    mesh = init_device_mesh("cpu", (1,))
+    net = torch.nn.Linear(4, 3)
+    fully_shard(net, mesh=mesh)
+    w = net.weight
+    assert isinstance(w, DTensor)
+    tc.local_tensor(w).fill_(2.0)  # the shard itself, not a copy
+    assert torch.equal(w.full_tensor(), torch.full((3, 4), 2.0))
+    assert tc.local_tensor(torch.ones(1)).shape == (1,)
+    shape, offset = tc.compute_local_shape_and_global_offset((3, 4), mesh, [Shard(0)])
+    assert tuple(shape) == (3, 4) and tuple(offset) == (0, 0)
+
+
+def test_activation_checkpoint_keeps_parameter_names():
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    names = [n for n, _ in net.named_parameters()]
+    tc.activation_checkpoint(net[0])
+    assert [n for n, _ in net.named_parameters()] == names
+    net(torch.ones(1, 2, requires_grad=True)).sum().backward()
+
+
+def test_hugging_face_init_weights_is_called_on_a_module():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+            self.lin = torch.nn.Linear(1, 1)
+
+        def _init_weights(self, module):
+            self.seen.append(type(module).__name__)
+
+    m = Model()
+    tc.hf_init_weights(m, m.lin)
+    assert m.seen == ["Linear"]
+
+
+def test_trees():
+    tree = {"a": torch.ones(1), "b": [torch.zeros(2), 3]}
+    assert len(tc.tree_leaves(tree)) == 3
+    doubled = tc.tree_map_only(torch.Tensor, lambda t: t * 2, tree)
+    assert torch.equal(doubled["a"], torch.full((1,), 2.0)) and doubled["b"][1] == 3
+
+
+def test_checkpoint_helpers(tmp_path):
+    from torch.distributed.checkpoint import StorageReader, StorageWriter
+
+    assert issubclass(tc.fsspec_writer(), StorageWriter) and issubclass(tc.fsspec_reader(), StorageReader)
+    t = torch.arange(12).reshape(3, 4)
+    assert torch.equal(tc.narrow_tensor_by_index(t, [1, 1], [2, 2]), t[1:3, 1:3])
+    root: dict = {}
+    tc.set_element(root, ("optim", "param_groups"), [1])
+    assert root == {"optim": {"param_groups": [1]}}
+
+
+def test_the_weights_only_unpickler_refuses_code_and_reads_tensors():
+    unpickler = tc.weights_only_unpickler()
+    buf = io.BytesIO()
+    pickle.dump({"lr": 0.1}, buf, protocol=2)
+    buf.seek(0)
+    assert unpickler(buf).load() == {"lr": 0.1}
+    evil = io.BytesIO(pickle.dumps(os.system, protocol=2))
+    with pytest.raises(pickle.UnpicklingError):
+        unpickler(evil).load()
+
+
+def test_current_frames_has_the_main_thread():
+    frames = tc.current_frames()
+    assert threading.main_thread().ident in frames
+    here = frames[threading.get_ident()]  # taken inside current_frames, called from this test
+    assert here.f_code.co_name == "current_frames" and here.f_back.f_code is sys._getframe().f_code  # noqa: SLF001
