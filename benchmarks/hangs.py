@@ -10,8 +10,13 @@ Prints a table and writes benchmarks/out/hangs.json.
   while the cell trains (its worst case); the order turns each round. Median tokens/s
   per rank, as a ratio to "off"; "off again" (the same session twice per round) shows
   how far two identical runs fall apart on this machine.
+- per collective, inside an engine: microseconds of a 1-member gloo all_reduce with the
+  flight recorder off and on (256 records): what each record costs the launching thread
+  in the engine process, where gloo's own 2-rank latency (1.6-1.8 ms here) hides it.
 - a straggler: seconds from a rank's late arrival being due (``hang_after=2``) to the
-  first diagnosis on screen.
+  first diagnosis on screen; once with the waiting rank in a synchronous all_reduce
+  (gloo, told by the recorder or its frame), once as an NCCL rank waits (an async
+  all_reduce issued, then blocked elsewhere, recorder off: told by the groups' counts).
 - a stopped rank (SIGSTOP while the ranks loop on all_reduce, ``timeout=10``): seconds
   to the error naming it, then to a usable session (the stopped rank replaced).
 """
@@ -96,8 +101,45 @@ def _question_ms(n: int = 200) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def straggler(s: fsdp_nb.Session, tmp: Path) -> float:
-    go = tmp / "go"
+def _per_collective_us(n: int = 3000) -> float:
+    """Microseconds per all_reduce of 4 floats on a 1-member group of this rank (no
+    peer to wait for: what is left is the launching thread's own work, records included)."""
+    import time as _t
+
+    import torch as _torch
+    import torch.distributed as _dist
+
+    t = _torch.ones(4)
+    mine = [_dist.new_group([r]) for r in range(_dist.get_world_size())][_dist.get_rank()]
+    for _ in range(200):
+        _dist.all_reduce(t, group=mine)
+    t0 = _t.perf_counter()
+    for _ in range(n):
+        _dist.all_reduce(t, group=mine)
+    return (_t.perf_counter() - t0) / n * 1e6
+
+
+def per_collective() -> dict[str, float]:
+    """``_per_collective_us`` on sessions with the recorder off and on, alternating."""
+    off, on = _session(False), _session(True)
+    got: dict[str, list[float]] = {"off": [], "on": []}
+    try:
+        for _ in range(3):
+            got["off"].append(min(off.run(_per_collective_us)))
+            got["on"].append(min(on.run(_per_collective_us)))
+    finally:
+        off.shutdown()
+        on.shutdown()
+    med = {k: statistics.median(v) for k, v in got.items()}
+    return {"1-member all_reduce in an engine, recorder off, us": med["off"],
+            "1-member all_reduce in an engine, recorder on (256), us": med["on"]}
+
+
+def straggler(s: fsdp_nb.Session, tmp: Path, like_nccl: bool = False) -> float:
+    """Seconds past ``hang_after`` (2 s) until the diagnosis is shown. ``like_nccl``: the
+    waiting rank issues an async all_reduce and blocks outside torch.distributed, as an
+    NCCL rank blocks in a CUDA sync."""
+    go = tmp / ("go-nccl" if like_nccl else "go")
     seen: list[float] = []
 
     def on_event(e) -> None:
@@ -106,9 +148,10 @@ def straggler(s: fsdp_nb.Session, tmp: Path) -> float:
             go.touch()
 
     s.dispatcher.observers.append(on_event)
+    wait = ("w = dist.all_reduce(torch.ones(1), async_op=True)\nwhile not w.is_completed():\n    time.sleep(0.01)\n"
+            if like_nccl else "dist.all_reduce(torch.ones(1))\n")
     code = ("import os, time, torch\nimport torch.distributed as dist\n"
-            f"while rank == 1 and not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n"
-            "dist.all_reduce(torch.ones(1))\n")
+            f"while rank == 1 and not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n" + wait)
     t0 = time.monotonic()
     try:
         s.execute(code, hang_after=2)
@@ -149,11 +192,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args()
-    out: dict[str, float] = cost(args.rounds, args.steps)
+    out: dict[str, float] = cost(args.rounds, args.steps) if args.rounds else {}
+    out.update(per_collective())
     with tempfile.TemporaryDirectory() as d:
         s = fsdp_nb.Session(2, backend="gloo", activate=False)
         try:
             out["straggler: diagnosis shown, s after hang_after"] = straggler(s, Path(d))
+        finally:
+            s.shutdown()
+        s = _session(False)  # no recorder: the counts tell it, as on NCCL
+        try:
+            out["straggler as on NCCL (counts): diagnosis shown, s after hang_after"] = straggler(
+                s, Path(d), like_nccl=True)
         finally:
             s.shutdown()
         err, usable = stopped(Path(d))

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "BF16_MIXED_ON_CPU_SINCE", "FLIGHT_RECORDER_ENV", "LOWEST", "activation_checkpoint",
-    "bf16_mixed_on_cpu", "compute_local_shape_and_global_offset", "current_frames", "default_group",
+    "FLIGHT_RECORDER_ENV", "LOWEST", "activation_checkpoint",
+    "compute_local_shape_and_global_offset", "current_frames", "default_group",
     "dump_flight_recorder", "fsdp_mesh_info_classes", "fsspec_reader", "fsspec_writer",
     "group_backend", "group_sequence_numbers", "hf_init_weights", "local_tensor",
     "mesh_group_names", "narrow_tensor_by_index", "process_groups", "resolve_process_group",
@@ -32,9 +32,6 @@ FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
 """The variable every supported torch reads for the flight recorder's size, NCCL
 included (2.11 reads it first and warns about ``TORCH_NCCL_TRACE_BUFFER_SIZE``, the
 name it replaces, so fsdp_nb never sets the old one)."""
-BF16_MIXED_ON_CPU_SINCE = (2, 12)
-"""The first torch whose FSDP2 runs a bf16-mixed backward on CPU tensors over gloo
-(2.11 raises "Found dtype Float but expected BFloat16" there; CUDA is unaffected)."""
 
 
 def torch_version() -> tuple[int, int]:
@@ -43,12 +40,6 @@ def torch_version() -> tuple[int, int]:
 
     major, minor = torch.__version__.split("+", 1)[0].split(".")[:2]
     return int(major), int(minor)
-
-
-def bf16_mixed_on_cpu() -> bool:
-    """Whether this torch trains an FSDP2 model with bf16 compute and fp32 gradient
-    reduction on CPU (``BF16_MIXED_ON_CPU_SINCE``)."""
-    return torch_version() >= BF16_MIXED_ON_CPU_SINCE
 
 
 # -- process groups -------------------------------------------------------------------

@@ -214,6 +214,9 @@ def test_mixed_precision(sess):
     for k in ref:  # bf16 compute: close to fp32 training, not equal
         torch.testing.assert_close(got[k], ref[k], atol=5e-2, rtol=0)
     assert not all(torch.equal(got[k], ref[k]) for k in ref)
+    # computed in bf16, handed back in fp32: the loss is fp32, as under autocast (and
+    # torch 2.11's mse_loss backward, which fails on bf16 against fp32, trains)
+    assert sess.run(lambda: model(torch.ones(2, DIM)).dtype) == [torch.float32] * 2  # noqa: F821
     sm = sess.wrap(start, name="model", mixed_precision="bf16-true")
     assert sm.summary.param_dtype == "bfloat16"
     assert {p.dtype for p in sm.shards().params} == {"bfloat16"}

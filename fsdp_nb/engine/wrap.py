@@ -198,15 +198,26 @@ def _policies(options: Any, device_type: str) -> dict[str, Any]:
     if isinstance(mp, MixedPrecisionPolicy):
         kw["mp_policy"] = mp
     elif mp == "bf16-mixed":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw["mp_policy"] = _mixed(torch.bfloat16)
     elif mp == "16-mixed":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+        kw["mp_policy"] = _mixed(torch.float16)
     off = options.cpu_offload
     if off is True:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type != "cpu")
     elif isinstance(off, CPUOffloadPolicy):
         kw["offload_policy"] = off
     return kw
+
+
+def _mixed(compute: Any) -> Any:
+    """A "-mixed" policy: compute in ``compute``, reduce gradients in fp32, and hand
+    the model's output back in fp32, so the loss is computed in fp32 as under autocast
+    (and torch 2.11's mse_loss, whose backward fails on a bf16 input against an fp32
+    target, trains)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, output_dtype=torch.float32)
 
 
 def _checkpoint(model: Any, classes: frozenset[type]) -> tuple[str, ...]:

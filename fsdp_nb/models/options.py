@@ -52,7 +52,8 @@ class WrapOptions:
     classes (:class:`ClassNames`), as Accelerate and transformers' FSDP integration do."""
     mixed_precision: str | Any = "32-true"
     """``"bf16-mixed"`` / ``"16-mixed"``: compute in bf16 / fp16, keep fp32
-    sharded parameters and reduce gradients in fp32; ``"bf16-true"``: parameters
+    sharded parameters, reduce gradients in fp32 and return the output in fp32 (the loss
+    in fp32, as under autocast); ``"bf16-true"``: parameters
     themselves bf16; ``"32-true"``: plain fp32; or a ``MixedPrecisionPolicy``."""
     cpu_offload: bool | Any = False
     """Keep sharded parameters, gradients and optimizer state on the CPU: ``True``
