@@ -6,7 +6,7 @@ without GPUs), each a rank of one process group; ``%%px`` runs cells on every ra
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CheckpointError,
@@ -22,6 +22,21 @@ from .errors import (
 )
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what type checkers and editors see of the lazy names below
+    from .checkpoint.async_saves import AsyncCheckpoint
+    from .checkpoint.consolidate import consolidate
+    from .checkpoint.export import export_safetensors
+    from .checkpoint.format.info import CheckpointInfo
+    from .checkpoint.format.inspect import inspect
+    from .checkpoint.format.listing import list_checkpoints
+    from .context import SessionContext
+    from .lifetime.keepalive import sessions
+    from .lifetime.resize import ResizeReport
+    from .models.options import WrapOptions
+    from .models.sharded_model import ShardedModel
+    from .runtime.rendezvous import RankInfo
+    from .session import Session
 
 # Names served lazily from the layers that define them: `import fsdp_nb` stays light,
 # so a process that needs one small module (the session watchdog, an engine importing

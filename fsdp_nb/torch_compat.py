@@ -91,7 +91,7 @@ def resolve_process_group(name: str) -> Any:
     """The live process group registered under ``name``."""
     from torch.distributed import distributed_c10d as c10d
 
-    return c10d._resolve_process_group(name)
+    return c10d._resolve_process_group(name)  # type: ignore[arg-type]  # a GroupName is a str
 
 
 def mesh_group_names(mesh: Any) -> list[str]:
@@ -119,7 +119,8 @@ def dump_flight_recorder(collectives: bool) -> str:
     where this torch has no such dump."""
     import torch
 
-    return torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=collectives, onlyActive=True)
+    dump = torch._C._distributed_c10d._dump_fr_trace_json  # type: ignore[attr-defined]  # not in the stubs
+    return dump(includeCollectives=collectives, onlyActive=True)
 
 
 def fsdp_mesh_info_classes() -> tuple[type, type] | None:

@@ -1,4 +1,7 @@
-"""The GPU path: NCCL sessions on CUDA engines (``-m gpu``; skipped without CUDA).
+"""The GPU path: NCCL sessions on CUDA engines (``-m gpu``; skipped without CUDA), and the
+same tests' logic on two CPU engines over gloo wherever it is not CUDA's own: the
+``gsess`` fixture is parametrized by device, so CI runs them on every push and a test
+cannot rot unseen between GPU runs. CUDA-only tests ask for ``cuda`` alone.
 
 Run on a GPU machine (``pytest -m gpu``; the README says what has run there): one engine per GPU, an NCCL group
 formed as ``cpu:gloo,cuda:nccl``; wrap with bf16-mixed, auto_wrap, activation
@@ -15,6 +18,7 @@ import _thread
 import copy
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,9 +34,11 @@ import fsdp_nb
 from fsdp_nb.errors import DeadRankError, RankError
 from fsdp_nb.runtime.cluster import wait_until
 
-pytestmark = pytest.mark.gpu
-
 DIM = 64
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+"""What ``gsess`` runs on: two CPU engines over gloo, or one engine per GPU over NCCL."""
+CUDA_ONLY = pytest.mark.parametrize("gsess", [pytest.param("cuda", marks=pytest.mark.gpu)], indirect=True)
+"""For a test whose subject is CUDA's own (its memory counters, NCCL's abort)."""
 
 
 class Block(nn.Module):
@@ -60,9 +66,9 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def _batch(seed: int = 1):
+def _batch(seed: int = 1, dim: int = DIM):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(4, 8, DIM, generator=g)
+    x = torch.randn(4, 8, dim, generator=g)
     return x, x.roll(1, dims=-1)
 
 
@@ -94,25 +100,36 @@ def _train_local(model, x, y, steps: int = 3) -> list[float]:
     return losses
 
 
-@pytest.fixture(scope="module")
-def gsess():
-    s = fsdp_nb.Session(activate=False, grace=1.0)  # the default: one engine per GPU, nccl
+@pytest.fixture(scope="module", params=DEVICES)
+def gsess(request):
+    if request.param == "cuda":
+        s = fsdp_nb.Session(activate=False, grace=1.0)  # the default: one engine per GPU, nccl
+    else:
+        s = fsdp_nb.Session(2, backend="gloo", activate=False, grace=1.0, standby=False)
     try:
         yield s
     finally:
         s.shutdown()
 
 
-def test_session_picks_nccl_one_engine_per_gpu(gsess):
+def _device(s: fsdp_nb.Session) -> str:
+    return "cuda" if s.backend == "nccl" else "cpu"
+
+
+def test_session_picks_its_backend_and_devices(gsess: fsdp_nb.Session):
+    assert gsess.all_reduce_check() == float(sum(range(gsess.world_size)))
+    backends = gsess.run(lambda: str(__import__("torch.distributed").distributed.get_backend()))
+    if _device(gsess) == "cpu":
+        assert gsess.backend == "gloo" and set(backends) == {"gloo"}
+        assert [r.device for r in gsess.ranks] == ["cpu"] * gsess.world_size
+        return
     assert gsess.backend == "nccl"
     assert gsess.world_size == torch.cuda.device_count()
     assert [r.device for r in gsess.ranks] == [f"cuda:{r.local_rank}" for r in gsess.ranks]
-    assert gsess.all_reduce_check() == float(sum(range(gsess.world_size)))
-    backends = gsess.run(lambda: str(__import__("torch.distributed").distributed.get_backend()))
     assert set(backends) == {"cpu:gloo,cuda:nccl"}
 
 
-def test_class_wrap_on_meta_with_bf16_autowrap_checkpointing(gsess):
+def test_class_wrap_on_meta_with_bf16_autowrap_checkpointing(gsess: fsdp_nb.Session):
     sm = gsess.wrap(Net, name="gnet", auto_wrap={Block}, mixed_precision="bf16-mixed",
                     activation_checkpointing={Block})
     assert sm.summary.param_dtype == "float32" and len(sm.summary.checkpointed) == 2
@@ -120,10 +137,10 @@ def test_class_wrap_on_meta_with_bf16_autowrap_checkpointing(gsess):
     losses = gsess.run(_train_on_ranks, "gnet", x, y)
     assert all(ls[-1] < ls[0] for ls in losses)
     on = gsess.run(lambda: {p.device.type for p in globals()["gnet"].parameters()})
-    assert on == [{"cuda"}] * gsess.world_size
+    assert on == [{_device(gsess)}] * gsess.world_size
 
 
-def test_cpu_offload_on_cuda(gsess):
+def test_cpu_offload(gsess: fsdp_nb.Session):
     sm = gsess.wrap(Net, name="goff", cpu_offload=True, mixed_precision="bf16-mixed")
     x, y = _batch()
     losses = gsess.run(_train_on_ranks, "goff", x, y)
@@ -134,7 +151,7 @@ def test_cpu_offload_on_cuda(gsess):
     assert sm.summary.num_params > 0
 
 
-def test_training_equals_one_process_within_bf16_tolerance(gsess):
+def test_training_equals_one_process_within_bf16_tolerance(gsess: fsdp_nb.Session):
     torch.manual_seed(0)
     start = Net()
     sm = gsess.wrap(start, name="geq", mixed_precision="bf16-mixed", auto_wrap={Block})
@@ -148,7 +165,7 @@ def test_training_equals_one_process_within_bf16_tolerance(gsess):
 
 
 @pytest.mark.parametrize("sharded, async_save", [(True, False), (True, True), (False, False), (False, True)])
-def test_save_and_load_on_nccl(gsess, tmp_path, sharded, async_save):
+def test_save_and_load(gsess: fsdp_nb.Session, tmp_path, sharded, async_save):
     sm = gsess.wrap(Net, name="gck")
     gsess.execute("gck_opt = torch.optim.AdamW(gck.parameters(), lr=1e-3)")
     x, y = _batch()
@@ -157,7 +174,7 @@ def test_save_and_load_on_nccl(gsess, tmp_path, sharded, async_save):
     path = str(tmp_path / ("ck" if sharded else "ck.safetensors"))
     out = gsess.save(path, sm, optimizer="gck_opt", sharded=sharded, async_save=async_save,
                      extra={"step": 1})
-    info = out.wait() if async_save else out
+    info = out.wait() if isinstance(out, fsdp_nb.AsyncCheckpoint) else out
     assert info.valid and info.extra == {"step": 1}
     gsess.execute("with torch.no_grad():\n    [p.zero_() for p in gck.parameters()]")
     assert gsess.load(path, sm, optimizer="gck_opt") == {"step": 1}
@@ -165,12 +182,13 @@ def test_save_and_load_on_nccl(gsess, tmp_path, sharded, async_save):
     assert all(torch.equal(saved[k], after[k]) for k in saved)
 
 
-def test_sharded_load_reads_into_the_model_without_device_memory(gsess, tmp_path):
+@CUDA_ONLY
+def test_sharded_load_reads_into_the_model_without_device_memory(gsess: fsdp_nb.Session, tmp_path):
     """A checked sharded load stages its reads in host memory and copies them into the
     model's own shards: it allocates no second model on the GPU."""
     sm = gsess.wrap(Net(dim=256, depth=4), name="gin")
     gsess.execute("gin_opt = torch.optim.AdamW(gin.parameters(), lr=1e-3)")
-    x, y = _batch()
+    x, y = _batch(dim=256)
     gsess.run(_train_on_ranks, "gin", x, y, 1)
     path = str(tmp_path / "in")
     gsess.save(path, sm, optimizer="gin_opt")
@@ -187,27 +205,29 @@ def test_sharded_load_reads_into_the_model_without_device_memory(gsess, tmp_path
     assert all(torch.equal(saved[k], after[k]) for k in saved)
 
 
-def test_memory_feed_has_cuda_fields(gsess):
+@CUDA_ONLY
+def test_memory_feed_has_cuda_fields(gsess: fsdp_nb.Session):
     from fsdp_nb.engine.memory_sampler import sample
 
-    samples = gsess.run(lambda: sample(rank, device))  # noqa: F821 - engine globals
+    samples = gsess.run(lambda: sample(rank, device))  # type: ignore[name-defined]  # noqa: F821 - engine globals
     for s in samples:
         assert s["device"].startswith("cuda")
         assert s["cuda_allocated"] > 0 and s["cuda_total"] > s["cuda_reserved"] > 0
 
 
-def test_error_cell_then_usable(gsess):
+def test_error_cell_then_usable(gsess: fsdp_nb.Session):
     with pytest.raises(RankError, match="gpu boom"):
         gsess.execute("t = torch.ones(1, device=device)\nraise ValueError('gpu boom')")
     assert gsess.all_reduce_check() == float(sum(range(gsess.world_size)))
 
 
-def test_ctrl_c_during_gpu_loop(gsess, tmp_path):
+def test_ctrl_c_during_a_device_loop(gsess: fsdp_nb.Session, tmp_path):
     marker = tmp_path / "looping"
+    sync = "torch.cuda.synchronize()" if _device(gsess) == "cuda" else "float(x[0, 0])"
     code = (
         "x = torch.ones(256, 256, device=device)\n"
         f"open({str(marker)!r}, 'w').close()\n"
-        "while True:\n    x = (x @ x).clamp_(-1, 1)\n    torch.cuda.synchronize()\n"
+        f"while True:\n    x = (x @ x).clamp_(-1, 1)\n    {sync}\n"
     )
 
     def interrupt_when_looping():
@@ -223,7 +243,8 @@ def test_ctrl_c_during_gpu_loop(gsess, tmp_path):
     assert gsess.all_reduce_check() == float(sum(range(gsess.world_size)))
 
 
-def test_nccl_abort_then_reform_trains_on(gsess):
+@CUDA_ONLY
+def test_nccl_abort_then_reform_trains_on(gsess: fsdp_nb.Session):
     """What one GPU can show of the NCCL recovery: the rank's communicators are aborted
     from its listener thread, the group is re-formed, the model trains on."""
     from fsdp_nb.engine import nccl_abort
@@ -232,7 +253,7 @@ def test_nccl_abort_then_reform_trains_on(gsess):
     x, y = _batch()
     gsess.run(_train_on_ranks, "gab", x, y, 1)
     before = gsess.run(nccl_abort.received)
-    gsess.health.abort(list(range(gsess.world_size)))  # listeners started with the session
+    gsess.context.health.abort(list(range(gsess.world_size)))  # listeners started with the session
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         got = gsess.run(nccl_abort.received)
@@ -245,30 +266,40 @@ def test_nccl_abort_then_reform_trains_on(gsess):
     assert all(math.isfinite(loss) for ls in losses for loss in ls)
 
 
-def _cuda_all_reduce() -> float:
-    t = torch.ones(1, device="cuda")
+def _all_reduce_on_device() -> float:
+    t = torch.ones(1, device=globals()["device"])
     torch.distributed.all_reduce(t)
     return float(t)
 
 
-def test_the_hang_watch_reads_the_nccl_flight_recorder(gsess, tmp_path):
-    """NCCL ranks record their collectives (TORCH_NCCL_TRACE_BUFFER_SIZE, set at launch):
-    after a CUDA all_reduce the watch finds records and nothing in flight. With two GPUs
-    or more, a straggler is explained from them: rank 0 waits in a CUDA all_reduce."""
+def test_the_hang_watch_tells_a_straggler_from_the_groups_counts(gsess: fsdp_nb.Session, tmp_path):
+    """An NCCL session runs without the flight recorder (each record costs the step);
+    gloo keeps it. Either way the ranks' counts of issued collectives agree after one
+    all_reduce, and with two ranks or more a straggler is explained while rank 0 has
+    issued its all_reduce and blocks outside torch.distributed, as an NCCL rank waits in
+    a CUDA sync."""
     from fsdp_nb.engine import hang_watch
 
-    gsess.run(_cuda_all_reduce)
-    assert all(got == {} for got in gsess.run(hang_watch._from_recorder))  # records, none in flight
+    gsess.run(_all_reduce_on_device)
+    recorder = gsess.run(lambda: os.environ.get("TORCH_FR_BUFFER_SIZE"))
+    assert recorder == [None if _device(gsess) == "cuda" else "256"] * gsess.world_size
+    counts = [{(g["group"], g["backend"]): g["seq"] for g in got} for got in gsess.run(hang_watch.issued)]
+    assert all(c == counts[0] for c in counts) and counts[0]
     if gsess.world_size < 2:
         return
     go = tmp_path / "go"
+    wait = ("float(t)" if _device(gsess) == "cuda" else  # NCCL returns at once; the sync waits
+            "w = dist.all_reduce(t, async_op=True)\nwhile not w.is_completed():\n    time.sleep(0.01)")
+    code = (f"import os, time\nwhile rank == 1 and not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n"
+            "t = torch.ones(1, device=device)\n" + ("dist.all_reduce(t)\n" if _device(gsess) == "cuda" else "")
+            + wait + "\n")
     with release_on_diagnosis(gsess, go) as seen:
-        gsess.execute(f"import os, time\nwhile rank == 1 and not os.path.exists({str(go)!r}):\n"
-                      "    time.sleep(0.02)\nt = torch.ones(1, device='cuda')\ndist.all_reduce(t)\n", hang_after=1)
-    assert seen and "rank 1 is not in it" in seen[0] and "rank 0 waits in all_reduce #" in seen[0]
+        gsess.execute(code, hang_after=1)
+    assert seen and "rank 1 is not in it" in seen[0]
+    assert re.search(r"rank 0 waits in (all_reduce|collective) #\d+ on the default group", seen[0]), seen[0]
 
 
-def test_consolidate_a_gpu_trained_checkpoint(gsess, tmp_path):
+def test_consolidate_a_gpu_trained_checkpoint(gsess: fsdp_nb.Session, tmp_path):
     sm = gsess.wrap(Net, name="gcon")
     gsess.save(str(tmp_path / "ck"), sm)
     info = fsdp_nb.consolidate(str(tmp_path / "ck"), str(tmp_path / "full.pt"))
@@ -281,6 +312,7 @@ def test_consolidate_a_gpu_trained_checkpoint(gsess, tmp_path):
         assert torch.equal(model_sd[key], v)
 
 
+@pytest.mark.gpu
 def test_kill_9_then_restart_restore(tmp_path):
     s = fsdp_nb.Session(activate=False, grace=1.0)
     try:
@@ -298,6 +330,7 @@ def test_kill_9_then_restart_restore(tmp_path):
         s.shutdown()
 
 
+@pytest.mark.gpu
 def test_resize_on_nccl():
     """Growing past this host's GPUs is refused before anything changes (one GPU shows
     that); with two or more, n -> n-1 -> n keeps the CUDA weights and AdamW state
@@ -324,6 +357,7 @@ def test_resize_on_nccl():
         s.shutdown()
 
 
+@pytest.mark.gpu
 def test_connect_to_gpu_engines_picks_nccl(tmp_path):
     import ipyparallel as ipp
 
@@ -346,6 +380,7 @@ def test_connect_to_gpu_engines_picks_nccl(tmp_path):
         cluster.stop_cluster_sync()
 
 
+@pytest.mark.gpu
 def test_demo_runs_on_the_gpu():
     out = subprocess.run(
         [sys.executable, "-m", "fsdp_nb.frontends.cli", "demo", "--steps", "3"],

@@ -102,7 +102,7 @@ def main_frame(frame: Any = None) -> dict[str, Any] | None:
     import linecache
 
     if frame is None:
-        frame = current_frames().get(threading.main_thread().ident)
+        frame = current_frames().get(threading.main_thread().ident or 0)
     libs = library_dirs()
     while frame is not None:
         code = frame.f_code
@@ -231,7 +231,7 @@ def collective(now: bool = False) -> dict[str, Any]:
     only one already in flight at the previous question (``_from_recorder``)."""
     found = _from_recorder(now)
     if not found:  # nothing recorded here, or a record the status does not name
-        found = _from_frame(current_frames().get(threading.main_thread().ident))
+        found = _from_frame(current_frames().get(threading.main_thread().ident or 0))
     return found
 
 

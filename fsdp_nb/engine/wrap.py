@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 from ..torch_compat import activation_checkpoint, hf_init_weights, local_tensor
 from .hugging_face import initialize_weights, is_hugging_face
 from .namespace import unship, user_ns
+from .wrap_policies import policies, root
 
 __all__ = [
     "MODELS",
@@ -187,37 +188,6 @@ def _mesh(plan: Any) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(plan.device_type, plan.shape, mesh_dim_names=plan.dim_names)
-
-
-def _policies(options: Any, device_type: str) -> dict[str, Any]:
-    import torch
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-
-    kw: dict[str, Any] = {"reshard_after_forward": options.sharding != "grad_op"}
-    mp = options.mixed_precision
-    if isinstance(mp, MixedPrecisionPolicy):
-        kw["mp_policy"] = mp
-    elif mp == "bf16-mixed":
-        kw["mp_policy"] = _mixed(torch.bfloat16)
-    elif mp == "16-mixed":
-        kw["mp_policy"] = _mixed(torch.float16)
-    off = options.cpu_offload
-    if off is True:
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type != "cpu")
-    elif isinstance(off, CPUOffloadPolicy):
-        kw["offload_policy"] = off
-    return kw
-
-
-def _mixed(compute: Any) -> Any:
-    """A "-mixed" policy: compute in ``compute``, reduce gradients in fp32, and hand
-    the model's output back in fp32, so the loss is computed in fp32 as under autocast
-    (and torch 2.11's mse_loss, whose backward fails on a bf16 input against an fp32
-    target, trains)."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, output_dtype=torch.float32)
 
 
 def _checkpoint(model: Any, classes: frozenset[type]) -> tuple[str, ...]:
@@ -376,11 +346,11 @@ def build(name: str, kind: str, payload: Any, plan: Any, seed: int, init: bool =
     checkpointed: tuple[str, ...] = ()
     if options.activation_checkpointing:
         checkpointed = _checkpoint(model, options.activation_checkpointing)
-    kw = _policies(options, plan.device_type)
+    kw = policies(options, plan.device_type)
     units = _units(model, options.auto_wrap)
     for _fqn, m in units:
         fully_shard(m, mesh=fsdp_mesh, **kw)
-    fully_shard(model, mesh=fsdp_mesh, **kw)
+    fully_shard(model, mesh=fsdp_mesh, **root(kw, options.mixed_precision))
     model.to_empty(device=device if not kw.get("offload_policy") else "cpu")
     if kind in ("class", "factory"):
         _init(model, options, seed, plan) if init else _init_buffers(model)

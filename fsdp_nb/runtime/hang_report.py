@@ -96,7 +96,8 @@ def hang_report(states: dict[int, dict[str, Any] | None], stopped: set[int] | No
         coll.setdefault(r, c)
     if not coll:
         return HangReport(stalled=tuple(silent), stopped=tuple(r for r in silent if r in stopped))
-    waited = {r: max(0.0, float(states[r]["now"]) - float(c.get("since") or states[r]["now"])) for r, c in coll.items()}
+    told = {r: st for r, st in states.items() if st}  # a rank that names a collective answered
+    waited = {r: max(0.0, float(told[r]["now"]) - float(c.get("since") or told[r]["now"])) for r, c in coll.items()}
     mismatch_lines = _mismatches(coll)
     members: set[int] = set()
     for c in coll.values():
@@ -118,7 +119,7 @@ def hang_report(states: dict[int, dict[str, Any] | None], stopped: set[int] | No
         line = f"rank {r} waits in {_coll(c)} on {_group(str(c.get('group', '')))}"
         line += f" ({shapes})" if shapes else ""
         line += f" for {waited[r]:.0f} s"
-        frame = states[r].get("frame")
+        frame = told[r].get("frame")
         if frame:
             line += f", from {frame.get('function', '?')} ({frame.get('where', '?')})"
         lines.append(line)

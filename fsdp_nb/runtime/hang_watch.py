@@ -69,7 +69,7 @@ class HangWatch:
 
         ranks = list(requests)
 
-        ctx = zmq.Context.instance()
+        ctx: Any = zmq.Context.instance()
         socks: dict[Any, tuple[int, Link]] = {}
         out: dict[int, dict[str, Any] | None] = {r: None for r in ranks}
         poller = zmq.Poller()
@@ -89,7 +89,7 @@ class HangWatch:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                for sock, _ in poller.poll(left * 1000):
+                for sock, _ in poller.poll(int(left * 1000) + 1):
                     r, link = socks[sock]
                     try:
                         out[r] = json.loads(link.unpack(sock.recv()))

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The supported torch range's two ends: the unit tier plus the session, wrap, checkpoint,
+# hang and device-parametrized (test_gpu's CPU half) engine tests, each torch in a venv of
+# its own. PyPI serves these only as CUDA builds: about 90 s and 4.7-5.5 GB a venv here
+# (measured 2026-11-26), which is why the whole suite runs once, on the CPU build of
+# .ci/run, and these two runs take the tests that touch torch's API.
+#   bash .ci/torch_versions.sh 2.11.0 2.15.0
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=1 PIP_PROGRESS_BAR=off
+for v in "$@"; do
+  venv="${TMPDIR:-/tmp}/fsdp_nb-torch-$v"
+  rm -rf "$venv" && python3 -m venv "$venv"
+  start=$(date +%s)
+  # a machine's pip config may cap torch below the newest release: PyPI as it is
+  PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q "torch==$v" -e ".[test]"
+  echo "torch $v: installed in $(( $(date +%s) - start )) s, $(du -sm "$venv" | cut -f1) MB"
+  "$venv/bin/python" -c "import torch; assert torch.__version__.startswith('$v'), torch.__version__"
+  "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider tests/unit tests/test_session.py tests/test_wrap.py \
+    tests/test_checkpoint.py tests/test_hangs.py tests/test_gpu.py
+  rm -rf "$venv"
+done
