@@ -283,6 +283,8 @@ def test_the_hang_watch_tells_a_straggler_from_the_groups_counts(gsess: fsdp_nb.
     gsess.run(_all_reduce_on_device)
     recorder = gsess.run(lambda: os.environ.get("TORCH_FR_BUFFER_SIZE"))
     assert recorder == [None if _device(gsess) == "cuda" else "256"] * gsess.world_size
+    # the name torch 2.11+ warns about is never set by fsdp_nb (quiet NCCL starts)
+    assert gsess.run(lambda: os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")) == [None] * gsess.world_size
     counts = [{(g["group"], g["backend"]): g["seq"] for g in got} for got in gsess.run(hang_watch.issued)]
     assert all(c == counts[0] for c in counts) and counts[0]
     if gsess.world_size < 2:
