@@ -123,7 +123,7 @@ class PxMagics(Magics):
             sorted(args.ranks) if args.ranks is not None else None,
         )
 
-    @line_magic("px")
+    @line_magic("px")  # type: ignore[arg-type]  # IPython 9.x stubs reject a method here; it runs
     def px_line(self, line: str) -> None:
         """Run one line on every rank."""
         _show_results(self._session()._execute(line, None))
