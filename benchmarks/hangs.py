@@ -5,9 +5,9 @@ Prints a table and writes benchmarks/out/hangs.json.
 
 - cost: the same ``%%px`` FSDP2 training cell (benchmarks/_train_loop.py) on two
   2-rank sessions side by side, rounds alternating: one with the watch off (no flight
-  recorder, ``hang_after=None``), one with it on as shipped (flight recorder, 30 s),
-  and the second again with ``hang_after=1``, so the watch asks the ranks every 2 s
-  while the cell trains (its worst case); the order turns each round. Median tokens/s
+  recorder, ``hang_after=None``), one with it on as shipped (flight recorder on gloo,
+  30 s; the watch asks the ranks every 0.2 s while the cell trains), and the second
+  again with ``hang_after=1``; the order turns each round. Median tokens/s
   per rank, as a ratio to "off"; "off again" (the same session twice per round) shows
   how far two identical runs fall apart on this machine.
 - per collective, inside an engine: microseconds of a 1-member gloo all_reduce with the
@@ -67,7 +67,7 @@ def _tokens(s: fsdp_nb.Session, steps: int, hang_after: float | None = None) -> 
 
 def cost(rounds: int, steps: int) -> dict[str, float]:
     off, on = _session(False), _session(True)
-    runs = [("off", off, None), ("off again", off, None), ("on", on, None), ("on, asking every 2 s", on, 1.0)]
+    runs = [("off", off, None), ("off again", off, None), ("on", on, None), ("on, hang_after=1", on, 1.0)]
     got: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     try:
         _tokens(off, 3), _tokens(on, 3)  # warm both
@@ -81,7 +81,7 @@ def cost(rounds: int, steps: int) -> dict[str, float]:
     med = {k: statistics.median(v) for k, v in got.items()}
     return {**{f"{k} tokens/s": v for k, v in med.items()},
             **{f"{k} / off": med[k] / med["off"] for k in med if k != "off"},
-            "one question on a rank, ms (the watch's, every 2 s)": max(a for a, _ in asked),
+            "one question on a rank, ms (the watch's, every 0.2 s)": max(a for a, _ in asked),
             "one question on a rank, ms (an error's: every record read)": max(b for _, b in asked)}
 
 
