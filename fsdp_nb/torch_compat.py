@@ -7,40 +7,33 @@ torch CI runs (the lowest supported and the newest), so a rename fails CI in one
 Nothing here imports torch at import time: the notebook side imports this module
 without paying for torch.
 
-Supported: torch 2.11 (the oldest a GPU image here has) to the newest release.
+Supported: torch 2.11 (the oldest a GPU image here has) to the newest release, as
+``pyproject.toml`` says; no function here branches on the version yet.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "FLIGHT_RECORDER_ENV", "LOWEST", "activation_checkpoint",
+    "FLIGHT_RECORDER_ENV", "activation_checkpoint",
     "compute_local_shape_and_global_offset", "current_frames", "default_group",
     "dump_flight_recorder", "fsdp_mesh_info_classes", "fsspec_reader", "fsspec_writer",
     "group_backend", "group_sequence_numbers", "hf_init_weights", "local_tensor",
     "mesh_group_names", "narrow_tensor_by_index", "process_groups", "resolve_process_group",
-    "set_element", "set_mesh_group_names", "torch_version", "tree_leaves", "tree_map_only",
+    "set_element", "set_mesh_group_names", "tree_leaves", "tree_map_only",
     "weights_only_unpickler",
 ]
 
-LOWEST = (2, 11)
-"""The oldest torch fsdp_nb supports (``pyproject.toml`` says the same)."""
 FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
 """The variable every supported torch reads for the flight recorder's size, NCCL
 included (2.11 reads it first and warns about ``TORCH_NCCL_TRACE_BUFFER_SIZE``, the
 name it replaces, so fsdp_nb never sets the old one)."""
 
-
-def torch_version() -> tuple[int, int]:
-    """(major, minor) of the torch installed, read from its version string."""
-    import torch
-
-    major, minor = torch.__version__.split("+", 1)[0].split(".")[:2]
-    return int(major), int(minor)
-
+log = logging.getLogger("fsdp_nb")
 
 # -- process groups -------------------------------------------------------------------
 
@@ -109,8 +102,8 @@ def set_mesh_group_names(mesh: Any, names: list[str]) -> None:
         for n in names:
             try:
                 registry[n] = resolve_process_group(n)
-            except (RuntimeError, ValueError, KeyError):  # a group not formed yet resolves later
-                continue
+            except Exception as exc:  # noqa: BLE001 - a group not formed yet is resolved on the next pass
+                log.debug("mesh group %s not resolvable yet: %s", n, exc)
 
 
 def dump_flight_recorder(collectives: bool) -> str:

@@ -117,15 +117,29 @@ def test_without_the_flight_recorder_the_waiting_collective_is_read_from_the_sta
     go = tmp_path / "go"
     code = ("import os, time, torch\nimport torch.distributed as dist\n"
             f"while rank == 1 and not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n" + BLOCKED)
+    # as an NCCL rank waits: the collective issued, then a wait outside torch.distributed,
+    # so neither the stack nor a recorder names it: the groups' issued counts do
+    go_async = tmp_path / "go-async"
+    like_nccl = ("import os, time, torch\nimport torch.distributed as dist\n"
+                 f"while rank == 1 and not os.path.exists({str(go_async)!r}):\n    time.sleep(0.02)\n"
+                 "w = dist.all_reduce(torch.ones(1), async_op=True)\nwhile not w.is_completed():\n"
+                 "    time.sleep(0.01)\n")
     try:
         with release_on_diagnosis(s, go) as seen:
             s.execute(code, hang_after=1)
         assert s.run(lambda: os.environ["TORCH_FR_BUFFER_SIZE"]) == ["0", "0"]
+        with release_on_diagnosis(s, go_async) as counted:
+            s.execute(like_nccl, hang_after=1)
     finally:
         s.shutdown()
     lines = seen[0].splitlines()
     assert lines[0] == f"rank 1 is not in it: in <module> (cell line {_line(code, 'sleep')}): time.sleep(0.02)"
     assert re.match(r"rank 0 waits in all_reduce #\d+ on the default group \(float32\[1\]\) for \d+ s", lines[1])
+    lines = counted[0].splitlines()
+    assert lines[0] == (f"rank 1 is not in it: in <module> (cell line {_line(like_nccl, 'sleep(0.02)')}): "
+                        "time.sleep(0.02)")
+    assert re.match(r"rank 0 waits in collective #\d+ on the default group for \d+ s, from <module> "
+                    rf"\(cell line {_line(like_nccl, 'sleep(0.01)')}\)", lines[1]), lines
 
 
 def test_ctrl_c_during_a_hang_leads_with_where_each_rank_was(sess, tmp_path, capsys):

@@ -21,7 +21,7 @@ from fsdp_nb import torch_compat as tc
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
-    """A one-rank gloo group, its flight recorder off as on an NCCL session; left at the end."""
+    """A one-rank gloo group in this process; left at the end."""
     if dist.is_initialized():
         pytest.skip("a process group is already formed in this process")
     store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
@@ -32,12 +32,13 @@ def group(tmp_path_factory):
         dist.destroy_process_group()
 
 
-def test_the_version_is_in_the_supported_range_and_pyproject_says_the_same():
-    assert tc.torch_version() >= tc.LOWEST
+def test_the_installed_torch_is_in_the_range_pyproject_declares():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "pyproject.toml")) as f:
         pin = re.search(r'"torch>=(\d+)\.(\d+)', f.read())
-    assert pin and (int(pin[1]), int(pin[2])) == tc.LOWEST
+    assert pin, "pyproject.toml declares no lower bound for torch"
+    installed = tuple(int(x) for x in torch.__version__.split("+", 1)[0].split(".")[:2])
+    assert installed >= (int(pin[1]), int(pin[2])), (torch.__version__, pin[0])
 
 
 def test_groups_their_counts_and_backends(group):
@@ -63,7 +64,7 @@ def test_a_mesh_names_its_groups_and_can_be_pointed_at_others(group):
 
 def test_the_flight_recorder_dump_is_json(group):
     dump = json.loads(tc.dump_flight_recorder(collectives=True))
-    assert "pg_status" in dump or "entries" in dump or "version" in dump
+    assert "version" in dump and "pg_status" in dump, sorted(dump)
 
 
 def test_fsdp_mesh_infos_local_tensors_and_shapes(group):
