@@ -2,7 +2,8 @@
 # The supported torch range's two ends: the unit tier plus the session, wrap, checkpoint,
 # hang and device-parametrized (test_gpu's CPU half) engine tests, each torch in a venv of
 # its own. PyPI serves these only as CUDA builds: about 90 s and 4.7-5.5 GB a venv here
-# (measured 2026-11-26), which is why the whole suite runs once, on the CPU build of
+# (torch alone; 258-276 s and 5.7-6.5 GB with the test extras, measured 2026-11-26),
+# which is why the whole suite runs once, on the CPU build of
 # .ci/run, and these two runs take the tests that touch torch's API.
 #   bash .ci/torch_versions.sh 2.11.0 2.15.0
 set -euo pipefail
