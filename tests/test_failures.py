@@ -186,6 +186,36 @@ def test_ctrl_c_during_a_direct_run_stops_every_rank_and_keeps_state(quick, tmp_
     _assert_recovered(quick, before)
 
 
+def _catching_ctrl_c(marker, times):
+    """Rank 1 says it sleeps, then catches ``times`` KeyboardInterrupts and sleeps on, as
+    code that handles Ctrl-C itself does (or an engine that had not started the call
+    when the SIGINT came); rank 0 returns."""
+    if rank == 1:  # noqa: F821 - engine global
+        open(marker, "w").close()
+        while True:
+            try:
+                time.sleep(30)
+            except KeyboardInterrupt:
+                with open(marker, "a") as f:
+                    f.write("caught\n")
+                if times == 0:
+                    raise
+                times -= 1
+
+
+def test_ctrl_c_is_sent_again_until_a_rank_returns(quick, tmp_path):
+    """One SIGINT, then one more, used to be all a rank got before it counted as wedged
+    (killed at ``wedge_timeout``, its state lost): it gets one every ``nudge`` seconds."""
+    before = _weights(quick)
+    marker = tmp_path / "sleeping"
+    on_marker(marker, _thread.interrupt_main)
+    with pytest.raises(KeyboardInterrupt):
+        quick.run(_catching_ctrl_c, str(marker), 2)
+    assert quick.cluster.dead_ranks() == [] and _idle(quick)
+    assert marker.read_text().split() == ["caught"] * 3  # two caught, the third raised
+    _assert_recovered(quick, before)
+
+
 def test_sigint_interrupts_the_call_never_the_kernel_bookkeeping(sess):
     """While a request runs, SIGINT raises KeyboardInterrupt in its code; landing in the
     kernel's (or the call server's) own dispatch frames it is dropped, where it used to

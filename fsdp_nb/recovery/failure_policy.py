@@ -10,9 +10,10 @@ blocked leave the process group, a rank blocked in a gloo collective with them g
    is freed by aborting its communicators from its listener thread
    (``fsdp_nb.runtime.health.RankHealth.abort``; one GPU shows abort and re-form, several
    GPUs blocking each other have not been run);
-2. ranks still running after ``nudge`` seconds get SIGINT (for Python code that is
-   not in a collective; once more after an interrupt, whose SIGINT is lost on an
-   engine that had not yet started the call: a Ctrl-C right after sending), and on
+2. ranks still running after ``nudge`` seconds get SIGINT, and again every ``nudge``
+   seconds (for Python code that is not in a collective; after an interrupt, whose
+   SIGINT is lost on an engine that had not yet started the call, a Ctrl-C right after
+   sending, or in code that caught the KeyboardInterrupt and went on), and on
    gloo their watch thread (``runtime.hang_watch``) shuts their connections to the
    other engines, which frees a rank whose peers are blocked too (mismatched
    collectives); a rank that stopped answering at all while others wait for it
@@ -63,7 +64,8 @@ class RecoveringPolicy(FailurePolicy):
         self.grace = grace
         """Seconds ranks may keep running after another rank failed before recovery starts."""
         self.nudge = nudge
-        """Seconds after leaving the group before still-running ranks get SIGINT."""
+        """Seconds after leaving the group before still-running ranks get SIGINT, and
+        between the SIGINTs they get until they return or ``wedge_timeout`` passes."""
         self.wedge_timeout = wedge_timeout
         """Seconds to wait for stopped ranks to return before they count as wedged."""
 
@@ -218,7 +220,7 @@ class RecoveringPolicy(FailurePolicy):
             # are aborted (from its listener thread): closing peers' sockets is not enough
             ctx.health.abort(running)
         start = time.monotonic()
-        nudged = False
+        nudges = 0
         next_liveness = start + 0.5
         still = list(running)
         while True:
@@ -234,13 +236,15 @@ class RecoveringPolicy(FailurePolicy):
                 still = [r for r in still if r not in gone]
                 if not still:
                     return []
-            if not nudged and now - start > self.nudge:
+            if now - start > self.nudge * (nudges + 1):
                 late = [r for r in still if not pending.results[r].ready()]
-                if late:
+                if late:  # again every ``nudge`` s: one that had not started the call dropped the last
+                    log.info("fsdp_nb: rank(s) %s still running %.0f s after SIGINT: sent it again",
+                             ", ".join(map(str, late)), now - start)
                     c.signal(late, signal.SIGINT)
-                    if ctx.backend != "nccl":  # blocked in gloo on peers blocked too (mismatched
-                        ctx.health.watch.free(late)  # collectives): their own sockets closed free them
-                nudged = True
+                    if nudges == 0 and ctx.backend != "nccl":  # blocked in gloo on peers blocked too
+                        ctx.health.watch.free(late)  # (mismatched collectives): their sockets closed free them
+                nudges += 1
             if now - start > self.wedge_timeout:
                 return still
             pending.wait_for(still, 0.05)
