@@ -33,7 +33,9 @@ if TYPE_CHECKING:  # what type checkers and editors see of the lazy names below
     from .context import SessionContext
     from .lifetime.keepalive import sessions
     from .lifetime.resize import ResizeReport
+    from .models.memory_report import MemoryPlan
     from .models.options import WrapOptions
+    from .models.session_planning import plan
     from .models.sharded_model import ShardedModel
     from .runtime.rendezvous import RankInfo
     from .session import Session
@@ -47,6 +49,8 @@ _LAZY = {
     "RankInfo": "runtime.rendezvous",
     "ShardedModel": "models.sharded_model",
     "WrapOptions": "models.options",
+    "MemoryPlan": "models.memory_report",
+    "plan": "models.session_planning",
     "AsyncCheckpoint": "checkpoint.async_saves",
     "CheckpointInfo": "checkpoint.format.info",
     "inspect": "checkpoint.format.inspect",
@@ -82,6 +86,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DeadRankError",
     "FsdpNbError",
+    "MemoryPlan",
     "RankError",
     "RankFailure",
     "RankInfo",
@@ -100,5 +105,6 @@ __all__ = [
     "inspect",
     "list_checkpoints",
     "load_ipython_extension",
+    "plan",
     "sessions",
 ]

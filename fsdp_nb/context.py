@@ -24,6 +24,7 @@ from .runtime.rendezvous import RankInfo
 if TYPE_CHECKING:
     from .checkpoint.async_saves import AsyncCheckpoint
     from .lifetime.keepalive import Keeper
+    from .models.memory_report import MemoryPlan
     from .models.sharded_model import ShardedModel
     from .models.wrap import WrapRecord
 
@@ -66,6 +67,8 @@ class SessionContext:
     """Async saves still being written; the next save, load or shutdown waits for them."""
     keeper: Keeper | None = None
     """The session record and watchdog (None for a connected session not kept alive)."""
+    last_plan: MemoryPlan | None = None
+    """The last ``sess.plan``: an out-of-memory error names its cheapest change that fits."""
     restart_phases: dict[str, float] = field(default_factory=dict)
     """Seconds each phase of the last ``restart()`` took (empty before one)."""
     start_phases: dict[str, float] = field(default_factory=dict)

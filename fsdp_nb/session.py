@@ -23,6 +23,7 @@ from .frontends.session_view import session_html, session_text
 from .frontends.widgets.session_widgets import SessionWidgets
 from .lifetime import start_stop
 from .lifetime.keepalive import check_keep_alive
+from .models.session_planning import SessionPlanning
 from .runtime import calls, checks
 from .runtime.phases import phase_table
 
@@ -41,7 +42,7 @@ _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
 """Every open session of this kernel: shut down at exit, found again by ``attach``."""
 
 
-class Session(SessionFacts, SessionCheckpoints, SessionWidgets):
+class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionWidgets):
     """An ipyparallel cluster whose engines are the ranks of one process group.
 
     ``Session(n)`` starts the engines and forms the group; ``Session.connect`` takes a

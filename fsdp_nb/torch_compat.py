@@ -21,7 +21,8 @@ from typing import Any
 __all__ = [
     "FLIGHT_RECORDER_ENV", "activation_checkpoint",
     "compute_local_shape_and_global_offset", "current_frames", "default_group",
-    "dump_flight_recorder", "fsdp_mesh_info_classes", "fsspec_reader", "fsspec_writer",
+    "dump_flight_recorder", "fake_process_group", "fake_tensor_mode", "fsdp_mesh_info_classes",
+    "fsdp_memory_tracker", "fsspec_reader", "fsspec_writer",
     "group_backend", "group_sequence_numbers", "hf_init_weights", "local_tensor",
     "mesh_group_names", "narrow_tensor_by_index", "process_groups", "resolve_process_group",
     "set_element", "set_mesh_group_names", "tree_leaves", "tree_map_only",
@@ -207,6 +208,48 @@ def weights_only_unpickler() -> type:
     from torch._weights_only_unpickler import Unpickler
 
     return Unpickler
+
+
+# -- planning memory without allocating it --------------------------------------------
+
+
+def fake_process_group(rank: int, world_size: int) -> None:
+    """Make the default process group a fake one (``"fake"`` backend over torch's
+    ``FakeStore``): this process plays ``rank`` of ``world_size`` and collectives return
+    at once, moving no data. For a planner process of its own, never an engine."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+
+
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode``: tensors made inside it have shapes, dtypes and devices but
+    no storage (how torchtitan's memory estimator builds a model)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fsdp_memory_tracker(model: Any, optimizer: Any, on_peak: Callable[[set[str], bool], None]) -> Any:
+    """torch's ``FSDPMemTracker`` over ``model`` and ``optimizer`` (a context manager):
+    bytes by category (``get_tracker_snapshot("peak")``, keyed by ``_FSDPRefType``) of
+    every tensor made inside it, fake or real. ``on_peak(modules, backward)`` is told,
+    each time the peak rises, the names of the modules running then (the tracker's
+    ``"Root.sub.unit"`` names) and whether it was in the backward."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    tracker = FSDPMemTracker(model, optimizer)
+    update = tracker._update_peak_stats
+
+    def _update_peak_stats(state: Any) -> None:
+        before = dict(tracker._peak_mem)
+        update(state)
+        if tracker._peak_mem != before:
+            on_peak(set(tracker._mod_tracker.parents), bool(tracker._mod_tracker.is_bw))
+
+    tracker._update_peak_stats = _update_peak_stats  # type: ignore[method-assign,assignment]
+    return tracker
 
 
 # -- the interpreter -----------------------------------------------------------------

@@ -49,12 +49,15 @@ __all__ = [
     "Wrapped",
     "build",
     "check_classes",
+    "construct",
     "check_spec",
     "forget_all",
     "get",
+    "mesh_of",
     "name_status",
     "param_sizes",
     "resolve",
+    "shard",
     "wrapped_models",
 ]
 
@@ -144,7 +147,7 @@ def name_status(name: str) -> str | None:
     return f"holds a {type(ns[name]).__name__}"
 
 
-def _construct(kind: str, spec: Any, args: tuple, kwargs: dict) -> Any:
+def construct(kind: str, spec: Any, args: tuple, kwargs: dict) -> Any:
     import torch
 
     if kind in ("class", "factory"):
@@ -178,13 +181,13 @@ def check_spec(kind: str, payload: Any) -> str | None:
     check it; returns a problem message or None. Binds nothing."""
     spec, args, kwargs, options = unship(payload)
     try:
-        model = _construct(kind, spec, args, kwargs)
+        model = construct(kind, spec, args, kwargs)
     except (NameError, TypeError, ValueError) as exc:
         return str(exc)
     return check_classes(model, options)
 
 
-def _mesh(plan: Any) -> Any:
+def mesh_of(plan: Any) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(plan.device_type, plan.shape, mesh_dim_names=plan.dim_names)
@@ -308,34 +311,14 @@ def forget_all(names: tuple[str, ...]) -> None:
     _forget(*names)
 
 
-def build(name: str, kind: str, payload: Any, plan: Any, seed: int, init: bool = True) -> WrapSummary:
-    """Build, shard and bind one model on this rank (every rank calls it together).
-    ``init=False`` (weights come from a checkpoint next): a class or factory spec's
-    parameters are left as allocated; only buffers outside the state dict are computed."""
+def shard(model: Any, options: Any, plan: Any, mesh: Any) -> tuple[Any, list[tuple[str, Any]], tuple[str, ...], bool]:
+    """Apply ``options`` to a model whose parameters are not allocated yet (meta or fake):
+    bf16-true's cast, tensor parallelism, activation checkpointing, then ``fully_shard``
+    on each unit (innermost first) and the root. Returns the model, its units, the
+    checkpointed FQNs and whether it is offloaded to the CPU (what ``to_empty`` needs)."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    _forget(name)
-    spec, args, kwargs, options = unship(payload)
-    shipped = payload  # kept: a kernel that attaches later reads it (wrapped_models)
-    model = _construct(kind, spec, args, kwargs)
-    del spec
-    ns = user_ns()
-    device = torch.device(ns.get("device", "cpu"))
-    mesh = _mesh(plan)
-    full_sd = None
-    saved_buffers: dict[str, Any] = {}
-    if kind in ("instance", "string"):
-        # every rank goes on with parameters on the meta device, exactly as for a class
-        # spec, so collectives inside parallelize / fully_shard see the same tensors on
-        # every rank. A string spec's rank-0 weights are kept aside (references, no
-        # copy); an instance's weights are streamed afterwards (load_full_chunk)
-        if kind == "string" and dist.get_rank() == 0:
-            full_sd = dict(model.state_dict())
-        saved_buffers = {k: b for k, b in model.named_buffers() if not b.is_meta}
-        model.to("meta")
     if options.mixed_precision == "bf16-true":
         model.to(torch.bfloat16)
     if plan.tp_dim is not None:
@@ -351,7 +334,38 @@ def build(name: str, kind: str, payload: Any, plan: Any, seed: int, init: bool =
     for _fqn, m in units:
         fully_shard(m, mesh=fsdp_mesh, **kw)
     fully_shard(model, mesh=fsdp_mesh, **root(kw, options.mixed_precision))
-    model.to_empty(device=device if not kw.get("offload_policy") else "cpu")
+    return model, units, checkpointed, bool(kw.get("offload_policy"))
+
+
+def build(name: str, kind: str, payload: Any, plan: Any, seed: int, init: bool = True) -> WrapSummary:
+    """Build, shard and bind one model on this rank (every rank calls it together).
+    ``init=False`` (weights come from a checkpoint next): a class or factory spec's
+    parameters are left as allocated; only buffers outside the state dict are computed."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    _forget(name)
+    spec, args, kwargs, options = unship(payload)
+    shipped = payload  # kept: a kernel that attaches later reads it (wrapped_models)
+    model = construct(kind, spec, args, kwargs)
+    del spec
+    ns = user_ns()
+    device = torch.device(ns.get("device", "cpu"))
+    mesh = mesh_of(plan)
+    full_sd = None
+    saved_buffers: dict[str, Any] = {}
+    if kind in ("instance", "string"):
+        # every rank goes on with parameters on the meta device, exactly as for a class
+        # spec, so collectives inside parallelize / fully_shard see the same tensors on
+        # every rank. A string spec's rank-0 weights are kept aside (references, no
+        # copy); an instance's weights are streamed afterwards (load_full_chunk)
+        if kind == "string" and dist.get_rank() == 0:
+            full_sd = dict(model.state_dict())
+        saved_buffers = {k: b for k, b in model.named_buffers() if not b.is_meta}
+        model.to("meta")
+    model, units, checkpointed, offload = shard(model, options, plan, mesh)
+    model.to_empty(device=device if not offload else "cpu")
     if kind in ("class", "factory"):
         _init(model, options, seed, plan) if init else _init_buffers(model)
     else:

@@ -18,6 +18,7 @@ from ..wire.shards import ShardTable
 
 if TYPE_CHECKING:
     from ..context import SessionContext
+    from .memory_report import MemoryPlan
     from .options import WrapOptions
 
 __all__ = ["ShardedModel"]
@@ -69,6 +70,26 @@ class ShardedModel:
             mesh_dims=self.summary.mesh_dims,
             params=tuple(rows),
         )
+
+    def measure_memory(self, batch: Any, *, step: Any = None, optimizer: Any = None, steps: int = 2) -> MemoryPlan:
+        """Run ``steps`` real training steps on the ranks under the tracker ``sess.plan``
+        uses, and return what each rank held at its peak, by category (a ``MemoryPlan``
+        with ``measured=True``), beside each process's peak resident growth (and CUDA's
+        peak allocation). The model trains: its weights change.
+
+        Args:
+            batch: one rank's batch: a tensor, or a tuple / list / dict of tensors
+                (shipped to every rank).
+            step: ``fn(model, batch)`` (forward and backward; the optimizer steps after it)
+                or ``fn(model, batch, optimizer)``; None: ``model(batch)``'s mean is the loss.
+            optimizer: an optimizer class, a factory ``params -> optimizer`` (made for
+                the measurement, dropped after it) or an engine global optimizer's name.
+            steps: steps run; the peak is their highest.
+        """
+        from .memory_plan import measure
+
+        self._ctx.check_open()
+        return measure(self._ctx, self.name, batch, step, optimizer, steps)
 
     def layout(self) -> Any:
         """The shard layout widget (``fsdp_nb.frontends.widgets.layout``)."""

@@ -24,7 +24,6 @@ anything else on the engines (``rank``, ``torch``, a user's tensor) is refused.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import keyword
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from ..engine import weights as _weights
 from ..engine import wrap as _ew
 from ..runtime.shipping import ByValue, by_value, register_local_modules
+from .model_spec import check_call, meta_clone, model_kind
 from .options import OPTION_NAMES, MeshPlan, WrapOptions, make_options, no_split_default, plan_mesh
 
 if TYPE_CHECKING:
@@ -81,71 +81,6 @@ def _check_name(name: Any) -> str:
     return name
 
 
-def _kind(model: Any) -> str:
-    import torch
-
-    if isinstance(model, str):
-        return "string"
-    if isinstance(model, torch.nn.Module):
-        return "instance"
-    if isinstance(model, type):
-        if issubclass(model, torch.nn.Module):
-            return "class"
-        raise TypeError(
-            f"model class {model.__qualname__} is not a torch.nn.Module subclass; "
-            "pass an nn.Module instance, subclass, factory callable, or an engine global name"
-        )
-    if callable(model):
-        return "factory"
-    raise TypeError(
-        f"cannot wrap a {type(model).__name__}: model must be an nn.Module instance, an "
-        "nn.Module subclass or factory callable (built on every rank), or the name (str) of "
-        "a module %%px code built on the engines"
-    )
-
-
-def _check_call(spec: Any, args: tuple, kwargs: dict[str, Any]) -> None:
-    """Keyword arguments that are not wrap options go to the constructor: check they fit."""
-    import inspect
-
-    try:
-        sig = inspect.signature(spec)
-    except (TypeError, ValueError):
-        return
-    try:
-        sig.bind(*args, **kwargs)
-    except TypeError as exc:
-        what = getattr(spec, "__qualname__", repr(spec))
-        unknown = [
-            k for k in kwargs
-            if k not in sig.parameters
-            and not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-        ]
-        if unknown:
-            raise TypeError(
-                f"unknown wrap option(s) {', '.join(map(repr, sorted(unknown)))}: neither a wrap "
-                f"option (allowed: {', '.join(OPTION_NAMES)}) nor a parameter of {what}{sig}"
-            ) from None
-        raise TypeError(f"cannot build {what}{sig} from these arguments: {exc}") from None
-
-
-def _meta_clone(model: Any) -> Any:
-    """A copy of ``model`` whose parameters are on the meta device (no weight copies).
-
-    Buffers are copied (they are small and may be non-persistent, which a state-dict
-    broadcast would not restore).
-    """
-    import torch
-
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        if id(p) not in memo:
-            memo[id(p)] = torch.nn.Parameter(
-                torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
-            )
-    return copy.deepcopy(model, memo)
-
-
 def _check_weights(weights: Any, kind: str) -> None:
     """``weights=`` names something ``sess.load`` reads (a Hugging Face folder, a
     safetensors file, an fsdp_nb or plain DCP checkpoint), valid, for a model built from a
@@ -183,7 +118,7 @@ def wrap(
     builds anything.
     """
     name = _check_name(name)
-    kind = _kind(model)
+    kind = model_kind(model)
     _check_weights(weights, kind)
     kwargs = {k: v for k, v in options.items() if k not in OPTION_NAMES}
     opts = make_options(**{k: v for k, v in options.items() if k in OPTION_NAMES})
@@ -200,7 +135,7 @@ def wrap(
             f"{'module instance' if kind == 'instance' else 'name'}"
         )
     if kind in ("class", "factory"):
-        _check_call(model, args, kwargs)
+        check_call(model, args, kwargs)
     plan = plan_mesh(ctx.world_size, ctx.backend, [r.host for r in ctx.ranks], opts)
     import torch
 
@@ -211,7 +146,7 @@ def wrap(
     if kind == "instance":
         problem = _ew.check_classes(model, opts)
         _raise_problem(problem)
-        payload = by_value((_meta_clone(model), (), kwargs, opts))
+        payload = by_value((meta_clone(model), (), kwargs, opts))
     else:
         payload = by_value((model, tuple(args), kwargs, opts))
     record = WrapRecord(name, kind, payload, opts, plan, seed, weights)

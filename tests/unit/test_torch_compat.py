@@ -143,3 +143,28 @@ def test_current_frames_has_the_main_thread():
     assert threading.main_thread().ident in frames
     here = frames[threading.get_ident()]  # taken inside current_frames, called from this test
     assert here.f_code.co_name == "current_frames" and here.f_back.f_code is sys._getframe().f_code  # noqa: SLF001
+
+
+def test_the_fsdp_memory_tracker_counts_by_category_and_reports_where_the_peak_rises(group):
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    fully_shard(model[0])
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    seen = []
+    tracker = tc.fsdp_memory_tracker(model, opt, lambda active, backward: seen.append((active, backward)))
+    with tracker:
+        model(torch.randn(32, 64)).sum().backward()
+        opt.step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    by = {getattr(k, "value", k): v for k, v in peak.items()}
+    params = sum(p.numel() for p in model.parameters()) * 4
+    assert by["Sharded Param"] == params and by["Activation"] > 0
+    now = tracker.get_tracker_snapshot("current")[torch.device("cpu")]
+    assert {getattr(k, "value", k): v for k, v in now.items()}["OptState"] == params  # one momentum buffer each
+    assert by["Activation"] > 0 and by["Total"] == sum(v for k, v in by.items() if k != "Total")
+    assert seen and any(backward for _, backward in seen) and all(isinstance(a, set) for a, _ in seen)
+    with tc.fake_tensor_mode():
+        fake = torch.empty(1 << 40)  # a TiB that is never allocated
+    assert fake.shape == (1 << 40,) and type(fake).__name__ == "FakeTensor"

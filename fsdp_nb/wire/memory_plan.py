@@ -1,0 +1,109 @@
+"""One rank's memory over a training step, planned or measured: plain data that crosses
+from a planner process or an engine to the notebook.
+
+``RankMemory`` holds the peak of the step by category, in bytes, and where the peak
+fell. ``categories`` folds torch's ``FSDPMemTracker`` categories into the six a plan
+shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CATEGORIES", "TRACKER_CATEGORIES", "RankMemory", "StepSpec", "TensorSpec", "categories"]
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "other")
+"""The categories of a plan, in the order it shows them."""
+
+TRACKER_CATEGORIES: dict[str, str] = {
+    "Sharded Param": "parameters",
+    "Unsharded Param": "parameters",
+    "Buffer": "parameters",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "OptState": "optimizer",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "All Gather": "communication",
+    "Reduce Scatter": "communication",
+    "Temp": "other",
+}
+"""torch's tracker category (``_FSDPRefType.value``) -> the plan's category."""
+
+
+def categories(detail: dict[str, int]) -> dict[str, int]:
+    """The tracker's bytes by its own categories (``detail``) folded into
+    :data:`CATEGORIES`; a category torch adds later counts as ``other``."""
+    out = dict.fromkeys(CATEGORIES, 0)
+    for name, n in detail.items():
+        out[TRACKER_CATEGORIES.get(name, "other")] += int(n)
+    return out
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor of the batch, by shape and dtype only: what the planner makes a fake
+    tensor of (the notebook's batch itself is not shipped)."""
+
+    shape: tuple[int, ...]
+    """Its shape."""
+    dtype: str
+    """Its dtype's name, e.g. ``"int64"``."""
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """The training step a plan or a measurement runs, as shipped (plain data and
+    by-value payloads)."""
+
+    batch: Any
+    """The batch: a :class:`TensorSpec` or a tuple / list / dict of them."""
+    step: Any = None
+    """``fn(model, batch)`` (forward and backward; the optimizer steps after it) or
+    ``fn(model, batch, optimizer)`` (the whole step), shipped by value; None: the mean of
+    ``model(batch)`` (``model(**batch)`` for a dict) is the loss."""
+    optimizer: Any = None
+    """An optimizer class (its defaults) or a factory ``params -> optimizer``, shipped by
+    value; on engines also the name of an engine global optimizer; None: no optimizer."""
+    steps: int = 2
+    """Steps run; the peak is the highest of them (the first creates optimizer state)."""
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's peak memory over the step, by category, in bytes."""
+
+    rank: int
+    """The rank."""
+    peak: int
+    """The highest total the step reached (the sum of the categories at that moment)."""
+    parameters: int
+    """Parameters at the peak: this rank's shards, the unsharded ones gathered for the
+    running unit, buffers."""
+    gradients: int
+    """Gradients at the peak, sharded and unsharded."""
+    optimizer: int
+    """Optimizer state at the peak."""
+    activations: int
+    """Activations saved for the backward, and the batch."""
+    communication: int
+    """All-gather and reduce-scatter buffers at the peak."""
+    other: int
+    """Temporaries of the running operators."""
+    peak_unit: str
+    """The FSDP unit running when the peak fell (``""``: the root; the optimizer step
+    is ``"(optimizer step)"``)."""
+    peak_phase: str
+    """``"forward"``, ``"backward"`` or ``"optimizer"``."""
+    detail: dict[str, int] = field(default_factory=dict)
+    """The tracker's own categories at the peak, in bytes."""
+    resident_growth: int | None = None
+    """Measured only: how far the process's peak resident memory rose over the step,
+    in bytes (a cross-check of the tracker, which counts tensors only)."""
+    device_peak: int | None = None
+    """Measured on CUDA only: ``torch.cuda.max_memory_allocated`` over the step."""
+
+    def by_category(self) -> dict[str, int]:
+        """Category -> bytes at the peak, in :data:`CATEGORIES` order."""
+        return {c: getattr(self, c) for c in CATEGORIES}

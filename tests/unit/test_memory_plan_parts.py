@@ -1,0 +1,175 @@
+"""Memory plans without engines: the checks before any work, the what-ifs and their
+costs, the report, and ``fsdp_nb.plan`` run for real in its planner process (a fake
+process group and fake tensors: nothing allocated)."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+from torch import nn
+
+import fsdp_nb
+from fsdp_nb.engine.memory_plan import rank_kinds
+from fsdp_nb.models.memory_plan import PlanError
+from fsdp_nb.models.memory_report import MemoryPlan, WhatIf
+from fsdp_nb.models.options import WrapOptions, plan_mesh
+from fsdp_nb.models.what_if import check_what_ifs, cost, standard
+from fsdp_nb.wire.memory_plan import CATEGORIES, RankMemory, TensorSpec, categories
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Tower(nn.Module):
+    def __init__(self, dim: int = 64, depth: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+BATCH = torch.randn(32, 16, 64)
+
+
+# -- checked before any work ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"world_size": 0}, ValueError, "world_size must be a positive int"),
+    ({"world_size": 2, "device": "tpu"}, ValueError, "allowed: cpu, cuda"),
+    ({"world_size": 2, "batch": [1, 2]}, TypeError, "batch[0] must be a tensor"),
+    ({"world_size": 2, "what_if": [{"gpus": 4}]}, ValueError, "allowed: world_size, batch"),
+    ({"world_size": 2, "what_if": "some"}, TypeError, "what_if must be 'auto'"),
+    ({"world_size": 2, "what_if": {"mixed_precision": "fp8"}}, ValueError, "mixed_precision='fp8' is not allowed"),
+    ({"world_size": 2, "step": lambda m: m}, TypeError, "takes 1 parameter"),
+    ({"world_size": 2, "optimizer": "opt"}, TypeError, "optimizer must be an optimizer class"),
+    ({"world_size": 2, "budget": -1}, ValueError, "budget must be a positive number"),
+    ({"world_size": 2, "sharding": "zero3"}, ValueError, "allowed: full, grad_op"),
+    ({"world_size": 2, "widht": 3}, TypeError, "neither a wrap option"),
+])
+def test_bad_input_is_refused_before_any_planning(kwargs, error, words):
+    kwargs.setdefault("batch", BATCH)
+    with pytest.raises(error) as info:
+        fsdp_nb.plan(Tower, **kwargs)
+    assert words in str(info.value)
+
+
+def test_a_name_of_an_engine_global_cannot_be_planned():
+    with pytest.raises(TypeError, match="measure_memory"):
+        fsdp_nb.plan("model", world_size=2, batch=BATCH)
+
+
+# -- pure parts -----------------------------------------------------------------------------
+
+
+def test_categories_fold_every_tracker_category_and_keep_unknown_ones():
+    detail = {"Sharded Param": 1, "Unsharded Param": 2, "Buffer": 3, "Sharded Grad": 4, "Unsharded Grad": 5,
+              "OptState": 6, "Activation": 7, "Inputs": 8, "All Gather": 9, "Reduce Scatter": 10,
+              "Temp": 11, "Something New": 12}
+    got = categories(detail)
+    assert list(got) == list(CATEGORIES)
+    assert got == {"parameters": 6, "gradients": 9, "optimizer": 6, "activations": 15,
+                   "communication": 19, "other": 23}
+    assert sum(got.values()) == sum(detail.values())
+
+
+def test_ranks_with_equal_shards_share_a_plan_and_uneven_ones_do_not():
+    opts = WrapOptions()
+    even = rank_kinds([64, 128], plan_mesh(4, "gloo", ["h"] * 4, opts), 4)
+    assert even == {0: [0, 1, 2, 3]}
+    uneven = rank_kinds([10], plan_mesh(4, "gloo", ["h"] * 4, opts), 4)  # rows 3, 3, 3, 1
+    assert uneven == {0: [0, 1, 2], 3: [3]}
+    hybrid = rank_kinds([9], plan_mesh(4, "gloo", ["a", "a", "b", "b"], WrapOptions(sharding="hybrid")), 4)
+    assert hybrid == {0: [0, 2], 1: [1, 3]}  # rows 5, 4: shard index = rank % 2
+
+
+def test_standard_what_ifs_follow_the_options():
+    base = standard(WrapOptions(auto_wrap={Block}), 2, TensorSpec((8, 4), "float32"), fixed_world=False)
+    assert {"mixed_precision": "bf16-mixed"} in base
+    assert {"activation_checkpointing": frozenset({Block})} in base
+    assert {"batch": 0.5} in base and {"world_size": 4} in base and {"cpu_offload": True} in base
+    fixed = standard(WrapOptions(mixed_precision="bf16-mixed", sharding="grad_op"), 2,
+                     TensorSpec((1, 4), "float32"), fixed_world=True)
+    assert fixed == [{"reshard_after_forward": True}, {"cpu_offload": True}]
+    assert check_what_ifs(None, WrapOptions(), 2, None, True) == []
+
+
+def test_costs_order_changes_from_free_to_dear():
+    order = [cost({"mixed_precision": "bf16-mixed"}, 2), cost({"reshard_after_forward": True}, 2),
+             cost({"activation_checkpointing": {Block}}, 2), cost({"batch": 0.5}, 2),
+             cost({"cpu_offload": True}, 2), cost({"world_size": 4}, 2)]
+    assert [r for r, _ in order] == sorted(r for r, _ in order) == [0, 1, 2, 3, 4, 5]
+    assert "recompute" in order[2][1] and "transfers" in order[4][1]
+    both_rank, both_words = cost({"mixed_precision": "bf16-mixed", "cpu_offload": True}, 2)
+    assert both_rank == 4 and "bf16" in both_words and "transfers" in both_words
+
+
+def _rank(r: int, peak: int) -> RankMemory:
+    return RankMemory(r, peak, peak // 2, 0, peak // 4, peak // 4, 0, 0, "blocks.1", "backward")
+
+
+def test_the_report_says_whether_it_fits_and_the_cheapest_change_that_does():
+    ifs = [WhatIf({"cpu_offload": True}, "cpu_offload=True", 60, True, 4, "transfers"),
+           WhatIf({"batch": 0.5}, "batch=x0.5", 80, True, 3, "fewer samples"),
+           WhatIf({"world_size": 4}, "world_size=4", 150, False, 5, "hardware")]
+    p = MemoryPlan([_rank(0, 200), _rank(1, 120)], 2, "cpu", 100, what_ifs=ifs)
+    assert p.peak == 200 and p.fits is False
+    assert p.cheapest_fit is ifs[1]
+    text = p.to_text()
+    assert "does NOT fit" in text and "cheapest change that fits: batch=x0.5" in text
+    assert "blocks.1 backward" in text and "what if" in text
+    html = p._repr_html_()
+    assert "fsdp-nb-memory-plan" in html and html.count("rank ") >= 2 and "activations" in html
+    assert MemoryPlan([_rank(0, 50)], 1, "cpu", None).fits is None
+    assert "no budget known" in MemoryPlan([_rank(0, 50)], 1, "cpu", None).verdict()
+
+
+# -- planned for real, in the planner process ------------------------------------------------
+
+
+def test_a_plan_runs_in_its_own_process_and_ranks_what_ifs():
+    me = psutil.Process()
+    before = me.memory_info().rss
+    p = fsdp_nb.plan(Tower, world_size=4, batch=BATCH, optimizer=torch.optim.AdamW, auto_wrap={Block},
+                     what_if="auto", budget=1 << 20)
+    assert me.memory_info().rss - before < 300 * 2**20
+    assert len(p.ranks) == 4 and [r.rank for r in p.ranks] == [0, 1, 2, 3]
+    r = p.ranks[0]
+    params = sum(x.numel() for x in Tower().parameters()) * 4
+    # AdamW keeps two fp32 moments of this rank's quarter of the parameters (plus its step counters)
+    assert params // 2 <= r.optimizer <= params // 2 + 4096
+    assert r.activations >= BATCH.numel() * 4 * 4  # every block keeps its input and more
+    assert r.peak == sum(r.by_category().values()) and r.peak_phase in ("forward", "backward", "optimizer")
+    assert p.fits is False  # 1 MiB
+    by = {w.label: w for w in p.what_ifs}
+    assert by["activation_checkpointing={Block}"].peak < r.peak
+    assert by["batch=x0.5"].peak < r.peak
+    assert by["world_size=8"].peak < r.peak
+    assert [w.cost_rank for w in p.what_ifs if w.fits is False] == sorted(
+        w.cost_rank for w in p.what_ifs if w.fits is False)
+
+
+class _Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        raise ValueError("the forward of _Broken fails")
+
+
+def test_a_step_that_fails_is_named_in_the_error():
+    with pytest.raises(PlanError, match="the forward of _Broken fails"):
+        fsdp_nb.plan(_Broken, world_size=2, batch=torch.randn(2, 4))
