@@ -49,11 +49,13 @@ class RankError(FsdpNbError, RuntimeError):
     """One or more ranks raised; ``failures`` lists them, the first failing rank first.
 
     ``what``: the call that failed; ``world_size``: the ranks it ran on; ``collateral``:
-    ranks that failed only because another rank had (stopped by recovery)."""
+    ranks that failed only because another rank had (stopped by recovery); ``summary``:
+    lines that explain the failure, shown right after the first (a rank out of memory:
+    what it held, the allocation that failed, the change that would fit)."""
 
     def __init__(
         self, what: str, failures: list[RankFailure], world_size: int | None = None,
-        collateral: list[int] | None = None,
+        collateral: list[int] | None = None, summary: list[str] | None = None,
     ):
         self.what = what
         self.failures = list(failures)
@@ -62,7 +64,9 @@ class RankError(FsdpNbError, RuntimeError):
         """Ranks whose failure was a consequence of the first ones'."""
         ranks = ", ".join(str(f.rank) for f in self.failures)
         of = f" of {world_size}" if world_size else ""
-        lines = [f"{what} failed on rank(s) {ranks}{of}."]
+        self.summary = list(summary or [])
+        """What explains the failure, in the message's first lines."""
+        lines = [f"{what} failed on rank(s) {ranks}{of}.", *self.summary]
         for f in self.failures:
             lines.append(f"\n--- rank {f.rank}: {f.ename}: {f.evalue}")
             if f.traceback:

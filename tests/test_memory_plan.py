@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fsdp_nb.engine.wrap import forget_all
+from fsdp_nb.errors import RankError
 
 pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -103,3 +104,71 @@ def test_a_plan_names_the_session_budget_and_what_the_cpu_plan_leaves_out(sess):
     assert sess.context.last_plan is plan
     with pytest.raises(TypeError, match="world_size= and device= are for fsdp_nb.plan"):
         sess.plan(GPT, batch=_ids(), world_size=8)
+
+
+def _limit_address_space(extra: int):
+    """On this rank: the address-space limit set to what it maps now plus ``extra``
+    bytes; returns the old limits (to put back)."""
+    import re
+    import resource
+
+    with open("/proc/self/status") as f:
+        found = re.search(r"VmSize:\s+(\d+)", f.read())
+    assert found is not None
+    mapped = int(found.group(1)) * 1024
+    old = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + extra, old[1]))
+    return old
+
+
+def _restore_address_space(old):
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, old)
+
+
+TRAIN = """
+loss = oom_model(big_ids).float().mean()
+loss.backward()
+oom_opt.step()
+oom_opt.zero_grad()
+"""
+
+
+def test_a_rank_out_of_memory_says_what_it_held_and_what_would_fit(sess):
+    """A real allocation failure: rank 1 under an address-space limit runs out in the middle
+    of a step whose all-gathers rank 0 waits in; the error's first lines explain it, the
+    rank frees what the step left, and the session trains on with its model."""
+    big = torch.randint(0, 512, (64, 512))
+    plan = sess.plan(GPT, batch=big, optimizer=torch.optim.AdamW, auto_wrap={Block}, budget=256 << 20,
+                     what_if=[{"batch": 1 / 64}, {"activation_checkpointing": {Block}}])
+    assert plan.fits is False and plan.cheapest_fit is not None
+    model = sess.wrap(GPT, name="oom_model", auto_wrap={Block})
+    sess.push({"big_ids": big, "small_ids": big[:2, :64]})
+    sess.execute("oom_opt = torch.optim.AdamW(oom_model.parameters())")
+    before = model.state_dict()
+    old = sess.run(lambda: _limit_address_space(256 << 20) if rank == 1 else None)  # noqa: F821
+    try:
+        with pytest.raises(RankError) as info:
+            sess.execute(TRAIN)
+    finally:
+        sess.run(lambda: old[1] and _restore_address_space(old[1]) if rank == 1 else None)  # noqa: F821
+    try:
+        err = info.value
+        first = str(err).splitlines()[:6]
+        assert err.first.rank == 1 and "can't allocate memory" in err.first.evalue
+        assert first[1].startswith("rank 1 ran out of memory: it could not allocate ")
+        assert "of " in first[1] and "(cpu)" in first[1]
+        # its half of the weights, and the unit the forward had gathered when it failed
+        assert first[2].startswith("  parameters ") and not first[2].startswith("  parameters 0 B")
+        assert f"cheapest change that fits, from the last plan: {plan.cheapest_fit.label}" in first[3]
+        assert "models and variables are kept" in first[4]
+        # state kept: the weights the failed step did not reach, and the model trains on
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        sess.execute(TRAIN.replace("big_ids", "small_ids"))
+        assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    finally:
+        sess.run(forget_all, ("oom_model",))
+        sess.context.wraps.pop("oom_model", None)
+        sess.context.models.pop("oom_model", None)
+        sess.execute("del oom_opt, big_ids, small_ids")

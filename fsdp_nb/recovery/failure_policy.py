@@ -75,15 +75,21 @@ class RecoveringPolicy(FailurePolicy):
         self, pending: Pending, failures: list[RankFailure], running: list[int]
     ) -> None:
         first = {f.rank for f in failures}
+        summary = self.summarize(failures)  # before recovery: what the failed ranks hold now
         report = self._explain(running)
         note = self._recover(pending, running, interrupt=False, cause="partial failure")
         collateral = [f for f in self.ctx.dispatcher.failures(pending) if f.rank not in first]
         err = RankError(pending.what, list(failures) + collateral, self.ctx.world_size,
-                        collateral=[f.rank for f in collateral])
+                        collateral=[f.rank for f in collateral], summary=summary)
         if report.lines:
             err.add_note("While the other ranks waited:" + "".join(f"\n  {line}" for line in report.lines))
         err.add_note(note)
         raise err
+
+    def summarize(self, failures: list[RankFailure]) -> list[str]:
+        from .out_of_memory import explain
+
+        return explain(self.ctx, failures)
 
     def on_interrupt(self, pending: Pending, running: list[int]) -> None:
         if not running:

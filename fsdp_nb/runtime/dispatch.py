@@ -63,6 +63,11 @@ class FailurePolicy:
         """Some ranks failed, ``running`` have not returned after ``grace``: raise."""
         raise RankError(pending.what, failures, len(pending.results))
 
+    def summarize(self, failures: list[RankFailure]) -> list[str]:
+        """Lines that explain ``failures``, first in the error (the session's policy
+        explains a rank out of memory); called once every rank has answered."""
+        return []
+
     def on_interrupt(self, pending: Pending, running: list[int]) -> None:
         """Ctrl-C in the notebook while ``running`` ranks work."""
 
@@ -276,7 +281,7 @@ class Dispatcher:
                 self.notify(pending.what, "dead", dead)
                 self.policy.on_dead(pending, dead)
             self.notify(pending.what, "failed", failures=failures)
-            raise RankError(pending.what, failures, self.cluster.world_size)
+            raise RankError(pending.what, failures, self.cluster.world_size, summary=self.policy.summarize(failures))
         self.notify(pending.what, "done")
         return [pending.results[r].get() for r in sorted(pending.results)]
 

@@ -8,10 +8,14 @@ shows.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CATEGORIES", "TRACKER_CATEGORIES", "RankMemory", "StepSpec", "TensorSpec", "categories"]
+__all__ = [
+    "CATEGORIES", "TRACKER_CATEGORIES", "Held", "RankMemory", "StepSpec", "TensorSpec", "categories",
+    "failed_allocation", "is_out_of_memory",
+]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "other")
 """The categories of a plan, in the order it shows them."""
@@ -107,3 +111,44 @@ class RankMemory:
     def by_category(self) -> dict[str, int]:
         """Category -> bytes at the peak, in :data:`CATEGORIES` order."""
         return {c: getattr(self, c) for c in CATEGORIES}
+
+
+_OOM = re.compile(r"out of memory|can't allocate memory|Cannot allocate memory|MemoryError", re.I)
+_TRIED = re.compile(r"(?:Tried to allocate|tried to allocate) ([\d.]+) ?(bytes|B|KiB|MiB|GiB|TiB)", re.I)
+_UNITS = {"bytes": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def is_out_of_memory(ename: str, evalue: str) -> bool:
+    """Whether a rank's failure (exception name and message) is an allocation that
+    failed: ``torch.OutOfMemoryError`` (CUDA), the CPU allocator's failure, ``MemoryError``."""
+    return ename in ("OutOfMemoryError", "MemoryError") or bool(_OOM.search(evalue))
+
+
+def failed_allocation(evalue: str) -> int | None:
+    """The bytes the failed allocation asked for, read from its message (CUDA's "Tried
+    to allocate 2.00 GiB", the CPU allocator's "you tried to allocate 123 bytes")."""
+    m = _TRIED.search(evalue)
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m else None
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a rank holds, by what it is, in bytes: read after a failure."""
+
+    device: str
+    """``"cuda"`` or ``"cpu"``."""
+    parameters: int
+    """Parameters and buffers of the wrapped models (this rank's shards)."""
+    gradients: int
+    """Their gradients."""
+    optimizer: int
+    """The state of the optimizers among the engine globals."""
+    total: int
+    """CUDA's allocated bytes, or the process's resident memory on CPU."""
+    limit: int | None
+    """What the rank may hold: the GPU's memory, or the address-space limit on CPU (None: none set)."""
+
+    @property
+    def rest(self) -> int:
+        """Everything else: activations, temporaries (and on CPU the process itself)."""
+        return max(0, self.total - self.parameters - self.gradients - self.optimizer)

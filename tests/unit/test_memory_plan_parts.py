@@ -173,3 +173,30 @@ class _Broken(nn.Module):
 def test_a_step_that_fails_is_named_in_the_error():
     with pytest.raises(PlanError, match="the forward of _Broken fails"):
         fsdp_nb.plan(_Broken, world_size=2, batch=torch.randn(2, 4))
+
+
+def test_out_of_memory_is_recognised_and_its_allocation_read():
+    from fsdp_nb.wire.memory_plan import failed_allocation, is_out_of_memory
+
+    cpu = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+           "you tried to allocate 2147483648 bytes. Error code 12 (Cannot allocate memory)")
+    cuda = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of "
+            "which 1.2 GiB is free.")
+    assert is_out_of_memory("RuntimeError", cpu) and failed_allocation(cpu) == 2 << 30
+    assert is_out_of_memory("OutOfMemoryError", cuda) and failed_allocation(cuda) == 2 << 30
+    assert is_out_of_memory("MemoryError", "") and failed_allocation("") is None
+    assert not is_out_of_memory("ValueError", "shapes do not match")
+
+
+def test_the_out_of_memory_lines_name_rank_holdings_allocation_and_the_fix():
+    from fsdp_nb.errors import RankFailure
+    from fsdp_nb.recovery.out_of_memory import lines_for
+    from fsdp_nb.wire.memory_plan import Held
+
+    f = RankFailure(3, "OutOfMemoryError", "CUDA out of memory. Tried to allocate 512.00 MiB.", "")
+    h = Held("cuda", 1 << 30, 1 << 30, 2 << 30, 10 << 30, 16 << 30)
+    lines = lines_for(f, h, 3 << 30, "activation_checkpointing={Block} (peak 9.0 GiB; cost: recompute)")
+    assert lines[0] == "rank 3 ran out of memory: it could not allocate 512.0 MiB while holding 10.0 GiB of 16.0 GiB (cuda):"
+    assert "optimizer state 2.0 GiB" in lines[1] and "the rest (activations, temporaries) 6.0 GiB" in lines[1]
+    assert "activation_checkpointing={Block}" in lines[2] and "3.0 GiB given back" in lines[3]
+    assert "sess.plan" in lines_for(f, h, 0, None)[2]

@@ -1,0 +1,101 @@
+"""A rank that ran out of memory: what it holds, by what it is, and freeing what the
+failure left behind (engine side of ``fsdp_nb.recovery.out_of_memory``).
+
+After a failed allocation the failing frames stay alive in ``sys.last_traceback`` (for
+``sess.debug``), and with them the step's activations. :func:`held` reads what the rank
+holds at that moment; :func:`release` drops those frames' locals, collects and empties
+CUDA's cache, so the next cell runs. Engine globals (models, optimizers, variables) are
+untouched.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import sys
+from typing import Any
+
+from ..wire.memory_plan import Held
+from .namespace import user_ns
+from .wrap import MODELS
+
+__all__ = ["held", "release"]
+
+
+def _bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages under ``tensors`` (DTensors: their local shards)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        t = getattr(t, "_local_tensor", t)
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, AttributeError):
+            continue
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def _cuda(device: Any) -> Any:
+    """torch, if this process uses CUDA already (never initialising it from here)."""
+    torch = sys.modules.get("torch")
+    if torch is None or device.type != "cuda" or not torch.cuda.is_initialized():
+        return None
+    return torch
+
+
+def held() -> Held:
+    """What this rank holds now: wrapped models' parameters and gradients, the engine
+    globals' optimizer state, and the total (CUDA allocated, or resident on CPU)."""
+    import psutil
+    import torch
+
+    device = torch.device(user_ns().get("device", "cpu"))
+    params = [t for w in MODELS.values() for t in (*w.module.parameters(), *w.module.buffers())]
+    grads = [p.grad for w in MODELS.values() for p in w.module.parameters() if p.grad is not None]
+    state = [v for o in user_ns().values() if isinstance(o, torch.optim.Optimizer)
+             for s in o.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    cuda = _cuda(device)
+    if cuda is not None:
+        total = int(cuda.cuda.memory_allocated(device))
+        limit: int | None = int(cuda.cuda.get_device_properties(device).total_memory)
+    else:
+        total = int(psutil.Process(os.getpid()).memory_info().rss)
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        limit = None if soft == resource.RLIM_INFINITY else int(soft)
+    return Held("cuda" if cuda is not None else "cpu", _bytes(params), _bytes(grads), _bytes(state), total, limit)
+
+
+def release() -> int:
+    """Drop the failing frames' locals (the last failure's traceback), collect, and empty
+    CUDA's cache; the bytes this gave back (CUDA reserved, or resident on CPU)."""
+    import psutil
+    import torch
+
+    device = torch.device(user_ns().get("device", "cpu"))
+    cuda = _cuda(device)
+
+    def now() -> int:
+        if cuda is not None:
+            return int(cuda.cuda.memory_reserved(device))
+        return int(psutil.Process(os.getpid()).memory_info().rss)
+
+    before = now()
+    tb = getattr(sys, "last_traceback", None)
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name != "<module>":  # a cell's module frame holds the user namespace
+            try:
+                frame.clear()
+            except RuntimeError:  # still running (this very call): left alone
+                pass
+        tb = tb.tb_next
+    sys.last_traceback = None
+    gc.collect()
+    if cuda is not None:
+        cuda.cuda.empty_cache()
+    return max(0, before - now())

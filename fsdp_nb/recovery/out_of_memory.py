@@ -1,0 +1,62 @@
+"""A rank out of memory explains itself: the error's first lines name the rank, what it
+held by category, the allocation that failed and the cheapest change from the last
+plan (``sess.plan``) that fits; then the rank frees what the failure left behind.
+
+Called by the session's failure policy (``summarize``) once the failed ranks answered,
+through the plain dispatcher (reports, never recovers). Asking must not stand in the
+way of the error: any trouble is logged and the error goes on without these lines.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ..engine import out_of_memory as _oom
+from ..errors import RankFailure
+from ..frontends.tables import fmt_bytes
+from ..wire.memory_plan import Held, failed_allocation, is_out_of_memory
+
+if TYPE_CHECKING:
+    from ..context import SessionContext
+
+__all__ = ["explain", "lines_for"]
+
+log = logging.getLogger("fsdp_nb")
+
+
+def lines_for(failure: RankFailure, held: Held, freed: int, cheapest: str | None) -> list[str]:
+    """The error's lines for one rank out of memory (a pure function)."""
+    asked = failed_allocation(failure.evalue)
+    of = f" of {fmt_bytes(held.limit)}" if held.limit else ""
+    rest = "activations, temporaries" + (", the process itself" if held.device == "cpu" else "")
+    return [
+        f"rank {failure.rank} ran out of memory: it could not allocate "
+        f"{fmt_bytes(asked) if asked is not None else 'more'} while holding {fmt_bytes(held.total)}{of} "
+        f"({held.device}):",
+        f"  parameters {fmt_bytes(held.parameters)}, gradients {fmt_bytes(held.gradients)}, "
+        f"optimizer state {fmt_bytes(held.optimizer)}, the rest ({rest}) {fmt_bytes(held.rest)}",
+        f"  cheapest change that fits, from the last plan: {cheapest}" if cheapest else
+        "  no plan says what fits: sess.plan(Model, ..., batch=..., what_if='auto') does, before allocating",
+        f"  the failing frames were dropped and caches emptied ({fmt_bytes(freed)} given back); models "
+        "and variables are kept: the next cell runs",
+    ]
+
+
+def explain(ctx: SessionContext, failures: list[RankFailure]) -> list[str]:
+    """The lines for every rank in ``failures`` that ran out of memory ([] if none)."""
+    oom = [f for f in failures if is_out_of_memory(f.ename, f.evalue)]
+    if not oom:
+        return []
+    plan = ctx.last_plan
+    best = plan.cheapest_fit if plan is not None else None
+    cheapest = f"{best.label} (peak {fmt_bytes(best.peak)}; cost: {best.cost})" if best else None
+    ranks = [f.rank for f in oom]
+    d = ctx.plain_dispatcher
+    try:
+        held = d.gather(d.apply("what the ranks hold", _oom.held, ranks=ranks), 30)
+        freed = d.gather(d.apply("free after out of memory", _oom.release, ranks=ranks), 60)
+    except Exception as exc:  # noqa: BLE001 - the error itself must still reach the user
+        log.warning("fsdp_nb: could not ask rank(s) %s what they hold: %s", ranks, exc)
+        return []
+    return [line for f, h, n in zip(oom, held, freed) for line in lines_for(f, h, n, cheapest)]
