@@ -392,6 +392,9 @@ def test_engine_killed_during_a_direct_run(fragile, tmp_path):
     with pytest.raises(DeadRankError) as info:
         s.run(_sleep_on_rank_1_then_collective, str(marker))
     assert info.value.dead_ranks == [1]
+    # this test, not the kernel, sent the SIGKILL: the error does not blame memory
+    assert ("rank 1 was killed by SIGKILL, which fsdp_nb did not send: not the kernel's out-of-memory "
+            "killer") in str(info.value)
     assert s.status().idle == [0]
     s.restart()
     assert s.ranks[1].pid != victim

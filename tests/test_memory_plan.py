@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fsdp_nb.engine.wrap import forget_all
-from fsdp_nb.errors import RankError
+from fsdp_nb.errors import DeadRankError, RankError
 
 pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -172,3 +172,58 @@ def test_a_rank_out_of_memory_says_what_it_held_and_what_would_fit(sess):
         sess.context.wraps.pop("oom_model", None)
         sess.context.models.pop("oom_model", None)
         sess.execute("del oom_opt, big_ids, small_ids")
+
+
+def _child_memory_cgroup(name: str):
+    """A memory cgroup under this process's own (v1 or v2), or None where this machine
+    does not let us make one."""
+    import os
+    from pathlib import Path
+
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    v1 = [ln.split(":", 2)[2] for ln in lines if ln.split(":", 2)[1] == "memory"]
+    v2 = [ln.split(":", 2)[2] for ln in lines if ln.startswith("0::")]
+    for base, limit_file in ((Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"),
+                             (Path("/sys/fs/cgroup"), "memory.max")):
+        for rel in (v1 if limit_file.endswith("bytes") else v2):
+            d = base / rel.lstrip("/") / name
+            try:
+                d.mkdir()
+            except OSError:
+                continue
+            if (d / limit_file).exists() and os.access(d / "cgroup.procs", os.W_OK):
+                return d, limit_file
+            d.rmdir()
+    return None
+
+
+def test_an_engine_the_oom_killer_ends_is_reported_as_that(session_factory):
+    """Rank 1 in a memory cgroup of its own fills it: the kernel's OOM killer ends the
+    engine, and the DeadRankError says so, with the memory the feed last saw."""
+    import os
+    import time
+
+    found = _child_memory_cgroup(f"fsdp_nb_oom_{os.getpid()}")
+    if found is None:
+        pytest.skip("this machine gives no memory cgroup to put an engine in (OOM-killer report untested here)")
+    group, limit_file = found
+    s = session_factory(2, private=True)
+    try:
+        feed = s.memory(interval=0.2)
+        wait_for = time.monotonic() + 30
+        while 1 not in s.context.last_memory and time.monotonic() < wait_for:
+            time.sleep(0.1)  # the feed's first sample of rank 1: a readiness we wait for, not a delay
+        assert 1 in s.context.last_memory
+        used = s.context.last_memory[1][1]
+        (group / limit_file).write_text(str(used + (256 << 20)))
+        (group / "cgroup.procs").write_text(str(s.ranks[1].pid))
+        with pytest.raises(DeadRankError) as info:
+            s.execute("if rank == 1:\n    hog = torch.ones(1 << 31, dtype=torch.uint8)\n")
+        text = str(info.value)
+        assert "rank 1 was killed by SIGKILL, which fsdp_nb did not send: the kernel's out-of-memory " \
+               "killer ended it" in text
+        assert "its last memory sample" in text and "sess.plan" in text
+        feed.close()
+    finally:
+        s.shutdown()
+        group.rmdir()

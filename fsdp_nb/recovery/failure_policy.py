@@ -39,6 +39,7 @@ from ..engine import health as _health
 from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError
 from ..runtime.dispatch import FailurePolicy, Pending
 from ..runtime.hang_report import HangReport, fold_stacks
+from .out_of_memory import explain, kernel_oom_kills, killed
 from .restart import reform, restart
 
 if TYPE_CHECKING:
@@ -68,6 +69,9 @@ class RecoveringPolicy(FailurePolicy):
         between the SIGINTs they get until they return or ``wedge_timeout`` passes."""
         self.wedge_timeout = wedge_timeout
         """Seconds to wait for stopped ranks to return before they count as wedged."""
+        self.oom_kills = kernel_oom_kills()
+        """The kernel's count of out-of-memory kills when last looked at: a rise names the
+        OOM killer as what ended a rank."""
 
     # hooks -------------------------------------------------------------------------
 
@@ -87,8 +91,6 @@ class RecoveringPolicy(FailurePolicy):
         raise err
 
     def summarize(self, failures: list[RankFailure]) -> list[str]:
-        from .out_of_memory import explain
-
         return explain(self.ctx, failures)
 
     def on_interrupt(self, pending: Pending, running: list[int]) -> None:
@@ -102,6 +104,8 @@ class RecoveringPolicy(FailurePolicy):
     def on_dead(self, pending: Pending, dead: list[int]) -> None:
         ctx = self.ctx
         all_dead = sorted(set(dead) | set(ctx.cluster.dead_ranks()))
+        why = "".join(f"\n{line}" for line in killed(ctx, all_dead, self.oom_kills))  # before replacements
+        self.oom_kills = kernel_oom_kills()
         running = [r for r, ar in pending.results.items() if not ar.ready() and r not in all_dead]
         wedged = self._unblock(pending, running, interrupt=bool(running), skip=set(all_dead))
         if wedged:
@@ -115,7 +119,7 @@ class RecoveringPolicy(FailurePolicy):
             sorted(set(all_dead) | set(wedged)),
             f"while running {pending.what}. The other ranks were stopped and left the "
             "process group (their state is kept); sess.restart() replaces the dead "
-            "engine(s) under the same rank(s) and re-forms the group.",
+            "engine(s) under the same rank(s) and re-forms the group." + why,
         )
         if others:
             err.add_note("Other ranks failed as a consequence:\n" + "\n".join(map(str, others)))

@@ -235,6 +235,7 @@ class MemoryFeed:
             return False
         with self._lock:
             self.history[s.rank].append(s)
+        self.ctx.last_memory[s.rank] = (s.t, s.used, s.limit)  # for a death's report
         return True
 
     def __del__(self) -> None:
