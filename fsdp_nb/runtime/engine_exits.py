@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 __all__ = ["exit_signal"]
 
 
-def _launcher(cluster: Any, pid: int) -> Any:
+def _launcher(cluster: Any, pid: int | None) -> Any:
+    """The local launcher that started process ``pid``, if any."""
     for engine_set in (getattr(cluster, "engines", None) or {}).values():
         for launcher in (getattr(engine_set, "launchers", None) or {}).values():
             if getattr(launcher, "pid", None) == pid:
