@@ -141,7 +141,42 @@ def test_memory_snapshot_static_form_gpu_fields():
     snap = MemorySnapshot((s, None), ((s,), ()))
     text = snap.to_text()
     assert "CUDA allocated" in text and "40.0 GiB  80.0 GiB  50.0%  60.0 GiB  50.0 GiB" in text
-    assert "waiting for samples" in snap.to_html() and "reserved 50.0 GiB" in snap.to_html()
+    assert "waiting for the first sample" in snap.to_html() and "reserved 50.0 GiB" in snap.to_html()
+    assert "1     waiting for the first sample" in text and "?" not in text
+
+
+def test_the_memory_view_opens_with_numbers_and_splits_a_wrapped_models_memory(sess):
+    """Printed right after it is made, the view shows every rank's numbers (it waited for
+    the first samples); with a model and its optimizer, each rank's memory splits into
+    parameters, gradients, optimizer state and the rest, from the live samples."""
+    import torch
+
+    from fsdp_nb.engine.wrap import forget_all
+
+    w = sess.memory(interval=0.2)
+    try:
+        text = str(w.to_text())
+        assert "waiting" not in text and "?" not in text
+        assert all(s is not None for s in w.feed.latest())
+        model = sess.wrap(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)),
+                          name="split_model")
+        sess.execute("split_opt = torch.optim.AdamW(split_model.parameters())\n"
+                     "split_model(torch.randn(8, 256)).sum().backward()\nsplit_opt.step()")
+        half = sum(p.numel() for p in model.state_dict().values()) * 4 // 2
+        t = time.time()
+        assert wait_until(lambda: all(s is not None and s.t > t and s.optimizer for s in w.feed.latest()), 10)
+        for s in w.feed.latest():
+            assert s.parameters >= half and s.gradients >= half and s.optimizer >= 2 * half
+            assert sum(s.kinds.values()) == s.used
+        text = w.to_text()
+        assert "parameters" in text.splitlines()[1] and "optimizer" in text.splitlines()[1]
+        assert "title='optimizer'" in w.to_html() and "</span> optimizer " in w.to_html()
+    finally:
+        w.close()
+        sess.run(forget_all, ("split_model",))
+        sess.context.wraps.pop("split_model", None)
+        sess.context.models.pop("split_model", None)
+        sess.execute("del split_opt")
 
 
 # -- checkpoints ---------------------------------------------------------------------

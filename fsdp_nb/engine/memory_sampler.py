@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any
 
+from .out_of_memory import by_kind
 from .signing import Link, Refused, engine_key, new_nonce
 
 __all__ = ["MAX_SUBSCRIPTION_BYTES", "dropped", "running", "sample", "start"]
@@ -51,7 +52,9 @@ def sample(rank: int, device: str = "cpu", seq: int = 0, _proc: Any = None) -> d
 
     CPU: resident set size, its peak (``ru_maxrss``) and the host's RAM. CUDA (only if
     this process already initialised CUDA, never initialising it from here): allocated,
-    reserved and peak allocated bytes on ``device`` and the device's total memory.
+    reserved and peak allocated bytes on ``device`` and the device's total memory. Once
+    a model is wrapped: its parameters, gradients and the optimizers' state, in bytes
+    (``out_of_memory.by_kind``).
     """
     import psutil
 
@@ -79,6 +82,12 @@ def sample(rank: int, device: str = "cpu", seq: int = 0, _proc: Any = None) -> d
             out["cuda_reserved"] = int(torch.cuda.memory_reserved(dev))
             out["cuda_peak"] = int(torch.cuda.max_memory_allocated(dev))
             out["cuda_total"] = int(torch.cuda.get_device_properties(dev).total_memory)
+    try:
+        kinds = by_kind()
+    except RuntimeError:  # the optimizer's state changed under us mid-step: next sample
+        kinds = None
+    if kinds is not None:
+        out["parameters"], out["gradients"], out["optimizer"] = kinds
     return out
 
 

@@ -20,7 +20,7 @@ from ..wire.memory_plan import Held
 from .namespace import user_ns
 from .wrap import MODELS
 
-__all__ = ["held", "release"]
+__all__ = ["by_kind", "held", "release"]
 
 
 def _bytes(tensors: Any) -> int:
@@ -48,6 +48,23 @@ def _cuda(device: Any) -> Any:
     return torch
 
 
+def by_kind() -> tuple[int, int, int] | None:
+    """(parameters and buffers, gradients, optimizer state) bytes this rank holds for the
+    wrapped models and the engine globals' optimizers; None when no model is wrapped.
+    Safe from another thread (the memory sampler's) while a step runs: a state that
+    changes under it raises RuntimeError, for the caller to skip that reading."""
+    if not MODELS:
+        return None
+    import torch
+
+    models = list(MODELS.values())
+    params = [t for w in models for t in (*w.module.parameters(), *w.module.buffers())]
+    grads = [p.grad for w in models for p in w.module.parameters() if p.grad is not None]
+    state = [v for o in list(user_ns().values()) if isinstance(o, torch.optim.Optimizer)
+             for s in list(o.state.values()) for v in list(s.values()) if isinstance(v, torch.Tensor)]
+    return _bytes(params), _bytes(grads), _bytes(state)
+
+
 def held() -> Held:
     """What this rank holds now: wrapped models' parameters and gradients, the engine
     globals' optimizer state, and the total (CUDA allocated, or resident on CPU)."""
@@ -55,10 +72,7 @@ def held() -> Held:
     import torch
 
     device = torch.device(user_ns().get("device", "cpu"))
-    params = [t for w in MODELS.values() for t in (*w.module.parameters(), *w.module.buffers())]
-    grads = [p.grad for w in MODELS.values() for p in w.module.parameters() if p.grad is not None]
-    state = [v for o in user_ns().values() if isinstance(o, torch.optim.Optimizer)
-             for s in o.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    params, grads, state = by_kind() or (0, 0, 0)
     cuda = _cuda(device)
     if cuda is not None:
         total = int(cuda.cuda.memory_allocated(device))
@@ -67,7 +81,7 @@ def held() -> Held:
         total = int(psutil.Process(os.getpid()).memory_info().rss)
         soft = resource.getrlimit(resource.RLIMIT_AS)[0]
         limit = None if soft == resource.RLIM_INFINITY else int(soft)
-    return Held("cuda" if cuda is not None else "cpu", _bytes(params), _bytes(grads), _bytes(state), total, limit)
+    return Held("cuda" if cuda is not None else "cpu", params, grads, state, total, limit)
 
 
 def release() -> int:

@@ -57,6 +57,12 @@ class MemorySample:
     """Peak allocated bytes since start (or the last reset)."""
     cuda_total: int | None = None
     """Total memory of the GPU (the GPU limit)."""
+    parameters: int | None = None
+    """Bytes of the wrapped models' parameters and buffers on this rank (None: no model)."""
+    gradients: int | None = None
+    """Bytes of their gradients."""
+    optimizer: int | None = None
+    """Bytes of the engine globals' optimizer state."""
     seq: int = 0
     """Sequence number within its sampler."""
     received: float = field(default=0.0, compare=False)
@@ -71,6 +77,16 @@ class MemorySample:
     def used(self) -> int:
         """The headline number: CUDA allocated on GPU ranks, RSS on CPU ranks."""
         return self.cuda_allocated if self.cuda_allocated is not None else self.rss
+
+    @property
+    def kinds(self) -> dict[str, int] | None:
+        """``used`` split into parameters, gradients, optimizer state and the rest (None
+        before a model is wrapped)."""
+        if self.parameters is None:
+            return None
+        known = {"parameters": self.parameters, "gradients": self.gradients or 0,
+                 "optimizer": self.optimizer or 0}
+        return {**known, "rest": max(0, self.used - sum(known.values()))}
 
     @property
     def limit(self) -> int:

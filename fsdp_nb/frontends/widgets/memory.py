@@ -42,20 +42,31 @@ class MemorySnapshot:
     def world_size(self) -> int:
         return len(self.latest)
 
+    @property
+    def split(self) -> bool:
+        """Whether a model is wrapped: each rank's memory is then split by kind."""
+        return any(s is not None and s.kinds is not None for s in self.latest)
+
+    def header(self) -> tuple[str, ...]:
+        """The text table's columns (by kind too once a model is wrapped)."""
+        return self.HEADER + (KINDS if self.split else ())
+
     def rows(self) -> list[tuple[str, ...]]:
-        """Text rows: rank, device, used, limit, percent, peak, reserved."""
+        """Text rows: rank, device, used, limit, percent, peak, reserved (and by kind)."""
         out = []
         for r, s in enumerate(self.latest):
             if s is None:
-                out.append((str(r), "?", "-", "-", "-", "-", "-"))
+                out.append((str(r), "waiting for the first sample"))
                 continue
             gpu = s.cuda_allocated is not None
             pct = 100.0 * s.used / s.limit if s.limit else 0.0
+            kinds = s.kinds
             out.append((
                 str(r), s.device,
                 fmt_bytes(s.used), fmt_bytes(s.limit), f"{pct:.1f}%",
                 fmt_bytes(s.cuda_peak if gpu else s.rss_peak),
                 fmt_bytes(s.cuda_reserved) if gpu else "-",
+                *((fmt_bytes(kinds[k]) if kinds else "-" for k in KINDS) if self.split else ()),
             ))
         return out
 
@@ -64,13 +75,15 @@ class MemorySnapshot:
     def to_text(self) -> str:
         kind = "CUDA allocated" if any(s and s.cuda_allocated is not None
                                        for s in self.latest) else "process RSS"
-        return f"fsdp_nb memory ({kind})\n" + text_table(self.HEADER, self.rows())
+        head = self.header()
+        rows = [r if len(r) == len(head) else (*r, *([""] * (len(head) - len(r)))) for r in self.rows()]
+        return f"fsdp_nb memory ({kind})\n" + text_table(head, rows)
 
     def to_html(self) -> str:
         rows = []
         for r, s in enumerate(self.latest):
             if s is None:
-                rows.append(f"<tr><td>rank {r}</td><td colspan='3'><i>waiting for samples"
+                rows.append(f"<tr><td>rank {r}</td><td colspan='3'><i>waiting for the first sample"
                             f"</i></td></tr>")
                 continue
             gpu = s.cuda_allocated is not None
@@ -85,15 +98,18 @@ class MemorySnapshot:
                 "background:#eee;border:1px solid #ccc'>"
                 f"<div style='position:absolute;left:0;top:0;height:100%;width:{res_pct:.2f}%;"
                 "background:#c7dcef'></div>"
-                f"<div style='position:absolute;left:0;top:0;height:100%;width:{pct:.2f}%;"
-                f"background:{color}'></div>"
-                f"<div title='peak' style='position:absolute;top:0;height:100%;left:{peak_pct:.2f}%;"
+                + _used_bar(s, pct, color)
+                + f"<div title='peak' style='position:absolute;top:0;height:100%;left:{peak_pct:.2f}%;"
                 "border-left:2px solid #333'></div></div>"
             )
             detail = (f"{fmt_bytes(s.used)} / {fmt_bytes(s.limit)} ({pct:.1f}%) &middot; "
                       f"peak {fmt_bytes(peak)}")
             if gpu:
                 detail += f" &middot; reserved {fmt_bytes(s.cuda_reserved)} &middot; RSS {fmt_bytes(s.rss)}"
+            if s.kinds:
+                detail += "<br>" + " &middot; ".join(
+                    f"<span style='color:{_KIND_COLOURS[k]}'>&#9632;</span> {k} {fmt_bytes(v)}"
+                    for k, v in s.kinds.items())
             spark = sparkline_svg([x.used for x in self.history[r]] if self.history else [])
             rows.append(
                 f"<tr><td style='padding:2px 6px'>rank {r}<br><small>{html.escape(s.device)}"
@@ -104,6 +120,23 @@ class MemorySnapshot:
             s and s.cuda_allocated is not None for s in self.latest) else "process RSS vs host RAM"
         return (f"<div class='fsdp-nb-memory'><b>Memory per rank</b> <small>{kind}; "
                 f"line: history</small><table style='font-size:12px'>{''.join(rows)}</table></div>")
+
+
+KINDS = ("parameters", "gradients", "optimizer", "rest")
+"""What a rank's memory is split into once a model is wrapped."""
+_KIND_COLOURS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer": "#54a24b", "rest": "#9d9d9d"}
+
+
+def _used_bar(s: MemorySample, pct: float, color: str) -> str:
+    """The used part of a rank's bar: one colour, or a segment per kind once a model is wrapped."""
+    kinds = s.kinds
+    if not kinds or not s.used:
+        return (f"<div style='position:absolute;left:0;top:0;height:100%;width:{pct:.2f}%;"
+                f"background:{color}'></div>")
+    segs = "".join(f"<div title='{k}' style='height:100%;width:{100.0 * v / s.used:.2f}%;"
+                   f"background:{_KIND_COLOURS[k]}'></div>" for k, v in kinds.items())
+    return (f"<div style='position:absolute;left:0;top:0;height:100%;width:{pct:.2f}%;display:flex'>"
+            f"{segs}</div>")
 
 
 class MemoryWidget(StaticForm, W.VBox):
@@ -131,10 +164,10 @@ class MemoryWidget(StaticForm, W.VBox):
             self.renders += 1
 
     def to_text(self) -> str:
-        return self.snapshot.to_text()
+        return MemorySnapshot.of(self.feed).to_text()  # the feed's latest, not the last redraw's
 
     def to_html(self) -> str:
-        return self.snapshot.to_html()
+        return MemorySnapshot.of(self.feed).to_html()
 
     def close(self) -> None:
         """Stop the samplers and the receiver, then close the widget."""
@@ -147,8 +180,15 @@ def memory_widget(ctx: SessionContext, *, interval: float = 1.0, history: int = 
     """A live memory widget for ``sess``; samples every ``interval`` seconds per rank.
 
     Display it before starting a long cell: the samplers are started once through the
-    engines' task queue, then stream on their own sockets.
+    engines' task queue, then stream on their own sockets. It returns once every rank
+    sent its first sample (at most ``interval`` + 2 s), so it opens with numbers; a rank
+    still silent shows "waiting for the first sample".
     """
+    import time
+
     feed = MemoryFeed(ctx, interval=interval, history=history)
     feed.start()
+    deadline = time.monotonic() + interval + 2.0  # every rank's first sample, so it opens with numbers
+    while None in feed.latest() and time.monotonic() < deadline:
+        time.sleep(0.02)
     return MemoryWidget(feed)
