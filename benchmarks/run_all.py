@@ -32,6 +32,7 @@ BENCHES = {
     "hangs": ("hangs.py", [], ["--rounds", "3", "--steps", "30"]),
     "launchers": ("launchers.py", [], ["--only", "local"]),
     "kernel_restart": ("kernel_restart.py", [], ["--reps", "1"]),
+    "memory_plan": ("memory_plan.py", [], ["--quick"]),
     # the GPU path: a transformer on one engine per GPU (nccl), or the same code on 2 CPU ranks
     "gpu": ("gpu.py", [], ["--device", "cpu", "--steps", "3"]),
 }
