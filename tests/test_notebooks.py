@@ -19,7 +19,8 @@ EXPECTED = {
     "02_checkpoints": ["valid, world_size=2", "(2, {'step': 5},", "({'step': 5}, True)",
                        "resized 3 -> 2 ranks in", "model 'model' re-sharded with optimizer",
                        "world size 2 same weights: True"],
-    "03_large_model": ["full model:", "rank 0: step ok", "rank 1: step ok"],
+    "03_large_model": ["full model:", "planned peak", "cheapest change that fits", "what if",
+                       "rank 0: step ok", "rank 1: step ok"],
     "04_failures": ["caught:", "rank 1 found bad data", "interrupted; session state: ready",
                     "rank(s) 1", "all_reduce after recovery: 1.0",
                     # the status widget's log, printed at the end

@@ -40,7 +40,7 @@ class WhatIf:
     """Why it could not be planned."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class MemoryPlan:
     """Each rank's peak memory over a training step, by category, in bytes; planned
     under a fake process group and fake tensors (or ``measured`` on the real ranks)."""
@@ -117,7 +117,7 @@ class MemoryPlan:
         parts += [f"note: {n}" for n in self.notes]
         return "\n\n".join(parts)
 
-    def __str__(self) -> str:
+    def __repr__(self) -> str:  # a notebook's text/plain form and print() show the table
         return self.to_text()
 
     def _bars(self) -> str:
