@@ -106,33 +106,26 @@ def test_a_plan_names_the_session_budget_and_what_the_cpu_plan_leaves_out(sess):
         sess.plan(GPT, batch=_ids(), world_size=8)
 
 
-def _limit_address_space(extra: int):
-    """On this rank: the address-space limit set to what it maps now plus ``extra``
-    bytes; returns the old limits (to put back)."""
-    import re
-    import resource
-
-    with open("/proc/self/status") as f:
-        found = re.search(r"VmSize:\s+(\d+)", f.read())
-    assert found is not None
-    mapped = int(found.group(1)) * 1024
-    old = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (mapped + extra, old[1]))
-    return old
-
-
-def _restore_address_space(old):
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_AS, old)
-
-
 TRAIN = """
 loss = oom_model(big_ids).float().mean()
 loss.backward()
 oom_opt.step()
 oom_opt.zero_grad()
 """
+
+LIMITED = """
+import re, resource
+_old = resource.getrlimit(resource.RLIMIT_AS)
+if rank == 1:  # what it maps now and 256 MiB more, for this step only
+    with open("/proc/self/status") as _f:
+        _mapped = int(re.search(r"VmSize:\\s+(\\d+)", _f.read()).group(1)) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (_mapped + (256 << 20), _old[1]))
+try:
+""" + "".join(f"    {line}\n" for line in TRAIN.strip().splitlines()) + """finally:
+    resource.setrlimit(resource.RLIMIT_AS, _old)
+"""
+"""The step with rank 1 under an address-space limit, lifted whatever happens (the
+recovery that follows must not run under it)."""
 
 
 def test_a_rank_out_of_memory_says_what_it_held_and_what_would_fit(sess):
@@ -147,12 +140,8 @@ def test_a_rank_out_of_memory_says_what_it_held_and_what_would_fit(sess):
     sess.push({"big_ids": big, "small_ids": big[:2, :64]})
     sess.execute("oom_opt = torch.optim.AdamW(oom_model.parameters())")
     before = model.state_dict()
-    old = sess.run(lambda: _limit_address_space(256 << 20) if rank == 1 else None)  # noqa: F821
-    try:
-        with pytest.raises(RankError) as info:
-            sess.execute(TRAIN)
-    finally:
-        sess.run(lambda: old[1] and _restore_address_space(old[1]) if rank == 1 else None)  # noqa: F821
+    with pytest.raises(RankError) as info:
+        sess.execute(LIMITED)
     try:
         err = info.value
         first = str(err).splitlines()[:6]
@@ -171,7 +160,8 @@ def test_a_rank_out_of_memory_says_what_it_held_and_what_would_fit(sess):
         sess.run(forget_all, ("oom_model",))
         sess.context.wraps.pop("oom_model", None)
         sess.context.models.pop("oom_model", None)
-        sess.execute("del oom_opt, big_ids, small_ids")
+        sess.execute("for _n in ('oom_opt', 'big_ids', 'small_ids', 'loss', '_old', '_mapped', '_f'):\n"
+                     "    globals().pop(_n, None)")
 
 
 def _child_memory_cgroup(name: str):
