@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -206,6 +207,31 @@ def test_sharded_load_reads_into_the_model_without_device_memory(gsess: fsdp_nb.
 
 
 @CUDA_ONLY
+def test_a_plan_matches_the_measured_step_on_the_device(gsess: fsdp_nb.Session):
+    """The plan (fake tensors of the session's device type) within 10% of the measured
+    step; on CUDA also within 10% of ``max_memory_allocated`` over the step, with what
+    CUDA adds beyond the tensors named in the plan's notes."""
+    x = torch.randn(16, 128, DIM)  # activations well above the allocator's 512-byte rounding
+    kw: dict[str, Any] = dict(auto_wrap={Block}, mixed_precision="bf16-mixed")
+    plan = gsess.plan(Net, batch=x, optimizer=torch.optim.AdamW, **kw)
+    model = gsess.wrap(Net, name="gpu_planned", **kw)
+    try:
+        got = model.measure_memory(x, optimizer=torch.optim.AdamW)
+    finally:
+        from fsdp_nb.engine.wrap import forget_all
+
+        gsess.run(forget_all, ("gpu_planned",))
+        gsess.context.wraps.pop("gpu_planned", None)
+        gsess.context.models.pop("gpu_planned", None)
+    assert plan.device == _device(gsess) == got.device
+    for p, m in zip(plan.ranks, got.ranks):
+        assert abs(p.peak - m.peak) <= 0.1 * m.peak, (p, m)
+        if _device(gsess) == "cuda":
+            assert m.device_peak is not None and abs(p.peak - m.device_peak) <= 0.1 * m.device_peak, (p, m)
+    if _device(gsess) == "cuda":
+        assert any("CUDA context" in n for n in plan.notes)
+
+
 def test_memory_feed_has_cuda_fields(gsess: fsdp_nb.Session):
     from fsdp_nb.engine.memory_sampler import sample
 

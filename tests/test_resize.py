@@ -71,6 +71,11 @@ class Net(nn.Module):
         self.head = nn.Linear(dim, dim)
         self.register_buffer("scale", torch.full((dim,), 0.5))
 
+    def reset_parameters(self):
+        # built on the meta device, a buffer has no values until its module computes them
+        # (a rank's memory may hold anything, NaN included, where it lands)
+        self.scale.fill_(0.5)
+
     def forward(self, x):
         for b in self.blocks:
             x = b(x)

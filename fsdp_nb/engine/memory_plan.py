@@ -252,7 +252,14 @@ def _peak_resident() -> int | None:
 
 
 def _reset_peak_resident() -> None:
-    """Start the peak resident memory afresh (Linux: ``5`` to ``clear_refs``)."""
+    """Start the peak resident memory afresh: first hand the allocator's free pages back
+    (glibc's ``malloc_trim``; a process that freed memory keeps it resident, and the
+    step would reuse it unseen), then ``5`` to ``clear_refs`` (Linux)."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
@@ -279,14 +286,13 @@ def measure(name: str, spec: StepSpec, batch: Any) -> RankMemory:
     gc.collect()
     cuda = device.type == "cuda"
     if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-        start_cuda = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)  # the peak restarts at what is allocated now
     _reset_peak_resident()
     before = _peak_resident()
     mem = run_step(model, optimizer, unship(spec.step), batch, spec.steps, units, device.type)
     after = _peak_resident()
     growth = None if before is None or after is None else after - before
-    device_peak = int(torch.cuda.max_memory_allocated(device) - start_cuda) if cuda else None
+    device_peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
     del optimizer  # a fresh one goes; an engine global's stays bound
     gc.collect()
     return RankMemory(**{**mem.__dict__, "resident_growth": growth, "device_peak": device_peak})

@@ -126,8 +126,12 @@ def _run_planner(jobs: list[dict[str, Any]], timeout: float) -> list[dict[str, A
     """Run ``jobs`` in one planner process; one answer dict per job."""
     import cloudpickle
 
-    proc = subprocess.run([sys.executable, "-m", "fsdp_nb.engine.memory_plan"], input=cloudpickle.dumps(jobs),
-                          capture_output=True, timeout=timeout, check=False)
+    try:  # Ctrl-C or the timeout kill the planner process (subprocess.run does)
+        proc = subprocess.run([sys.executable, "-m", "fsdp_nb.engine.memory_plan"], input=cloudpickle.dumps(jobs),
+                              capture_output=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise PlanError(f"planning {len(jobs)} step(s) took longer than timeout={timeout:g} s and was "
+                        "stopped; pass a larger timeout=, or fewer what_if alternatives") from None
     lines = [json.loads(x) for x in proc.stdout.decode().splitlines() if x.startswith("{")]
     if proc.returncode != 0 or len(lines) != len(jobs):
         tail = proc.stderr.decode(errors="replace").strip().splitlines()[-12:]

@@ -106,7 +106,8 @@ class RankMemory:
     """Measured only: how far the process's peak resident memory rose over the step,
     in bytes (a cross-check of the tracker, which counts tensors only)."""
     device_peak: int | None = None
-    """Measured on CUDA only: ``torch.cuda.max_memory_allocated`` over the step."""
+    """Measured on CUDA only: ``torch.cuda.max_memory_allocated`` over the step (every
+    tensor on the device, the model's shards included, as the plan's peak includes them)."""
 
     def by_category(self) -> dict[str, int]:
         """Category -> bytes at the peak, in :data:`CATEGORIES` order."""

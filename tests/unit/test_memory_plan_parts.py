@@ -200,3 +200,8 @@ def test_the_out_of_memory_lines_name_rank_holdings_allocation_and_the_fix():
     assert "optimizer state 2.0 GiB" in lines[1] and "the rest (activations, temporaries) 6.0 GiB" in lines[1]
     assert "activation_checkpointing={Block}" in lines[2] and "3.0 GiB given back" in lines[3]
     assert "sess.plan" in lines_for(f, h, 0, None)[2]
+
+
+def test_a_planner_past_its_timeout_is_stopped_with_a_clear_error():
+    with pytest.raises(PlanError, match="took longer than timeout=0.5 s"):
+        fsdp_nb.plan(Tower, world_size=2, batch=BATCH, timeout=0.5)
