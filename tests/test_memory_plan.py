@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 from fsdp_nb.engine.wrap import forget_all
 from fsdp_nb.errors import DeadRankError, RankError
+from fsdp_nb.runtime.cluster import wait_until
 
 pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -205,8 +206,11 @@ def test_an_engine_the_oom_killer_ends_is_reported_as_that(session_factory):
             time.sleep(0.1)  # the feed's first sample of rank 1: a readiness we wait for, not a delay
         assert 1 in s.context.last_memory
         used = s.context.last_memory[1][1]
-        (group / limit_file).write_text(str(used + (256 << 20)))
-        (group / "cgroup.procs").write_text(str(s.ranks[1].pid))
+        try:
+            (group / limit_file).write_text(str(used + (256 << 20)))
+            (group / "cgroup.procs").write_text(str(s.ranks[1].pid))
+        except OSError as exc:
+            pytest.skip(f"this machine will not move an engine into a memory cgroup ({exc}): OOM-killer report untested here")
         with pytest.raises(DeadRankError) as info:
             s.execute("if rank == 1:\n    hog = torch.ones(1 << 31, dtype=torch.uint8)\n")
         text = str(info.value)
@@ -216,4 +220,12 @@ def test_an_engine_the_oom_killer_ends_is_reported_as_that(session_factory):
         feed.close()
     finally:
         s.shutdown()
-        group.rmdir()
+
+        def removed() -> bool:
+            try:
+                group.rmdir()  # refused while a process of the group is still exiting
+            except OSError:
+                return False
+            return True
+
+        assert wait_until(removed, 10), f"{group} could not be removed"
