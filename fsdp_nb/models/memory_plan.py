@@ -113,12 +113,14 @@ def session_budget(ctx: SessionContext) -> tuple[str, int]:
     return got[0][0], min(b for _, b in got)
 
 
-def _local_budget(device: str, world_size: int) -> int:
+def _local_budget(device: str, world_size: int) -> int | None:
+    """Bytes a rank may use here: this machine's first GPU, or its RAM shared by the
+    ranks; None for CUDA where this process sees no GPU (the plan says to pass budget=)."""
     import psutil
     import torch
 
-    if device == "cuda" and torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(0).total_memory)
+    if device == "cuda":
+        return int(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
     return int(psutil.virtual_memory().total) // world_size
 
 
@@ -182,6 +184,7 @@ def plan(
     register_local_modules((model, args, kwargs, opts))
     payload = by_value(((meta_clone(model) if kind == "instance" else model), tuple(args), kwargs, opts))
     planned_on, notes = _device_notes(device)
+    backend = "nccl" if planned_on == "cuda" else "gloo"  # the mesh's device type: where the fake tensors live
     jobs = [_job(kind, payload, opts, world, backend, hosts, planned_on, spec)]
     for change in changes:
         o = apply(opts, change)
@@ -205,7 +208,7 @@ def plan(
             weighed.append(WhatIf(change, label(change), None, None, rank, words, ans["error"]))
             continue
         peak = max(r["peak"] for r in ans["ranks"])
-        weighed.append(WhatIf(change, label(change), peak, peak <= budget, rank, words))
+        weighed.append(WhatIf(change, label(change), peak, None if budget is None else peak <= budget, rank, words))
     weighed.sort(key=lambda w: (not w.fits, w.cost_rank, w.peak if w.peak is not None else 1 << 62))
     return MemoryPlan(ranks, world, device, budget, opts.describe(), weighed, notes,
                       seconds=time.perf_counter() - t0)

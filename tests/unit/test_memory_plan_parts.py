@@ -205,3 +205,12 @@ def test_the_out_of_memory_lines_name_rank_holdings_allocation_and_the_fix():
 def test_a_planner_past_its_timeout_is_stopped_with_a_clear_error():
     with pytest.raises(PlanError, match="took longer than timeout=0.5 s"):
         fsdp_nb.plan(Tower, world_size=2, batch=BATCH, timeout=0.5)
+
+
+def test_a_cuda_plan_without_a_gpu_here_knows_no_budget_but_plans():
+    if torch.cuda.is_available():
+        pytest.skip("this process sees a GPU: its memory is the budget")
+    p = fsdp_nb.plan(Tower, world_size=2, device="cuda", batch=BATCH)
+    assert p.device == "cuda" and p.budget is None and p.fits is None and p.peak > 0
+    assert any("CPU fake tensors" in n for n in p.notes) and any("CUDA context" in n for n in p.notes)
+    assert "no budget known" in p.verdict()
