@@ -95,7 +95,11 @@ def killed(ctx: SessionContext, dead: list[int], oom_kills_before: int | None) -
         except Exception as exc:  # noqa: BLE001 - the death itself must still be reported
             log.debug("fsdp_nb: reading how rank %d ended failed: %s", r, exc)
             continue
-        if sig != signal.SIGKILL:
+        if sig is None:
+            continue
+        if sig != signal.SIGKILL:  # a crash (SIGSEGV, SIGABRT, ...) is named too, not blamed on memory
+            out.append(f"rank {r}'s engine was ended by {signal.Signals(sig).name} (signal {sig}): it crashed "
+                       "or something signalled it; its log (the launcher's output) may say more")
             continue
         last = ctx.last_memory.get(r)
         held = (f"its last memory sample, {time.time() - last[0]:.0f} s before, showed "
@@ -105,7 +109,7 @@ def killed(ctx: SessionContext, dead: list[int], oom_kills_before: int | None) -
                "not the kernel's out-of-memory killer (its count of kills did not change): another process"
                if oom is False else "on Linux most often the kernel's out-of-memory killer")
         out.append(f"rank {r} was killed by SIGKILL, which fsdp_nb did not send: {who}; {held}")
-    if out and oom is not False:
+    if any("SIGKILL" in line for line in out) and oom is not False:
         cheapest = _cheapest(ctx)
         out.append(f"cheapest change that fits, from the last plan: {cheapest}" if cheapest else
                    "sess.plan(Model, ..., batch=..., what_if='auto') says what fits before allocating")
