@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from .out_of_memory import by_kind
+from .out_of_memory import by_kind, cuda_in_use
 from .signing import Link, Refused, engine_key, new_nonce
 
 __all__ = ["MAX_SUBSCRIPTION_BYTES", "dropped", "running", "sample", "start"]
@@ -75,7 +75,7 @@ def sample(rank: int, device: str = "cpu", seq: int = 0, _proc: Any = None) -> d
         "cuda_total": None,
     }
     if device.startswith("cuda"):
-        torch = _torch_if_cuda_initialized()
+        torch = cuda_in_use()
         if torch is not None:
             dev = torch.device(device)
             out["cuda_allocated"] = int(torch.cuda.memory_allocated(dev))
@@ -89,15 +89,6 @@ def sample(rank: int, device: str = "cpu", seq: int = 0, _proc: Any = None) -> d
     if kinds is not None:
         out["parameters"], out["gradients"], out["optimizer"] = kinds
     return out
-
-
-def _torch_if_cuda_initialized():
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    return torch
 
 
 class _Sampler(threading.Thread):

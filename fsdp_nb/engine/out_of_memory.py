@@ -20,7 +20,7 @@ from ..wire.memory_plan import Held
 from .namespace import user_ns
 from .wrap import MODELS
 
-__all__ = ["by_kind", "held", "release"]
+__all__ = ["by_kind", "cuda_in_use", "held", "release"]
 
 
 def _bytes(tensors: Any) -> int:
@@ -40,10 +40,13 @@ def _bytes(tensors: Any) -> int:
     return total
 
 
-def _cuda(device: Any) -> Any:
-    """torch, if this process uses CUDA already (never initialising it from here)."""
+def cuda_in_use(device: Any = None) -> Any:
+    """torch, if this process uses CUDA already (never initialising it from here) and
+    ``device`` (if given) is a CUDA device; else None."""
     torch = sys.modules.get("torch")
-    if torch is None or device.type != "cuda" or not torch.cuda.is_initialized():
+    if torch is None or (device is not None and device.type != "cuda"):
+        return None
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     return torch
 
@@ -73,7 +76,7 @@ def held() -> Held:
 
     device = torch.device(user_ns().get("device", "cpu"))
     params, grads, state = by_kind() or (0, 0, 0)
-    cuda = _cuda(device)
+    cuda = cuda_in_use(device)
     if cuda is not None:
         total = int(cuda.cuda.memory_allocated(device))
         limit: int | None = int(cuda.cuda.get_device_properties(device).total_memory)
@@ -91,7 +94,7 @@ def release() -> int:
     import torch
 
     device = torch.device(user_ns().get("device", "cpu"))
-    cuda = _cuda(device)
+    cuda = cuda_in_use(device)
 
     def now() -> int:
         if cuda is not None:
