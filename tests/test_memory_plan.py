@@ -5,10 +5,14 @@ memory (the tracker counts tensors; the kernel sees the pages)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from torch import nn
-from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from _gpt import GPT, Block  # noqa: E402
 
 from fsdp_nb.engine.wrap import forget_all
 from fsdp_nb.errors import DeadRankError, RankError
@@ -17,40 +21,8 @@ from fsdp_nb.runtime.cluster import wait_until
 pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = nn.Linear(dim, dim, bias=False)
-        self.norm2 = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim, bias=False)
-        self.down = nn.Linear(4 * dim, dim, bias=False)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int = 512, dim: int = 128, layers: int = 3, heads: int = 4):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, idx):
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+SMALL = dict(vocab=512, dim=128, layers=3, heads=4)
+"""The benchmark's GPT (``benchmarks/_gpt.py``), small: ids below 512."""
 
 
 def _llama_config():
@@ -63,7 +35,7 @@ def _ids():
 
 
 CASES = {
-    "gpt": (GPT, (), {"auto_wrap": {Block}}, lambda: _ids()),
+    "gpt": (GPT, (), {"auto_wrap": {Block}, **SMALL}, lambda: _ids()),
     "llama": (LlamaForCausalLM, (_llama_config(),), {}, lambda: {"input_ids": (ids := _ids()), "labels": ids}),
 }
 
@@ -98,13 +70,13 @@ def test_the_plan_is_within_ten_percent_of_the_measured_step(sess, four, n, case
 
 
 def test_a_plan_names_the_session_budget_and_what_the_cpu_plan_leaves_out(sess):
-    plan = sess.plan(GPT, batch=_ids(), auto_wrap={Block}, budget=1 << 20, what_if=[{"batch": 0.25}])
+    plan = sess.plan(GPT, batch=_ids(), auto_wrap={Block}, budget=1 << 20, what_if=[{"batch": 0.25}], **SMALL)
     assert plan.budget == 1 << 20 and plan.fits is False
     assert plan.what_ifs[0].peak < plan.peak
     assert any("process's own memory" in n for n in plan.notes)
     assert sess.context.last_plan is plan
     with pytest.raises(TypeError, match="world_size= and device= are for fsdp_nb.plan"):
-        sess.plan(GPT, batch=_ids(), world_size=8)
+        sess.plan(GPT, batch=_ids(), world_size=8, **SMALL)
 
 
 TRAIN = """
@@ -135,9 +107,9 @@ def test_a_rank_out_of_memory_says_what_it_held_and_what_would_fit(sess):
     rank frees what the step left, and the session trains on with its model."""
     big = torch.randint(0, 512, (64, 512))
     plan = sess.plan(GPT, batch=big, optimizer=torch.optim.AdamW, auto_wrap={Block}, budget=256 << 20,
-                     what_if=[{"batch": 1 / 64}, {"activation_checkpointing": {Block}}])
+                     what_if=[{"batch": 1 / 64}, {"activation_checkpointing": {Block}}], **SMALL)
     assert plan.fits is False and plan.cheapest_fit is not None
-    model = sess.wrap(GPT, name="oom_model", auto_wrap={Block})
+    model = sess.wrap(GPT, name="oom_model", auto_wrap={Block}, **SMALL)
     sess.push({"big_ids": big, "small_ids": big[:2, :64]})
     sess.execute("oom_opt = torch.optim.AdamW(oom_model.parameters())")
     before = model.state_dict()
