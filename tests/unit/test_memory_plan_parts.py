@@ -214,3 +214,42 @@ def test_a_cuda_plan_without_a_gpu_here_knows_no_budget_but_plans():
     assert p.device == "cuda" and p.budget is None and p.fits is None and p.peak > 0
     assert any("CPU fake tensors" in n for n in p.notes) and any("CUDA context" in n for n in p.notes)
     assert "no budget known" in p.verdict()
+
+
+def test_an_outsider_cannot_feed_the_planner_and_it_listens_on_nothing():
+    """The planner unpickles its job from its stdin: a pipe only its parent holds. Another
+    user (nobody) cannot open that pipe to write a job of their own, and the planner opens
+    no socket anyone could reach."""
+    import os
+    import subprocess
+    import threading
+
+    from fsdp_nb.runtime.cluster import wait_until
+
+    if os.getuid() != 0:
+        pytest.skip("becoming another user needs root")
+    me = psutil.Process()
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (fsdp_nb.plan(Tower, world_size=8, batch=torch.randn(256, 16, 64),
+                                                      optimizer=torch.optim.AdamW, what_if="auto"), done.set()))
+    t.start()
+
+    def planner():
+        return next((p for p in me.children() if "fsdp_nb.engine.memory_plan" in " ".join(p.cmdline())), None)
+
+    assert wait_until(lambda: planner() is not None, 30)
+    child = planner()
+    sockets = child.net_connections(kind="all")
+    attack = 'if (echo job > "$1") 2>/dev/null; then echo WROTE; else echo DENIED; fi'
+
+    def drop() -> None:
+        os.setgid(65534)
+        os.setuid(65534)
+
+    got = subprocess.run(["/bin/sh", "-c", attack, "sh", f"/proc/{child.pid}/fd/0"], preexec_fn=drop,
+                         capture_output=True, text=True, timeout=30)
+    attacked_while_running = child.is_running()  # its /proc entry existed: a refusal, not a miss
+    t.join(120)
+    assert done.is_set()
+    assert sockets == [] and attacked_while_running
+    assert got.stdout.strip() == "DENIED", got
