@@ -8,7 +8,9 @@ Nothing here imports torch at import time: the notebook side imports this module
 without paying for torch.
 
 Supported: torch 2.11 (the oldest a GPU image here has) to the newest release, as
-``pyproject.toml`` says; no function here branches on the version yet.
+``pyproject.toml`` says; where a newer torch has a public call for what an older one
+needs private names for (``reset_fsdp_iteration``), the function uses the call when it
+is there.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ __all__ = [
     "FLIGHT_RECORDER_ENV", "activation_checkpoint",
     "compute_local_shape_and_global_offset", "current_frames", "default_group",
     "dump_flight_recorder", "fake_process_group", "fake_tensor_mode", "fsdp_mesh_info_classes",
-    "fsdp_memory_tracker", "fsspec_reader", "fsspec_writer",
+    "fsdp_memory_tracker", "fsdp_root_states", "fsspec_reader", "fsspec_writer",
     "group_backend", "group_sequence_numbers", "hf_init_weights", "local_tensor",
-    "mesh_group_names", "narrow_tensor_by_index", "process_groups", "resolve_process_group",
+    "mesh_group_names", "narrow_tensor_by_index", "process_groups", "reset_fsdp_iteration", "resolve_process_group",
     "set_element", "set_mesh_group_names", "tree_leaves", "tree_map_only",
     "weights_only_unpickler",
 ]
@@ -125,6 +127,65 @@ def fsdp_mesh_info_classes() -> tuple[type, type] | None:
     except ImportError:
         return None
     return FSDPMeshInfo, DDPMeshInfo
+
+
+def fsdp_root_states(instances: Callable[[type], list[Any]]) -> list[Any]:
+    """The live FSDP2 root states (one per top-level ``fully_shard`` that ran a forward);
+    ``instances(cls)`` finds the live objects of a class (a heap scan)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:
+        return []
+    return [o for o in instances(FSDPState) if getattr(o, "_is_root", None) is True]
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: a list from torch 2.13, one or None before."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+def reset_fsdp_iteration(state: Any) -> None:
+    """Put an FSDP2 root ``state`` and every module under it back between iterations:
+    every parameter group sharded and idle, no pending all-gather or reduce-scatter, no
+    iteration under way; the gradients the failed iteration had not reduced are dropped.
+
+    Why: a forward or backward that failed on one rank leaves that rank's groups where
+    the failure caught them (a unit still unsharded, a forward root still set) while the
+    others were stopped elsewhere; the next step would skip an all-gather on one rank and
+    run it on another, and the ranks' collectives would no longer match. Called after the
+    group was re-formed: the collectives still pending belonged to the destroyed group and
+    are dropped, never waited on. torch 2.13+ does this itself (``FSDPModule.reset_iter_state``,
+    called here through the state); on older ones the same fields are reset here."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    states = list(state._state_ctx.all_states)
+    for s in states:  # their work is the destroyed group's: waiting on it would raise
+        for group in _param_groups(s):
+            group._all_gather_result = None
+    public = getattr(state, "_reset_iter_state", None)
+    if public is not None:
+        public()
+        return
+    comm = state._comm_ctx
+    comm.all_gather_state = None
+    comm.reduce_scatter_state = None
+    comm.post_forward_order.clear()
+    for s in states:
+        s._modules_to_run_forward.clear()
+        s._training_state = TrainingState.IDLE
+        for group in _param_groups(s):
+            group._post_reduce_event = None
+            group._all_reduce_state = None
+            group._reshard_after_forward_event = None
+            group._partial_reduce_output = None
+            group._post_forward_indices.clear()
+            group._training_state = TrainingState.IDLE
+            group._to_sharded()
+    state._state_ctx.iter_forward_root = None
+    state._state_ctx.post_backward_final_callback_queued = False
 
 
 # -- tensors and modules -------------------------------------------------------------

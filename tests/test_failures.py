@@ -126,6 +126,34 @@ def test_rank_raising_before_collective_raises_root_cause_and_recovers(quick):
     _assert_recovered(quick, before)
 
 
+MID_STEP = """
+def _boom(*args):
+    if rank == 1:
+        raise RuntimeError("boom in the middle of the step")
+_h = fail_net[{unit}].{hook}(_boom)
+try:
+    fail_step()
+finally:
+    _h.remove()
+"""
+"""Rank 1 fails inside a step of the FSDP2 model, after some of its all-gathers, while
+rank 0 goes on to the next collective."""
+
+
+@pytest.mark.parametrize("unit,hook", [(2, "register_forward_pre_hook"), (0, "register_full_backward_pre_hook")],
+                         ids=["mid-forward", "mid-backward"])
+def test_a_rank_failing_in_the_middle_of_a_step_leaves_a_model_that_trains_on(quick, unit, hook):
+    """The failed rank is left with a unit unsharded that the others resharded (forward),
+    or with a backward half run: without putting FSDP back between iterations on every
+    rank, the next step's collectives no longer match (gloo aborts a rank)."""
+    before = _weights(quick)
+    with pytest.raises(RankError) as info:
+        quick.execute(MID_STEP.format(unit=unit, hook=hook))
+    assert info.value.first.rank == 1 and "boom in the middle of the step" in str(info.value)
+    assert any("variables, models and optimizers are kept" in n for n in info.value.__notes__)
+    _assert_recovered(quick, before)
+
+
 def test_px_cell_with_failing_rank_does_not_hang(quick, shell):
     from fsdp_nb.frontends.magics import activate_px
 

@@ -24,8 +24,10 @@ from typing import Any
 
 from ..torch_compat import (
     fsdp_mesh_info_classes,
+    fsdp_root_states,
     mesh_group_names,
     process_groups,
+    reset_fsdp_iteration,
     set_mesh_group_names,
 )
 
@@ -38,6 +40,7 @@ __all__ = [
     "leave_group",
     "mesh_partitions",
     "rebind_groups",
+    "reset_fsdp_iterations",
     "stack_file",
     "whoami",
 ]
@@ -227,7 +230,9 @@ def rebind_groups(partitions: list[tuple[tuple[int, ...], ...]] | None = None) -
     ``new_group`` must be called by every rank for every group in one order, so the
     notebook passes the union of all ranks' ``mesh_partitions()`` (a replaced rank
     has no meshes but must still take part). FSDP2 keeps ProcessGroup objects in its
-    mesh infos: those are refreshed from the meshes. Returns counts of what was done.
+    mesh infos: those are refreshed from the meshes. Every FSDP2 root is then put back
+    between iterations (``reset_fsdp_iteration``): a step a failure cut short on some
+    ranks is dropped on all of them. Returns counts of what was done.
     """
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_group
@@ -262,7 +267,17 @@ def rebind_groups(partitions: list[tuple[tuple[int, ...], ...]] | None = None) -
         set_mesh_group_names(m, names)
     fsdp = _refresh_fsdp()
     return {"meshes": len(meshes), "groups_created": created, "names_rebound": rebound,
-            "fsdp_groups": fsdp}
+            "fsdp_groups": fsdp, "fsdp_roots_reset": reset_fsdp_iterations()}
+
+
+def reset_fsdp_iterations() -> int:
+    """Put every FSDP2 model on this rank back between iterations (``torch_compat.
+    reset_fsdp_iteration``): a step a failure cut short leaves no unit unsharded and no
+    iteration under way. Returns how many root modules were reset."""
+    roots = fsdp_root_states(_instances)
+    for root in roots:
+        reset_fsdp_iteration(root)
+    return len(roots)
 
 
 def _refresh_fsdp() -> int:

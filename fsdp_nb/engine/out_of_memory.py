@@ -2,9 +2,10 @@
 failure left behind (engine side of ``fsdp_nb.recovery.out_of_memory``).
 
 After a failed allocation the failing frames stay alive in ``sys.last_traceback`` (for
-``sess.debug``), and with them the step's activations. :func:`held` reads what the rank
-holds at that moment; :func:`release` drops those frames' locals, collects and empties
-CUDA's cache, so the next cell runs. Engine globals (models, optimizers, variables) are
+``sess.debug``), and with them the step's activations; FSDP2 keeps the units it had
+gathered unsharded. :func:`held` reads what the rank holds at that moment;
+:func:`release` drops those frames' locals, reshards every FSDP2 unit (the cut-short
+iteration is dropped), collects and empties CUDA's cache, so the next cell runs. Engine globals (models, optimizers, variables) are
 untouched.
 """
 
@@ -17,6 +18,7 @@ import sys
 from typing import Any
 
 from ..wire.memory_plan import Held
+from .health import reset_fsdp_iterations
 from .namespace import user_ns
 from .wrap import MODELS
 
@@ -88,8 +90,9 @@ def held() -> Held:
 
 
 def release() -> int:
-    """Drop the failing frames' locals (the last failure's traceback), collect, and empty
-    CUDA's cache; the bytes this gave back (CUDA reserved, or resident on CPU)."""
+    """Drop the failing frames' locals (the last failure's traceback), put FSDP2 models
+    back between iterations (their gathered units resharded), collect, and empty CUDA's
+    cache; the bytes this gave back (CUDA reserved, or resident on CPU)."""
     import psutil
     import torch
 
@@ -112,6 +115,7 @@ def release() -> int:
                 pass
         tb = tb.tb_next
     sys.last_traceback = None
+    reset_fsdp_iterations()
     gc.collect()
     if cuda is not None:
         cuda.cuda.empty_cache()

@@ -86,6 +86,43 @@ def test_fsdp_mesh_infos_local_tensors_and_shapes(group):
     assert tuple(shape) == (3, 4) and tuple(offset) == (0, 0)
 
 
+def test_an_fsdp_iteration_a_failure_cut_short_is_reset(group):
+    """A forward that raised half-way leaves its unit unsharded (plain parameters) and an
+    iteration under way; the reset shards every unit again, and the next step runs."""
+    import gc
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    for unit in net:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    net(torch.ones(2, 4)).sum().backward()
+
+    def boom(module, args):
+        raise RuntimeError("the forward failed here")
+
+    handle = net[1].register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="failed here"):
+        net(torch.ones(2, 4))
+    handle.remove()
+    assert not isinstance(net[1].weight, DTensor)  # left unsharded by the failure
+
+    def instances(cls):
+        return [o for o in gc.get_objects() if isinstance(o, cls)]
+
+    roots = [r for r in tc.fsdp_root_states(instances) if r in {net._get_fsdp_state()}]
+    assert len(roots) == 1
+    tc.reset_fsdp_iteration(roots[0])
+    assert all(isinstance(p, DTensor) for p in net.parameters())
+    net.zero_grad()
+    net(torch.ones(2, 4)).sum().backward()
+    assert all(isinstance(p.grad, DTensor) and p.grad.abs().sum() > 0 for p in net[2].parameters())
+
+
 def test_activation_checkpoint_keeps_parameter_names():
     net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     names = [n for n, _ in net.named_parameters()]
