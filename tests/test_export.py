@@ -121,7 +121,7 @@ def test_torch_dcp_to_torch_save_reads_an_fsdp_nb_checkpoint(saved, tmp_path):
 
 
 def test_progress_only_where_asked_or_in_a_notebook():
-    from fsdp_nb.frontends.progress import Progress
+    from fsdp_nb.display.progress import Progress
 
     with Progress(10**10, "big") as p:  # a test is no notebook: nothing drawn, still counted
         p.update(5)

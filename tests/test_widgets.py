@@ -344,7 +344,7 @@ NOTEBOOK_CELLS = [
     "root = tempfile.mkdtemp()\nsess.checkpoints(root)",
     "print(repr(mem).splitlines()[0])",
     "mem.close()\nsess.shutdown()\nprint('feed running after shutdown:', mem.feed.running)",
-    "from fsdp_nb.frontends.progress import Progress, in_notebook\n"
+    "from fsdp_nb.display.progress import Progress, in_notebook\n"
     "with Progress(1 << 30, 'big') as big, Progress(1 << 20, 'small') as small:\n"
     "    big.update(1 << 30)\n"
     "print('in notebook:', in_notebook(), 'bar for 1 GiB:', big.bar is not None, "

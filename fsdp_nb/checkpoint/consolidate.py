@@ -16,8 +16,8 @@ import time
 import uuid
 from typing import Any
 
+from ..display.progress import Progress, check_progress, may_show
 from ..errors import CheckpointError
-from ..frontends.progress import Progress, check_progress, may_show
 from .format.atomic import commit_sharded, read_marker
 from .format.checksums import record_writer
 from .format.fullfile import full_suffix, read_full, write_full

@@ -193,7 +193,7 @@ def export_safetensors(
     """
     import torch
 
-    from ..frontends.progress import Progress
+    from ..display.progress import Progress
     from .format.reader import refuse_unsafe
 
     if not isinstance(weights_only, bool):

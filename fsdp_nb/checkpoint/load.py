@@ -13,7 +13,7 @@ from __future__ import annotations
 import posixpath
 from typing import TYPE_CHECKING, Any
 
-from ..frontends.progress import check_progress, follow, may_show
+from ..display.progress import check_progress, follow, may_show
 from ..wire.checkpoint import LoadSpec
 from .arguments import check_optimizer, model_name, raise_outcomes
 from .async_saves import wait_pending

@@ -12,8 +12,8 @@ import posixpath
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from ..display.progress import check_progress, follow, may_show
 from ..errors import CheckpointError
-from ..frontends.progress import check_progress, follow, may_show
 from ..wire.checkpoint import SaveSpec
 from .arguments import check_layout, check_optimizer, model_name, raise_outcomes
 from .async_saves import AsyncCheckpoint, register, wait_pending

@@ -3,7 +3,7 @@
 ``start(total)`` opens a count for the call running now, ``add(n)`` adds the bytes
 just written or read and publishes the running count at most every ``INTERVAL``
 seconds (ipyparallel's data channel: the call's ``AsyncResult.data`` in the notebook,
-where ``fsdp_nb.frontends.progress.follow`` sums the ranks into one bar). Only the engine's
+where ``fsdp_nb.display.progress.follow`` sums the ranks into one bar). Only the engine's
 main thread publishes: an async save's background writes belong to no call.
 """
 

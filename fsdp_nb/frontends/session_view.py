@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from .tables import html_table, text_table
+from ..display.tables import html_table, text_table
 
 if TYPE_CHECKING:
     from ..context import SessionContext

@@ -15,8 +15,8 @@ import warnings
 from typing import Any
 
 from ..context import SessionContext
+from ..display.hang_view import HangView
 from ..engine import process_group as _pg
-from ..frontends.hang_view import HangView
 from ..recovery.failure_policy import RecoveringPolicy
 from ..runtime import rendezvous
 from ..runtime.call_channel import CallChannel

@@ -11,7 +11,7 @@ import html
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..frontends.tables import fmt_bytes, html_table, text_table
+from ..display.tables import fmt_bytes, html_table, text_table
 from ..wire.memory_plan import CATEGORIES, RankMemory
 
 __all__ = ["MemoryPlan", "WhatIf"]

@@ -14,9 +14,9 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
+from ..display.tables import fmt_bytes
 from ..engine import out_of_memory as _oom
 from ..errors import RankFailure
-from ..frontends.tables import fmt_bytes
 from ..runtime.engine_exits import exit_signal
 from ..wire.memory_plan import Held, failed_allocation, is_out_of_memory
 

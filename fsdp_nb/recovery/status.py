@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..frontends.tables import text_table
+from ..display.tables import text_table
 
 if TYPE_CHECKING:
     from ..context import SessionContext

@@ -45,6 +45,10 @@ class RankReply(Protocol):
     def metadata(self) -> dict[str, Any]:
         """Its metadata: ``stdout`` / ``stderr`` so far, ``completed``, ``data``."""
 
+    @property
+    def data(self) -> dict[str, Any] | None:
+        """What the rank published so far while it runs (a progress count), if anything."""
+
 
 @dataclass
 class Pending:

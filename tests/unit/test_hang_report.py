@@ -6,8 +6,8 @@ import re
 
 import pytest
 
+from fsdp_nb.display.hang_view import HangView
 from fsdp_nb.engine.hang_watch import main_frame
-from fsdp_nb.frontends.hang_view import HangView
 from fsdp_nb.frontends.magics import parse_px
 from fsdp_nb.recovery.status import RankStatus, SessionStatus, apply_event
 from fsdp_nb.runtime.checks import check_hang_after

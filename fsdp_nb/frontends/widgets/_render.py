@@ -8,7 +8,7 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
-from ..tables import fmt_bytes, html_table, text_table
+from ...display.tables import fmt_bytes, html_table, text_table
 
 __all__ = [
     "StaticForm", "fmt_bytes", "html_table", "png_of", "sparkline_svg", "text_table",
