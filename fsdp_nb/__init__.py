@@ -72,7 +72,7 @@ def __getattr__(name: str) -> Any:
 
 def load_ipython_extension(ip: Any) -> None:
     """``%load_ext fsdp_nb``: adds ``%fsdp`` (start / status / stop / list / attach /
-    debug), ``%px`` and ``%%px``."""
+    debug / resize), ``%px`` and ``%%px`` to IPython shell ``ip`` (IPython calls this)."""
     from .frontends.magics import register
     from .session import Session
 

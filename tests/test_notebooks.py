@@ -54,6 +54,8 @@ def _shown(nb) -> str:
 def test_notebook_runs(path, tmp_path, monkeypatch):
     # its own IPYTHONDIR: the sessions a notebook keeps alive are found (and stopped) there
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    scratch = tmp_path / "tmp"  # the kernel's and its engines' temporary folder: emptied by the end
+    scratch.mkdir()
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
         nb,
@@ -63,15 +65,17 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
         store_widget_state=True,
         # the tutorials are the CPU path (2 gloo engines): hide any GPU from the
         # kernel and the engines it starts, so the suite passes on a GPU machine too
-        env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
+        env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", TMPDIR=str(scratch)),
     )
     try:
         client.execute()  # raises CellExecutionError on the first failing cell
     finally:
         for left in fsdp_nb.sessions():  # a notebook that failed half-way: stop what it kept
             fsdp_nb.Session.attach(left.cluster_id, activate=False).shutdown()
-    left_here = sorted(p.name for p in tmp_path.iterdir() if p.name != "ipython")
+    left_here = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("ipython", "tmp"))
     assert left_here == [], f"{path.name} left scratch files where it ran: {left_here}"
+    left_in_tmp = sorted(p.name for p in scratch.iterdir())
+    assert left_in_tmp == [], f"{path.name} left files in its temporary folder: {left_in_tmp}"
     shown = _shown(nb)
     missing = [text for text in EXPECTED[path.stem] if text not in shown]
     assert not missing, f"{path.name} did not show {missing}"

@@ -34,6 +34,10 @@ class AsyncCheckpoint:
     ``done()`` and ``progress()`` (phase, bytes written) ask the ranks without blocking;
     ``wait()`` blocks until every rank finished and rank 0 committed, then returns the
     ``CheckpointInfo``. The next ``sess.save`` / ``sess.load`` waits for it too.
+
+    ``sess.save(..., async_save=True)`` makes it, not user code: ``ctx`` is the session's
+    context, ``path`` where it writes, ``token`` the save's name on the ranks and
+    ``blocked`` the seconds the call held them.
     """
 
     def __init__(self, ctx: SessionContext, path: str, token: str, blocked: float):
@@ -41,6 +45,7 @@ class AsyncCheckpoint:
         self.path = path
         """Where the checkpoint is being written."""
         self.token = token
+        """The save's name on the ranks (their background job's key)."""
         self.blocked_s = blocked
         """Seconds the save call held the ranks (the slowest rank's)."""
         self._info: CheckpointInfo | None = None
@@ -86,7 +91,10 @@ class AsyncCheckpoint:
         return self._phase
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo:
-        """Block until committed; returns its CheckpointInfo (raises if the save failed)."""
+        """Block until committed; returns its CheckpointInfo (raises if the save failed).
+
+        ``timeout``: seconds to wait for the ranks (None: as long as it takes); past it,
+        a ``RankTimeoutError``."""
         if not self._finished:
             from ..engine import async_saves as jobs
 

@@ -180,16 +180,25 @@ def export_safetensors(
 ) -> list[str]:
     """Write the model weights of checkpoint ``path`` to folder ``out_dir`` as safetensors.
 
-    ``dtype="bfloat16"`` casts floating weights on the way. ``max_shard_size`` splits the
-    output into files of at most that size (a bigger tensor gets a file of its own) with
-    ``model.safetensors.index.json``. ``out_dir`` must not exist unless ``overwrite``.
     A checkpoint of a Hugging Face model also gets its ``config.json`` (and
     ``generation_config.json``) and leaves out tied duplicates, as ``save_pretrained``
-    does, so ``from_pretrained(out_dir)`` reads it as it is.
-    A checkpoint holding a pickle that could run code when loaded is refused
-    (``UnsafeCheckpointError``) unless ``weights_only=False`` (trusted: it can then run
-    code). Checks every argument and the checkpoint before writing anything. Returns
-    the files written.
+    does, so ``from_pretrained(out_dir)`` reads it as it is. Checks every argument and
+    the checkpoint before writing anything. Returns the files written.
+
+    Args:
+        path: a sharded checkpoint, a full ``.pt`` / ``.safetensors`` file, or a plain
+            ``dcp.save`` folder (local or an fsspec URL).
+        out_dir: the folder to write; it must not exist unless ``overwrite``.
+        dtype: cast floating weights on the way (``"bfloat16"`` or a ``torch.dtype``).
+        max_shard_size: the largest output file (``"5GB"`` or bytes); more than one file
+            gets ``model.safetensors.index.json``, and a bigger tensor a file of its own.
+        overwrite: replace ``out_dir`` if it exists.
+        storage_options: passed to fsspec for URLs (credentials, an endpoint).
+        progress: a bar of the bytes written (default: in a notebook, for more than a
+            few hundred MB).
+        weights_only: False unpickles what the checkpoint pickled as plain ``torch.load``
+            does, which can run code: only for checkpoints from someone you trust (else a
+            pickle that could run code is refused with ``UnsafeCheckpointError``).
     """
     import torch
 

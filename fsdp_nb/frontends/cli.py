@@ -1,4 +1,4 @@
-"""The ``fsdp-nb`` command line: ``demo``, ``inspect PATH``, ``consolidate PATH OUT``."""
+"""The ``fsdp-nb`` command line: ``demo``, ``inspect PATH``, ``consolidate PATH OUT``, ``export PATH OUT``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -102,7 +102,9 @@ def export_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fsdp-nb`` command line: its subcommands and their options (the docs'
+    reference is drawn from it)."""
     parser = argparse.ArgumentParser(prog="fsdp-nb", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("demo", help="start a session, run a collective, wrap, train, checkpoint, shut down")
@@ -132,7 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             "--trust-pickles", action="store_true",
             help="unpickle the checkpoint's pickles as plain torch.load does: this can run "
                  "arbitrary code; only for checkpoints from someone you trust")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``fsdp-nb`` with ``argv`` (default: the process's arguments); its exit status."""
+    args = build_parser().parse_args(argv)
     from ..errors import CheckpointError
 
     if args.cmd == "demo":

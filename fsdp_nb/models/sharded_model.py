@@ -25,7 +25,10 @@ __all__ = ["ShardedModel"]
 
 
 class ShardedModel:
-    """A model sharded over a session's ranks with FSDP2, bound as engine global ``name``."""
+    """A model sharded over a session's ranks with FSDP2, bound as engine global ``name``.
+
+    ``sess.wrap`` (and ``Session.attach``) make it, not user code: ``ctx`` is the session's
+    context, ``options`` the ``WrapOptions`` and ``summary`` what the ranks reported."""
 
     def __init__(self, ctx: SessionContext, name: str, options: WrapOptions, summary: Any):
         self._ctx = ctx

@@ -110,7 +110,8 @@ class RankMemory:
     tensor on the device, the model's shards included, as the plan's peak includes them)."""
 
     def by_category(self) -> dict[str, int]:
-        """Category -> bytes at the peak, in :data:`CATEGORIES` order."""
+        """Category -> bytes at the peak, in ``CATEGORIES`` order (parameters, gradients,
+        optimizer, activations, communication, other)."""
         return {c: getattr(self, c) for c in CATEGORIES}
 
 

@@ -32,6 +32,10 @@ def list_checkpoints(root: str, *, storage_options: dict | None = None) -> list[
 
     An unfinished or damaged checkpoint is listed with ``valid=False``; a folder or file
     that is no checkpoint at all is left out. A missing ``root`` lists nothing.
+
+    Args:
+        root: a local folder or fsspec URL (``s3://bucket/run``).
+        storage_options: passed to fsspec for a URL (credentials, an endpoint).
     """
     fs, base = url_to_fs(root, storage_options)
     if not fs.exists(base):

@@ -1,0 +1,76 @@
+"""Sphinx configuration of fsdp_nb's documentation (``python -m sphinx -W docs docs/_build/html``).
+
+Sphinx with MyST-NB: the tutorials are the repository's notebooks, executed during the
+build (jupyter-cache: a notebook runs again only when its code changed) with their widget
+state saved, so the memory, layout and checkpoint widgets render without a kernel; the
+reference is autodoc over the docstrings (Google style, through napoleon); ``_ext``
+holds what is ours: the ipywidgets renderer fetched once from the npm registry (no CDN
+at reading time), the CLI and layer pictures drawn from the code, and the completeness
+checks (every public name documented, every parameter described).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "_ext"))
+
+project = "fsdp_nb"
+author = "the fsdp_nb developers"
+copyright = "2026, the fsdp_nb developers"
+
+extensions = [
+    "myst_nb",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "fsdp_nb_docs",
+]
+
+source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
+exclude_patterns = ["_build", "**/.ipynb_checkpoints"]
+root_doc = "index"
+nitpicky = True  # a cross-reference that resolves to nothing is a warning (an error with -W)
+nitpick_ignore_regex = [
+    # names of the libraries we stand on, where autodoc meets them in signatures
+    ("py:class", r"(torch|ipywidgets|ipyparallel|IPython|argparse|collections|typing|pathlib|concurrent|numpy|fsspec)(\..*)?"),
+    ("py:class", r"(Any|Callable|Sequence|Iterator|Mapping|Path|optional|NoneType)"),
+    ("py:class", r"nn\.Module|torch\.nn\.Module|Tensor|Module"),
+    # fsdp_nb's own parts that are not public, named unqualified in type hints
+    ("py:class", r"[A-Z]\w*"),
+    ("py:class", r"(ipp|W|np|dist|dcp)\..*"),
+    # the session's internals (its context's parts) and the mixins the façade is made of
+    ("py:class", r"fsdp_nb\.(runtime|lifetime)\..*"),
+    ("py:class", r"fsdp_nb\.(context\.SessionFacts|checkpoint\.session_checkpoints\.SessionCheckpoints|"
+                 r"models\.session_planning\.SessionPlanning|frontends\.widgets\.session_widgets\.SessionWidgets)"),
+]
+
+myst_enable_extensions = ["colon_fence", "deflist"]
+myst_heading_anchors = 3
+
+nb_execution_mode = os.environ.get("FSDP_NB_DOCS_EXECUTE", "cache")
+"""``cache`` (default): run a notebook only when its code changed; ``force``: always;
+``off``: render the notebooks as committed (without outputs)."""
+nb_execution_timeout = 600
+nb_execution_in_temp = True  # a notebook's relative files land in a folder the build removes
+nb_execution_raise_on_error = True  # a tutorial that fails fails the build
+nb_execution_show_tb = True
+CACHE = os.environ.get("FSDP_NB_DOCS_CACHE") or os.path.join(os.path.dirname(__file__), "_build", "cache")
+"""Where the build keeps what it fetched or ran once: the executed notebooks (jupyter-cache)
+and the widget renderer; ``FSDP_NB_DOCS_CACHE`` moves it (the tests put it in a temporary folder)."""
+nb_execution_cache_path = os.path.join(CACHE, "jupyter_cache")
+fsdp_nb_cache = CACHE
+nb_merge_streams = True
+
+autodoc_default_options = {"members": True, "undoc-members": False, "show-inheritance": False}
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented_params"
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_param = True
+
+html_theme = "furo"
+html_title = "fsdp_nb"
+html_static_path: list[str] = []  # the widget renderer is added by fsdp_nb_docs
+html_permalinks_icon = "#"
