@@ -61,6 +61,9 @@ and the widget renderer; ``FSDP_NB_DOCS_CACHE`` moves it (the tests put it in a 
 nb_execution_cache_path = os.path.join(CACHE, "jupyter_cache")
 fsdp_nb_cache = CACHE
 nb_merge_streams = True
+nb_ipywidgets_js = {"widgets/embed.js": {}}
+"""The widget renderer: ``embed.js`` of ``@jupyter-widgets/html-manager`` (the standard
+widgets, no RequireJS), put in ``_static/widgets/`` by ``_ext/fsdp_nb_docs.py``; never a CDN."""
 
 autodoc_default_options = {"members": True, "undoc-members": False, "show-inheritance": False}
 autodoc_member_order = "bysource"
@@ -72,5 +75,6 @@ napoleon_use_param = True
 
 html_theme = "furo"
 html_title = "fsdp_nb"
-html_static_path: list[str] = []  # the widget renderer is added by fsdp_nb_docs
+html_static_path: list[str] = ["_static"]  # the widget renderer's folder is added by fsdp_nb_docs
+html_favicon = "_static/favicon.svg"
 html_permalinks_icon = "#"

@@ -67,6 +67,18 @@ def sess():
     s.shutdown()
 
 
+@pytest.fixture
+def artifacts(tmp_path):
+    """Where a test leaves what a person may want to look at (screenshots, console logs):
+    the folder ``FSDP_NB_ARTIFACTS`` names, if set; else the test's temporary folder, so a
+    run writes nothing outside the temporary folders pytest removes."""
+    kept = os.environ.get("FSDP_NB_ARTIFACTS")
+    if kept:
+        os.makedirs(kept, exist_ok=True)
+        return kept
+    return str(tmp_path)
+
+
 @pytest.fixture(scope="session")
 def shell():
     """A real IPython shell (the notebook's kernel without the kernel)."""

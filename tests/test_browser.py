@@ -4,7 +4,7 @@ Needs Debian's chromium (``apt-get install -y chromium``) and the Python playwri
 package (``pip install playwright``; no ``playwright install``: we use /usr/bin/chromium).
 JupyterLab runs on loopback with an empty token and a temporary root, config and
 runtime folder; the notebook starts its own 2-rank session and shuts it down last.
-A screenshot goes to artifacts/widgets_browser.png.
+A screenshot goes to the ``artifacts`` fixture's folder (``FSDP_NB_ARTIFACTS`` keeps it).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from helpers import TABLE_CODE  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARTIFACTS = os.path.join(REPO, "artifacts")
 
 pytestmark = pytest.mark.browser
 
@@ -126,13 +125,12 @@ def lab(tmp_path):
         log.close()
 
 
-def test_widgets_render_in_jupyterlab(lab):
+def test_widgets_render_in_jupyterlab(lab, artifacts):
     from playwright.sync_api import sync_playwright
 
     url, root = lab
     _write_notebook(str(root / "widgets.ipynb"))
-    os.makedirs(ARTIFACTS, exist_ok=True)
-    shot = os.path.join(ARTIFACTS, "widgets_browser.png")
+    shot = os.path.join(artifacts, "widgets_browser.png")
     with sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM, headless=True,
@@ -162,7 +160,7 @@ def test_widgets_render_in_jupyterlab(lab):
             try:
                 _check(page, shot)
             finally:
-                with open(os.path.join(ARTIFACTS, "widgets_browser_console.log"), "w") as f:
+                with open(os.path.join(artifacts, "widgets_browser_console.log"), "w") as f:
                     f.write("\n".join(console))
         finally:
             browser.close()

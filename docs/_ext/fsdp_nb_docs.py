@@ -87,8 +87,7 @@ def _widget_renderer(app: Sphinx) -> None:
                 name = Path(m.name)
                 if m.isfile() and name.parent == Path("package/dist") and not name.name.endswith(".map"):
                     (target / name.name).write_bytes(tar.extractfile(m).read())  # type: ignore[union-attr]
-    app.config.html_static_path.append(str(root))
-    app.config.nb_ipywidgets_js = {"widgets/embed.js": {}}
+    app.config.html_static_path.append(str(root))  # conf.py's nb_ipywidgets_js names widgets/embed.js
 
 
 # -- pictures drawn from the code ----------------------------------------------------

@@ -22,8 +22,10 @@ import dataclasses
 import inspect
 import json
 import logging
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -125,12 +127,15 @@ def _local_budget(device: str, world_size: int) -> int | None:
 
 
 def _run_planner(jobs: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
-    """Run ``jobs`` in one planner process; one answer dict per job."""
+    """Run ``jobs`` in one planner process; one answer dict per job. Its temporary folder
+    is one of its own, removed after it (torch leaves an inductor cache there)."""
     import cloudpickle
 
     try:  # Ctrl-C or the timeout kill the planner process (subprocess.run does)
-        proc = subprocess.run([sys.executable, "-m", "fsdp_nb.engine.memory_plan"], input=cloudpickle.dumps(jobs),
-                              capture_output=True, timeout=timeout, check=False)
+        with tempfile.TemporaryDirectory(prefix="fsdp_nb_planner_") as scratch:
+            proc = subprocess.run([sys.executable, "-m", "fsdp_nb.engine.memory_plan"], input=cloudpickle.dumps(jobs),
+                                  capture_output=True, timeout=timeout, check=False,
+                                  env=dict(os.environ, TMPDIR=scratch))
     except subprocess.TimeoutExpired:
         raise PlanError(f"planning {len(jobs)} step(s) took longer than timeout={timeout:g} s and was "
                         "stopped; pass a larger timeout=, or fewer what_if alternatives") from None

@@ -1,10 +1,9 @@
-"""The package's shape, as the README and the import contract describe it."""
+"""The package's shape, as the architecture page and the import contract describe it."""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-import re
 import types
 from pathlib import Path
 
@@ -75,13 +74,6 @@ def test_every_module_imports_and_no_package_hides_a_module_behind_a_name():
         assert isinstance(value, types.ModuleType), f"{parent}.{leaf} is {value!r}, not its module"
         assert module.__doc__, f"{name} says nothing of what it holds"
 
-
-def test_the_readme_layout_table_names_every_module():
-    readme = (ROOT.parent / "README.md").read_text()
-    listed = set(re.findall(r"`(fsdp_nb/[\w/]+\.py)`", readme))
-    files = {f"fsdp_nb/{p.relative_to(ROOT)}" for p in ROOT.rglob("*.py") if p.name != "__init__.py"}
-    assert sorted(files - listed) == []
-    assert sorted(listed - files) == []
 
 
 def test_binder_installs_the_package_with_its_declared_dependencies():

@@ -1,0 +1,299 @@
+"""The docs site as a reader gets it: built with warnings as errors (the tutorials executed
+in real kernels, each starting a 2-rank session), every tutorial showing what it must,
+every internal link resolving, the how-to pages' code run in a real kernel, the pages
+opened in headless Chromium, the performance figures found in benchmarks/RESULTS.md.
+
+Nothing is written outside temporary folders: the build's cache, output, kernels'
+``TMPDIR`` and ``IPYTHONDIR`` all live in one, and the build must leave the ``TMPDIR``
+empty and no session running.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import fsdp_nb
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+HOW_TO = sorted((DOCS / "how-to").glob("*.md"))
+
+pytestmark = pytest.mark.timeout(1500)  # the build runs six notebooks, each a session
+
+EXPECTED = {
+    # what each tutorial must show: text a broken session, wrap or recovery would change
+    "01_quickstart": ["rank 0 of 2 on cpu", "rank 1 of 2 on cpu", "final loss"],
+    "02_checkpoints": ["valid, world_size=2", "(2, {'step': 5},", "({'step': 5}, True)",
+                       "resized 3 -> 2 ranks in", "model 'model' re-sharded with optimizer",
+                       "world size 2 same weights: True"],
+    "03_large_model": ["full model:", "planned peak", "cheapest change that fits", "what if",
+                       "rank 0: step ok", "rank 1: step ok"],
+    "04_failures": ["caught:", "rank 1 found bad data", "interrupted; session state: ready",
+                    "rank(s) 1", "all_reduce after recovery: 1.0",
+                    # the status widget's log, printed at the end
+                    "execute failed (rank 1): rank 1: RuntimeError: rank 1 found bad data",
+                    "execute interrupted (rank 0", "restart recovered: rank(s) 1 replaced",
+                    # a hang explained while it waits, then ended by the straggler; a mismatch
+                    "rank 1 is not in it: in data_step (cell line 4): time.sleep(0.05)",
+                    "fsdp_nb: execute: the collective completed",
+                    "mismatch on the default group (different collectives): rank 0 in all_reduce #"],
+    "05_workflow": ["no kernel attached, keep_alive", "attached: 2 ranks, models ['model']",
+                    "same weights: True", "[rank 1] step 2 on rank 1", "reloaded on ranks [0, 1]",
+                    "[rank 1] version 2, edited", "(Pdb rank 1) p scaled\ntensor([nan, nan, nan, nan])",
+                    "[rank 1] rank 1 batch sum: 0.0", "sessions left: []"],
+    "06_huggingface": ["'config.json'", "auto_wrap=ClassNames(names=('LlamaDecoderLayer',))",
+                       "[rank 0] step 4: loss", "'config.json', 'generation_config.json', 'model.safetensors'",
+                       "read back: LlamaForCausalLM same weights: True"],
+}
+
+
+def _env(base: Path) -> dict[str, str]:
+    """Where everything the build and its kernels write goes, all under ``base``; the
+    tutorials are the CPU path, so any GPU is hidden from the kernels and their engines."""
+    for d in ("tmp", "ipython"):
+        (base / d).mkdir(exist_ok=True)
+    return dict(os.environ, FSDP_NB_DOCS_CACHE=str(base / "cache"), TMPDIR=str(base / "tmp"),
+                IPYTHONDIR=str(base / "ipython"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+
+
+def _stop_left_sessions(ipython_dir: Path) -> list[str]:
+    """Stop every session a kernel kept alive under ``ipython_dir``; their ids."""
+    old = os.environ.get("IPYTHONDIR")
+    os.environ["IPYTHONDIR"] = str(ipython_dir)
+    try:
+        left = fsdp_nb.sessions()
+        for s in left:
+            fsdp_nb.Session.attach(s.cluster_id, activate=False).shutdown()
+        return [s.cluster_id for s in left]
+    finally:
+        if old is None:
+            os.environ.pop("IPYTHONDIR", None)
+        else:
+            os.environ["IPYTHONDIR"] = old
+
+
+@dataclass
+class Built:
+    html: Path
+    cache: Path
+    left_in_tmp: list[str]
+    left_sessions: list[str]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Built:
+    base = tmp_path_factory.mktemp("docs")
+    env = _env(base)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS),
+             str(base / "html")], env=env, capture_output=True, text=True, timeout=1400)
+        assert proc.returncode == 0, f"the docs build failed:\n{proc.stdout}\n{proc.stderr}"
+    finally:
+        left = _stop_left_sessions(base / "ipython")
+    # torch makes its inductor cache folder in TMPDIR when torch._dynamo is imported (any
+    # process that wraps or plans does): torch's cache, not a file of ours
+    ours = sorted(p.name for p in (base / "tmp").iterdir() if not p.name.startswith("torchinductor_"))
+    return Built(base / "html", base / "cache", ours, left)
+
+
+# -- the build ------------------------------------------------------------------------
+
+
+def test_the_reference_documents_every_public_name(built):
+    pages = "".join((built.html / "reference" / p).read_text() for p in os.listdir(built.html / "reference"))
+    missing = [n for n in fsdp_nb.__all__ if not n.startswith("__") and f'id="fsdp_nb.{n}"' not in pages]
+    assert missing == []
+    cli = (built.html / "reference" / "cli.html").read_text()
+    assert all(f"fsdp-nb {c}" in cli for c in ("demo", "inspect", "consolidate", "export"))
+    assert "--trust-pickles" in cli
+
+
+def test_the_architecture_page_draws_the_layers_and_lists_every_module(built):
+    import tomllib
+
+    page = (built.html / "explanation" / "architecture.html").read_text()
+    layers = next(c for c in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+                  if c["id"] == "layers")["layers"]
+    assert page.count('class="fsdp-layers"') == 1 and page.count("<rect ") == len(layers)
+    modules = {".".join(("fsdp_nb", *p.relative_to(REPO / "fsdp_nb").with_suffix("").parts))
+               for p in (REPO / "fsdp_nb").rglob("*.py")}
+    modules = {m.removesuffix(".__init__") for m in modules if not m.endswith("__main__")}
+    assert sorted(m for m in modules if f"<code class=\"docutils literal notranslate\"><span class=\"pre\">{m}</span>"
+                  not in page) == []
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_a_tutorial_shows_what_it_must(built, path):
+    from jupyter_cache import get_cache
+
+    _, nb = get_cache(built.cache / "jupyter_cache").merge_match_into_file(str(path))
+    shown = "\n".join(o.get("text", "") + o.get("data", {}).get("text/plain", "")
+                      for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    missing = [text for text in EXPECTED[path.stem] if text not in shown]
+    assert not missing, f"{path.name} did not show {missing}"
+    page = (built.html / "tutorials" / f"{path.stem}.html").read_text()
+    if "application/vnd.jupyter.widget-view+json" in json.dumps(nbformat.writes(nb)):
+        assert 'type="application/vnd.jupyter.widget-state+json"' in page  # drawn without a kernel
+        assert "_static/widgets/embed.js" in page
+
+
+def test_the_build_left_no_temporary_files_and_no_session(built):
+    assert built.left_in_tmp == [] and built.left_sessions == []
+
+
+class _Links(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[str] = []
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if a.get("id"):
+            self.ids.add(a["id"])  # type: ignore[arg-type]
+        for key in ("href", "src"):
+            if a.get(key):
+                self.links.append(a[key])  # type: ignore[arg-type]
+
+
+def test_every_internal_link_resolves(built):
+    pages = {p: _Links() for p in built.html.rglob("*.html")}
+    for p, parser in pages.items():
+        parser.feed(p.read_text())
+    broken = []
+    for p, parser in pages.items():
+        for link in parser.links:
+            if re.match(r"^(https?:|mailto:|data:|javascript:)", link):
+                continue
+            target, _, fragment = link.partition("#")
+            dest = (p.parent / target.split("?")[0]).resolve() if target else p
+            if dest.is_dir():
+                dest = dest / "index.html"
+            if not dest.exists():
+                broken.append(f"{p.relative_to(built.html)}: {link}")
+            elif fragment and dest.suffix == ".html" and fragment not in pages[dest].ids:
+                broken.append(f"{p.relative_to(built.html)}: {link} (no such anchor)")
+    assert broken == []
+
+
+# -- the how-to pages' code -----------------------------------------------------------
+
+
+def _blocks(page: Path) -> list[str]:
+    """The page's plain ```python blocks, in order (a ```{code-block} is shown, not run)."""
+    return re.findall(r"^```python\n(.*?)^```$", page.read_text(), flags=re.S | re.M)
+
+
+RUNNABLE = [p for p in HOW_TO if _blocks(p)]
+
+
+@pytest.mark.parametrize("page", RUNNABLE, ids=[p.stem for p in RUNNABLE])
+def test_a_how_to_pages_code_runs_in_a_kernel(page, tmp_path):
+    from jupyter_client.manager import start_new_kernel
+
+    env = _env(tmp_path)
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(tmp_path / "tmp"))
+    try:
+        for i, code in enumerate(_blocks(page)):
+            errors: list[str] = []
+
+            def on_output(msg, errors=errors):
+                if msg["msg_type"] == "error":
+                    errors.append("\n".join(msg["content"]["traceback"]))
+
+            reply = kc.execute_interactive(code, timeout=240, output_hook=on_output)
+            assert reply["content"]["status"] == "ok", f"{page.name} block {i + 1}:\n{code}\n" + "\n".join(errors)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        left = _stop_left_sessions(tmp_path / "ipython")
+    assert left == [], f"{page.name} left sessions running"
+    ours = sorted(p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor_"))
+    assert ours == [], f"{page.name} left temporary files"
+
+
+# -- the pages in a browser -----------------------------------------------------------
+
+
+def test_pages_open_in_chromium_without_errors_and_a_tutorial_shows_its_widgets(built, artifacts):
+    chromium = "/usr/bin/chromium"
+    if not os.path.exists(chromium):
+        pytest.skip(f"{chromium} missing (apt-get install -y chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    handler = functools.partial(_QuietHandler, directory=str(built.html))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    problems: list[str] = []
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=[
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run"])
+            page = browser.new_page()
+            page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+            page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
+            for path in ("index.html", "how-to/sessions.html", "reference/session.html",
+                         "explanation/architecture.html", "tutorials/02_checkpoints.html",
+                         "tutorials/01_quickstart.html"):
+                page.goto(f"{base}/{path}", wait_until="load")
+            widget = page.locator(".jupyter-widgets.widget-vbox").first
+            widget.wait_for(state="visible", timeout=30_000)
+            text = widget.inner_text()
+            page.screenshot(path=os.path.join(artifacts, "docs_tutorial.png"), full_page=False)
+            browser.close()
+    finally:
+        server.shutdown()
+    assert problems == []
+    assert "rank 0" in text and "rank 1" in text, text
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+# -- the words around the numbers ------------------------------------------------------
+
+
+def test_every_performance_figure_is_in_its_results_entry():
+    results = (REPO / "benchmarks" / "RESULTS.md").read_text()
+    sections = dict(re.findall(r"^## (\d{4}-\d\d-\d\d \(\w+\)).*?\n(.*?)(?=^## |\Z)", results, flags=re.S | re.M))
+    rows = [r for r in (DOCS / "explanation" / "performance.md").read_text().splitlines()
+            if r.startswith("| ") and not r.startswith("| figure") and not r.startswith("|---")]
+    assert len(rows) >= 15
+    for row in rows:
+        figure, value, entry, machine, command = (c.strip() for c in row.strip().strip("|").split("|"))
+        assert entry in sections, f"no RESULTS entry {entry!r} for {figure!r}"
+        body = sections[entry].replace("×", "x")
+        for number in re.findall(r"\d+(?:\.\d+)?", value):
+            assert number in body, f"{figure}: {number} is not in the RESULTS entry {entry}"
+        assert machine and command.startswith("`benchmarks/"), row
+        assert command.strip("`").split()[0] in body, (command, entry)
+
+
+def test_the_readme_is_a_front_page():
+    readme = (REPO / "README.md").read_text()
+    lines = readme.splitlines()
+    assert len(lines) <= 150
+    assert lines[3].startswith("pip install torch==2.13.0 -e . && fsdp-nb demo")
+    assert lines[4].startswith('pip install torch==2.13.0 -e ".[test]"') and "python -m pytest" in lines[4]
+    assert 'pip install torch==2.13.0 -e ".[docs]" && python -m sphinx -W docs docs/_build/html' in readme
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    assert links and [t for t in links if not t.startswith("http") and not (REPO / t).exists()] == []
