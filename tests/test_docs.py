@@ -297,3 +297,24 @@ def test_the_readme_is_a_front_page():
     assert 'pip install torch==2.13.0 -e ".[docs]" && python -m sphinx -W docs docs/_build/html' in readme
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
     assert links and [t for t in links if not t.startswith("http") and not (REPO / t).exists()] == []
+
+
+def _pages() -> dict[str, str]:
+    pages = {"README.md": (REPO / "README.md").read_text()}
+    pages.update({str(p.relative_to(REPO)): p.read_text() for p in DOCS.rglob("*.md") if "_build" not in p.parts})
+    return pages
+
+
+def test_every_file_the_pages_name_exists():
+    named = {(page, path) for page, text in _pages().items()
+             for path in re.findall(r"`((?:fsdp_nb|tests|benchmarks|docs|notebooks|\.ci)/[\w./-]*\w)`", text)}
+    assert len(named) >= 10
+    assert sorted((page, path) for page, path in named if not (REPO / path).exists()) == []
+
+
+def test_every_count_of_notebooks_the_pages_give_is_right():
+    words = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8}
+    said = [(page, m.group(1)) for page, text in _pages().items()
+            for m in re.finditer(r"\b(\w+) (?:tutorial )?notebooks\b", text, flags=re.I) if m.group(1).lower() in words]
+    assert said, "no page says how many notebooks there are"
+    assert [(page, w) for page, w in said if words[w.lower()] != len(NOTEBOOKS)] == []
