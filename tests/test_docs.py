@@ -15,6 +15,7 @@ import http.server
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -154,6 +155,51 @@ def test_a_tutorial_shows_what_it_must(built, path):
 
 def test_the_build_left_no_temporary_files_and_no_session(built):
     assert built.left_in_tmp == [] and built.left_sessions == []
+
+
+def _build_copy(tmp_path: Path, fault) -> str:
+    """Build a copy of docs/ with ``fault(docs)`` applied, as CI builds it but with the
+    tutorials not executed (unless a notebook asks to be); the build's output."""
+    docs = tmp_path / "docs"
+    shutil.copytree(DOCS, docs, ignore=shutil.ignore_patterns("_build"))  # the tutorials' links copied as files
+    fault(docs)
+    env = dict(_env(tmp_path), FSDP_NB_DOCS_EXECUTE="off")
+    proc = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(docs),
+                           str(tmp_path / "html")], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0, "the build passed with a fault in it"
+    return proc.stdout + proc.stderr
+
+
+def test_the_build_fails_on_a_broken_reference_a_missing_name_and_a_bare_parameter(tmp_path):
+    def fault(docs: Path) -> None:
+        page = docs / "reference" / "checkpoints.md"
+        page.write_text(page.read_text().replace(".. autofunction:: fsdp_nb.inspect\n", ""))
+        (docs / "_ext" / "probe_module.py").write_text(
+            '"""A probe."""\n\n\ndef probe(documented, forgotten):\n    """Does nothing with ``documented``."""\n')
+        more = docs / "reference" / "more.md"
+        more.write_text(more.read_text() + "\n```{eval-rst}\n.. autofunction:: probe_module.probe\n```\n\n"
+                        "See {py:func}`fsdp_nb.no_such_function`.\n")
+
+    out = _build_copy(tmp_path, fault)
+    assert "fsdp_nb.inspect is public but no reference page documents it" in out
+    assert "probe_module.probe: parameter 'forgotten' is not described" in out
+    assert "'documented'" not in out
+    assert "fsdp_nb.no_such_function" in out
+
+
+def test_the_build_fails_on_a_tutorial_that_fails(tmp_path):
+    def fault(docs: Path) -> None:
+        bad = nbformat.v4.new_notebook(metadata={
+            "mystnb": {"execution_mode": "force"},  # runs though the others are not executed here
+            "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+        bad.cells = [nbformat.v4.new_markdown_cell("# Broken"),
+                     nbformat.v4.new_code_cell("raise ValueError('broken tutorial')")]
+        nbformat.write(bad, docs / "tutorials" / "broken.ipynb")
+        index = docs / "tutorials" / "index.md"
+        index.write_text(index.read_text().replace("06_huggingface\n```", "06_huggingface\nbroken\n```"))
+
+    out = _build_copy(tmp_path, fault)
+    assert "ExecutionError" in out and "broken.ipynb" in out
 
 
 class _Links(HTMLParser):

@@ -51,7 +51,18 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI (the docs
 
 log = logging.getLogger("fsdp_nb")
 
-REPO = Path(__file__).resolve().parents[2]
+def _repo() -> Path:
+    """The repository these docs describe: the one around them, or (a copy of the docs
+    elsewhere, as a test builds) the one fsdp_nb is installed from in editable mode."""
+    here = Path(__file__).resolve().parents[2]
+    if (here / "pyproject.toml").exists():
+        return here
+    import fsdp_nb
+
+    return Path(fsdp_nb.__file__).resolve().parents[1]
+
+
+REPO = _repo()
 
 HTML_MANAGER = "1.0.15"
 HTML_MANAGER_URL = (
