@@ -34,7 +34,7 @@ CELLS = [
     "sess = fsdp_nb.Session(2, backend='gloo')\nsess",
     "mem = sess.memory(interval=0.25)\nmem",
     "from fsdp_nb.frontends.widgets.layout import layout_widget\nlayout_widget(hand_table())",
-    "root = tempfile.mkdtemp()\nsess.checkpoints(root)",
+    "root = tempfile.mkdtemp(dir='.')  # in the notebook's temporary folder\nsess.checkpoints(root)",
     "sess.execute('import time as _t; _t.sleep(2)')  # a busy cell: memory keeps streaming",
     "print('renders', mem.renders)\nsess.shutdown()  # ends the samplers and the feed too\n"
     "print('SHUTDOWN' + '-DONE', 'feed running:', mem.feed.running)",

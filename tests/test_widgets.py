@@ -341,7 +341,7 @@ NOTEBOOK_CELLS = [
     "while not all(mem.feed.samples(r) for r in range(2)) and time.monotonic() < deadline:\n"
     "    time.sleep(0.05)\nmem.refresh()",
     "from fsdp_nb.frontends.widgets.layout import layout_widget\nlayout_widget(hand_table())",
-    "root = tempfile.mkdtemp()\nsess.checkpoints(root)",
+    "root = tempfile.mkdtemp(dir='.')  # in the notebook's temporary folder\nsess.checkpoints(root)",
     "print(repr(mem).splitlines()[0])",
     "mem.close()\nsess.shutdown()\nprint('feed running after shutdown:', mem.feed.running)",
     "from fsdp_nb.display.progress import Progress, in_notebook\n"
