@@ -5,8 +5,8 @@ After a failed allocation the failing frames stay alive in ``sys.last_traceback`
 ``sess.debug``), and with them the step's activations; FSDP2 keeps the units it had
 gathered unsharded. :func:`held` reads what the rank holds at that moment;
 :func:`release` drops those frames' locals, reshards every FSDP2 unit (the cut-short
-iteration is dropped), collects and empties CUDA's cache, so the next cell runs. Engine globals (models, optimizers, variables) are
-untouched.
+iteration is dropped), collects and empties CUDA's cache, so the next cell runs. Engine
+globals (models, optimizers, variables) are untouched.
 """
 
 from __future__ import annotations
