@@ -163,15 +163,15 @@ def plan(
         if world_size is not None or device is not None:
             raise TypeError("sess.plan plans for the session's own ranks and devices; "
                             "world_size= and device= are for fsdp_nb.plan without a session")
-        world, backend, hosts = ctx.world_size, ctx.backend or "gloo", [r.host for r in ctx.ranks]
-        device = "cuda" if backend == "nccl" else "cpu"
+        world, hosts = ctx.world_size, [r.host for r in ctx.ranks]
+        device = "cuda" if ctx.backend == "nccl" else "cpu"
     else:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int (the ranks to plan for), got {world_size!r}")
         device = device or "cpu"
         if device not in DEVICES:
             raise ValueError(f"device={device!r} is not allowed; allowed: {', '.join(DEVICES)}")
-        world, backend, hosts = world_size, "nccl" if device == "cuda" else "gloo", ["localhost"] * world_size
+        world, hosts = world_size, ["localhost"] * world_size
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
         raise ValueError(f"budget must be a positive number of bytes per rank, got {budget!r}")
     kwargs = {k: v for k, v in options.items() if k not in OPTION_NAMES}
