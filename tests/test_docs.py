@@ -364,3 +364,50 @@ def test_every_count_of_notebooks_the_pages_give_is_right():
             for m in re.finditer(r"\b(\w+) (?:tutorial )?notebooks\b", text, flags=re.I) if m.group(1).lower() in words]
     assert said, "no page says how many notebooks there are"
     assert [(page, w) for page, w in said if words[w.lower()] != len(NOTEBOOKS)] == []
+
+
+def _ext():
+    sys.path.insert(0, str(DOCS / "_ext"))
+    import fsdp_nb_docs
+
+    return fsdp_nb_docs
+
+
+def test_the_widget_renderer_is_refused_unless_it_is_the_pinned_tarball(tmp_path):
+    """An outsider who controls the network (or the registry) hands the build another
+    tarball: it is refused before a byte of it is unpacked."""
+    from sphinx.errors import ExtensionError
+
+    ext = _ext()
+    with pytest.raises(ExtensionError, match="does not match its pinned sha512"):
+        ext.unpack_widget_renderer(b"\x1f\x8b not the tarball", tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_the_widget_renderer_unpacks_only_its_dist_files_into_a_private_folder(tmp_path, monkeypatch):
+    """A tarball that matched its pin is still not trusted with paths: members outside
+    ``package/dist``, with ``..`` or as links are never written."""
+    import base64
+    import hashlib
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, body in (("package/dist/embed.js", b"ok"), ("package/dist/../../escape.js", b"x"),
+                           ("package/outside.js", b"x"), ("package/dist/embed.js.map", b"x")):
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+        link = tarfile.TarInfo("package/dist/link.js")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(link)
+    data = buf.getvalue()
+    ext = _ext()
+    monkeypatch.setattr(ext, "HTML_MANAGER_SHA512", base64.b64encode(hashlib.sha512(data).digest()).decode())
+    root = tmp_path / "cache" / "html-manager"
+    ext.unpack_widget_renderer(data, root)
+    assert sorted(p.name for p in (root / "widgets").iterdir()) == ["embed.js"]
+    assert (root / "widgets" / "embed.js").read_bytes() == b"ok"
+    assert (root / "widgets").stat().st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["cache", "embed.js", "html-manager", "widgets"]

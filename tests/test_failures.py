@@ -427,10 +427,10 @@ def test_engine_killed_during_a_direct_run(fragile, tmp_path):
     s.restart()
     assert s.ranks[1].pid != victim
     assert s.run(lambda: rank) == [0, 1]  # noqa: F821 - the new engine serves direct calls too
-    # an engine that crashes is named as that, by its signal
-    victim = s.ranks[1].pid
+    # an engine that crashes is named as that, by its signal (sent through the session's
+    # verified process handle, never a bare pid)
     marker = tmp_path / "sleeping-again"
-    on_marker(marker, lambda: os.kill(victim, signal.SIGSEGV))
+    on_marker(marker, lambda: s.cluster.signal([1], signal.SIGSEGV))
     with pytest.raises(DeadRankError) as info:
         s.run(_sleep_on_rank_1_then_collective, str(marker))
     assert "rank 1's engine was ended by SIGSEGV (signal 11)" in str(info.value)

@@ -32,6 +32,7 @@ import pkgutil
 import re
 import sys
 import tarfile
+import tempfile
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -78,27 +79,36 @@ HTML_MANAGER_SHA512 = "5thBIV6ymNgmPVOHvzx+gGy8ZSKmSazhtGw4/c4xJDVzRhG9PTeQsRjF3
 def _widget_renderer(app: Sphinx) -> None:
     """Put ``embed.js`` (and the fonts it names) in a static folder of the build."""
     root = Path(app.config.fsdp_nb_cache) / f"html-manager-{HTML_MANAGER}"
-    target = root / "widgets"
-    if not (target / "embed.js").exists():
+    if not (root / "widgets" / "embed.js").exists():
         log.info("fetching @jupyter-widgets/html-manager %s from the npm registry", HTML_MANAGER)
         try:
-            with urllib.request.urlopen(HTML_MANAGER_URL, timeout=120) as r:  # noqa: S310 - a pinned https URL
+            with urllib.request.urlopen(HTML_MANAGER_URL, timeout=120) as r:  # a pinned https URL
                 data = r.read()
         except OSError as exc:
             raise ExtensionError(
                 f"could not fetch the widget renderer from {HTML_MANAGER_URL} ({exc}); the docs "
-                "build needs the npm registry once (the file is then kept under docs/_build/)"
+                f"build needs the npm registry once (the file is then kept in {root})"
             ) from exc
-        got = base64.b64encode(hashlib.sha512(data).digest()).decode()
-        if got != HTML_MANAGER_SHA512:
-            raise ExtensionError(f"{HTML_MANAGER_URL} does not match its pinned sha512 (got {got})")
-        target.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-            for m in tar.getmembers():
-                name = Path(m.name)
-                if m.isfile() and name.parent == Path("package/dist") and not name.name.endswith(".map"):
-                    (target / name.name).write_bytes(tar.extractfile(m).read())  # type: ignore[union-attr]
+        unpack_widget_renderer(data, root)
     app.config.html_static_path.append(str(root))  # conf.py's nb_ipywidgets_js names widgets/embed.js
+
+
+def unpack_widget_renderer(data: bytes, root: Path) -> None:
+    """Check ``data`` (the npm tarball) against the pinned sha512, then put its
+    ``package/dist`` files (never a path of the tarball's choosing) in ``root/widgets``:
+    unpacked in a private folder beside it and renamed into place, so the folder is
+    whole or absent and no one else's file is written through."""
+    got = base64.b64encode(hashlib.sha512(data).digest()).decode()
+    if got != HTML_MANAGER_SHA512:
+        raise ExtensionError(f"{HTML_MANAGER_URL} does not match its pinned sha512 (got {got})")
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".widgets-", dir=root))  # 0700, ours
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for m in tar.getmembers():
+            name = Path(m.name)
+            if m.isfile() and name.parent == Path("package/dist") and not name.name.endswith(".map"):
+                (staging / name.name).write_bytes(tar.extractfile(m).read())  # type: ignore[union-attr]
+    staging.rename(root / "widgets")
 
 
 # -- pictures drawn from the code ----------------------------------------------------
@@ -149,7 +159,8 @@ class LayersDirective(SphinxDirective):
     """The import contract's layers as a stack of boxes, top (may import all below) to bottom."""
 
     def run(self) -> list[nodes.Node]:
-        layers = _contract()["layers"]
+        contract = _contract()
+        layers = contract["layers"]
         row, width = 34, 760
         parts = [f'<svg class="fsdp-layers" role="img" aria-label="the layers of fsdp_nb" '
                  f'xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {row * len(layers) + 4}" '
@@ -164,7 +175,7 @@ class LayersDirective(SphinxDirective):
                          f'font-family="monospace" font-size="13" fill="#111">'
                          f'{html.escape("  ·  ".join(names))}</text>')
         parts.append("</svg>")
-        ignored = _contract().get("ignore_imports", [])
+        ignored = contract.get("ignore_imports", [])
         node = nodes.raw("", "\n".join(parts), format="html")
         note = nodes.paragraph(text="The one import the contract lets through: " + "; ".join(ignored) + "."
                                if ignored else "No import is let through.")
