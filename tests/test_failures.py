@@ -246,26 +246,73 @@ def test_ctrl_c_is_sent_again_until_a_rank_returns(quick, tmp_path):
 
 def test_sigint_interrupts_the_call_never_the_kernel_bookkeeping(sess):
     """While a request runs, SIGINT raises KeyboardInterrupt in its code; landing in the
-    kernel's (or the call server's) own dispatch frames it is dropped, where it used to
-    stop the engine (seen under load: one rank gone, the shared session degraded)."""
+    kernel's (or the call server's) own dispatch frames, or in what they call, it is
+    dropped, where it used to stop the engine or lose the reply (seen under load: one
+    rank gone or replaced, its state lost)."""
     from fsdp_nb.engine import interrupts
 
-    def bookkeeping():
-        return sys._getframe()
+    def bookkeeping(inner):
+        return inner()
 
-    def user_code():
-        return sys._getframe()
+    def call(inner):
+        return inner()
+
+    def interrupted_here():
+        return interrupts.guarded(signal.SIGINT, sys._getframe())
 
     interrupts.own(bookkeeping)
-    assert interrupts.guarded(signal.SIGINT, bookkeeping()) is None
+    interrupts.calls(call)
+    assert bookkeeping(interrupted_here) is None  # under bookkeeping: dropped
     with pytest.raises(KeyboardInterrupt):
-        interrupts.guarded(signal.SIGINT, user_code())
+        interrupted_here()  # under neither: raised, as by Python's own handler
+    with pytest.raises(KeyboardInterrupt):
+        bookkeeping(lambda: call(interrupted_here))  # a call nearer than the bookkeeping
     # the engines' kernels install it for a cell, and the call server for a direct call
     check = "__import__('signal').getsignal(2) is __import__('fsdp_nb.engine.interrupts').engine.interrupts.guarded"
     sess.execute(f"_guarded = {check}")
     assert sess.pull("_guarded") == [True, True]
     assert sess.run(lambda: eval(check)) == [True, True]
     sess.execute("del _guarded")
+
+
+def _sigint_in_the_flush_after(where):
+    """On an engine: the next flush of this ``sys.stdout`` that ``where`` (the kernel's or
+    the call server's request handler, once the call has returned) makes sends this
+    process SIGINT, whose handler runs in that flush's frame."""
+    import os
+    import signal
+    import sys
+
+    stream = sys.stdout
+
+    def flush():
+        if sys._getframe(1).f_code.co_name == where:
+            del stream.flush
+            os.kill(os.getpid(), signal.SIGINT)
+        return type(stream).flush(stream)
+
+    stream.flush = flush
+    return os.getpid()
+
+
+_sigint_in_the_flush_after.__module__ = "__main__"  # sent by value, as a notebook's function is
+
+
+def test_sigint_while_the_kernel_flushes_after_a_call_keeps_its_reply(sess):
+    """The kernel flushes the output after the call and before the reply (waiting on its
+    I/O thread, so a SIGINT lands there under load): a SIGINT then is dropped and the reply
+    comes, through ipyparallel's apply, a cell, and the direct call server alike. Before,
+    the reply was lost, and Ctrl-C while a call was sent ended with the rank replaced."""
+    pids = sess.cluster.pids
+    d = sess.dispatcher
+    assert d.gather(d.apply("flush", _sigint_in_the_flush_after, args=("apply_request",)), 60) == pids
+    sess.push({"_arm": _sigint_in_the_flush_after})
+    sess.execute("_pid = _arm('execute_request')\n_after_flush = 'replied'", timeout=60)
+    assert sess.pull("_after_flush") == ["replied", "replied"]
+    assert sess.run(_sigint_in_the_flush_after, "_answer", timeout=60) == pids
+    assert sess.cluster.pids == pids and sess.cluster.dead_ranks() == []
+    assert sess.all_reduce_check() == 1.0
+    sess.execute("del _pid, _arm, _after_flush")
 
 
 class _CtrlCWhileSending:

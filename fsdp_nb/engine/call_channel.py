@@ -181,6 +181,7 @@ def _invoke(fn: Any, args: tuple) -> Any:
 
 
 interrupts.own(_Server._on_request, _Server._answer)
+interrupts.calls(_invoke)
 
 
 def _below_server(tb: Any) -> Any:

@@ -3,13 +3,22 @@ kernel's bookkeeping around it.
 
 While the kernel handles a request, ipykernel installs Python's default SIGINT handler
 (``pre_handler_hook``) and puts ipyparallel's back (which ignores SIGINT) afterwards.
-A SIGINT that lands between those steps and the handler's own ``try`` raises
-KeyboardInterrupt in the kernel's dispatch code, out of the event loop, and the engine
-exits. The recovery sends SIGINT just as a call is sent (Ctrl-C while sending) and
-again to a rank that has not answered after two seconds, so that window was hit under
-load. :func:`guarded` raises only when the interrupted frame is not one of those
-bookkeeping frames; there the signal is dropped, and the notebook's next SIGINT
-reaches the call.
+A SIGINT that lands outside the ``try`` that turns the request's failure into its reply
+(in the dispatch code; or after the call, while the kernel flushes the output, which
+waits on its I/O thread, and sends the reply) raises KeyboardInterrupt in the kernel's
+own code: the reply is never sent, so the rank looks as if it never returned and
+recovery replaces it, its state lost (seen in CI: Ctrl-C while a call was sent). The
+recovery sends SIGINT just as a call is sent and again to a rank that has not answered
+after two seconds, so those windows are hit under load.
+
+:func:`guarded` looks at the interrupted stack from the innermost frame out; the first
+frame it knows decides. A call frame (:func:`calls`: ipyparallel's ``do_apply``,
+IPython's ``run_code``, the call server's ``_invoke``) means the request's code, or the
+``try`` around it, was running: KeyboardInterrupt, which becomes the call's error. A
+bookkeeping frame (:func:`own`: the kernel's ``dispatch_shell`` and handler hooks, the
+call server's) means the kernel's own code: the signal is dropped, and the recovery's
+next SIGINT reaches the call. A stack with neither raises, as Python's default handler
+would.
 """
 
 from __future__ import annotations
@@ -19,24 +28,46 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["guarded", "install", "own"]
+__all__ = ["calls", "guarded", "install", "own"]
 
 log = logging.getLogger("fsdp_nb")
 
 _OWN: set[Any] = set()
-"""Code objects of bookkeeping frames a SIGINT must not interrupt."""
+"""Code objects of bookkeeping frames: a SIGINT under them (and under no call) is dropped."""
+
+_CALLS: set[Any] = set()
+"""Code objects of the frames that run a request's code inside the ``try`` that turns a
+KeyboardInterrupt into the request's error reply."""
 
 
 def own(*fns: Callable[..., Any]) -> None:
-    """Mark ``fns``' frames as bookkeeping: a SIGINT landing in them is dropped."""
+    """Mark ``fns``' frames as bookkeeping: a SIGINT landing under them is dropped,
+    unless a call frame is nearer the interrupted one."""
     _OWN.update(fn.__code__ for fn in fns)
 
 
+def calls(*fns: Callable[..., Any]) -> None:
+    """Mark ``fns``' frames as running a request's code: a SIGINT landing under them
+    raises KeyboardInterrupt, which they answer as the request's error."""
+    _CALLS.update(fn.__code__ for fn in fns)
+
+
 def guarded(signum: int, frame: Any) -> None:
-    """The SIGINT handler while a request runs: KeyboardInterrupt, except in bookkeeping."""
-    if frame is not None and frame.f_code in _OWN:
-        log.warning("SIGINT between a request's bookkeeping steps: dropped (the next one reaches the call)")
-        return
+    """The SIGINT handler while a request runs: KeyboardInterrupt, except in bookkeeping.
+
+    Args:
+        signum: the signal (SIGINT).
+        frame: the frame the signal interrupted; its callers decide (module docstring).
+    """
+    while frame is not None:
+        code = frame.f_code
+        if code in _CALLS:
+            break
+        if code in _OWN:
+            log.warning("SIGINT in the kernel's own handling of a request (%s): dropped "
+                        "(the next one reaches the call)", code.co_name)
+            return
+        frame = frame.f_back
     raise KeyboardInterrupt
 
 
@@ -57,5 +88,6 @@ def install() -> bool:
         kernel.saved_sigint_handler = signal.signal(signal.SIGINT, guarded)
 
     own(cls.dispatch_shell, cls.post_handler_hook, pre_handler_hook)
+    calls(*(fn for fn in (getattr(cls, "do_apply", None), getattr(type(kernel.shell), "run_code", None)) if fn))
     kernel.pre_handler_hook = pre_handler_hook
     return True
