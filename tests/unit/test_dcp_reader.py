@@ -74,3 +74,19 @@ def test_a_file_cut_short_after_the_check_is_named_not_read_short(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=r"'__0_0.distcp' is shorter than when it was checked"):
         with named_corruption(str(tmp_path)):
             _load(tmp_path, targets, before_commit=cut)
+
+
+def test_the_items_are_cut_into_runs_of_about_equal_bytes_in_file_order():
+    from types import SimpleNamespace as Item
+
+    def item(path, offset, length):
+        return Item(relative_path=path, offset=offset, length=length)
+
+    big, small = item("a", 0, 600), item("a", 600, 100)
+    items = [("r3", item("b", 0, 300)), ("r1", big), ("r2", small), ("r1b", big)]
+    runs = dcp_reader._runs(items, 2)
+    # two requests for one stored item stay in one run; files and offsets in order
+    assert [[r for r, _ in run] for run in runs] == [["r1", "r1b"], ["r2", "r3"]]
+    assert [[r for r, _ in run] for run in dcp_reader._runs(items, 1)] == [["r1", "r1b", "r2", "r3"]]
+    assert len(dcp_reader._runs(items, 8)) == 3  # never more runs than stored items
+    assert dcp_reader._runs([], 4) == [[]]
