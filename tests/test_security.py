@@ -16,6 +16,7 @@ cluster's key, against a real 2-rank session.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -183,6 +184,31 @@ def _watch_dropped() -> int:
     from fsdp_nb.engine import hang_watch
 
     return hang_watch._WATCH["link"].dropped
+
+
+def test_the_watch_answers_questions_read_out_of_order_once_each(sess):
+    """Each question goes on a socket of its own, so a rank busy in C may read two queued
+    questions in either order: it used to drop the older as a replay, and the notebook got
+    no answer from that rank ("dropped a message on the hang-watch channel" under a load).
+    Read in either order, each is answered; captured and sent again, it is not."""
+    from fsdp_nb.engine import hang_watch
+
+    watch = sess.context.health.watch
+    before = sess.run(_watch_dropped)
+    replays = []
+    for ep, link in watch.links.values():
+        early, late = link.pack(hang_watch.QUERY), link.pack(hang_watch.QUERY)
+        for frame in (late, early):  # the later question is read first
+            s = _outsider(zmq.DEALER, ep)
+            s.send(frame)
+            assert s.poll(30_000), "a question read out of order got no answer"
+            assert json.loads(link.unpack(s.recv()))["pid"] in sess.cluster.pids
+            s.close()
+        replays.append(_outsider(zmq.DEALER, ep))
+        replays[-1].send(early)
+    _until(lambda: all(g - b == 1 for g, b in zip(sess.run(_watch_dropped), before)),
+           "both watch threads dropping the replay")
+    assert all(_nothing_came(s) for s in replays)
 
 
 def test_an_outsider_can_neither_ask_where_a_rank_is_nor_close_its_connections(sess):

@@ -45,8 +45,8 @@ from ..torch_compat import (
 )
 from .signing import Link, Refused, start_listener
 
-__all__ = ["FREE", "MAX_FRAME_BYTES", "QUERY", "QUERY_NOW", "collective", "issued", "library_dirs", "main_frame", "start",
-           "state"]
+__all__ = ["FREE", "MAX_FRAME_BYTES", "QUERY", "QUERY_NOW", "WINDOW", "collective", "issued", "library_dirs",
+           "main_frame", "start", "state"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -61,6 +61,10 @@ FREE = b"free "
 ``[ip, port]`` after it): a main thread blocked in a gloo collective then returns."""
 MAX_FRAME_BYTES = 4096
 """The largest frame the thread takes (a signed request is under 100 bytes)."""
+WINDOW = 64
+"""How far out of order the questions (each on a socket of its own) and their answers may
+arrive and still be taken once (``signing.Link``): a rank whose main thread holds the GIL
+reads two queued questions in either order."""
 _COLLECTIVES = {
     "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce",
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "gather",
@@ -329,4 +333,5 @@ def start(addr: str) -> tuple[str, bytes]:
 
     Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``).
     """
-    return start_listener(_WATCH, addr, "hang-watch", "ROUTER", MAX_FRAME_BYTES, _handle, "fsdp_nb-hang-watch")
+    return start_listener(_WATCH, addr, "hang-watch", "ROUTER", MAX_FRAME_BYTES, _handle, "fsdp_nb-hang-watch",
+                          WINDOW)

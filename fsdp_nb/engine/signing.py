@@ -94,13 +94,18 @@ class Link:
             message for one purpose is refused by every other.
         nonce: the listening side's nonce (``new_nonce``), known to both ends.
         side: ``"client"`` (connects, sends requests) or ``"server"`` (binds, answers).
+        window: how many counters behind a sender's highest one a message may arrive
+            and still be taken, once. zmq keeps a sender's order on one connection, not
+            across its sockets: the hang watch asks each question on a socket of its own,
+            and a rank busy in C reads two queued questions in either order. 0 (the
+            default): each sender's counter must rise.
 
-    One ``Link`` may check messages from many senders (a server's clients); each sender's
-    counter must rise. ``sign`` is thread-safe; ``check`` is meant for the one thread
+    One ``Link`` may check messages from many senders (a server's clients); no counter
+    is taken twice. ``sign`` is thread-safe; ``check`` is meant for the one thread
     that receives on the socket.
     """
 
-    def __init__(self, key: bytes, purpose: str, nonce: bytes, side: str):
+    def __init__(self, key: bytes, purpose: str, nonce: bytes, side: str, window: int = 0):
         if not key:
             raise ValueError("a Link needs the cluster's key; the cluster has none (its "
                              "messages are unsigned), so fsdp_nb cannot authenticate its channels")
@@ -115,6 +120,9 @@ class Link:
         self._lock = threading.Lock()
         self._last: dict[bytes, int] = {}
         """Highest counter accepted from each sender (only senders that signed correctly)."""
+        self.window = window
+        self._late: dict[bytes, set[int]] = {}
+        """Counters taken from each sender within ``window`` of its highest."""
         self.dropped = 0
         """Messages refused so far."""
 
@@ -171,9 +179,14 @@ class Link:
         if not hmac.compare_digest(mac, _mac(self._recv_key, header, frame_digests(payload))):
             raise Refused("bad signature (not signed with this session's key for this channel)")
         sender, counter = _HEADER.unpack(header)
-        if counter <= self._last.get(sender, 0):
+        last = self._last.get(sender, 0)
+        if counter > last:
+            self._last[sender] = counter
+        elif counter <= last - self.window or counter in self._late.get(sender, ()):
             raise Refused(f"replayed (counter {counter} already seen from that sender)")
-        self._last[sender] = counter
+        if self.window:
+            floor = self._last[sender] - self.window
+            self._late[sender] = {c for c in self._late.get(sender, ()) if c > floor} | {counter}
 
 
 def _derive(key: bytes, purpose: str, nonce: bytes, side: str) -> bytes:
@@ -202,7 +215,7 @@ def cluster_key(client: Any) -> bytes:
 
 
 def start_listener(state: dict[str, Any], addr: str, purpose: str, sock_type: str, max_bytes: int,
-                   handle: Any, name: str) -> tuple[str, bytes]:
+                   handle: Any, name: str, window: int = 0) -> tuple[str, bytes]:
     """The server side of a signed channel, started once per engine: a zmq socket of
     ``sock_type`` (``"ROUTER"``, ``"PULL"``) bound on ``addr`` (a free port), taking frames
     of at most ``max_bytes`` (zmq drops larger senders), a fresh nonce and this engine's
@@ -210,7 +223,7 @@ def start_listener(state: dict[str, Any], addr: str, purpose: str, sock_type: st
     endpoint, frames)`` for each message, one at a time, for as long as the engine lives;
     it ends, closing the socket, when the engine's zmq context is terminated.
 
-    ``state`` (the caller's module dict) keeps ``endpoint``, ``nonce`` and ``link``; a
+    ``window``: the link's (``Link``). ``state`` (the caller's module dict) keeps ``endpoint``, ``nonce`` and ``link``; a
     second call finds them there and starts nothing. Returns the endpoint and nonce: what
     the notebook needs for its side of the link.
     """
@@ -219,7 +232,7 @@ def start_listener(state: dict[str, Any], addr: str, purpose: str, sock_type: st
     import zmq
 
     nonce = new_nonce()
-    link = Link(engine_key(), purpose, nonce, "server")
+    link = Link(engine_key(), purpose, nonce, "server", window)
     sock = zmq.Context.instance().socket(getattr(zmq, sock_type))
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)

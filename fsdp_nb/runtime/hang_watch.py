@@ -51,7 +51,7 @@ class HangWatch:
     def start(self, dispatcher: Dispatcher, ranks: list[int] | None = None) -> None:
         """Start the watch thread of ``ranks``' engines (all by default; once per engine)."""
         self.links.update(start_listeners(self.cluster, dispatcher, "start the hang watch", _watch.start,
-                                          "hang-watch", ranks))
+                                          "hang-watch", ranks, _watch.WINDOW))
 
     def states(self, ranks: list[int], now: bool = True) -> dict[int, dict[str, Any] | None]:
         """What each of ``ranks`` says about itself (``engine.hang_watch.state``); None for

@@ -24,7 +24,7 @@ __all__ = ["start_listeners"]
 
 def start_listeners(cluster: EngineCluster, dispatcher: Dispatcher, what: str,
                     start: Callable[[str], tuple[str, bytes]], purpose: str,
-                    ranks: list[int] | None = None) -> dict[int, tuple[str, Link]]:
+                    ranks: list[int] | None = None, window: int = 0) -> dict[int, tuple[str, Link]]:
     """Run ``start(address)`` on ``ranks``' engines (all by default); rank -> (endpoint,
     the client side of its link for ``purpose``).
 
@@ -35,8 +35,9 @@ def start_listeners(cluster: EngineCluster, dispatcher: Dispatcher, what: str,
         start: the engine function that starts the listener and returns its endpoint and nonce.
         purpose: the link's purpose, as the engine side names it (``"hang-watch"``).
         ranks: which ranks (None: every rank).
+        window: the client links' ``window`` (``Link``): as the engine side's.
     """
     who = list(range(cluster.world_size)) if ranks is None else list(ranks)
     d = dispatcher
     started = d.gather(d.apply(what, start, [(cluster.listen_address(r),) for r in who], ranks=who), 30)
-    return {r: (endpoint, Link(cluster.key, purpose, nonce, "client")) for r, (endpoint, nonce) in zip(who, started)}
+    return {r: (endpoint, Link(cluster.key, purpose, nonce, "client", window)) for r, (endpoint, nonce) in zip(who, started)}

@@ -77,6 +77,27 @@ def test_replays_reflections_other_links_and_other_keys_are_refused():
     assert Link(KEY, "call", b"", "server").check(again.sign([b"a"])) == [b"a"]
 
 
+def test_a_link_with_a_window_takes_messages_out_of_order_once_and_never_a_replay():
+    """The hang watch asks each question on a socket of its own: two queued questions may
+    be read in either order. Within the window a late message is taken once; a replay,
+    or a message older than the window, is still refused."""
+    client = Link(KEY, "hang-watch", b"n", "client", window=4)
+    server = Link(KEY, "hang-watch", b"n", "server", window=4)
+    sent = [client.pack(str(i).encode()) for i in range(1, 9)]
+    assert server.unpack(sent[1]) == b"2"
+    assert server.unpack(sent[0]) == b"1"  # held back one: taken
+    for again in (sent[0], sent[1]):
+        with pytest.raises(Refused, match="replayed"):
+            server.unpack(again)
+    assert server.unpack(sent[6]) == b"7"
+    assert server.unpack(sent[3]) == b"4"  # 3 behind the highest: inside the window
+    with pytest.raises(Refused, match="replayed"):
+        server.unpack(sent[2])  # 4 behind: outside it
+    with pytest.raises(Refused, match="replayed"):
+        server.unpack(sent[3])
+    assert server.unpack(sent[7]) == b"8" and server.unpack(sent[4]) == b"5"
+
+
 def test_unsigned_and_short_messages_are_refused():
     _, server = _pair()
     for frames in ([], [b"x"], [b"x", b"y"], [b"\0" * AUTH_BYTES, b"\0" * 32]):
