@@ -297,6 +297,7 @@ class _SafeReading:
         self._read_item(file, sinfo, memoryview(data))
         return io.BytesIO(data)
 
+
 def _runs(items: list[tuple[Any, Any]], k: int) -> list[list[tuple[Any, Any]]]:
     """``items`` (request, stored item) in file order, cut into at most ``k`` runs of
     about equal bytes, never between two requests for one stored item."""
