@@ -413,4 +413,5 @@ def test_the_widget_renderer_unpacks_only_its_dist_files_into_a_private_folder(t
     assert sorted(p.name for p in (root / "widgets").iterdir()) == ["embed.js"]
     assert (root / "widgets" / "embed.js").read_bytes() == b"ok"
     assert (root / "widgets").stat().st_mode & 0o777 == 0o700
+    assert root.stat().st_mode & 0o777 == 0o700
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["cache", "embed.js", "html-manager", "widgets"]

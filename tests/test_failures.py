@@ -277,8 +277,9 @@ def test_sigint_interrupts_the_call_never_the_kernel_bookkeeping(sess):
 
 def _sigint_in_the_flush_after(where):
     """On an engine: the next flush of this ``sys.stdout`` that ``where`` (the kernel's or
-    the call server's request handler, once the call has returned) makes sends this
-    process SIGINT, whose handler runs in that flush's frame."""
+    the call server's request handler, once the call has returned) makes raises SIGINT
+    in this process, whose handler runs in that flush's frame; ``__main__.flush_sigints``
+    records that it did."""
     import os
     import signal
     import sys
@@ -288,7 +289,9 @@ def _sigint_in_the_flush_after(where):
     def flush():
         if sys._getframe(1).f_code.co_name == where:
             del stream.flush
-            os.kill(os.getpid(), signal.SIGINT)
+            main = sys.modules["__main__"]
+            main.flush_sigints = [*getattr(main, "flush_sigints", []), where]
+            signal.raise_signal(signal.SIGINT)
         return type(stream).flush(stream)
 
     stream.flush = flush
@@ -310,6 +313,9 @@ def test_sigint_while_the_kernel_flushes_after_a_call_keeps_its_reply(sess):
     sess.execute("_pid = _arm('execute_request')\n_after_flush = 'replied'", timeout=60)
     assert sess.pull("_after_flush") == ["replied", "replied"]
     assert sess.run(_sigint_in_the_flush_after, "_answer", timeout=60) == pids
+    # the SIGINT was raised on each path (and each reply above came)
+    fired = sess.run(lambda: __import__("sys").modules["__main__"].__dict__.pop("flush_sigints"))
+    assert fired == [["apply_request", "execute_request", "_answer"]] * 2
     assert sess.cluster.pids == pids and sess.cluster.dead_ranks() == []
     assert sess.all_reduce_check() == 1.0
     sess.execute("del _pid, _arm, _after_flush")

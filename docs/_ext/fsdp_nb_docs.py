@@ -101,7 +101,7 @@ def unpack_widget_renderer(data: bytes, root: Path) -> None:
     got = base64.b64encode(hashlib.sha512(data).digest()).decode()
     if got != HTML_MANAGER_SHA512:
         raise ExtensionError(f"{HTML_MANAGER_URL} does not match its pinned sha512 (got {got})")
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".widgets-", dir=root))  # 0700, ours
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         for m in tar.getmembers():
