@@ -317,6 +317,13 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
         assert a == b, where
 
 
+def straggle(go: Any) -> str:
+    """A cell line on which rank 1 polls for the file ``go`` (which
+    :func:`release_on_diagnosis` creates): one line, so a stack sample names it
+    whether it lands in the test or in the sleep."""
+    return f"while rank == 1 and not os.path.exists({str(go)!r}): time.sleep(0.02)\n"
+
+
 @contextlib.contextmanager
 def release_on_diagnosis(sess: Any, go: Any) -> Iterator[list[str]]:
     """While inside, the first hang diagnosis ``sess`` reports creates the file ``go``

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same, full_state, release_on_diagnosis
+from helpers import assert_same, full_state, release_on_diagnosis, straggle
 from torch import nn
 
 import fsdp_nb
@@ -318,7 +318,7 @@ def test_the_hang_watch_tells_a_straggler_from_the_groups_counts(gsess: fsdp_nb.
     go = tmp_path / "go"
     wait = ("float(t)" if _device(gsess) == "cuda" else  # NCCL returns at once; the sync waits
             "w = dist.all_reduce(t, async_op=True)\nwhile not w.is_completed():\n    time.sleep(0.01)")
-    code = (f"import os, time\nwhile rank == 1 and not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n"
+    code = ("import os, time\n" + straggle(go) +
             "t = torch.ones(1, device=device)\n" + ("dist.all_reduce(t)\n" if _device(gsess) == "cuda" else "")
             + wait + "\n")
     with release_on_diagnosis(gsess, go) as seen:

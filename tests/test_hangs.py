@@ -10,7 +10,7 @@ import re
 import psutil
 import pytest
 import torch
-from helpers import mark_code, on_marker, release_on_diagnosis
+from helpers import mark_code, on_marker, release_on_diagnosis, straggle
 
 from fsdp_nb.errors import RankError, RankTimeoutError
 
@@ -116,12 +116,12 @@ def test_without_the_flight_recorder_the_waiting_collective_is_read_from_the_sta
     s = session_factory(2, private=True, standby=False)
     go = tmp_path / "go"
     code = ("import os, time, torch\nimport torch.distributed as dist\n"
-            f"while rank == 1 and not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n" + BLOCKED)
+            + straggle(go) + BLOCKED)
     # as an NCCL rank waits: the collective issued, then a wait outside torch.distributed,
     # so neither the stack nor a recorder names it: the groups' issued counts do
     go_async = tmp_path / "go-async"
     like_nccl = ("import os, time, torch\nimport torch.distributed as dist\n"
-                 f"while rank == 1 and not os.path.exists({str(go_async)!r}):\n    time.sleep(0.02)\n"
+                 + straggle(go_async) +
                  "w = dist.all_reduce(torch.ones(1), async_op=True)\nwhile not w.is_completed():\n"
                  "    time.sleep(0.01)\n")
     try:
@@ -133,11 +133,10 @@ def test_without_the_flight_recorder_the_waiting_collective_is_read_from_the_sta
     finally:
         s.shutdown()
     lines = seen[0].splitlines()
-    assert lines[0] == f"rank 1 is not in it: in <module> (cell line {_line(code, 'sleep')}): time.sleep(0.02)"
+    assert lines[0] == f"rank 1 is not in it: in <module> (cell line 3): {straggle(go).strip()}"
     assert re.match(r"rank 0 waits in all_reduce #\d+ on the default group \(float32\[1\]\) for \d+ s", lines[1])
     lines = counted[0].splitlines()
-    assert lines[0] == (f"rank 1 is not in it: in <module> (cell line {_line(like_nccl, 'sleep(0.02)')}): "
-                        "time.sleep(0.02)")
+    assert lines[0] == f"rank 1 is not in it: in <module> (cell line 3): {straggle(go_async).strip()}"
     assert re.match(r"rank 0 waits in collective #\d+ on the default group for \d+ s, from <module> "
                     rf"\(cell line {_line(like_nccl, 'sleep(0.01)')}\)", lines[1]), lines
 
