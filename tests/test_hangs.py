@@ -35,8 +35,7 @@ def test_a_straggler_is_explained_while_the_cell_waits_and_its_arrival_ends_the_
     code = (
         "import os, time, torch\nimport torch.distributed as dist\n"
         "def data_step():\n"
-        f"    while not os.path.exists({str(go)!r}):\n"
-        "        time.sleep(0.02)\n"
+        f"    while not os.path.exists({str(go)!r}): time.sleep(0.02)\n"  # one line: whichever a sample lands in
         "if rank == 1:\n    data_step()\n" + BLOCKED + "straggled = float(t)\n"
     )
     try:
@@ -48,7 +47,8 @@ def test_a_straggler_is_explained_while_the_cell_waits_and_its_arrival_ends_the_
     phases = [p for p, _ in seen]
     assert phases[0] == "hang" and phases[-1] == "hang-cleared"
     lines = seen[0][1].splitlines()
-    assert lines[0] == f"rank 1 is not in it: in data_step (cell line {_line(code, 'sleep')}): time.sleep(0.02)"
+    assert lines[0] == (f"rank 1 is not in it: in data_step (cell line {_line(code, 'sleep')}): "
+                        f"while not os.path.exists({str(go)!r}): time.sleep(0.02)")
     assert re.fullmatch(r"rank 0 waits in all_reduce #\d+ on the default group \(float32\[1\]\) for \d+ s, "
                         rf"from <module> \(cell line {_line(code, 'all_reduce')}\)", lines[1])
     err = capsys.readouterr().err  # not a notebook: the diagnosis went to stderr
