@@ -679,27 +679,6 @@ def test_inspect_consolidate_offline_and_cli(sess, tmp_path):
         sess.load(str(half), "ck_i")
 
 
-@pytest.mark.parametrize("t", [
-    torch.randn(5, 7), torch.randn(8, 3).t().contiguous().t(), torch.arange(10), torch.tensor(3.5),
-    torch.empty(0, 4), torch.randn(4, 4).to(torch.bfloat16), torch.randn(3, 2).t(),
-], ids=["f32", "strided", "i64", "scalar", "empty", "bf16", "transposed"])
-def test_item_tensor_is_built_over_the_bytes_read(t):
-    """A DCP item (a torch.save archive) becomes the same tensor as torch.load gives,
-    sharing the buffer it was read into (no copy)."""
-    from fsdp_nb.checkpoint.format.item_tensor import tensor_from_item
-
-    raw = io.BytesIO()
-    torch.save(t, raw)
-    buf = bytearray(raw.getvalue())
-    got = tensor_from_item(memoryview(buf))
-    want = torch.load(io.BytesIO(bytes(buf)), weights_only=True)
-    assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
-    assert torch.equal(got, want)
-    if got.numel():
-        base = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
-        assert base <= got.data_ptr() < base + len(buf)
-
-
 def test_metadata_is_not_unpickled_freely(tmp_path):
     evil = tmp_path / "evil"
     evil.mkdir()

@@ -5,7 +5,13 @@ checked reader has the item's bytes in memory anyway (it checksums them), so rat
 than ``torch.load`` copying them into a new storage, the tensor is built over them:
 the zip's directory locates the storage record, the pickle (read with torch's
 weights-only unpickler) gives dtype, shape and strides. Anything unusual (a
-compressed record, big-endian data) falls back to ``torch.load`` of a copy.
+compressed record, big-endian data, a zip64 archive) falls back to ``zipfile``, then
+to ``torch.load`` of a copy.
+
+The directory is read straight from the archive's last bytes, and what a pickle says
+is kept by its bytes (``_LAYOUTS``): a model's items repeat a few shapes, and parsing
+each again (``zipfile`` and the unpickler, about 0.5 ms an item) was most of the
+Python time of a load's check pass, under the GIL its reading threads share.
 """
 
 from __future__ import annotations
@@ -21,6 +27,16 @@ __all__ = ["tensor_from_item"]
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
 """A zip local file header: signature, then (after 22 bytes) name and extra lengths."""
+_END = struct.Struct("<4s4xHHLLH")
+"""A zip's end of central directory (no comment): signature, entries here and in all,
+the directory's size and offset, the comment's length."""
+_ENTRY = struct.Struct("<4s6xH8xLLHHH8xL")
+"""A zip central directory entry: signature, method, compressed and uncompressed
+sizes, name, extra and comment lengths, local header offset."""
+_LAYOUTS: dict[bytes, tuple[str, Any, int, tuple[int, ...], tuple[int, ...], int]] = {}
+"""A tensor item's pickle -> (its storage record's key, dtype, storage offset, size,
+stride, storage bytes)."""
+_MAX_LAYOUTS = 4096
 
 
 class _ViewFile(io.RawIOBase):
@@ -57,9 +73,93 @@ def tensor_from_item(view: memoryview) -> Any:
     import torch
 
     try:
+        records = _records(view)
+        if records is not None:
+            return _over_records(view, records)
+    except (KeyError, ValueError, NotImplementedError, RuntimeError, struct.error):
+        pass  # read again by zipfile, which names what is wrong
+    try:
         return _over(view)
-    except (zipfile.BadZipFile, KeyError, ValueError, NotImplementedError):
+    except (zipfile.BadZipFile, KeyError, ValueError, NotImplementedError, struct.error):
         return torch.load(io.BytesIO(bytes(view)), map_location="cpu", weights_only=True)
+
+
+def _records(view: memoryview) -> dict[str, tuple[int, int]] | None:
+    """Each stored record of the zip in ``view``: name -> (where its bytes start, how
+    many); None unless it is a plain one (no comment, no zip64, nothing compressed)."""
+    end = len(view) - _END.size
+    if end < 0:
+        return None
+    sig, _, count, size, at, comment = _END.unpack_from(view, end)
+    if sig != b"PK\x05\x06" or comment or at + size > end:
+        return None
+    out: dict[str, tuple[int, int]] = {}
+    for _ in range(count):
+        sig, method, csize, usize, nlen, elen, clen, header = _ENTRY.unpack_from(view, at)
+        if sig != b"PK\x01\x02" or method != zipfile.ZIP_STORED or csize != usize or 0xFFFFFFFF in (csize, header):
+            return None
+        name = bytes(view[at + _ENTRY.size:at + _ENTRY.size + nlen]).decode("utf-8")
+        at += _ENTRY.size + nlen + elen + clen
+        lsig, lnlen, lelen = _LOCAL_HEADER.unpack_from(view, header)
+        if lsig != b"PK\x03\x04":
+            return None
+        start = header + _LOCAL_HEADER.size + lnlen + lelen
+        if start + csize > end:
+            return None
+        out[name] = (start, csize)
+    return out
+
+
+def _over_records(view: memoryview, records: dict[str, tuple[int, int]]) -> Any:
+    """The tensor over ``view`` from its zip ``records`` (``_records``)."""
+    import torch
+
+    pkl = next((n for n in records if n.endswith("/data.pkl")), None)
+    if pkl is None:
+        raise KeyError("data.pkl")
+    prefix = pkl[: -len("data.pkl")]
+    order = records.get(prefix + "byteorder")
+    if order is not None and bytes(view[order[0]:order[0] + order[1]]) != b"little":
+        raise NotImplementedError("big-endian item")
+    start, n = records[pkl]
+    pickled = bytes(view[start:start + n])
+    layout = _LAYOUTS.get(pickled)
+    if layout is None:
+        layout = _layout(pickled)
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        _LAYOUTS[pickled] = layout
+    key, dtype, offset, size, stride, nbytes = layout
+    start, n = records[f"{prefix}data/{key}"]
+    if n != nbytes:
+        raise ValueError(f"the storage record holds {n} bytes, its pickle says {nbytes}")
+    raw = torch.frombuffer(view[start:start + n], dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    return torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), offset, size, stride)
+
+
+def _layout(pickled: bytes) -> tuple[str, Any, int, tuple[int, ...], tuple[int, ...], int]:
+    """What the pickle of a one-tensor item says: unpickled weights-only over a storage
+    on the meta device (no bytes), so only its record's key, dtype and geometry are kept."""
+    import torch
+
+    Unpickler = weights_only_unpickler()  # noqa: N806 - the class, by its name
+    keys: list[tuple[str, int]] = []
+
+    def storage(saved_id: Any) -> Any:
+        _, storage_type, key, _location, numel = saved_id
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        nbytes = int(numel) * dtype.itemsize
+        keys.append((str(key), nbytes))
+        return torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(nbytes, device="meta"),
+                                          dtype=dtype, _internal=True)
+
+    up = Unpickler(io.BytesIO(pickled), encoding="utf-8")
+    up.persistent_load = storage
+    tensor = up.load()
+    if not isinstance(tensor, torch.Tensor) or len(keys) != 1 or tensor.device.type != "meta":
+        raise ValueError("the item is not one tensor over one storage")
+    return (keys[0][0], tensor.dtype, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()),
+            keys[0][1])
 
 
 def _over(view: memoryview) -> Any:
