@@ -158,7 +158,7 @@ def _layout(pickled: bytes) -> tuple[str, Any, int, tuple[int, ...], tuple[int, 
     tensor = up.load()
     if not isinstance(tensor, torch.Tensor) or len(keys) != 1 or tensor.device.type != "meta":
         raise ValueError("the item is not one tensor over one storage")
-    return (keys[0][0], tensor.dtype, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()),
+    return (keys[0][0], tensor.dtype, int(tensor.storage_offset()), tuple(tensor.size()), tuple(tensor.stride()),
             keys[0][1])
 
 
