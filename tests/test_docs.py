@@ -323,7 +323,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 def test_every_performance_figure_is_in_its_results_entry():
     results = (REPO / "benchmarks" / "RESULTS.md").read_text()
-    sections = dict(re.findall(r"^## (\d{4}-\d\d-\d\d \(\w+\)).*?\n(.*?)(?=^## |\Z)", results, flags=re.S | re.M))
+    sections = dict(re.findall(r"^## (\d{4}-\d\d-\d\d \([\w-]+\)).*?\n(.*?)(?=^## |\Z)", results, flags=re.S | re.M))
     rows = [r for r in (DOCS / "explanation" / "performance.md").read_text().splitlines()
             if r.startswith("| ") and not r.startswith("| figure") and not r.startswith("|---")]
     assert len(rows) >= 15
