@@ -17,6 +17,7 @@ Python time of a load's check pass, under the GIL its reading threads share.
 from __future__ import annotations
 
 import io
+import logging
 import struct
 import zipfile
 from typing import Any
@@ -24,6 +25,8 @@ from typing import Any
 from ...torch_compat import weights_only_unpickler
 
 __all__ = ["tensor_from_item"]
+
+log = logging.getLogger("fsdp_nb")
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
 """A zip local file header: signature, then (after 22 bytes) name and extra lengths."""
@@ -76,8 +79,8 @@ def tensor_from_item(view: memoryview) -> Any:
         records = _records(view)
         if records is not None:
             return _over_records(view, records)
-    except (KeyError, ValueError, NotImplementedError, RuntimeError, struct.error):
-        pass  # read again by zipfile, which names what is wrong
+    except (KeyError, ValueError, NotImplementedError, RuntimeError, struct.error) as exc:
+        log.debug("an item's zip read again by zipfile (%s: %s)", type(exc).__name__, exc)
     try:
         return _over(view)
     except (zipfile.BadZipFile, KeyError, ValueError, NotImplementedError, struct.error):
