@@ -20,6 +20,7 @@ import torch
 from helpers import mark_code, on_marker
 
 import fsdp_nb
+from fsdp_nb.engine import hang_watch
 from fsdp_nb.engine.boot import PRELOAD
 from fsdp_nb.errors import DeadRankError, RankError, RankTimeoutError
 from fsdp_nb.recovery.status import SessionStatus
@@ -77,6 +78,9 @@ def _assert_recovered(s, before):
     losses = s.run(lambda: fail_step())  # noqa: F821 - engine global
     assert all(loss == loss for loss in losses)
     assert not _same(before, _weights(s))
+    # no rank names a collective the failure cut short (left "in flight" in the old
+    # groups' flight-recorder status) as where it waits now
+    assert s.run(lambda: hang_watch.collective(now=True)) == [{}] * s.world_size
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import mark_code, on_marker, release_on_diagnosis, straggle
 
+from fsdp_nb.engine import hang_watch
 from fsdp_nb.errors import RankError, RankTimeoutError
 
 BLOCKED = "t = torch.ones(1)\ndist.all_reduce(t)\n"
@@ -70,6 +71,9 @@ def test_mismatched_collectives_are_named_and_the_timeout_leads_with_them(sess):
     # recovered without a kill: both ranks' sockets closed by their watch threads, both
     # back in Python with their variables, in a new group
     assert sess.all_reduce_check() == before and sess.pull("mm_kept") == [10, 11]
+    # the cut collectives stay "in flight" in the old groups' recorder status: no rank
+    # reports them as where it waits now (a later straggler would be misnamed)
+    assert sess.run(lambda: hang_watch.collective(now=True)) == [{}, {}]
 
 
 def test_a_rank_that_fails_while_the_other_waits_says_where_the_other_waited(sess):
@@ -139,6 +143,33 @@ def test_without_the_flight_recorder_the_waiting_collective_is_read_from_the_sta
     assert lines[0] == f"rank 1 is not in it: in <module> (cell line 3): {straggle(go_async).strip()}"
     assert re.match(r"rank 0 waits in collective #\d+ on the default group for \d+ s, from <module> "
                     rf"\(cell line {_line(like_nccl, 'sleep(0.01)')}\)", lines[1]), lines
+
+
+def test_a_failure_that_leaves_a_collective_unjoined_reforms_the_group(session_factory):
+    """Rank 1 issues a collective rank 0 never joins, then fails, while rank 0 has
+    returned: nobody waits, yet the group is out of step, and its next collective would
+    pair rank 0's with rank 1's (gloo aborts rank 0 on the size: the engine dies). The
+    failure re-forms the group; the old group's flight-recorder status, which keeps the
+    cut collective "in flight" for good, no longer says where rank 1 waits."""
+    s = session_factory(2, private=True, standby=False)
+    try:
+        s.execute("import torch\nimport torch.distributed as dist\nkept = 5 + rank")
+        with pytest.raises(RankError) as info:
+            s.execute("if rank == 1:\n    cut = dist.all_reduce(torch.ones(144), async_op=True)\n"
+                      "    raise ValueError('after an async collective')\n")
+        notes = "\n".join(info.value.__notes__)
+        assert ("The failure left the group out of step: rank 1 issued collective #1 on the default "
+                "group, which rank(s) 0 never joined.") in notes
+        assert "joined a new process group; variables, models and optimizers are kept" in notes
+        assert s.all_reduce_check() == 1.0 and s.pull("kept") == [5, 6] and s.state == "ready"
+        assert s.run(lambda: os.environ["TORCH_FR_BUFFER_SIZE"]) == ["256", "256"]  # the recorder is on
+        assert s.run(lambda: hang_watch.collective(now=True)) == [{}, {}]
+        # a failure that leaves the group in step re-forms nothing
+        with pytest.raises(RankError) as info:
+            s.execute("if rank == 1:\n    raise ValueError('no collective')\n")
+        assert not any("out of step" in n for n in getattr(info.value, "__notes__", []))
+    finally:
+        s.shutdown()
 
 
 def test_ctrl_c_during_a_hang_leads_with_where_each_rank_was(sess, tmp_path, capsys):

@@ -30,6 +30,7 @@ from ..torch_compat import (
     reset_fsdp_iteration,
     set_mesh_group_names,
 )
+from .hang_watch import retire_groups
 
 log = logging.getLogger("fsdp_nb")
 
@@ -119,6 +120,7 @@ def leave_group(peer_endpoints: list[tuple[str, int]] | None = None) -> bool:
         # abort it first (gloo groups are unaffected)
         abort_nccl()
         groups = process_groups()
+        retire_groups()
         dist.destroy_process_group()
         _drop_references(groups)
         del groups

@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..torch_compat import FLIGHT_RECORDER_ENV
+from .hang_watch import retire_groups
 
 _LISTENING: dict[str, socket.socket] = {}
 """The socket ``listen`` bound for the next group's store (rank 0), until ``init``."""
@@ -119,6 +120,7 @@ def init(
     if threads:
         torch.set_num_threads(threads)
     if dist.is_initialized():
+        retire_groups()
         dist.destroy_process_group()
     device = "cpu"
     kwargs: dict[str, Any] = {}
@@ -150,6 +152,7 @@ def destroy() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        retire_groups()
         dist.destroy_process_group()
 
 

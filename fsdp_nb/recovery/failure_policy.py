@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 from ..engine import health as _health
 from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError
 from ..runtime.dispatch import FailurePolicy, Pending
-from ..runtime.hang_report import HangReport, fold_stacks
+from ..runtime.hang_report import HangReport, fold_stacks, out_of_step
 from .out_of_memory import explain, kernel_oom_kills, killed
 from .restart import reform, restart
 
@@ -92,6 +92,20 @@ class RecoveringPolicy(FailurePolicy):
 
     def summarize(self, failures: list[RankFailure]) -> list[str]:
         return explain(self.ctx, failures)
+
+    def on_failure(self, pending: Pending, failures: list[RankFailure]) -> list[str]:
+        """Every rank returned, but a failure may have left a group out of step (a rank
+        issued a collective the others never joined): then the group is re-formed, or
+        its next collective would be paired with that one."""
+        try:
+            lines = out_of_step(self.ctx.health.watch.states(list(range(self.ctx.world_size))))
+        except Exception as exc:  # noqa: BLE001 - the failure itself must still reach the user
+            log.warning("fsdp_nb: could not ask the ranks which collectives they issued: %s", exc)
+            return []
+        if not lines:
+            return []
+        note = self._recover(pending, [], interrupt=False, cause="collectives out of step")
+        return ["The failure left the group out of step: " + "; ".join(lines) + ".\n" + note]
 
     def on_interrupt(self, pending: Pending, running: list[int]) -> None:
         if not running:

@@ -68,6 +68,11 @@ class FailurePolicy:
         explains a rank out of memory); called once every rank has answered."""
         return []
 
+    def on_failure(self, pending: Pending, failures: list[RankFailure]) -> list[str]:
+        """Every rank has answered and ``failures`` failed: notes for the error, which is
+        raised next (the session's policy re-forms a group the failure left out of step)."""
+        return []
+
     def on_interrupt(self, pending: Pending, running: list[int]) -> None:
         """Ctrl-C in the notebook while ``running`` ranks work."""
 
@@ -281,7 +286,10 @@ class Dispatcher:
                 self.notify(pending.what, "dead", dead)
                 self.policy.on_dead(pending, dead)
             self.notify(pending.what, "failed", failures=failures)
-            raise RankError(pending.what, failures, self.cluster.world_size, summary=self.policy.summarize(failures))
+            err = RankError(pending.what, failures, self.cluster.world_size, summary=self.policy.summarize(failures))
+            for note in self.policy.on_failure(pending, failures):
+                err.add_note(note)
+            raise err
         self.notify(pending.what, "done")
         return [pending.results[r].get() for r in sorted(pending.results)]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..engine.hang_watch import library_dirs
 
-__all__ = ["HangReport", "ahead", "fold_stacks", "hang_report"]
+__all__ = ["HangReport", "ahead", "fold_stacks", "hang_report", "out_of_step"]
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<fn>\S+)')
 
@@ -151,6 +151,19 @@ def ahead(states: dict[int, dict[str, Any] | None]) -> dict[int, dict[str, Any]]
                           "group_ranks": sorted(members), "seq": low + 1,
                           "since": float(g.get("since") or 0.0), "from_counts": True}
     return out
+
+
+def out_of_step(states: dict[int, dict[str, Any] | None]) -> list[str]:
+    """For a call every rank has returned from: a line for each rank that issued a
+    collective the other members of its group did not (``ahead``: rank 1 started an
+    async one, then failed). The group's next collective would be paired with it, and
+    fail (gloo aborts a mismatched size) or hang."""
+    lines, issued = [], ahead(states)
+    for r, c in sorted(issued.items()):
+        others = [q for q in c.get("group_ranks") or () if issued.get(q, {}).get("seq") != c["seq"]]
+        who = f"rank(s) {', '.join(map(str, others))}" if others else "the other members"
+        lines.append(f"rank {r} issued collective #{c['seq']} on {_group(str(c['group']))}, which {who} never joined")
+    return lines
 
 
 def _mismatches(coll: dict[int, dict[str, Any]]) -> list[str]:

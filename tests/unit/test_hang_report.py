@@ -12,7 +12,7 @@ from fsdp_nb.frontends.magics import parse_px
 from fsdp_nb.recovery.status import RankStatus, SessionStatus, apply_event
 from fsdp_nb.runtime.checks import check_hang_after
 from fsdp_nb.runtime.dispatch import CallEvent
-from fsdp_nb.runtime.hang_report import fold_stacks, hang_report
+from fsdp_nb.runtime.hang_report import fold_stacks, hang_report, out_of_step
 
 NOW = 1_000_000.0
 
@@ -92,6 +92,39 @@ def test_equal_counts_or_a_silent_member_say_nothing_and_a_frame_wins_over_count
     framed = _waits(seq=5) | {"issued": _counts(5)["issued"]}
     r = hang_report({0: framed, 1: _counts(4)})
     assert r.lines[-1].startswith("rank 0 waits in all_reduce #5") and not r.mismatch
+
+
+def test_a_group_left_out_of_step_is_named_rank_by_rank():
+    assert out_of_step({0: _counts(3), 1: _counts(3)}) == []
+    assert out_of_step({0: _counts(3), 1: _counts(4)}) == [
+        "rank 1 issued collective #4 on the default group, which rank(s) 0 never joined"]
+    three = {0: _counts(2, ranks=(0, 1, 2)), 1: _counts(3, ranks=(0, 1, 2)), 2: _counts(3, ranks=(0, 1, 2))}
+    assert out_of_step(three) == [
+        "rank 1 issued collective #3 on the default group, which rank(s) 0 never joined",
+        "rank 2 issued collective #3 on the default group, which rank(s) 0 never joined"]
+    assert out_of_step({0: _counts(3), 1: None}) == []  # a silent member: nothing to compare
+
+
+def test_a_left_groups_collective_in_flight_is_not_named_once_retired(monkeypatch):
+    """The flight recorder keeps a destroyed group's status; a collective cut short stays
+    "in flight" there. Once the groups are retired (before a destroy), it is not named."""
+    from fsdp_nb.engine import hang_watch
+
+    status = {"pg_status": {"0": {"last_enqueued_collective": "13", "last_completed_collective": "12"}}}
+    record = {"collective_seq_id": 13, "process_group": ["0", "default_pg"], "profiling_name": "gloo:all_reduce",
+              "time_created_ns": 1_000 * 10**9, "input_sizes": [[144]], "input_dtypes": ["Float"]}
+    monkeypatch.setattr(hang_watch, "_dump", lambda collectives: {**status, "entries": [record]} if collectives
+                        else status)
+    monkeypatch.setattr(hang_watch, "_RETIRED", set())
+    monkeypatch.setattr(hang_watch, "_FLYING", {})
+    found = hang_watch.collective(now=True)
+    assert (found["op"], found["seq"], found["shapes"]) == ("all_reduce", 13, [[144]])
+    hang_watch.retire_groups()
+    assert hang_watch.collective(now=True) == {} and hang_watch._RETIRED == {"0"}
+    # a group formed after it, under a new key, is read as before
+    status["pg_status"]["1"] = {"last_enqueued_collective": "2", "last_completed_collective": "1"}
+    record.update(collective_seq_id=2, process_group=["1", "default_pg"], input_sizes=[[1]])
+    assert hang_watch.collective(now=True)["seq"] == 2
 
 
 def test_stacks_are_folded_to_the_users_frames():
