@@ -43,10 +43,11 @@ from ..torch_compat import (
     group_sequence_numbers,
     process_groups,
 )
+from .retired_groups import RETIRED
 from .signing import Link, Refused, start_listener
 
 __all__ = ["FREE", "MAX_FRAME_BYTES", "QUERY", "QUERY_NOW", "WINDOW", "collective", "issued", "library_dirs",
-           "main_frame", "retire_groups", "start", "state"]
+           "main_frame", "start", "state"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -74,8 +75,6 @@ _TENSOR_ARGS = ("tensor", "input_tensor", "output_tensor", "tensor_list", "input
 _WATCH: dict[str, Any] = {}
 _SEEN: dict[tuple[str, int], float] = {}
 _FLYING: dict[str, int] = {}
-_RETIRED: set[str] = set()
-"""The flight recorder's status keys of groups this rank has left (``retire_groups``)."""
 """Group -> the collective it had in flight at the last question (``_from_recorder``)."""
 _ISSUED: dict[tuple[str, str], tuple[int, float]] = {}
 """(group, backend) -> (its count of issued collectives, when that count was first seen)."""
@@ -168,7 +167,7 @@ def _from_recorder(now: bool = False) -> dict[str, Any] | None:
     if status is None or not status.get("pg_status"):
         return None
     flying = {pg: int(st.get("last_enqueued_collective", -1)) for pg, st in status["pg_status"].items()
-              if pg not in _RETIRED
+              if pg not in RETIRED
               and int(st.get("last_enqueued_collective", -1)) > int(st.get("last_completed_collective", -1))}
     stayed = flying if now else {pg: seq for pg, seq in flying.items() if _FLYING.get(pg) == seq}
     _FLYING.clear()
@@ -199,17 +198,6 @@ def _from_recorder(now: bool = False) -> dict[str, Any] | None:
                 "shapes": [list(x) for x in e.get("input_sizes") or []],
                 "dtypes": [_dtype(d) for d in e.get("input_dtypes") or []]}
     return best
-
-
-def retire_groups() -> None:
-    """Called just before this rank destroys its process groups. The flight recorder
-    keeps a destroyed group's status, under a key the next groups never reuse, and a
-    collective a failure cut short stays "in flight" there for good: it would be named
-    as where this rank waits at every later question. Those keys are ignored from now on."""
-    status = _dump(collectives=False)
-    if status:
-        _RETIRED.update(str(k) for k in status.get("pg_status") or {})
-    _FLYING.clear()
 
 
 def _from_frame(frame: Any) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from ..torch_compat import (
     reset_fsdp_iteration,
     set_mesh_group_names,
 )
-from .hang_watch import retire_groups
+from .retired_groups import retire_groups
 
 log = logging.getLogger("fsdp_nb")
 

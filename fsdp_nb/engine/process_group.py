@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..torch_compat import FLIGHT_RECORDER_ENV
-from .hang_watch import retire_groups
+from .retired_groups import retire_groups
 
 _LISTENING: dict[str, socket.socket] = {}
 """The socket ``listen`` bound for the next group's store (rank 0), until ``init``."""

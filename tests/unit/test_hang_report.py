@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -108,19 +109,21 @@ def test_a_group_left_out_of_step_is_named_rank_by_rank():
 def test_a_left_groups_collective_in_flight_is_not_named_once_retired(monkeypatch):
     """The flight recorder keeps a destroyed group's status; a collective cut short stays
     "in flight" there. Once the groups are retired (before a destroy), it is not named."""
-    from fsdp_nb.engine import hang_watch
+    from fsdp_nb.engine import hang_watch, retired_groups
 
     status = {"pg_status": {"0": {"last_enqueued_collective": "13", "last_completed_collective": "12"}}}
     record = {"collective_seq_id": 13, "process_group": ["0", "default_pg"], "profiling_name": "gloo:all_reduce",
               "time_created_ns": 1_000 * 10**9, "input_sizes": [[144]], "input_dtypes": ["Float"]}
     monkeypatch.setattr(hang_watch, "_dump", lambda collectives: {**status, "entries": [record]} if collectives
                         else status)
-    monkeypatch.setattr(hang_watch, "_RETIRED", set())
+    monkeypatch.setattr(retired_groups, "dump_flight_recorder", lambda collectives: json.dumps(status))
+    monkeypatch.setattr(retired_groups, "RETIRED", set())
+    monkeypatch.setattr(hang_watch, "RETIRED", retired_groups.RETIRED)
     monkeypatch.setattr(hang_watch, "_FLYING", {})
     found = hang_watch.collective(now=True)
     assert (found["op"], found["seq"], found["shapes"]) == ("all_reduce", 13, [[144]])
-    hang_watch.retire_groups()
-    assert hang_watch.collective(now=True) == {} and hang_watch._RETIRED == {"0"}
+    retired_groups.retire_groups()
+    assert hang_watch.collective(now=True) == {} and retired_groups.RETIRED == {"0"}
     # a group formed after it, under a new key, is read as before
     status["pg_status"]["1"] = {"last_enqueued_collective": "2", "last_completed_collective": "1"}
     record.update(collective_seq_id=2, process_group=["1", "default_pg"], input_sizes=[[1]])
