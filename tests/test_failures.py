@@ -494,6 +494,24 @@ def test_engine_killed_during_a_direct_run(fragile, tmp_path):
     assert "rank 1's engine was ended by SIGSEGV (signal 11)" in str(info.value)
     assert "out-of-memory" not in str(info.value)
     s.restart()
+    # an engine that quits by itself is named by its exit code, and the last lines it
+    # wrote to its stderr (a C++ abort's message, say) are quoted: only its log had them
+    with pytest.raises(DeadRankError) as info:
+        s.run(_write_and_exit_on_rank_1, "gloo: terminate called after an EnforceNotMet")
+    said = str(info.value)
+    assert "rank 1's engine exited by itself with code 3; the last it wrote:\n" in said, said
+    assert said.rstrip().endswith("    gloo: terminate called after an EnforceNotMet"), said
+    assert "Registering with controller" not in said  # ipyparallel's routine lines are left out
+    s.restart()
+    assert s.all_reduce_check() == 1.0
+
+
+def _write_and_exit_on_rank_1(message):
+    """A direct ``sess.run``: rank 1 writes ``message`` to its process's stderr (not the
+    call's captured stream) and exits with code 3, as a crash in C++ code would."""
+    if rank == 1:  # noqa: F821 - engine global
+        os.write(2, message.encode() + b"\n")
+        os._exit(3)
 
 
 def _engine_env():

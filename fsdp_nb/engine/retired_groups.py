@@ -10,9 +10,7 @@ whatever leaves the groups (``process_group.join`` and ``destroy``,
 
 from __future__ import annotations
 
-import json
-
-from ..torch_compat import dump_flight_recorder
+from ..torch_compat import flight_recorder
 
 __all__ = ["RETIRED", "retire_groups"]
 
@@ -23,8 +21,5 @@ RETIRED: set[str] = set()
 def retire_groups() -> None:
     """Called just before this rank destroys its process groups: their recorder status
     keys join ``RETIRED`` (nothing where the recorder is off or absent)."""
-    try:
-        status = json.loads(dump_flight_recorder(False))
-    except (AttributeError, RuntimeError, ValueError):
-        return
+    status = flight_recorder(False) or {}
     RETIRED.update(str(k) for k in status.get("pg_status") or {})

@@ -39,7 +39,8 @@ from ..engine import health as _health
 from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError
 from ..runtime.dispatch import FailurePolicy, Pending
 from ..runtime.hang_report import HangReport, fold_stacks, out_of_step
-from .out_of_memory import explain, kernel_oom_kills, killed
+from .engine_deaths import explain_deaths, kernel_oom_kills
+from .out_of_memory import explain
 from .restart import reform, restart
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ class RecoveringPolicy(FailurePolicy):
     def on_dead(self, pending: Pending, dead: list[int]) -> None:
         ctx = self.ctx
         all_dead = sorted(set(dead) | set(ctx.cluster.dead_ranks()))
-        why = "".join(f"\n{line}" for line in killed(ctx, all_dead, self.oom_kills))  # before replacements
+        why = "".join(f"\n{line}" for line in explain_deaths(ctx, all_dead, self.oom_kills))  # before replacements
         self.oom_kills = kernel_oom_kills()
         running = [r for r, ar in pending.results.items() if not ar.ready() and r not in all_dead]
         wedged = self._unblock(pending, running, interrupt=bool(running), skip=set(all_dead))

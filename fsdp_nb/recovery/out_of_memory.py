@@ -10,20 +10,17 @@ way of the error: any trouble is logged and the error goes on without these line
 from __future__ import annotations
 
 import logging
-import signal
-import time
 from typing import TYPE_CHECKING
 
 from ..display.tables import fmt_bytes
 from ..engine import out_of_memory as _oom
 from ..errors import RankFailure
-from ..runtime.engine_exits import exit_signal
 from ..wire.memory_plan import Held, failed_allocation, is_out_of_memory
 
 if TYPE_CHECKING:
     from ..context import SessionContext
 
-__all__ = ["explain", "kernel_oom_kills", "killed", "lines_for"]
+__all__ = ["cheapest", "explain", "lines_for"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -51,7 +48,7 @@ def explain(ctx: SessionContext, failures: list[RankFailure]) -> list[str]:
     oom = [f for f in failures if is_out_of_memory(f.ename, f.evalue)]
     if not oom:
         return []
-    cheapest = _cheapest(ctx)
+    best = cheapest(ctx)
     ranks = [f.rank for f in oom]
     d = ctx.plain_dispatcher
     try:
@@ -60,57 +57,10 @@ def explain(ctx: SessionContext, failures: list[RankFailure]) -> list[str]:
     except Exception as exc:  # noqa: BLE001 - the error itself must still reach the user
         log.warning("fsdp_nb: could not ask rank(s) %s what they hold: %s", ranks, exc)
         return []
-    return [line for f, h, n in zip(oom, held, freed) for line in lines_for(f, h, n, cheapest)]
+    return [line for f, h, n in zip(oom, held, freed) for line in lines_for(f, h, n, best)]
 
 
-def _cheapest(ctx: SessionContext) -> str | None:
+def cheapest(ctx: SessionContext) -> str | None:
+    """The last plan's cheapest change that fits, as the errors name it; None without one."""
     best = ctx.last_plan.cheapest_fit if ctx.last_plan is not None else None
     return f"{best.label} (peak {fmt_bytes(best.peak)}; cost: {best.cost})" if best else None
-
-
-def kernel_oom_kills() -> int | None:
-    """How many processes the kernel's out-of-memory killer has ended since boot
-    (``oom_kill`` in ``/proc/vmstat``, memory cgroups' kills included); None off Linux."""
-    try:
-        with open("/proc/vmstat") as f:
-            for line in f:
-                if line.startswith("oom_kill "):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def killed(ctx: SessionContext, dead: list[int], oom_kills_before: int | None) -> list[str]:
-    """Lines for the ranks in ``dead`` that SIGKILL ended, which fsdp_nb did not send (it
-    reports its own kills as such): the kernel's out-of-memory killer when the kernel's
-    count of such kills rose since ``oom_kills_before``. Each names the memory the rank
-    last held (``sess.memory()``'s feed)."""
-    out = []
-    now = kernel_oom_kills()
-    oom = None if now is None or oom_kills_before is None else now > oom_kills_before
-    for r in dead:
-        try:
-            sig = exit_signal(ctx.cluster, r)
-        except Exception as exc:  # noqa: BLE001 - the death itself must still be reported
-            log.debug("fsdp_nb: reading how rank %d ended failed: %s", r, exc)
-            continue
-        if sig is None:
-            continue
-        if sig != signal.SIGKILL:  # a crash (SIGSEGV, SIGABRT, ...) is named too, not blamed on memory
-            out.append(f"rank {r}'s engine was ended by {signal.Signals(sig).name} (signal {sig}): it crashed "
-                       "or something signalled it; its log (the launcher's output) may say more")
-            continue
-        last = ctx.last_memory.get(r)
-        held = (f"its last memory sample, {time.time() - last[0]:.0f} s before, showed "
-                f"{fmt_bytes(last[1])} of {fmt_bytes(last[2])}" if last else
-                "no memory samples were kept (sess.memory() keeps each rank's history)")
-        who = ("the kernel's out-of-memory killer ended it (the kernel's count of such kills rose)" if oom else
-               "not the kernel's out-of-memory killer (its count of kills did not change): another process"
-               if oom is False else "on Linux most often the kernel's out-of-memory killer")
-        out.append(f"rank {r} was killed by SIGKILL, which fsdp_nb did not send: {who}; {held}")
-    if any("SIGKILL" in line for line in out) and oom is not False:
-        cheapest = _cheapest(ctx)
-        out.append(f"cheapest change that fits, from the last plan: {cheapest}" if cheapest else
-                   "sess.plan(Model, ..., batch=..., what_if='auto') says what fits before allocating")
-    return out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -116,7 +115,7 @@ def test_a_left_groups_collective_in_flight_is_not_named_once_retired(monkeypatc
               "time_created_ns": 1_000 * 10**9, "input_sizes": [[144]], "input_dtypes": ["Float"]}
     monkeypatch.setattr(hang_watch, "_dump", lambda collectives: {**status, "entries": [record]} if collectives
                         else status)
-    monkeypatch.setattr(retired_groups, "dump_flight_recorder", lambda collectives: json.dumps(status))
+    monkeypatch.setattr(retired_groups, "flight_recorder", lambda collectives: status)
     monkeypatch.setattr(retired_groups, "RETIRED", set())
     monkeypatch.setattr(hang_watch, "RETIRED", retired_groups.RETIRED)
     monkeypatch.setattr(hang_watch, "_FLYING", {})
