@@ -491,8 +491,11 @@ def test_engine_killed_during_a_direct_run(fragile, tmp_path):
     on_marker(marker, lambda: s.cluster.signal([1], signal.SIGSEGV))
     with pytest.raises(DeadRankError) as info:
         s.run(_sleep_on_rank_1_then_collective, str(marker))
-    assert "rank 1's engine was ended by SIGSEGV (signal 11)" in str(info.value)
-    assert "out-of-memory" not in str(info.value)
+    said = str(info.value)
+    assert "rank 1's engine was ended by SIGSEGV (signal 11)" in said and "out-of-memory" not in said
+    # faulthandler's report, from the engine's log: the crashing thread, folded to its frames
+    assert "the last it wrote:\n    Fatal Python error: Segmentation fault\n    Current thread" in said, said
+    assert "in _sleep_on_rank_1_then_collective" in said, said
     s.restart()
     # an engine that quits by itself is named by its exit code, and the last lines it
     # wrote to its stderr (a C++ abort's message, say) are quoted: only its log had them

@@ -22,6 +22,7 @@ and checks their liveness itself, and the session's waits poll that liveness.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import logging
 import os
@@ -93,6 +94,9 @@ def _stand_by(go_file: str, watch: int) -> bool:
 
 
 def main() -> None:
+    # a crash (SIGSEGV, SIGABRT from a C++ abort, ...) writes every thread's Python stack
+    # to the engine's log, which the notebook quotes when it reports the death
+    faulthandler.enable(all_threads=True)
     import torch  # noqa: F401 - the point: loaded before registration
     import torch.distributed  # noqa: F401
 

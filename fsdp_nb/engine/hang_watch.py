@@ -18,11 +18,19 @@ collective anything: each process group's count of issued collectives
 one; read only when the notebook asks), the main thread's frame inside
 ``torch.distributed`` (a synchronous collective names its op and tensors there), and
 torch's flight recorder where the ranks run with it (``TORCH_FR_BUFFER_SIZE``): each
-group's last enqueued and last completed collective, and, for one still in flight
-since the last question, its op, sizes, dtypes and start. fsdp_nb turns the recorder
-on for gloo only (``process_group.init``): on NCCL each record costs the training
-step (a fifth of an H200's throughput for a 368M model), so there it is the user's
-opt-in.
+group's last enqueued and last completed collective, and, for one in flight, its op,
+sizes, dtypes and start. fsdp_nb turns the recorder on for gloo only
+(``process_group.init``): on NCCL each record costs the training step (a fifth of an
+H200's throughput for a 368M model), so there it is the user's opt-in.
+
+The recorder is read only once the main thread has settled (``_settled``). Its dump
+walks the recorder's tables of groups without the lock that guards them
+(``FlightRecorder::dump_json`` reads ``pg_name_to_ranks_`` and ``all_pg_status_``
+unlocked) and without the GIL, while the main thread adds to them as it makes a group
+and as a group issues its first collective. Settled means the main thread sat at the
+same instruction since the previous question, making no group and issuing nothing: then
+nothing adds to the tables while the watch reads them. A training loop never settles,
+so it pays nothing for the recorder either.
 """
 
 from __future__ import annotations
@@ -74,8 +82,13 @@ _COLLECTIVES = {
 _TENSOR_ARGS = ("tensor", "input_tensor", "output_tensor", "tensor_list", "input", "output")
 _WATCH: dict[str, Any] = {}
 _SEEN: dict[tuple[str, int], float] = {}
-_FLYING: dict[str, int] = {}
-"""Group -> the collective it had in flight at the last question (``_from_recorder``)."""
+_GROUP_MAKERS = frozenset({
+    "init_process_group", "new_group", "_new_process_group_helper", "new_subgroups",
+    "new_subgroups_by_enumeration", "split_group", "init_device_mesh", "_init_process_groups",
+})
+"""torch.distributed's functions that make a process group (the recorder's table grows)."""
+_LAST: dict[str, Any] = {"at": None}
+"""The main thread as the previous question found it (``_settled``)."""
 _ISSUED: dict[tuple[str, str], tuple[int, float]] = {}
 """(group, backend) -> (its count of issued collectives, when that count was first seen)."""
 
@@ -149,24 +162,46 @@ def _dump(collectives: bool) -> dict[str, Any] | None:
     return flight_recorder(collectives)
 
 
-def _from_recorder(now: bool = False) -> dict[str, Any] | None:
-    """This rank's collective in flight per the flight recorder: {} when none has been
-    in flight since the last question (``now``: none is in flight), None when it records
-    nothing here.
+def _snapshot(frame: Any) -> tuple[Any, ...] | None:
+    """Where the main thread is (its frame and instruction) and what each group has
+    issued; None while it is making a process group."""
+    f = frame
+    while f is not None:
+        if f.f_code.co_name in _GROUP_MAKERS:
+            return None
+        f = f.f_back
+    counts = tuple((g["group"], g["backend"], g["seq"]) for g in issued())
+    return (id(frame), getattr(frame, "f_code", None), getattr(frame, "f_lasti", -1), counts)
 
-    The groups' status alone costs microseconds; the records (milliseconds, with the GIL)
-    are read only when a collective was already in flight at the last question, so a
-    training loop whose collectives come and go pays nothing for being watched."""
+
+def _settled(frame: Any, now: bool) -> bool:
+    """The main thread has not moved since the previous question (``now``: over the
+    next 20 ms, for a question that cannot wait for another): same frame, same
+    instruction, no group made, no collective issued. Only then may the recorder be read.
+    Asked on the main thread itself (a call that runs ``collective``), it is settled."""
+    if threading.current_thread() is threading.main_thread():
+        return True
+    here = _snapshot(frame)
+    before, _LAST["at"] = _LAST["at"], here
+    if now:
+        time.sleep(0.02)
+        before, here = here, _snapshot(current_frames().get(threading.main_thread().ident or 0))
+    return here is not None and here == before
+
+
+def _from_recorder() -> dict[str, Any] | None:
+    """This rank's collective in flight per the flight recorder: {} when none is in
+    flight, None when it records nothing here. Called only once settled (``_settled``).
+
+    The groups' status alone costs microseconds; the records (milliseconds) are read
+    only when a group has a collective in flight."""
     status = _dump(collectives=False)
     if status is None or not status.get("pg_status"):
         return None
     flying = {pg: int(st.get("last_enqueued_collective", -1)) for pg, st in status["pg_status"].items()
               if pg not in RETIRED
               and int(st.get("last_enqueued_collective", -1)) > int(st.get("last_completed_collective", -1))}
-    stayed = flying if now else {pg: seq for pg, seq in flying.items() if _FLYING.get(pg) == seq}
-    _FLYING.clear()
-    _FLYING.update(flying)
-    if not stayed:
+    if not flying:
         return {}
     dump = _dump(collectives=True)
     if dump is None:
@@ -174,7 +209,7 @@ def _from_recorder(now: bool = False) -> dict[str, Any] | None:
     entries = dump.get("entries") or []
     groups = _group_names(dump.get("pg_config") or {})
     best: dict[str, Any] = {}
-    for pg, enq in stayed.items():
+    for pg, enq in flying.items():
         # the newest record of that sequence number: a group formed again (recovery) may
         # be named anew in the status but not in the records, where older groups' remain
         same = [e for e in entries if int(e.get("collective_seq_id", -1)) == enq and not e.get("is_p2p")]
@@ -231,11 +266,15 @@ def _from_frame(frame: Any) -> dict[str, Any]:
 def collective(now: bool = False) -> dict[str, Any]:
     """The collective this rank waits in, or {}: ``op``, ``group`` (its description:
     ``default_pg``, a mesh dimension), ``group_ranks``, ``seq`` (the group's sequence
-    number), ``since`` (Unix time it began), ``shapes`` and ``dtypes``. Without ``now``,
-    only one already in flight at the previous question (``_from_recorder``)."""
-    found = _from_recorder(now)
-    if not found:  # nothing recorded here, or a record the status does not name
-        found = _from_frame(current_frames().get(threading.main_thread().ident or 0))
+    number), ``since`` (Unix time it began), ``shapes`` and ``dtypes``.
+
+    From the flight recorder once the main thread has settled (``_settled``; ``now``:
+    checked over 20 ms instead of since the previous question), else from the main
+    thread's frame in ``torch.distributed``."""
+    frame = current_frames().get(threading.main_thread().ident or 0)
+    found = _from_recorder() if _settled(frame, now) else None
+    if not found:  # nothing recorded here, not settled, or a record the status does not name
+        found = _from_frame(frame)
     return found
 
 

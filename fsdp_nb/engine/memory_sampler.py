@@ -25,7 +25,8 @@ import threading
 import time
 from typing import Any
 
-from .out_of_memory import by_kind, cuda_in_use
+from . import memory_kinds
+from .out_of_memory import cuda_in_use
 from .signing import Link, Refused, engine_key, new_nonce
 
 __all__ = ["MAX_SUBSCRIPTION_BYTES", "dropped", "running", "sample", "start"]
@@ -54,7 +55,7 @@ def sample(rank: int, device: str = "cpu", seq: int = 0, _proc: Any = None) -> d
     this process already initialised CUDA, never initialising it from here): allocated,
     reserved and peak allocated bytes on ``device`` and the device's total memory. Once
     a model is wrapped: its parameters, gradients and the optimizers' state, in bytes
-    (``out_of_memory.by_kind``).
+    (``memory_kinds``: the main thread's last reading).
     """
     import psutil
 
@@ -82,10 +83,7 @@ def sample(rank: int, device: str = "cpu", seq: int = 0, _proc: Any = None) -> d
             out["cuda_reserved"] = int(torch.cuda.memory_reserved(dev))
             out["cuda_peak"] = int(torch.cuda.max_memory_allocated(dev))
             out["cuda_total"] = int(torch.cuda.get_device_properties(dev).total_memory)
-    try:
-        kinds = by_kind()
-    except RuntimeError:  # the optimizer's state changed under us mid-step: next sample
-        kinds = None
+    kinds = memory_kinds.kept()  # read on the main thread: this one touches no tensor
     if kinds is not None:
         out["parameters"], out["gradients"], out["optimizer"] = kinds
     return out
@@ -202,6 +200,7 @@ def start(token: str, rank: int, addr: str, device: str = "cpu", interval: float
     if not (isinstance(interval, (int, float)) and interval > 0):
         raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
     key = engine_key() if key is None else key
+    memory_kinds.install()  # on the main thread (a task): the readings the samples carry
     with _LOCK:
         s = _SAMPLERS.get(token)
         if s is not None and s.is_alive() and s.endpoint:

@@ -19,27 +19,10 @@ from typing import Any
 
 from ..wire.memory_plan import Held
 from .health import reset_fsdp_iterations
+from .memory_kinds import by_kind
 from .namespace import user_ns
-from .wrap import MODELS
 
-__all__ = ["by_kind", "cuda_in_use", "held", "release"]
-
-
-def _bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages under ``tensors`` (DTensors: their local shards)."""
-    seen: set[int] = set()
-    total = 0
-    for t in tensors:
-        t = getattr(t, "_local_tensor", t)
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, AttributeError):
-            continue
-        if storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
+__all__ = ["cuda_in_use", "held", "release"]
 
 
 def cuda_in_use(device: Any = None) -> Any:
@@ -51,23 +34,6 @@ def cuda_in_use(device: Any = None) -> Any:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     return torch
-
-
-def by_kind() -> tuple[int, int, int] | None:
-    """(parameters and buffers, gradients, optimizer state) bytes this rank holds for the
-    wrapped models and the engine globals' optimizers; None when no model is wrapped.
-    Safe from another thread (the memory sampler's) while a step runs: a state that
-    changes under it raises RuntimeError, for the caller to skip that reading."""
-    if not MODELS:
-        return None
-    import torch
-
-    models = list(MODELS.values())
-    params = [t for w in models for t in (*w.module.parameters(), *w.module.buffers())]
-    grads = [p.grad for w in models for p in w.module.parameters() if p.grad is not None]
-    state = [v for o in list(user_ns().values()) if isinstance(o, torch.optim.Optimizer)
-             for s in list(o.state.values()) for v in list(s.values()) if isinstance(v, torch.Tensor)]
-    return _bytes(params), _bytes(grads), _bytes(state)
 
 
 def held() -> Held:

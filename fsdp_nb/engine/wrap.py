@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import gc
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -80,6 +81,9 @@ class Wrapped(NamedTuple):
 
 MODELS: dict[str, Wrapped] = {}
 """Engine global name -> the wrapped model on this rank."""
+ON_WRAPPED: list[Callable[[], None]] = []
+"""Called, in order, on the main thread after each wrap has put its model in ``MODELS``
+(``memory_kinds`` reads what the new model holds for a live memory view)."""
 
 
 @dataclass(frozen=True)
@@ -385,6 +389,8 @@ def build(name: str, kind: str, payload: Any, plan: Any, seed: int, init: bool =
     summary = _summary(model, units, checkpointed, mesh)
     MODELS[name] = Wrapped(model, mesh, options, summary, (kind, shipped, plan, seed))
     ns[name] = model
+    for hook in ON_WRAPPED:
+        hook()
     return summary
 
 

@@ -10,8 +10,11 @@ see the process: nothing is known there.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from .hang_report import fold_stacks
 
 if TYPE_CHECKING:
     from .cluster import EngineCluster
@@ -21,6 +24,8 @@ __all__ = ["EngineExit", "exit_status", "last_words"]
 TAIL_LINES = 12
 """Lines of an engine's output a death report quotes at most (its last ones)."""
 
+_BEFORE_FATAL = 3
+"""Lines kept before faulthandler's "Fatal Python error" (what C++ printed as it aborted)."""
 _ROUTINE = re.compile(r"^\d{4}-\d\d-\d\d [\d:.]+ \[IPEngine[^\]]*\] (?!(ERROR|CRITICAL) \|)")
 """ipyparallel's own engine log lines below ERROR: registration, heartbeats, extensions."""
 
@@ -54,11 +59,26 @@ def _launcher(cluster: Any, pid: int | None) -> Any:
 
 
 def last_words(output: str, limit: int = TAIL_LINES) -> list[str]:
-    """The last ``limit`` lines of an engine's ``output`` that are not ipyparallel's
-    routine log (its registration and heartbeat lines at INFO and WARNING), which would
-    push a crash's own message out of the tail."""
+    """What an engine's ``output`` says of how it ended, leaving out ipyparallel's
+    routine log (registration and heartbeat lines below ERROR).
+
+    After a crash, faulthandler's report: a few lines before its last "Fatal Python
+    error" (a C++ abort's message comes just before it), that line, and the crashing
+    thread's stack folded to the user's frames (``hang_report.fold_stacks``).
+    Otherwise the last ``limit`` lines."""
     lines = [ln.rstrip() for ln in output.splitlines() if ln.strip() and not _ROUTINE.match(ln)]
-    return lines[-limit:]
+    fatal = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error:")]
+    if not fatal:
+        return lines[-limit:]
+    at = fatal[-1]
+    said = lines[max(0, at - _BEFORE_FATAL):at + 1]
+    starts = [i for i in range(at + 1, len(lines)) if lines[i].startswith("Current thread")]
+    if starts:
+        end = starts[0] + 1
+        while end < len(lines) and lines[end].startswith("  "):
+            end += 1
+        said += fold_stacks("\n".join(lines[starts[0]:end])).splitlines()
+    return said
 
 
 def _output(launcher: Any) -> str:
@@ -76,20 +96,26 @@ def _output(launcher: Any) -> str:
 
 
 def exit_status(engines: EngineCluster, rank: int, wait: float = 2.0) -> EngineExit:
-    """How ``rank``'s engine ended, waiting up to ``wait`` seconds for it to be reaped.
+    """How ``rank``'s engine ended, waiting up to ``wait`` seconds for its launcher to
+    reap it.
 
-    Reads, never signals: the code comes from the launcher's own process handle (psutil
-    keeps the code its reaping thread got) or the launcher's stop record."""
+    Reads, never signals, never reaps while the launcher's own thread may: two threads
+    waiting on one child race, and the loser learns nothing (psutil then keeps None as
+    the code). So this waits for the pid to be gone (reaped) and only then asks the
+    launcher's process handle, which keeps the code its reaping thread got."""
     import psutil
 
     launcher = _launcher(engines.cluster, engines.pids[rank]) if engines.cluster is not None else None
     process = getattr(launcher, "process", None)
     if launcher is None or process is None:
         return EngineExit(None, False, [])
+    deadline = time.monotonic() + wait
+    while psutil.pid_exists(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
     code: int | None = None
     running = False
     try:
-        code = process.wait(timeout=wait)
+        code = process.wait(timeout=0)  # the kept code; reaps it here only if nobody did
     except psutil.TimeoutExpired:
         running = True
     except (psutil.Error, ChildProcessError):

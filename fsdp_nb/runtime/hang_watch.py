@@ -126,7 +126,8 @@ class Watching:
     flight recorder, from the collective's own start), so asking from the call's start
     puts the diagnosis on screen within ``hang_after + tick`` of the wait's start (and a
     turn of the gather loop). A question costs a rank about 0.1 ms under the GIL (counters,
-    the recorder's status on gloo, its user frame) and nothing per collective."""
+    its user frame; the recorder's status once its main thread sat still between two
+    questions) and nothing per collective."""
 
     tick: float = 0.2
     """Seconds between two questions to the ranks."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 
 from fsdp_nb.recovery.engine_deaths import lines_for_exit
 from fsdp_nb.runtime.engine_exits import EngineExit, last_words
@@ -46,3 +48,29 @@ def test_each_way_an_engine_ends_has_its_own_line():
         "rank 1's engine ended (its exit code is unknown); the last it wrote:")
     assert lines_for_exit(1, EngineExit(None, False, [])) == []  # nothing known: nothing said
     assert EngineExit(-9, False, []).signal == signal.SIGKILL and EngineExit(0, False, []).signal is None
+
+
+CRASH = """\
+import faulthandler, os, threading, time
+faulthandler.enable(all_threads=True)
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+def all_reduce_step():
+    os.write(2, b"terminate called after throwing an instance of 'gloo::EnforceNotMet'\\n")
+    os.abort()
+all_reduce_step()
+"""
+
+
+def test_a_crash_is_quoted_from_faulthandlers_report_at_the_crashing_frame(tmp_path):
+    """A real process that aborts as C++ does (its message, then SIGABRT) with faulthandler
+    on, as engines run: the quote keeps the message, the fatal error and the crashing
+    thread's own frame, not the other threads' stacks."""
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGABRT
+    words = last_words(proc.stderr)
+    assert words[:3] == ["terminate called after throwing an instance of 'gloo::EnforceNotMet'",
+                         "Fatal Python error: Aborted", words[2]] and words[2].startswith("Current thread")
+    assert any(f'{script}", line 6 in all_reduce_step' in w for w in words), words
+    assert not any("threading.py" in w for w in words), words  # the sleeping thread is left out

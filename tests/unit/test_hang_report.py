@@ -118,7 +118,6 @@ def test_a_left_groups_collective_in_flight_is_not_named_once_retired(monkeypatc
     monkeypatch.setattr(retired_groups, "flight_recorder", lambda collectives: status)
     monkeypatch.setattr(retired_groups, "RETIRED", set())
     monkeypatch.setattr(hang_watch, "RETIRED", retired_groups.RETIRED)
-    monkeypatch.setattr(hang_watch, "_FLYING", {})
     found = hang_watch.collective(now=True)
     assert (found["op"], found["seq"], found["shapes"]) == ("all_reduce", 13, [[144]])
     retired_groups.retire_groups()
@@ -185,3 +184,64 @@ def test_the_status_widget_keeps_one_line_per_diagnosis():
     assert st.ranks[0].activity.startswith("rank 0 waits in all_reduce #57")
     st = apply_event(st, CallEvent("execute", "hang-cleared", note="the collective completed"))
     assert len(st.events) == 1 and "hang-cleared" in st.events[0]
+
+
+def _asked_from_another_thread(questions, main_waits=None):
+    """Ask ``collective()`` ``len(questions)`` times from a watch-like thread (``questions``:
+    the ``now`` of each) while the main thread waits (in ``main_waits``, given the join)."""
+    import threading
+    import time
+
+    from fsdp_nb.engine import hang_watch
+
+    answers = []
+
+    def watch():
+        time.sleep(0.05)  # the main thread reaches its wait
+        for now in questions:
+            answers.append(hang_watch.collective(now=now))
+            time.sleep(0.05)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    (main_waits or (lambda join: join()))(t.join)
+    return answers
+
+
+def test_the_recorder_is_read_only_once_the_main_thread_has_settled(monkeypatch):
+    """torch's recorder dump walks its table of groups unlocked, and the main thread adds
+    to it as it makes a group or issues a group's first collective: another thread reads
+    it only when the main thread sat still, making no group and issuing nothing."""
+    from fsdp_nb.engine import hang_watch
+
+    status = {"pg_status": {"0": {"last_enqueued_collective": "7", "last_completed_collective": "6"}}}
+    record = {"collective_seq_id": 7, "process_group": ["0", "default_pg"], "profiling_name": "gloo:all_gather",
+              "time_created_ns": 1_000 * 10**9, "input_sizes": [[8]], "input_dtypes": ["Float"]}
+    reads = []
+
+    def dump(collectives):
+        reads.append(collectives)
+        return {**status, "entries": [record]} if collectives else status
+
+    monkeypatch.setattr(hang_watch, "_dump", dump)
+    monkeypatch.setattr(hang_watch, "_LAST", {"at": None})
+    counts = iter(range(100))
+    monkeypatch.setattr(hang_watch, "issued", lambda: [{"group": "0", "backend": "gloo", "seq": 7}])
+    first, second = _asked_from_another_thread([False, False])
+    assert first == {} and second["op"] == "all_gather" and second["seq"] == 7  # the second found it still
+    assert reads == [False, True]
+    reads.clear()
+    assert _asked_from_another_thread([True])[0]["seq"] == 7  # now: still over 20 ms is enough
+
+    def new_group(join):  # the main thread is making a group: the recorder is left alone
+        join()
+
+    reads.clear()
+    assert _asked_from_another_thread([False, False, True], main_waits=new_group) == [{}, {}, {}]
+    assert reads == []
+    # issuing collectives (its counts move) is not settled either, even at the same instruction
+    monkeypatch.setattr(hang_watch, "issued", lambda: [{"group": "0", "backend": "gloo", "seq": next(counts)}])
+    assert _asked_from_another_thread([False, False, True]) == [{}, {}, {}] and reads == []
+    # on the main thread itself (a call running it) the recorder is read at once
+    monkeypatch.setattr(hang_watch, "issued", lambda: [])
+    assert hang_watch.collective()["seq"] == 7
