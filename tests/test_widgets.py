@@ -145,6 +145,38 @@ def test_memory_snapshot_static_form_gpu_fields():
     assert "1     waiting for the first sample" in text and "?" not in text
 
 
+def test_a_live_memory_view_samples_an_fsdp_model_as_it_trains_and_every_rank_lives(sess):
+    """The sampler's thread once read the model's tensors itself while the main thread
+    trained: engines died of SIGSEGV in ``untyped_storage()`` on the sampler's thread, 1
+    quickstart in about 15. Sampling every 5 ms through 100 FSDP2 steps killed a rank
+    that way at once; now the samples carry what the main thread read, and every rank
+    lives with its state."""
+    import torch
+
+    from fsdp_nb.engine.wrap import forget_all
+
+    w = sess.memory(interval=0.005)
+    try:
+        sess.wrap(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]), name="busy_model",
+                  auto_wrap={torch.nn.Linear})
+        sess.execute("busy_opt = torch.optim.AdamW(busy_model.parameters())\n"
+                     "for _ in range(100):\n"
+                     "    busy_model(torch.randn(8, 64)).sum().backward()\n"
+                     "    busy_opt.step()\n"
+                     "    busy_opt.zero_grad()\n"
+                     "busy_steps = 100")
+        assert sess.pull("busy_steps") == [100, 100] and sess.all_reduce_check() == 1.0
+        t = time.time()
+        assert wait_until(lambda: all(s is not None and s.t > t and s.optimizer for s in w.feed.latest()), 10)
+        assert all(s.parameters > 0 for s in w.feed.latest())
+    finally:
+        w.close()
+        sess.run(forget_all, ("busy_model",))
+        sess.context.wraps.pop("busy_model", None)
+        sess.context.models.pop("busy_model", None)
+        sess.execute("del busy_opt")
+
+
 def test_the_memory_view_opens_with_numbers_and_splits_a_wrapped_models_memory(sess):
     """Printed right after it is made, the view shows every rank's numbers (it waited for
     the first samples); with a model and its optimizer, each rank's memory splits into

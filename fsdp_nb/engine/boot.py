@@ -95,8 +95,10 @@ def _stand_by(go_file: str, watch: int) -> bool:
 
 def main() -> None:
     # a crash (SIGSEGV, SIGABRT from a C++ abort, ...) writes every thread's Python stack
-    # to the engine's log, which the notebook quotes when it reports the death
-    faulthandler.enable(all_threads=True)
+    # to the engine's log, which the notebook quotes when it reports the death; through
+    # a copy of the log's descriptor: the kernel later points fd 2 at a pipe its own
+    # thread drains, which dies with the process
+    faulthandler.enable(os.fdopen(os.dup(2), "w"), all_threads=True)
     import torch  # noqa: F401 - the point: loaded before registration
     import torch.distributed  # noqa: F401
 

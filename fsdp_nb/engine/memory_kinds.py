@@ -1,12 +1,12 @@
 """What this rank holds by kind (parameters, gradients, optimizer state), read on the
 main thread only and kept for the memory sampler's thread.
 
-The sampler used to read the tensors from its own thread while the main thread trained.
-That crashed engines: about one quickstart in fifteen on 2 busy cores ended with a rank
-gone, its kernel log naming a SIGSEGV in ``THPVariable_storage`` (``untyped_storage()``)
-on a thread that was not the main one; FSDP2 and autograd change parameters and
-gradients without the GIL, so no other thread may look at them mid-step. Now the
-sampler never touches a tensor. :func:`note` reads them on the main thread: after each
+The sampler used to read the tensors from its own thread while the main thread trained,
+and that crashed engines: about one quickstart in fifteen on 2 busy cores lost a rank to
+a SIGSEGV in ``untyped_storage()`` (``THPVariable_storage``) on the sampler's thread; a
+thread reading them every 2 ms through an FSDP2 training loop crashed a rank at once.
+A tensor that the training step changes is not safe to read from another thread. So the
+sampler never touches one. :func:`note` reads them on the main thread: after each
 optimizer step (a hook on every optimizer, at most once per ``EVERY`` seconds), at the
 end of each cell, after a wrap and when a feed starts; :func:`kept` hands the sampler the
 last reading.
