@@ -157,8 +157,8 @@ def _group_names(config: dict[str, Any]) -> dict[str, tuple[str, list[int] | Non
 
 
 def _dump(collectives: bool) -> dict[str, Any] | None:
-    """torch's flight recorder, read (``torch_compat.flight_recorder``); the records are
-    read only while a collective stays in flight between two questions."""
+    """torch's flight recorder, read (``torch_compat.flight_recorder``): only once the
+    main thread has settled (``_settled``)."""
     return flight_recorder(collectives)
 
 
