@@ -145,15 +145,23 @@ def test_memory_snapshot_static_form_gpu_fields():
     assert "1     waiting for the first sample" in text and "?" not in text
 
 
+def _forget_model(sess, name: str, optimizer: str) -> None:
+    """Drop a test's wrapped model ``name`` and its optimizer from the shared session."""
+    from fsdp_nb.engine.wrap import forget_all
+
+    sess.run(forget_all, (name,))
+    sess.context.wraps.pop(name, None)
+    sess.context.models.pop(name, None)
+    sess.execute(f"del {optimizer}")
+
+
 def test_a_live_memory_view_samples_an_fsdp_model_as_it_trains_and_every_rank_lives(sess):
     """The sampler's thread once read the model's tensors itself while the main thread
-    trained: engines died of SIGSEGV in ``untyped_storage()`` on the sampler's thread, 1
-    quickstart in about 15. Sampling every 5 ms through 100 FSDP2 steps killed a rank
+    trained: engines died of SIGSEGV in ``untyped_storage()`` on the sampler's thread, about
+    1 quickstart in 20. Sampling every 5 ms through 100 FSDP2 steps killed a rank
     that way at once; now the samples carry what the main thread read, and every rank
     lives with its state."""
     import torch
-
-    from fsdp_nb.engine.wrap import forget_all
 
     w = sess.memory(interval=0.005)
     try:
@@ -171,10 +179,7 @@ def test_a_live_memory_view_samples_an_fsdp_model_as_it_trains_and_every_rank_li
         assert all(s.parameters > 0 for s in w.feed.latest())
     finally:
         w.close()
-        sess.run(forget_all, ("busy_model",))
-        sess.context.wraps.pop("busy_model", None)
-        sess.context.models.pop("busy_model", None)
-        sess.execute("del busy_opt")
+        _forget_model(sess, "busy_model", "busy_opt")
 
 
 def test_the_memory_view_opens_with_numbers_and_splits_a_wrapped_models_memory(sess):
@@ -182,8 +187,6 @@ def test_the_memory_view_opens_with_numbers_and_splits_a_wrapped_models_memory(s
     the first samples); with a model and its optimizer, each rank's memory splits into
     parameters, gradients, optimizer state and the rest, from the live samples."""
     import torch
-
-    from fsdp_nb.engine.wrap import forget_all
 
     w = sess.memory(interval=0.2)
     try:
@@ -205,10 +208,7 @@ def test_the_memory_view_opens_with_numbers_and_splits_a_wrapped_models_memory(s
         assert "title='optimizer'" in w.to_html() and "</span> optimizer " in w.to_html()
     finally:
         w.close()
-        sess.run(forget_all, ("split_model",))
-        sess.context.wraps.pop("split_model", None)
-        sess.context.models.pop("split_model", None)
-        sess.execute("del split_opt")
+        _forget_model(sess, "split_model", "split_opt")
 
 
 # -- checkpoints ---------------------------------------------------------------------

@@ -2,7 +2,7 @@
 main thread only and kept for the memory sampler's thread.
 
 The sampler used to read the tensors from its own thread while the main thread trained,
-and that crashed engines: about one quickstart in fifteen on 2 busy cores lost a rank to
+and that crashed engines: about one quickstart in twenty on 2 busy cores lost a rank to
 a SIGSEGV in ``untyped_storage()`` (``THPVariable_storage``) on the sampler's thread; a
 thread reading them every 2 ms through an FSDP2 training loop crashed a rank at once.
 A tensor that the training step changes is not safe to read from another thread. So the
