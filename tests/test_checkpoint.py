@@ -355,10 +355,10 @@ def test_corrupt_or_truncated_file_named_model_unchanged(sess, tmp_path):
 
 
 def test_a_late_corrupt_item_stops_the_load_before_any_rank_changes(sess, tmp_path):
-    """The load checks every item (large ones in helper threads, two buffers taking
-    turns) before it copies anything: a flipped byte far into rank 0's file, in an item
-    checked while the next one is read, still leaves both ranks' models as they were."""
-    build(sess, "ck_late", dim=1536)  # a weight's shard is over 4 MiB: checked in a helper thread
+    """The load checks every item (a large one through a small window, keeping only its
+    ends) before it copies anything: a flipped byte far into rank 0's file, in the
+    middle of an item, still leaves both ranks' models as they were."""
+    build(sess, "ck_late", dim=1536)  # a weight's shard is over 4 MiB: its middle is checked, not kept
     path = tmp_path / "late"
     sess.save(str(path), "ck_late", optimizer="ck_late_opt")
     s0 = snapshot(sess, "ck_late")

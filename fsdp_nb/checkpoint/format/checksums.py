@@ -21,7 +21,6 @@ import posixpath
 import threading
 import zlib
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,7 +29,7 @@ from .helper_threads import LazyPool
 
 __all__ = [
     "ALGORITHM", "ChecksumMismatch", "ChecksumStream", "RecordingFileSystem", "check_item",
-    "check_item_soon", "checksum", "file_problem", "item_checksums", "record_writer",
+    "checksum", "file_problem", "item_checksums", "mismatch", "record_writer",
 ]
 
 log = logging.getLogger("fsdp_nb")
@@ -209,7 +208,7 @@ def item_checksums(files: dict[str, dict[str, Any]]) -> dict[tuple[str, int], tu
     return out
 
 
-def _mismatch(name: str, offset: int, length: int, algorithm: str, got: int, want: int) -> str:
+def mismatch(name: str, offset: int, length: int, algorithm: str, got: int, want: int) -> str:
     return (f"file {name!r} is corrupt in bytes {offset}-{offset + length} "
             f"({algorithm} {got:08x}, {want:08x} was written)")
 
@@ -237,22 +236,8 @@ def file_problem(fs: Any, path: str, name: str, rec: dict[str, Any], block: int 
                 crc = checksum(b, crc, algorithm)
                 left -= len(b)
             if crc != want:
-                return _mismatch(name, off, length, algorithm, crc, want)
+                return mismatch(name, off, length, algorithm, crc, want)
     return None
-
-
-def check_item_soon(data: Any, name: str, offset: int, want: tuple[int, int, str]) -> Future:
-    """``check_item`` in a helper thread for items of ``OVERLAP_BYTES`` or more (so the
-    next read overlaps it), at once for smaller ones; its future raises ChecksumMismatch."""
-    if len(data) >= OVERLAP_BYTES:
-        return _crc_pool().submit(check_item, data, name, offset, want)
-    done: Future = Future()
-    try:
-        check_item(data, name, offset, want)
-        done.set_result(None)
-    except ChecksumMismatch as exc:
-        done.set_exception(exc)
-    return done
 
 
 def check_item(data: bytes, name: str, offset: int, want: tuple[int, int, str]) -> None:
@@ -262,4 +247,4 @@ def check_item(data: bytes, name: str, offset: int, want: tuple[int, int, str]) 
         raise ChecksumMismatch(f"file {name!r}: {len(data)} bytes at byte {offset}, {length} were written (truncated)")
     got = checksum(data, 0, algorithm)
     if got != crc:
-        raise ChecksumMismatch(_mismatch(name, offset, length, algorithm, got, crc))
+        raise ChecksumMismatch(mismatch(name, offset, length, algorithm, got, crc))

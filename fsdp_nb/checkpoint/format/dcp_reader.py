@@ -11,14 +11,15 @@
   read everything and answers whether every rank did; only then are the tensors copied
   into their targets. A load can then write straight into the model's own tensors and
   still leave every rank's model as it was when any rank's read fails. The check
-  streams the items through two buffers; the copy reads them again, from the page
-  cache the check just filled, straight into each target where the stored bytes are
-  the target's (a contiguous CPU tensor of the same dtype, the usual FSDP shard): one
-  copy, where ``dcp.load`` makes two (into the tensor ``torch.load`` allocates, then
-  into the target). Holding every item in a buffer of its own instead took memory the
-  size of the rank's share, and faulting it in made loads 10-20% slower than plain
-  ``dcp.load``; reading the items again through a buffer and copying them from it made
-  the load 0.7x ``dcp.load``. Both passes cut the items into runs that up to
+  reads each item through a small window and keeps only its ends (``item_scan``);
+  the copy reads the items again, from the page cache the check just filled, straight
+  into each target where the stored bytes are the target's (a contiguous CPU tensor of
+  the same dtype, the usual FSDP shard): one copy, where ``dcp.load`` makes two (into
+  the tensor ``torch.load`` allocates, then into the target). Holding every item in a
+  buffer of its own instead took memory the size of the rank's share, and faulting it
+  in made loads 10-20% slower than plain ``dcp.load``; reading the items again through
+  a buffer and copying them from it made the load 0.7x ``dcp.load``; checking whole
+  items read into two item-sized buffers made it 0.9x. Both passes cut the items into runs that up to
   ``MAX_READERS`` threads read at once, one per core this rank has to itself (none
   more on a host whose cores the ranks already fill). Without ``before_commit``
   (offline consolidate, export) items stream through one reused buffer, checked and
@@ -32,12 +33,12 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from typing import Any
 
 from ...torch_compat import fsspec_reader, narrow_tensor_by_index
 from .checksums import ChecksumMismatch
 from .helper_threads import LazyPool
+from .item_scan import ItemScanner, unwritten_buffer
 
 __all__ = ["MAX_READERS", "can_stage", "read_items", "safe_reader"]
 
@@ -178,14 +179,14 @@ class _SafeReading:
         allocation per item. ``direct`` (the items were checked already): each request
         (by ``id``) whose stored bytes start there in the item is read straight into its
         target; the rest are read again through the buffer."""
-        buf = _buffer(0)
+        buf = unwritten_buffer(0)
         for stream, req, md in self._opened(items):
             start = None if direct is None else direct.get(id(req))
             if start is not None:
                 _read_into_target(planner, req, md, stream, start)
                 continue
             if len(buf) < md.length:
-                buf = _buffer(md.length)
+                buf = unwritten_buffer(md.length)
             view = (self._read_item if direct is None else _read_again)(stream, md, buf[:md.length])
             _commit(planner, req, _item(planner, req, md, view))
 
@@ -227,65 +228,57 @@ class _SafeReading:
 
     def _check_all(self, items: list[tuple[Any, Any]], planner: Any) -> dict[int, int]:
         """Read and check every item, and match the shapes its requests ask for;
-        raise at the first failure. Two buffers take turns, so a large item is
-        checked in a helper thread while the next one is read. Returns, for each
-        request (by ``id``) that can be read straight into its target, where in the
-        item its bytes start (``_direct_start``)."""
-        size = max((int(md.length) for _, md in items), default=0)
-        buffers = [_buffer(size), _buffer(size)]
-        waiting: list[tuple[Future | None, memoryview, list[tuple[Any, Any]]]] = []
+        raise at the first failure. Each item goes through an ``ItemScanner``, which
+        keeps only what the shapes need. Returns, for each request (by ``id``) that can
+        be read straight into its target, where in the item its bytes start
+        (``_direct_start``)."""
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+
+        scanner = ItemScanner()
         direct: dict[int, int] = {}
-
-        def settle() -> None:  # the oldest read: its check passed, then its shapes
-            check, view, reqs = waiting.pop(0)
-            if check is not None:
-                check.result()
-            for req, md in reqs:
-                start = _direct_start(planner, req, _item(planner, req, md, view), view)
-                if start is not None:
-                    direct[id(req)] = start
-
-        at, turn = None, 0
+        at, view = None, memoryview(b"")
         for stream, req, md in self._opened(items):
             key = (md.relative_path, int(md.offset))
-            if key == at:  # another request for the item just read
-                waiting[-1][2].append((req, md))
-                continue
-            if len(waiting) == len(buffers):  # frees the buffer this turn reads into
-                settle()
-            later: list[Future] = []
-            view = self._read_item(stream, md, buffers[turn % 2][:md.length], later)
-            waiting.append((later[0] if later else None, view, [(req, md)]))
-            at, turn = key, turn + 1
-        while waiting:
-            settle()
+            if key != at:  # not another request for the item just read
+                if self.on_read is not None:
+                    with _COUNTING:  # reader threads count at once
+                        self.on_read(int(md.length))
+                view = scanner.scan(stream, md, self._check_of(key), whole=req.type == LoadItemType.BYTE_IO)
+                at = key
+            start = _direct_start(planner, req, _item(planner, req, md, view), view)
+            if start is not None:
+                direct[id(req)] = start
         return direct
 
-    def _read_item(self, file: Any, sinfo: Any, into: memoryview, later: list[Future] | None = None) -> memoryview:
+    def _check_of(self, key: tuple[str, int]) -> tuple[int, int, str] | None:
+        """The recorded ``(length, checksum, algorithm)`` of the item at ``key``; None
+        when the checkpoint records none; ChecksumMismatch when it records others only."""
+        if self.checks is None:
+            return None
+        want = self.checks.get(key)
+        if want is None:
+            raise ChecksumMismatch(f"file {key[0]!r}: no checksum was recorded for the item at byte {key[1]}")
+        return want
+
+    def _read_item(self, file: Any, sinfo: Any, into: memoryview) -> memoryview:
         """Item ``sinfo`` read into ``into``, checked against its record when there
-        are records: at once, or as a future appended to ``later``."""
-        from .checksums import check_item, check_item_soon
+        are records."""
+        from .checksums import check_item
         from .storage import read_into
 
         if self.on_read is not None:
             with _COUNTING:  # reader threads count at once
                 self.on_read(int(sinfo.length))
         key = (sinfo.relative_path, int(sinfo.offset))
-        want = None
-        if self.checks is not None:
-            want = self.checks.get(key)
-            if want is None:
-                raise ChecksumMismatch(f"file {key[0]!r}: no checksum was recorded for the item at byte {key[1]}")
+        want = self._check_of(key)
         file.seek(sinfo.offset)
         got = into[:read_into(file, into)]
-        if want is None:
-            if len(got) != len(into):
-                raise ChecksumMismatch(f"file {key[0]!r}: {len(got)} bytes at byte {key[1]}, "
-                                       f"{len(into)} were written (truncated)")
-        elif later is None:
+        if want is not None:
             check_item(got, key[0], key[1], want)
-        else:
-            later.append(check_item_soon(got, key[0], key[1], want))
+        elif len(got) != len(into):
+            raise ChecksumMismatch(f"file {key[0]!r}: {len(got)} bytes at byte {key[1]}, "
+                                   f"{len(into)} were written (truncated)")
         return got
 
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
@@ -380,14 +373,6 @@ def _read_into_target(planner: Any, req: Any, sinfo: Any, file: Any, start: int)
         if read_into(file, memoryview(raw.numpy())) != raw.numel():
             raise ChecksumMismatch(f"file {sinfo.relative_path!r} is shorter than when it was checked")
     planner.commit_tensor(req, target)
-
-
-def _buffer(n: int) -> memoryview:
-    """``n`` writable bytes, not zeroed first (``bytearray(n)`` writes every byte once
-    before the read writes it again)."""
-    import torch
-
-    return memoryview(torch.empty(n, dtype=torch.uint8).numpy()).cast("B")
 
 
 def _item(planner: Any, req: Any, md: Any, view: memoryview) -> Any:

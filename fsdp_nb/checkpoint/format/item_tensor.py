@@ -24,7 +24,7 @@ from typing import Any
 
 from ...torch_compat import weights_only_unpickler
 
-__all__ = ["tensor_from_item"]
+__all__ = ["kept_edges_suffice", "tensor_from_item"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -87,14 +87,34 @@ def tensor_from_item(view: memoryview) -> Any:
         return torch.load(io.BytesIO(bytes(view)), map_location="cpu", weights_only=True)
 
 
-def _records(view: memoryview) -> dict[str, tuple[int, int]] | None:
+def kept_edges_suffice(view: memoryview, edge: int) -> bool:
+    """Whether ``tensor_from_item`` builds the item's tensor from nothing but the first
+    and last ``edge`` bytes of ``view``: a plain zip whose only record between them is
+    its tensor's bytes (what ``item_scan`` keeps of an item it checks)."""
+    gap = (edge, len(view) - edge)
+    try:
+        records = _records(view, gap)
+    except (struct.error, UnicodeDecodeError):
+        return False
+    if records is None:
+        return False
+    return all("/data/" in name or start + size <= gap[0] or start >= gap[1]
+               for name, (start, size) in records.items())
+
+
+def _records(view: memoryview, gap: tuple[int, int] | None = None) -> dict[str, tuple[int, int]] | None:
     """Each stored record of the zip in ``view``: name -> (where its bytes start, how
-    many); None unless it is a plain one (no comment, no zip64, nothing compressed)."""
+    many); None unless it is a plain one (no comment, no zip64, nothing compressed).
+    ``gap``: bytes ``[lo, hi)`` of ``view`` that are not the item's; None if the
+    directory or a header lies there."""
+    def outside(at: int, n: int) -> bool:
+        return gap is None or at + n <= gap[0] or at >= gap[1]
+
     end = len(view) - _END.size
-    if end < 0:
+    if end < 0 or not outside(end, _END.size):
         return None
     sig, _, count, size, at, comment = _END.unpack_from(view, end)
-    if sig != b"PK\x05\x06" or comment or at + size > end:
+    if sig != b"PK\x05\x06" or comment or at + size > end or not outside(at, size):
         return None
     out: dict[str, tuple[int, int]] = {}
     for _ in range(count):
@@ -103,6 +123,8 @@ def _records(view: memoryview) -> dict[str, tuple[int, int]] | None:
             return None
         name = bytes(view[at + _ENTRY.size:at + _ENTRY.size + nlen]).decode("utf-8")
         at += _ENTRY.size + nlen + elen + clen
+        if not outside(header, _LOCAL_HEADER.size):
+            return None
         lsig, lnlen, lelen = _LOCAL_HEADER.unpack_from(view, header)
         if lsig != b"PK\x03\x04":
             return None
