@@ -19,9 +19,9 @@
   buffer of its own instead took memory the size of the rank's share, and faulting it
   in made loads 10-20% slower than plain ``dcp.load``; reading the items again through
   a buffer and copying them from it made the load 0.7x ``dcp.load``; checking whole
-  items read into two item-sized buffers made it 0.9x. Both passes cut the items into runs that up to
-  ``MAX_READERS`` threads read at once, one per core this rank has to itself (none
-  more on a host whose cores the ranks already fill). Without ``before_commit``
+  items read into two item-sized buffers made it 0.9x. Both passes cut the items into
+  runs that up to ``MAX_READERS`` threads read at once, one per core this rank has to
+  itself (none more on a host whose cores the ranks already fill). Without ``before_commit``
   (offline consolidate, export) items stream through one reused buffer, checked and
   copied at once.
 """

@@ -34,6 +34,8 @@ directory take about 1 KB."""
 CHUNK = 512 << 10
 """The window the middle of an item is read through: small enough to stay in a core's
 cache between the read and the checksum."""
+_ZIP64 = 0xFFFFFFFF
+"""Items this large are zip64 archives, which only ``zipfile`` reads: read whole."""
 
 
 class ItemScanner:
@@ -50,8 +52,9 @@ class ItemScanner:
     def scan(self, file: Any, sinfo: Any, want: tuple[int, int, str] | None, whole: bool) -> memoryview:
         """Stored item ``sinfo`` read from ``file``, checked against its record ``want``
         (``(length, checksum, algorithm)``; None: only that it is complete). The view
-        returned is the item's length; unless ``whole`` (or the item is small, or not a
-        plain tensor zip) only its first and last ``EDGE`` bytes are the item's."""
+        returned is the item's length; unless ``whole`` (or the item is small, a zip64
+        archive, or not a plain tensor zip) only its first and last ``EDGE`` bytes are
+        the item's."""
         from .storage import read_into
 
         length = int(sinfo.length)
@@ -61,7 +64,8 @@ class ItemScanner:
         view = self._item[:length]
         file.seek(offset)
         algorithm = want[2] if want is not None else None
-        if whole or length <= 2 * EDGE + CHUNK:
+        whole = whole or length <= 2 * EDGE + CHUNK or length >= _ZIP64
+        if whole:
             got = read_into(file, view)
             crc = checksum(view[:got], 0, algorithm) if algorithm else 0
         else:
@@ -81,7 +85,7 @@ class ItemScanner:
             raise ChecksumMismatch(f"file {name!r}: {got} bytes at byte {offset}, {length} were written (truncated)")
         if want is not None and crc != want[1]:
             raise ChecksumMismatch(mismatch(name, offset, length, want[2], crc, want[1]))
-        if whole or length <= 2 * EDGE + CHUNK or kept_edges_suffice(view, EDGE):
+        if whole or kept_edges_suffice(view, EDGE):
             return view
         return self.scan(file, sinfo, want, whole=True)  # not a plain tensor zip: its middle matters
 
