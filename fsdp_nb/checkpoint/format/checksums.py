@@ -209,6 +209,8 @@ def item_checksums(files: dict[str, dict[str, Any]]) -> dict[tuple[str, int], tu
 
 
 def mismatch(name: str, offset: int, length: int, algorithm: str, got: int, want: int) -> str:
+    """What to say of bytes ``offset`` to ``offset + length`` of file ``name`` whose
+    checksum is ``got`` where ``want`` was written."""
     return (f"file {name!r} is corrupt in bytes {offset}-{offset + length} "
             f"({algorithm} {got:08x}, {want:08x} was written)")
 

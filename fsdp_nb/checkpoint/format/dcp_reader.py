@@ -234,22 +234,25 @@ class _SafeReading:
         (``_direct_start``)."""
         from torch.distributed.checkpoint.planner import LoadItemType
 
-
         scanner = ItemScanner()
         direct: dict[int, int] = {}
         at, view = None, memoryview(b"")
         for stream, req, md in self._opened(items):
             key = (md.relative_path, int(md.offset))
             if key != at:  # not another request for the item just read
-                if self.on_read is not None:
-                    with _COUNTING:  # reader threads count at once
-                        self.on_read(int(md.length))
+                self._count(md)
                 view = scanner.scan(stream, md, self._check_of(key), whole=req.type == LoadItemType.BYTE_IO)
                 at = key
             start = _direct_start(planner, req, _item(planner, req, md, view), view)
             if start is not None:
                 direct[id(req)] = start
         return direct
+
+    def _count(self, sinfo: Any) -> None:
+        """Tell ``on_read`` that stored item ``sinfo`` is being read."""
+        if self.on_read is not None:
+            with _COUNTING:  # reader threads count at once
+                self.on_read(int(sinfo.length))
 
     def _check_of(self, key: tuple[str, int]) -> tuple[int, int, str] | None:
         """The recorded ``(length, checksum, algorithm)`` of the item at ``key``; None
@@ -267,9 +270,7 @@ class _SafeReading:
         from .checksums import check_item
         from .storage import read_into
 
-        if self.on_read is not None:
-            with _COUNTING:  # reader threads count at once
-                self.on_read(int(sinfo.length))
+        self._count(sinfo)
         key = (sinfo.relative_path, int(sinfo.offset))
         want = self._check_of(key)
         file.seek(sinfo.offset)
@@ -283,8 +284,7 @@ class _SafeReading:
 
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
         if self.checks is None:
-            if self.on_read is not None:
-                self.on_read(int(sinfo.length))
+            self._count(sinfo)
             return super()._slice_file(file, sinfo)
         data = bytearray(sinfo.length)
         self._read_item(file, sinfo, memoryview(data))
