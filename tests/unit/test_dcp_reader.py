@@ -90,3 +90,14 @@ def test_the_items_are_cut_into_runs_of_about_equal_bytes_in_file_order():
     assert [[r for r, _ in run] for run in dcp_reader._runs(items, 1)] == [["r1", "r1b", "r2", "r3"]]
     assert len(dcp_reader._runs(items, 8)) == 3  # never more runs than stored items
     assert dcp_reader._runs([], 4) == [[]]
+
+
+@pytest.mark.parametrize(("cores", "ranks", "want"), [(2, 2, 2), (2, 4, 2), (16, 8, 2), (16, 4, 4), (64, 1, 4)])
+def test_a_local_share_is_read_by_two_to_four_threads_by_the_cores_a_rank_has(tmp_path, monkeypatch, cores, ranks,
+                                                                              want):
+    """A check-pass reader waits on the disk most of the time, so even ranks that fill
+    the host's cores read with two threads each; more where a rank has cores to itself."""
+    monkeypatch.setattr(dcp_reader.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    fs, p = url_to_fs(str(tmp_path), None)
+    assert dcp_reader.safe_reader(fs, p, {})._readers() == want
