@@ -184,15 +184,19 @@ class _SafeReading:
         allocation per item. ``direct`` (the items were checked already): each request
         (by ``id``) whose stored bytes start there in the item is read straight into its
         target; the rest are read again through the buffer."""
-        buf = unwritten_buffer(0)
+        scanner, buf = ItemScanner(), unwritten_buffer(0)
         for stream, req, md in self._opened(items):
             start = None if direct is None else direct.get(id(req))
             if start is not None:
                 _read_into_target(planner, req, md, stream, start)
                 continue
-            if len(buf) < md.length:
-                buf = unwritten_buffer(md.length)
-            view = (self._read_item if direct is None else _read_again)(stream, md, buf[:md.length])
+            if direct is None:
+                self._count(md)
+                view = scanner.scan(stream, md, self._check_of((md.relative_path, int(md.offset))), whole=True)
+            else:
+                if len(buf) < md.length:
+                    buf = unwritten_buffer(md.length)
+                view = _read_again(stream, md, buf[:md.length])
             _commit(planner, req, _item(planner, req, md, view))
 
     def _check_then_copy(self, items: list[tuple[Any, Any]], planner: Any) -> None:
@@ -270,31 +274,12 @@ class _SafeReading:
             raise ChecksumMismatch(f"file {key[0]!r}: no checksum was recorded for the item at byte {key[1]}")
         return want
 
-    def _read_item(self, file: Any, sinfo: Any, into: memoryview) -> memoryview:
-        """Item ``sinfo`` read into ``into``, checked against its record when there
-        are records."""
-        from .checksums import check_item
-        from .storage import read_into
-
-        self._count(sinfo)
-        key = (sinfo.relative_path, int(sinfo.offset))
-        want = self._check_of(key)
-        file.seek(sinfo.offset)
-        got = into[:read_into(file, into)]
-        if want is not None:
-            check_item(got, key[0], key[1], want)
-        elif len(got) != len(into):
-            raise ChecksumMismatch(f"file {key[0]!r}: {len(got)} bytes at byte {key[1]}, "
-                                   f"{len(into)} were written (truncated)")
-        return got
-
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        self._count(sinfo)
         if self.checks is None:
-            self._count(sinfo)
             return super()._slice_file(file, sinfo)
-        data = bytearray(sinfo.length)
-        self._read_item(file, sinfo, memoryview(data))
-        return io.BytesIO(data)
+        key = (sinfo.relative_path, int(sinfo.offset))
+        return io.BytesIO(ItemScanner().scan(file, sinfo, self._check_of(key), whole=True))
 
 
 def _runs(items: list[tuple[Any, Any]], k: int) -> list[list[tuple[Any, Any]]]:

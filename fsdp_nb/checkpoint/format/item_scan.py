@@ -63,24 +63,27 @@ class ItemScanner:
             self._item = unwritten_buffer(length)
         view = self._item[:length]
         file.seek(offset)
-        algorithm = want[2] if want is not None else None
+        crc = 0
+
+        def take(into: memoryview) -> int:  # read into ``into``, checksum what came
+            nonlocal crc
+            n = read_into(file, into)
+            if want is not None:
+                crc = checksum(into[:n], crc, want[2])
+            return n
+
         whole = whole or length <= 2 * EDGE + CHUNK or length >= _ZIP64
         if whole:
-            got = read_into(file, view)
-            crc = checksum(view[:got], 0, algorithm) if algorithm else 0
+            got = take(view)
         else:
-            got = read_into(file, view[:EDGE])
-            crc = checksum(view[:got], 0, algorithm) if algorithm else 0
+            got = take(view[:EDGE])
             while EDGE <= got < length - EDGE:
-                n = read_into(file, self._window[:min(CHUNK, length - EDGE - got)])
+                n = take(self._window[:min(CHUNK, length - EDGE - got)])
                 if not n:
                     break
-                crc = checksum(self._window[:n], crc, algorithm) if algorithm else 0
                 got += n
             if got == length - EDGE:
-                n = read_into(file, view[got:])
-                crc = checksum(view[got:got + n], crc, algorithm) if algorithm else 0
-                got += n
+                got += take(view[got:])
         if got != length:
             raise ChecksumMismatch(f"file {name!r}: {got} bytes at byte {offset}, {length} were written (truncated)")
         if want is not None and crc != want[1]:
