@@ -27,18 +27,18 @@ if TYPE_CHECKING:  # what type checkers and editors see of the lazy names below
     from .checkpoint.async_saves import AsyncCheckpoint
     from .checkpoint.consolidate import consolidate
     from .checkpoint.export import export_safetensors
-    from .checkpoint.format.info import CheckpointInfo
-    from .checkpoint.format.inspect import inspect
-    from .checkpoint.format.listing import list_checkpoints
     from .context import SessionContext
+    from .formats.info import CheckpointInfo
+    from .formats.inspect import inspect
+    from .formats.listing import list_checkpoints
     from .lifetime.keepalive import sessions
     from .lifetime.resize import ResizeReport
     from .models.memory_report import MemoryPlan
-    from .models.options import WrapOptions
     from .models.session_planning import plan
     from .models.sharded_model import ShardedModel
     from .runtime.rendezvous import RankInfo
     from .session import Session
+    from .wire.wrap_options import WrapOptions
 
 # Names served lazily from the layers that define them: `import fsdp_nb` stays light,
 # so a process that needs one small module (the session watchdog, an engine importing
@@ -48,13 +48,13 @@ _LAZY = {
     "SessionContext": "context",
     "RankInfo": "runtime.rendezvous",
     "ShardedModel": "models.sharded_model",
-    "WrapOptions": "models.options",
+    "WrapOptions": "wire.wrap_options",
     "MemoryPlan": "models.memory_report",
     "plan": "models.session_planning",
     "AsyncCheckpoint": "checkpoint.async_saves",
-    "CheckpointInfo": "checkpoint.format.info",
-    "inspect": "checkpoint.format.inspect",
-    "list_checkpoints": "checkpoint.format.listing",
+    "CheckpointInfo": "formats.info",
+    "inspect": "formats.inspect",
+    "list_checkpoints": "formats.listing",
     "consolidate": "checkpoint.consolidate",
     "export_safetensors": "checkpoint.export",
     "sessions": "lifetime.keepalive",

@@ -9,8 +9,9 @@ above it are only named here for their types.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import SessionClosedError
 from .runtime.call_channel import CallChannel
@@ -76,6 +77,9 @@ class SessionContext:
     """Seconds each phase of the last ``restart()`` took (empty before one)."""
     start_phases: dict[str, float] = field(default_factory=dict)
     """Seconds each phase of this session's start took."""
+    layout_view: Callable[[ShardedModel], Any] | None = None
+    """Makes a wrapped model's shard layout widget (``ShardedModel.layout()``): put here by
+    the ``Session`` façade, since the front ends sit above the models that offer it."""
 
     @property
     def state(self) -> str:

@@ -21,6 +21,7 @@ __all__ = [
     "ResizeError",
     "SessionClosedError",
     "UnsafeCheckpointError",
+    "WireError",
 ]
 
 
@@ -137,7 +138,7 @@ class CorruptCheckpointError(CheckpointError):
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint holds a pickle that could run code when loaded, or metadata that names
     files outside its folder; refused before anything was loaded
-    (``fsdp_nb.checkpoint.format.pickles``)."""
+    (``fsdp_nb.formats.pickles``)."""
 
 
 class ResizeError(FsdpNbError, RuntimeError):
@@ -149,3 +150,10 @@ class ResizeError(FsdpNbError, RuntimeError):
         super().__init__(message)
         self.staged = staged
         """The staging folder holding each model's state (one DCP folder per model)."""
+
+
+class WireError(FsdpNbError, ValueError):
+    """Data from a rank (or a planner process) that does not match the wire type it
+    should fill: a field missing, one nobody knows, or a value of the wrong type. The
+    notebook and the engines then run different versions of fsdp_nb; the message names
+    the type and the field (``fsdp_nb.wire.decode``)."""

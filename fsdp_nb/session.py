@@ -20,7 +20,7 @@ from .checkpoint.session_checkpoints import SessionCheckpoints
 from .context import SessionContext, SessionFacts
 from .frontends import magics
 from .frontends.session_view import session_html, session_text
-from .frontends.widgets.session_widgets import SessionWidgets
+from .frontends.widgets.session_widgets import SessionWidgets, layout_view
 from .lifetime import start_stop
 from .lifetime.keepalive import check_keep_alive
 from .models.session_planning import SessionPlanning
@@ -101,6 +101,7 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionWidgets)
 
     def _open(self, ctx: SessionContext, activate: bool) -> None:
         self._ctx = ctx
+        ctx.layout_view = layout_view
         _LIVE.add(self)
         if activate:
             magics.activate_px(self)

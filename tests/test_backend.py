@@ -82,8 +82,8 @@ ASYNC_ON_CUDA_ONLY_WORLD = textwrap.dedent(
     dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
     assert torch.device("cpu") not in dist.group.WORLD._device_types
     from fsdp_nb.wire.checkpoint import LoadSpec, SaveSpec
-    from fsdp_nb.checkpoint.format.metadata import base_metadata
-    from fsdp_nb.checkpoint.format.storage import options_for
+    from fsdp_nb.formats.metadata import base_metadata
+    from fsdp_nb.formats.storage import options_for
     from fsdp_nb.engine import async_saves, checkpoint_save as cio, checkpoint_load
     from fsdp_nb.engine.namespace import user_ns
 
@@ -171,7 +171,7 @@ def test_controller_urls_parse_one_way(url, host):
 def test_dtype_table_matches_torch():
     import torch
 
-    from fsdp_nb.checkpoint.format.dtypes import from_safetensors, itemsize
+    from fsdp_nb.formats.dtypes import from_safetensors, itemsize
 
     for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
                  "uint8", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2"):

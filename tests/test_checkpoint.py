@@ -23,7 +23,7 @@ from helpers import page_cache
 
 import fsdp_nb
 from fsdp_nb import CheckpointError, CorruptCheckpointError, inspect
-from fsdp_nb.checkpoint.format.storage import set_storage_options
+from fsdp_nb.formats.storage import set_storage_options
 from fsdp_nb.runtime.cluster import wait_until
 
 BUILD = """
@@ -182,8 +182,8 @@ def test_checksums_taken_while_writing_tile_every_file(sess, tmp_path):
     import json
     import zlib
 
-    from fsdp_nb.checkpoint.format.checksums import checksum, file_problem
-    from fsdp_nb.checkpoint.format.metadata import MARKER
+    from fsdp_nb.formats.checksums import checksum, file_problem
+    from fsdp_nb.formats.metadata import MARKER
 
     build(sess, "ck_s")
     path = tmp_path / "c"
@@ -227,7 +227,7 @@ class _ShortWrites(io.BytesIO):
 def test_large_writes_are_checksummed_beside_the_write(raw):
     """Writes over OVERLAP_BYTES are checksummed in a helper thread while the file takes
     them; the segments are those of the bytes that reached the file, short writes too."""
-    from fsdp_nb.checkpoint.format.checksums import OVERLAP_BYTES, ChecksumStream, checksum
+    from fsdp_nb.formats.checksums import OVERLAP_BYTES, ChecksumStream, checksum
 
     g = torch.Generator().manual_seed(3)
     items = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
@@ -254,8 +254,8 @@ def test_where_direct_io_is_off_a_save_hands_its_bytes_to_the_disk_as_it_writes(
     fsync, at most one step (plus the last write) is still only in memory."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    from fsdp_nb.checkpoint.format.checksums import RecordingFileSystem
-    from fsdp_nb.checkpoint.format.writeback import STEP_BYTES
+    from fsdp_nb.formats.checksums import RecordingFileSystem
+    from fsdp_nb.formats.writeback import STEP_BYTES
 
     monkeypatch.setenv("FSDP_NB_DIRECT_IO", "0")
     fs = RecordingFileSystem(FileSystem())
@@ -280,7 +280,7 @@ def test_saves_write_their_files_past_the_page_cache(sess, tmp_path):
     O_DIRECT: once written, no page of a sharded or exported file but the last (the
     partial block, written through the cache) is in memory, and of a full file only
     what the writer reads back of it; each save loads back bit for bit."""
-    from fsdp_nb.checkpoint.format.direct_io import enabled
+    from fsdp_nb.formats.direct_io import enabled
 
     if not enabled():
         pytest.skip("no O_DIRECT here, or FSDP_NB_DIRECT_IO=0")
@@ -510,7 +510,7 @@ def test_async_save_returns_before_the_copy_and_the_next_step_waits_for_it(sess,
 
 WRITER_PRIORITY = """
 import os as _os
-import fsdp_nb.checkpoint.format.checksums as _cs
+import fsdp_nb.formats.checksums as _cs
 _unprobed_write = _cs.ChecksumStream.write
 _write_nice = set()
 def _probed_write(self, b):
@@ -572,7 +572,7 @@ def test_async_saves_reuse_one_stager_that_outlives_close(sess, tmp_path):
 
 GATE = """
 import os as _os, time as _time
-import fsdp_nb.checkpoint.format.checksums as _cs
+import fsdp_nb.formats.checksums as _cs
 _plain_write = _cs.ChecksumStream.write
 def _gated_write(self, b, _release={release!r}):
     n = _plain_write(self, b)
@@ -637,7 +637,7 @@ def test_keep_last(sess, tmp_path):
 
 def _cli(*args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.run([sys.executable, "-m", "fsdp_nb.frontends.cli", *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run([sys.executable, "-m", "fsdp_nb.cli", *args], capture_output=True, text=True, env=env, timeout=120)
 
 
 def test_inspect_consolidate_offline_and_cli(sess, tmp_path):
@@ -851,7 +851,7 @@ def test_s3_through_moto_server(sess, s3_bucket):
     assert h.wait().valid
     import s3fs
 
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, **fsdp_nb.checkpoint.format.storage.options_for(url))
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **fsdp_nb.formats.storage.options_for(url))
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("ckpts/run")) == [
         "full.optim.safetensors", "full.safetensors", "step2"]
     assert json.loads(fs.cat_file("ckpts/run/step2/fsdp_nb.json"))["world_size"] == 2

@@ -10,7 +10,7 @@ import sys
 import pytest
 from helpers import page_cache
 
-from fsdp_nb.checkpoint.format.direct_io import (
+from fsdp_nb.formats.direct_io import (
     ALIGN,
     BLOCK_BYTES,
     DirectFile,
@@ -18,7 +18,7 @@ from fsdp_nb.checkpoint.format.direct_io import (
     enabled,
     open_direct,
 )
-from fsdp_nb.checkpoint.format.writeback import WrittenBackFile
+from fsdp_nb.formats.writeback import WrittenBackFile
 
 pytestmark = pytest.mark.skipif(not enabled(), reason="no O_DIRECT here, or FSDP_NB_DIRECT_IO=0")
 
@@ -79,7 +79,7 @@ def test_direct_io_can_be_turned_off(tmp_path, monkeypatch):
 
 WRITE_PAST_LIMIT = """
 import os, resource, signal, sys
-from fsdp_nb.checkpoint.format.direct_io import BLOCK_BYTES, open_direct
+from fsdp_nb.formats.direct_io import BLOCK_BYTES, open_direct
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (2 * BLOCK_BYTES, 2 * BLOCK_BYTES))
 f = open_direct(sys.argv[1])
@@ -107,7 +107,7 @@ def test_a_failed_disk_write_reaches_the_writer(tmp_path):
 
 POOL_AFTER_FORK = """
 import os
-from fsdp_nb.checkpoint.format.helper_threads import LazyPool
+from fsdp_nb.formats.helper_threads import LazyPool
 pool = LazyPool("fsdp_nb-test")
 assert pool().submit(lambda: 1).result(timeout=10) == 1  # the parent's threads are up
 pid = os.fork()
@@ -135,7 +135,7 @@ def test_helper_threads_keep_the_priority_of_the_thread_that_asks():
     thread: a worker keeps its starter's priority, and could not raise it again."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from fsdp_nb.checkpoint.format.helper_threads import LazyPool, lower_priority, priority
+    from fsdp_nb.formats.helper_threads import LazyPool, lower_priority, priority
 
     pool, main = LazyPool("fsdp_nb-test-nice"), priority()
 

@@ -102,7 +102,7 @@ def test_export_cli_and_from_a_full_file(sess, saved, tmp_path):
     fsdp_nb.export_safetensors(str(full), str(out))
     sd = load_file(str(out / "model.safetensors"))
     assert sorted(sd) == sorted(weights) and all(torch.equal(sd[k], weights[k]) for k in weights)
-    cli = subprocess.run([sys.executable, "-m", "fsdp_nb.frontends.cli", "export", str(path), str(tmp_path / "cli"),
+    cli = subprocess.run([sys.executable, "-m", "fsdp_nb.cli", "export", str(path), str(tmp_path / "cli"),
                           "--dtype", "float16"], capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.split() == [str(tmp_path / "cli" / "model.safetensors")]
@@ -110,7 +110,7 @@ def test_export_cli_and_from_a_full_file(sess, saved, tmp_path):
 
 
 def test_torch_dcp_to_torch_save_reads_an_fsdp_nb_checkpoint(saved, tmp_path):
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.formats_utils import dcp_to_torch_save
 
     path, weights = saved
     dcp_to_torch_save(str(path), str(tmp_path / "t.pt"))
@@ -160,7 +160,7 @@ def test_full_safetensors_holds_the_models_own_names_optimizer_beside(sess, save
 
 
 READS = """
-import fsdp_nb.checkpoint.format.safetensors_layout as _sl
+import fsdp_nb.formats.safetensors_layout as _sl
 _reads = []
 _plain_read = _sl.PieceReader.read
 def _logged_read(self, st, offsets=None, sizes=None):

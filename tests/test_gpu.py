@@ -413,7 +413,7 @@ def test_connect_to_gpu_engines_picks_nccl(tmp_path):
 @pytest.mark.gpu
 def test_demo_runs_on_the_gpu():
     out = subprocess.run(
-        [sys.executable, "-m", "fsdp_nb.frontends.cli", "demo", "--steps", "3"],
+        [sys.executable, "-m", "fsdp_nb.cli", "demo", "--steps", "3"],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]

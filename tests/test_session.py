@@ -351,7 +351,7 @@ def test_connect_to_running_cluster_leaves_its_engines(tmp_path, monkeypatch):
 def test_demo_command_runs_end_to_end():
     """`fsdp-nb demo` (the README's first command) in a fresh process."""
     out = subprocess.run(
-        [sys.executable, "-m", "fsdp_nb.frontends.cli", "demo", "-n", "2", "--backend", "gloo", "--steps", "3"],
+        [sys.executable, "-m", "fsdp_nb.cli", "demo", "-n", "2", "--backend", "gloo", "--steps", "3"],
         capture_output=True, text=True, timeout=300,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )

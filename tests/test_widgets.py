@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from fsdp_nb.checkpoint.format.info import rank_of_file
-from fsdp_nb.checkpoint.format.listing import list_checkpoints
-from fsdp_nb.checkpoint.format.metadata import MARKER
 from fsdp_nb.engine import memory_sampler as ms
+from fsdp_nb.formats.info import rank_of_file
+from fsdp_nb.formats.listing import list_checkpoints
+from fsdp_nb.formats.metadata import MARKER
 from fsdp_nb.frontends.widgets import _checkpoint_view as view
 from fsdp_nb.frontends.widgets.checkpoints import CheckpointBrowser
 from fsdp_nb.frontends.widgets.dashboard import dashboard, session_status

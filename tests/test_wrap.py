@@ -456,14 +456,15 @@ def test_bad_input_is_refused_before_any_work(sess, args, kwargs, exc, match):
     ],
 )
 def test_wrap_options_validate_themselves(kwargs, exc, match):
-    from fsdp_nb.models.options import WrapOptions
+    from fsdp_nb.wire.wrap_options import WrapOptions
 
     with pytest.raises(exc, match=match):
         WrapOptions(**kwargs)
 
 
 def test_plan_mesh_is_a_function_of_world_backend_hosts_options():
-    from fsdp_nb.models.options import WrapOptions, plan_mesh
+    from fsdp_nb.wire.mesh_plan import plan_mesh
+    from fsdp_nb.wire.wrap_options import WrapOptions
 
     hosts = ["a", "a", "b", "b"]
     assert plan_mesh(4, "gloo", hosts, WrapOptions()).shape == (4,)

@@ -130,7 +130,7 @@ class CliDirective(_Rst):
     """Every ``fsdp-nb`` subcommand: its help, usage and options."""
 
     def rst(self) -> list[str]:
-        from fsdp_nb.frontends.cli import build_parser
+        from fsdp_nb.cli import build_parser
 
         parser = build_parser()
         sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")

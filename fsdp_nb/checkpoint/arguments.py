@@ -60,7 +60,7 @@ def check_layout(layout: Any, path: str, sharded: bool, extra: dict[str, Any]) -
     import posixpath
     import re
 
-    from .format.layouts import WRITABLE
+    from ..formats.layouts import WRITABLE
 
     if layout not in WRITABLE:
         raise ValueError(f"layout must be one of {', '.join(map(repr, WRITABLE))}, got {layout!r}")

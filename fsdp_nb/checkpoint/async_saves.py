@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..formats.info import CheckpointInfo
 from ..wire.checkpoint import SaveProgress
 from .arguments import raise_outcomes
-from .format.info import CheckpointInfo
 
 if TYPE_CHECKING:
     from ..context import SessionContext

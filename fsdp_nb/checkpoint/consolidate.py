@@ -18,15 +18,15 @@ from typing import Any
 
 from ..display.progress import Progress, check_progress, may_show
 from ..errors import CheckpointError
-from .format.atomic import commit_sharded, read_marker
-from .format.checksums import record_writer
-from .format.fullfile import full_suffix, read_full, write_full
-from .format.info import CheckpointInfo
-from .format.inspect import inspect
-from .format.metadata import FORMAT, META_FILE
-from .format.pickles import full_load_planner
-from .format.reader import named_corruption, open_sharded
-from .format.storage import dcp_writer, options_for, sibling, url_to_fs
+from ..formats.atomic import commit_sharded, read_marker
+from ..formats.checksums import record_writer
+from ..formats.fullfile import full_suffix, read_full, write_full
+from ..formats.info import CheckpointInfo
+from ..formats.inspect import inspect
+from ..formats.metadata import FORMAT, META_FILE
+from ..formats.pickles import full_load_planner
+from ..formats.reader import named_corruption, open_sharded
+from ..formats.storage import dcp_writer, options_for, sibling, url_to_fs
 
 __all__ = ["consolidate", "read_sharded"]
 

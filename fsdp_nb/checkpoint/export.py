@@ -29,18 +29,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError
-from .format.atomic import replace_folder
-from .format.direct_io import durable
-from .format.dtypes import FLOATING, tensor_bytes, to_safetensors
-from .format.fullfile import full_suffix
-from .format.info import CheckpointInfo
-from .format.inspect import inspect, read_dcp_metadata
-from .format.keys import MODEL
-from .format.layouts import find_layout
-from .format.pickles import load_planner, load_pt
-from .format.safetensors_layout import PieceReader, read_layout
-from .format.safetensors_write import header, raw_bytes
-from .format.storage import sibling, url_to_fs
+from ..formats.atomic import replace_folder
+from ..formats.direct_io import durable
+from ..formats.dtypes import FLOATING, tensor_bytes, to_safetensors
+from ..formats.fullfile import full_suffix
+from ..formats.info import CheckpointInfo
+from ..formats.inspect import inspect, read_dcp_metadata
+from ..formats.keys import MODEL
+from ..formats.layouts import find_layout
+from ..formats.pickles import load_planner, load_pt
+from ..formats.safetensors_layout import PieceReader, read_layout
+from ..formats.safetensors_write import header, raw_bytes
+from ..formats.storage import sibling, url_to_fs
 
 __all__ = ["export_safetensors", "parse_size"]
 
@@ -137,8 +137,8 @@ def _sharded_tensors(fs: Any, p: str, url: str, info: CheckpointInfo, entries: l
     import torch
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from .format.atomic import read_marker
-    from .format.reader import named_corruption, open_sharded
+    from ..formats.atomic import read_marker
+    from ..formats.reader import named_corruption, open_sharded
 
     layout = find_layout(fs, p, lambda f: read_dcp_metadata(fs, f, url, weights_only=weights_only)
                          .state_dict_metadata, url)  # whose keys: fsdp_nb's, or another trainer's
@@ -203,7 +203,7 @@ def export_safetensors(
     import torch
 
     from ..display.progress import Progress
-    from .format.reader import refuse_unsafe
+    from ..formats.reader import refuse_unsafe
 
     if not isinstance(weights_only, bool):
         raise TypeError(f"weights_only must be True or False, got {weights_only!r}")

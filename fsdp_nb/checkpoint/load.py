@@ -14,10 +14,10 @@ import posixpath
 from typing import TYPE_CHECKING, Any
 
 from ..display.progress import check_progress, follow, may_show
+from ..formats.storage import options_for, url_to_fs
 from ..wire.checkpoint import LoadSpec
 from .arguments import check_optimizer, model_name, raise_outcomes
 from .async_saves import wait_pending
-from .format.storage import options_for, url_to_fs
 
 if TYPE_CHECKING:
     from ..context import SessionContext

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..display.progress import check_progress, follow, may_show
 from ..errors import CheckpointError
+from ..formats.fullfile import full_suffix
+from ..formats.info import CheckpointInfo
+from ..formats.metadata import base_metadata, validate_extra
+from ..formats.storage import options_for, url_to_fs
 from ..wire.checkpoint import SaveSpec
 from .arguments import check_layout, check_optimizer, model_name, raise_outcomes
 from .async_saves import AsyncCheckpoint, register, wait_pending
-from .format.fullfile import full_suffix
-from .format.info import CheckpointInfo
-from .format.metadata import base_metadata, validate_extra
-from .format.storage import options_for, url_to_fs
 
 if TYPE_CHECKING:
     from ..context import SessionContext

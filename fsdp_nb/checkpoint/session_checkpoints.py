@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..context import SessionContext
+    from ..formats.info import CheckpointInfo
     from ..models.sharded_model import ShardedModel
     from .async_saves import AsyncCheckpoint
-    from .format.info import CheckpointInfo
 
 __all__ = ["SessionCheckpoints"]
 

@@ -24,7 +24,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoint.format.helper_threads import lower_priority
+from ..formats.helper_threads import lower_priority
 from ..wire.checkpoint import Outcome, SaveProgress
 
 __all__ = [

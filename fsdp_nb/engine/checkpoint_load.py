@@ -1,7 +1,7 @@
 """Loading a checkpoint on the ranks: verify, check, read everything, then copy.
 
 Called by ``fsdp_nb.checkpoint.load`` on every rank at once. Files are verified first
-(``fsdp_nb.checkpoint.format.reader``: sizes up front, each stored item's checksum as it is
+(``fsdp_nb.formats.reader``: sizes up front, each stored item's checksum as it is
 read), keys and shapes are checked against the model, every problem is agreed by all
 ranks (one clear error), and every rank reads all it needs before any rank copies a
 byte into its model, so a failure leaves every model as it was.
@@ -19,17 +19,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..checkpoint.format.fullfile import full_suffix, read_full
-from ..checkpoint.format.keys import optim_key
-from ..checkpoint.format.safetensors_layout import (
+from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ..formats.fullfile import full_suffix, read_full
+from ..formats.keys import optim_key
+from ..formats.safetensors_layout import (
     PieceReader,
     Stored,
     is_safetensors_folder,
     optim_state,
     read_layout,
 )
-from ..checkpoint.format.storage import url_to_fs
-from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ..formats.storage import url_to_fs
 from ..torch_compat import compute_local_shape_and_global_offset, local_tensor
 from ..wire.checkpoint import LoadSpec, Outcome
 from . import progress_feed

@@ -10,7 +10,7 @@ model tensor is touched.
 - sharded: ``torch.distributed.checkpoint`` (one ``__{rank}_0.distcp`` per rank)
   into a temporary sibling, then every rank's file sizes and checksums (taken as the
   bytes were written: nothing is read back) are gathered and rank 0 commits
-  (``fsdp_nb.checkpoint.format.atomic``).
+  (``fsdp_nb.formats.atomic``).
 - full: ``get_state_dict(full_state_dict=True, cpu_offload=True)`` gathers to rank
   0 only (the others hold nothing), which writes one ``.pt`` / ``.safetensors``.
 - async: the call returns once every rank holds its state dict; DCP's async save (the
@@ -31,11 +31,11 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from ..checkpoint.format.atomic import commit_sharded, retain_last
-from ..checkpoint.format.checksums import record_writer
-from ..checkpoint.format.fullfile import write_full
-from ..checkpoint.format.inspect import inspect
-from ..checkpoint.format.storage import dcp_writer, sibling, url_to_fs
+from ..formats.atomic import commit_sharded, retain_last
+from ..formats.checksums import record_writer
+from ..formats.fullfile import write_full
+from ..formats.inspect import inspect
+from ..formats.storage import dcp_writer, sibling, url_to_fs
 from ..torch_compat import tree_leaves
 from ..wire.checkpoint import LoadSpec, Outcome, SaveProgress, SaveSpec
 from . import progress_feed

@@ -1,7 +1,7 @@
 """Loading a DCP folder on the ranks, in whichever trainer's layout it was written.
 
 fsdp_nb's own folders, plain ``dcp.save`` folders, and those of Lightning (Fabric and
-Trainer), torchtitan, OLMo-core and Accelerate (``checkpoint.format.layouts``): the
+Trainer), torchtitan, OLMo-core and Accelerate (``formats.layouts``): the
 layout says under which keys the model and optimizer are stored, and where the rest of
 the trainer's state is; it is returned as ``extra``. DCP reads and reshards; the
 checked reader reads and verifies this rank's items, and once every rank has, reads
@@ -15,17 +15,17 @@ import logging
 import posixpath
 from typing import Any
 
-from ..checkpoint.format.atomic import read_marker
-from ..checkpoint.format.dcp_reader import can_stage, safe_reader
-from ..checkpoint.format.inspect import dcp_files_problem, read_dcp_metadata
-from ..checkpoint.format.keys import nest_keys, rekey_optim
-from ..checkpoint.format.layouts import Layout, find_layout
-from ..checkpoint.format.metadata import META_FILE
-from ..checkpoint.format.pickles import load_planner, refuse_code
-from ..checkpoint.format.reader import named_corruption, open_sharded
-from ..checkpoint.format.side_files import side_extra
-from ..checkpoint.format.storage import is_temporary
 from ..errors import CheckpointError, CorruptCheckpointError
+from ..formats.atomic import read_marker
+from ..formats.dcp_reader import can_stage, safe_reader
+from ..formats.inspect import dcp_files_problem, read_dcp_metadata
+from ..formats.keys import nest_keys, rekey_optim
+from ..formats.layouts import Layout, find_layout
+from ..formats.metadata import META_FILE
+from ..formats.pickles import load_planner, refuse_code
+from ..formats.reader import named_corruption, open_sharded
+from ..formats.side_files import side_extra
+from ..formats.storage import is_temporary
 from ..torch_compat import tree_map_only
 from ..wire.checkpoint import LoadSpec, Outcome
 from . import progress_feed

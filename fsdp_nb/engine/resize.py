@@ -29,10 +29,10 @@ import threading
 import types
 from typing import Any
 
-from ..checkpoint.format.dcp_reader import safe_reader
-from ..checkpoint.format.inspect import read_dcp_metadata
-from ..checkpoint.format.pickles import load_planner
-from ..checkpoint.format.storage import url_to_fs
+from ..formats.dcp_reader import safe_reader
+from ..formats.inspect import read_dcp_metadata
+from ..formats.pickles import load_planner
+from ..formats.storage import url_to_fs
 from ..wire.calls import ByValue
 from ..wire.resize import OptimizerRecipe, RankSurvey
 from .checkpoint_save import checkpoint_group, state_bytes

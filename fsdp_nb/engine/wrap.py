@@ -6,7 +6,7 @@ Registry for other layers (checkpoints, layout, recovery)::
 
 ``module`` is the FSDP2 module (also the engine global ``name``), ``mesh`` the
 ``DeviceMesh`` it was sharded on (the full mesh: ``("dp",)``, ``("dp_replicate",
-"dp_shard")`` or ``("dp", "tp")``), ``options`` the ``fsdp_nb.models.options.WrapOptions``.
+"dp_shard")`` or ``("dp", "tp")``), ``options`` the ``fsdp_nb.wire.wrap_options.WrapOptions``.
 
 How a model is built (every rank runs the same steps, so collectives line up):
 

@@ -1,7 +1,8 @@
-"""What the user types and sees: the magics (``magics``), the command line (``cli``), the
-widgets (``widgets/``) and how a session prints (``session_view``).
+"""What the user sees: the magics (``magics``), the widgets (``widgets/``) and how a
+session prints (``session_view``).
 
-``cli`` sits above the ``Session`` façade (it makes sessions); the rest sit below it and
-take the session context or plain data. The drawing primitives the layers below print
-through (tables, progress bars, the live hang diagnosis) are ``fsdp_nb.display``.
+They sit below the ``Session`` façade, which offers them, and take the session context or
+plain data. The command line (``fsdp_nb.cli``) sits above the façade, since it makes
+sessions. The drawing primitives the layers below print through (tables, progress bars,
+the live hang diagnosis) are ``fsdp_nb.display``.
 """

@@ -117,9 +117,9 @@ def adopt_group(ctx: SessionContext, timeout: float) -> str:
 
 def rebuild_models(ctx: SessionContext) -> None:
     """Fill ``sess.wraps`` and ``sess.models`` from the models wrapped on the engines."""
-    from ..models.options import WrapOptions
     from ..models.sharded_model import ShardedModel
     from ..models.wrap import WrapRecord
+    from ..wire.wrap_options import WrapOptions
 
     dead = set(ctx.cluster.dead_ranks())
     live = [r for r in range(ctx.world_size) if r not in dead]

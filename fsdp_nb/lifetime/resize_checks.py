@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..engine import resize as _er
 from ..engine.health import whoami
-from ..models.options import MeshPlan, plan_mesh
 from ..runtime import membership
 from ..runtime.checks import local_gpu_count
+from ..wire.mesh_plan import MeshPlan, plan_mesh
 from ..wire.resize import OptimizerRecipe, RankSurvey
 
 if TYPE_CHECKING:

@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING, Any
 from ..errors import FsdpNbError
 from ..runtime.shipping import by_value, register_local_modules
 from ..wire.memory_plan import RankMemory, StepSpec, TensorSpec
+from ..wire.mesh_plan import plan_mesh
+from ..wire.wrap_options import OPTION_NAMES, WrapOptions, make_options, no_split_default
 from .memory_report import MemoryPlan, WhatIf
 from .model_spec import check_call, meta_clone, model_kind
-from .options import OPTION_NAMES, WrapOptions, make_options, no_split_default, plan_mesh
 from .what_if import apply, check_what_ifs, cost, label
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ from ..wire.shards import ShardTable
 
 if TYPE_CHECKING:
     from ..context import SessionContext
+    from ..wire.wrap_options import WrapOptions
     from .memory_report import MemoryPlan
-    from .options import WrapOptions
 
 __all__ = ["ShardedModel"]
 
@@ -96,9 +96,11 @@ class ShardedModel:
 
     def layout(self) -> Any:
         """The shard layout widget (``fsdp_nb.frontends.widgets.layout``)."""
-        from ..frontends.widgets.layout import layout_widget
-
-        return layout_widget(self)
+        view = self._ctx.layout_view
+        if view is None:
+            raise RuntimeError("this model's session has no widgets: call layout() on a model "
+                               "of an fsdp_nb.Session")
+        return view(self)
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         # shipped to an engine (e.g. captured by a function given to sess.run), a

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .options import OPTION_NAMES, WrapOptions
+from ..wire.wrap_options import OPTION_NAMES, WrapOptions
 
 __all__ = ["WHAT_IF_KEYS", "apply", "check_what_ifs", "cost", "label", "standard"]
 

@@ -9,7 +9,7 @@
    the meta device on rank 0 to check that every ``auto_wrap`` /
    ``activation_checkpointing`` class occurs in it. Any problem raises a
    ``ValueError`` / ``TypeError`` here, before any rank has built or bound anything;
-2. plans the device mesh (``fsdp_nb.models.options.plan_mesh``);
+2. plans the device mesh (``fsdp_nb.wire.mesh_plan.plan_mesh``);
 3. builds on every rank (``fsdp_nb.engine.wrap.build``), binds the FSDP2 module as
    engine global ``name`` and records the wrap on the session (``sess.wraps``) so
    :func:`replay_wraps` can rebuild it after ``sess.restart()``. An instance's
@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 from ..engine import weights as _weights
 from ..engine import wrap as _ew
 from ..runtime.shipping import ByValue, by_value, register_local_modules
+from ..wire.mesh_plan import MeshPlan, plan_mesh
+from ..wire.wrap_options import OPTION_NAMES, WrapOptions, make_options, no_split_default
 from .model_spec import check_call, meta_clone, model_kind
-from .options import OPTION_NAMES, MeshPlan, WrapOptions, make_options, no_split_default, plan_mesh
 
 if TYPE_CHECKING:
     from ..context import SessionContext
@@ -93,8 +94,8 @@ def _check_weights(weights: Any, kind: str) -> None:
         raise TypeError(
             f"weights= fills a model built from a class or factory; a {'module instance' if kind == 'instance' else 'name'} "
             "brings its own weights (or load them with sess.load)")
-    from ..checkpoint.format.inspect import inspect
     from ..errors import CheckpointError
+    from ..formats.inspect import inspect
 
     info = inspect(weights)
     if not info.valid:

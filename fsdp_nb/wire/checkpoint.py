@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoint.format.info import CheckpointInfo
 from ..errors import CheckpointError
+from ..formats.info import CheckpointInfo
 
 __all__ = [
     "LoadSpec", "Outcome", "SaveProgress", "SaveSpec",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..checkpoint.format.dtypes import itemsize
+from ..formats.dtypes import itemsize
 
 __all__ = ["ParamShard", "ShardTable"]
 

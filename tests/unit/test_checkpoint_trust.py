@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import RunsCode
 
 import fsdp_nb
-from fsdp_nb.checkpoint.format.restricted import MAX_METADATA_ENV, load_dcp_metadata
+from fsdp_nb.formats.restricted import MAX_METADATA_ENV, load_dcp_metadata
 
 
 def _touch(marker) -> str:
@@ -40,10 +40,10 @@ def _committed(path, sd: dict) -> None:
     metadata and completion marker): what an attacker's own ``sess.save`` gives."""
     import uuid
 
-    from fsdp_nb.checkpoint.format.atomic import commit_sharded
-    from fsdp_nb.checkpoint.format.checksums import record_writer
-    from fsdp_nb.checkpoint.format.metadata import FORMAT
-    from fsdp_nb.checkpoint.format.storage import dcp_writer, sibling, url_to_fs
+    from fsdp_nb.formats.atomic import commit_sharded
+    from fsdp_nb.formats.checksums import record_writer
+    from fsdp_nb.formats.metadata import FORMAT
+    from fsdp_nb.formats.storage import dcp_writer, sibling, url_to_fs
 
     fs, p = url_to_fs(str(path))
     token = uuid.uuid4().hex[:12]
@@ -93,7 +93,7 @@ def test_consolidate_export_and_inspect_refuse_a_poisoned_item(poisoned, tmp_pat
     assert fsdp_nb.inspect(str(path)).valid  # reading only the metadata is harmless
     assert not marker.exists()
     # the command line says it in one line, status 2, and runs nothing either
-    cli = subprocess.run([sys.executable, "-m", "fsdp_nb.frontends.cli", "consolidate", str(path), str(out)],
+    cli = subprocess.run([sys.executable, "-m", "fsdp_nb.cli", "consolidate", str(path), str(out)],
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 2 and "could run code" in cli.stderr and "--trust-pickles" in cli.stderr
     assert "Traceback" not in cli.stderr and not marker.exists()

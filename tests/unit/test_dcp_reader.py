@@ -12,11 +12,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from fsdp_nb.checkpoint.format import dcp_reader
-from fsdp_nb.checkpoint.format.pickles import load_planner
-from fsdp_nb.checkpoint.format.reader import named_corruption
-from fsdp_nb.checkpoint.format.storage import url_to_fs
 from fsdp_nb.errors import CorruptCheckpointError
+from fsdp_nb.formats import dcp_reader
+from fsdp_nb.formats.pickles import load_planner
+from fsdp_nb.formats.reader import named_corruption
+from fsdp_nb.formats.storage import url_to_fs
 
 
 def _saved(tmp_path):

@@ -12,9 +12,9 @@ import psutil
 import pytest
 import torch
 
-from fsdp_nb.checkpoint.format.checksums import ALGORITHM, ChecksumMismatch, checksum
-from fsdp_nb.checkpoint.format.item_scan import CHUNK, EDGE, ItemScanner
-from fsdp_nb.checkpoint.format.item_tensor import kept_edges_suffice, tensor_from_item
+from fsdp_nb.formats.checksums import ALGORITHM, ChecksumMismatch, checksum
+from fsdp_nb.formats.item_scan import CHUNK, EDGE, ItemScanner
+from fsdp_nb.formats.item_tensor import kept_edges_suffice, tensor_from_item
 
 PAD = 4096  # the item sits this far into its file, as items of a DCP file do
 

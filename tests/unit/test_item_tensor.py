@@ -11,8 +11,8 @@ import zipfile
 import pytest
 import torch
 
-from fsdp_nb.checkpoint.format import item_tensor
-from fsdp_nb.checkpoint.format.item_tensor import tensor_from_item
+from fsdp_nb.formats import item_tensor
+from fsdp_nb.formats.item_tensor import tensor_from_item
 
 
 def _item(t: torch.Tensor) -> bytearray:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_nb.checkpoint.format.keys import nest_keys, rekey_optim
-from fsdp_nb.checkpoint.format.layouts import Layout, find_layout, layout_of_keys, match_names
 from fsdp_nb.errors import CheckpointError
+from fsdp_nb.formats.keys import nest_keys, rekey_optim
+from fsdp_nb.formats.layouts import Layout, find_layout, layout_of_keys, match_names
 
 HF = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight"]
 """A Hugging Face causal LM's own names: they start with ``model.`` themselves."""

@@ -13,9 +13,10 @@ import fsdp_nb
 from fsdp_nb.engine.memory_plan import rank_kinds
 from fsdp_nb.models.memory_plan import PlanError
 from fsdp_nb.models.memory_report import MemoryPlan, WhatIf
-from fsdp_nb.models.options import WrapOptions, plan_mesh
 from fsdp_nb.models.what_if import check_what_ifs, cost, standard
 from fsdp_nb.wire.memory_plan import CATEGORIES, RankMemory, TensorSpec, categories
+from fsdp_nb.wire.mesh_plan import plan_mesh
+from fsdp_nb.wire.wrap_options import WrapOptions
 
 
 class Block(nn.Module):

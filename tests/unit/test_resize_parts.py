@@ -16,11 +16,11 @@ from fsdp_nb.lifetime.resize_checks import (
     mesh_plans,
     staging_folder,
 )
-from fsdp_nb.models.options import make_options
 from fsdp_nb.models.wrap import WrapRecord
 from fsdp_nb.runtime.definitions import Definitions, top_level_definitions
 from fsdp_nb.wire.calls import ByValue
 from fsdp_nb.wire.resize import RankSurvey
+from fsdp_nb.wire.wrap_options import make_options
 
 
 def test_check_n():

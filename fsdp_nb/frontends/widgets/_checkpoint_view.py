@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any
 
-from ...checkpoint.format.info import CheckpointInfo, ChunkInfo, TensorInfo, rank_of_file
+from ...formats.info import CheckpointInfo, ChunkInfo, TensorInfo, rank_of_file
 from ._render import fmt_bytes, html_table, text_table
 
 __all__ = ["details_html", "details_text", "label", "listing_html", "listing_text", "tensor_tree"]

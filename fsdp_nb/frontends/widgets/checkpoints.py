@@ -6,7 +6,7 @@ chunk; ``extra``), and buttons to save now, load, consolidate and delete (delete
 for a confirmation first). A progress bar follows saves; an async save shows staging,
 then the bytes written so far while training goes on, then the commit. It renders
 ``fsdp_nb.CheckpointInfo`` as ``fsdp_nb.inspect`` returns it; the folder scan is
-``fsdp_nb.checkpoint.format.listing``, the drawing ``_checkpoint_view``.
+``fsdp_nb.formats.listing``, the drawing ``_checkpoint_view``.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as W
 
-from ...checkpoint.format.info import CheckpointInfo
-from ...checkpoint.format.listing import list_checkpoints, remove_checkpoint
 from ...checkpoint.load import load
 from ...checkpoint.save import save
+from ...formats.info import CheckpointInfo
+from ...formats.listing import list_checkpoints, remove_checkpoint
 from . import _checkpoint_view as view
 from ._render import StaticForm, fmt_bytes
 

@@ -16,7 +16,15 @@ if TYPE_CHECKING:
     from .memory import MemoryWidget
     from .status import StatusWidget
 
-__all__ = ["SessionWidgets"]
+__all__ = ["SessionWidgets", "layout_view"]
+
+
+def layout_view(model: Any) -> Any:
+    """``ShardedModel.layout()``: the layout widget, its module imported when first asked for
+    (the façade puts this function in the session context)."""
+    from .layout import layout_widget
+
+    return layout_widget(model)
 
 
 class SessionWidgets:

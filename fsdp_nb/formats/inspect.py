@@ -13,7 +13,7 @@ import json
 import posixpath
 from typing import Any
 
-from ...errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from .atomic import read_marker, validate_files
 from .checksums import ChecksumMismatch, check_item, file_problem
 from .dcp_reader import read_items

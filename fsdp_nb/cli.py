@@ -16,8 +16,8 @@ def demo(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..checkpoint.format.inspect import inspect
-    from ..session import Session
+    from .formats.inspect import inspect
+    from .session import Session
 
     t0 = time.perf_counter()
     with Session(args.n, backend=args.backend, activate=False) as sess:
@@ -50,7 +50,7 @@ def _demo_train(steps: int) -> list[float]:
     import torch
     import torch.distributed as dist
 
-    from ..engine.namespace import user_ns
+    from .engine.namespace import user_ns
 
     ns = user_ns()
     model = ns["model"]
@@ -70,7 +70,7 @@ def _demo_train(steps: int) -> list[float]:
 
 def inspect_cmd(args: argparse.Namespace) -> int:
     """Describe a checkpoint offline; exit status 2 when it is not valid."""
-    from ..checkpoint.format.inspect import inspect
+    from .formats.inspect import inspect
 
     info = inspect(args.path, verify=args.verify, weights_only=not args.trust_pickles)
     if args.json:
@@ -85,7 +85,7 @@ def inspect_cmd(args: argparse.Namespace) -> int:
 
 def consolidate_cmd(args: argparse.Namespace) -> int:
     """Convert sharded -> one .pt/.safetensors file, or full -> sharded folder."""
-    from ..checkpoint.consolidate import consolidate
+    from .checkpoint.consolidate import consolidate
 
     info = consolidate(args.path, args.out, overwrite=args.overwrite, weights_only=not args.trust_pickles)
     print(repr(info))
@@ -94,7 +94,7 @@ def consolidate_cmd(args: argparse.Namespace) -> int:
 
 def export_cmd(args: argparse.Namespace) -> int:
     """Model weights of a checkpoint -> safetensors in Hugging Face's layout."""
-    from ..checkpoint.export import export_safetensors
+    from .checkpoint.export import export_safetensors
 
     for f in export_safetensors(args.path, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                 overwrite=args.overwrite, weights_only=not args.trust_pickles):
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``fsdp-nb`` with ``argv`` (default: the process's arguments); its exit status."""
     args = build_parser().parse_args(argv)
-    from ..errors import CheckpointError
+    from .errors import CheckpointError
 
     if args.cmd == "demo":
         return args.func(args)

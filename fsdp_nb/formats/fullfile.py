@@ -5,7 +5,7 @@
 - ``.safetensors``: the model's weights under their own names, so ``safetensors`` +
   ``model.load_state_dict`` and Hugging Face tools read it; fsdp_nb's metadata in the
   header. The optimizer state goes beside it, never inside: ``X.optim.safetensors``
-  (``fsdp_nb.checkpoint.format.safetensors_layout``).
+  (``fsdp_nb.formats.safetensors_layout``).
 
 ``write_full`` writes to hidden siblings and renames them into place (the optimizer
 file first, the model file last, both carrying the save's token), so a reader sees
@@ -20,7 +20,7 @@ import os
 import posixpath
 from typing import Any
 
-from ...errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from .direct_io import durable
 from .keys import MODEL, OPTIM_STATE, flat_optim_state, split_optim_key
 from .pickles import load_pt

@@ -29,8 +29,8 @@ import posixpath
 import re
 from typing import Any
 
-from ...errors import CorruptCheckpointError, UnsafeCheckpointError
-from ...torch_compat import set_element
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..torch_compat import set_element
 
 __all__ = [
     "TRUST_HINT", "full_load_planner", "is_weights_only", "load_item", "load_planner", "load_pt",

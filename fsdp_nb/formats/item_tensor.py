@@ -22,7 +22,7 @@ import struct
 import zipfile
 from typing import Any
 
-from ...torch_compat import weights_only_unpickler
+from ..torch_compat import weights_only_unpickler
 
 __all__ = ["kept_edges_suffice", "tensor_from_item"]
 

@@ -19,7 +19,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ...torch_compat import fsspec_writer
+from ..torch_compat import fsspec_writer
 
 log = logging.getLogger("fsdp_nb")
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ...errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from .atomic import validate_files
 from .checksums import ChecksumMismatch, item_checksums
 from .dcp_reader import safe_reader

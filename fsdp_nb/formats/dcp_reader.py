@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ...torch_compat import fsspec_reader, narrow_tensor_by_index
+from ..torch_compat import fsspec_reader, narrow_tensor_by_index
 from .checksums import ChecksumMismatch
 from .helper_threads import LazyPool
 from .item_scan import ItemScanner, unwritten_buffer
@@ -151,7 +151,7 @@ class _SafeReading:
 
         if self.weights_only and not is_weights_only(planner):
             raise TypeError(f"{type(planner).__name__} would unpickle this checkpoint's items "
-                            "without restriction: use fsdp_nb.checkpoint.format.pickles.load_planner")
+                            "without restriction: use fsdp_nb.formats.pickles.load_planner")
         items = [(req, self.storage_data[req.storage_index]) for req in plan.items]
         if any(md.transform_descriptors for _, md in items):
             if self.before_commit is not None:  # the loader reads into fresh tensors then

@@ -18,7 +18,7 @@ import os
 import pickle
 from typing import Any
 
-from ...errors import UnsafeCheckpointError
+from ..errors import UnsafeCheckpointError
 
 __all__ = [
     "ALLOWED", "MAX_METADATA_ENV", "RefusedGlobal", "check_paths", "load_dcp_metadata", "max_metadata_bytes", "read_capped",

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from .dtypes import from_safetensors
 from .keys import MODEL, OPTIM_STATE
 from .storage import is_local, read_into

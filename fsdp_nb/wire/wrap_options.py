@@ -1,12 +1,8 @@
-"""What a wrap asks for and the mesh it gets: ``WrapOptions`` and ``plan_mesh``.
+"""What a wrap asks for: ``WrapOptions``, which every rank receives with the wrap.
 
-Plain data and pure functions, no engines: ``WrapOptions`` holds the options of
-Lightning's FSDP and ModelParallel strategies and validates itself (an invalid one
-cannot be built); ``plan_mesh`` turns (world size, backend, hosts, options) into the
-``MeshPlan`` every rank builds: 1-D ``("dp",)`` for ``"full"`` and ``"grad_op"``;
-2-D ``("dp_replicate", "dp_shard")`` for ``"hybrid"`` (by default shard within a
-host, replicate across hosts) and for ``"none"`` (``(N, 1)``: FSDP2 replicates along
-the first dimension); ``("dp", "tp")`` with tensor parallelism.
+Plain data and pure functions: ``WrapOptions`` holds the options of Lightning's FSDP and
+ModelParallel strategies and validates itself (an invalid one cannot be built), on the
+notebook before a wrap or a plan starts; the ranks shard by it (``fsdp_nb.engine.wrap``).
 """
 
 from __future__ import annotations
@@ -21,11 +17,9 @@ __all__ = [
     "OPTION_NAMES",
     "SHARDING",
     "ClassNames",
-    "MeshPlan",
     "WrapOptions",
     "make_options",
     "no_split_default",
-    "plan_mesh",
 ]
 
 SHARDING = ("full", "grad_op", "none", "hybrid")
@@ -209,61 +203,3 @@ def make_options(**options: Any) -> WrapOptions:
             f"allowed: {', '.join(OPTION_NAMES)}"
         )
     return WrapOptions(**options)
-
-
-# -- the mesh --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MeshPlan:
-    """The DeviceMesh every rank builds for one wrap (plain data, shipped to engines)."""
-
-    device_type: str
-    """``"cpu"`` (gloo) or ``"cuda"`` (nccl)."""
-    shape: tuple[int, ...]
-    """Mesh shape; its product is the world size."""
-    dim_names: tuple[str, ...]
-    """Mesh dimension names."""
-    fsdp_dims: tuple[str, ...]
-    """The dimensions ``fully_shard`` uses (1 name: shard; 2: replicate, shard)."""
-    tp_dim: str | None = None
-    """The tensor-parallel dimension, if any."""
-
-
-def plan_mesh(world: int, backend: str, hosts: list[str], options: WrapOptions) -> MeshPlan:
-    """The mesh for ``options`` on ``world`` ranks of ``backend`` whose hosts (in rank
-    order) are ``hosts``; ValueError if the sizes do not fit. A pure function."""
-    device_type = "cuda" if backend == "nccl" else "cpu"
-    tp = options.tensor_parallel_size
-    if world % tp:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide the world size {world}")
-    dp_default = world // tp
-    if options.sharding == "hybrid":
-        if options.data_parallel_size is not None:
-            rep, shard = options.data_parallel_size
-        else:
-            shard = min(hosts.count(h) for h in set(hosts))
-            rep = world // shard if world % shard == 0 else None
-            if rep is None:
-                raise ValueError(
-                    f"cannot split {world} ranks into hosts of {shard}; pass "
-                    "data_parallel_size=(replicate, shard)"
-                )
-        if rep * shard != world:
-            raise ValueError(
-                f"data_parallel_size={(rep, shard)} has {rep * shard} ranks, the world has {world}"
-            )
-        names = ("dp_replicate", "dp_shard")
-        return MeshPlan(device_type, (rep, shard), names, names)
-    dp = options.data_parallel_size or dp_default
-    if dp * tp != world:
-        raise ValueError(
-            f"data_parallel_size={dp} × tensor_parallel_size={tp} = {dp * tp} ranks, "
-            f"but the world has {world}"
-        )
-    if options.sharding == "none":
-        names = ("dp_replicate", "dp_shard")
-        return MeshPlan(device_type, (dp, 1), names, names)
-    if tp > 1:
-        return MeshPlan(device_type, (dp, tp), ("dp", "tp"), ("dp",), "tp")
-    return MeshPlan(device_type, (dp,), ("dp",), ("dp",))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from ...errors import CheckpointError
+from ..errors import CheckpointError
 from .atomic import remove
 from .info import CheckpointInfo
 from .inspect import inspect

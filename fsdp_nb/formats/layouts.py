@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ...errors import CheckpointError
+from ..errors import CheckpointError
 from .metadata import MARKER, META_FILE
 
 __all__ = ["LAYOUTS", "WRITABLE", "Layout", "find_layout", "layout_of_keys"]
