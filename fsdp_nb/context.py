@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .models.memory_report import MemoryPlan
     from .models.sharded_model import ShardedModel
     from .models.wrap import WrapRecord
+    from .wire.memory_sample import MemorySample
 
 __all__ = ["SessionContext", "SessionFacts"]
 
@@ -68,9 +69,9 @@ class SessionContext:
     """Async saves still being written; the next save, load or shutdown waits for them."""
     keeper: Keeper | None = None
     """The session record and watchdog (None for a connected session not kept alive)."""
-    last_memory: dict[int, tuple[float, int, int]] = field(default_factory=dict)
-    """Rank -> (time, bytes used, limit) of its last memory sample (``sess.memory()``'s
-    feed): what a rank the OOM killer ended last held."""
+    last_memory: dict[int, MemorySample] = field(default_factory=dict)
+    """Rank -> its last memory sample (``sess.memory()``'s feed): what a rank the OOM
+    killer ended last held."""
     last_plan: MemoryPlan | None = None
     """The last ``sess.plan``: an out-of-memory error names its cheapest change that fits."""
     restart_phases: dict[str, float] = field(default_factory=dict)

@@ -23,10 +23,10 @@ from typing import Any
 
 __all__ = [
     "FLIGHT_RECORDER_ENV", "activation_checkpoint",
-    "compute_local_shape_and_global_offset", "current_frames", "default_group",
+    "collective_call", "compute_local_shape_and_global_offset", "current_frames", "default_group",
     "flight_recorder", "fake_process_group", "fake_tensor_mode", "fsdp_mesh_info_classes",
     "fsdp_memory_tracker", "fsdp_root_states", "fsspec_reader", "fsspec_writer",
-    "group_backend", "group_sequence_numbers", "hf_init_weights", "local_tensor",
+    "group_backend", "group_sequence_numbers", "hf_init_weights", "local_tensor", "making_group",
     "mesh_group_names", "narrow_tensor_by_index", "process_groups", "reset_fsdp_iteration", "resolve_process_group",
     "set_element", "set_mesh_group_names", "tree_leaves", "tree_map_only",
     "weights_only_unpickler",
@@ -192,6 +192,56 @@ def reset_fsdp_iteration(state: Any) -> None:
             group._to_sharded()
     state._state_ctx.iter_forward_root = None
     state._state_ctx.post_backward_final_callback_queued = False
+
+
+_GROUP_MAKERS = frozenset({
+    "init_process_group", "new_group", "_new_process_group_helper", "new_subgroups",
+    "new_subgroups_by_enumeration", "split_group", "init_device_mesh", "_init_process_groups",
+})
+"""torch.distributed's functions that make a process group (the flight recorder's table of
+groups grows while one runs)."""
+_COLLECTIVES = frozenset({
+    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "gather",
+    "scatter", "send", "recv", "broadcast_object_list", "monitored_barrier",
+})
+"""``distributed_c10d``'s collectives whose frame the hang watch reads."""
+_TENSOR_ARGS = ("tensor", "input_tensor", "output_tensor", "tensor_list", "input", "output")
+"""The names ``distributed_c10d``'s collectives give their tensor arguments."""
+
+
+def _in_torch_distributed(filename: str) -> bool:
+    dist = sys.modules.get("torch.distributed")
+    here = getattr(dist, "__file__", None)
+    return bool(here) and filename.startswith(here.rsplit("/", 1)[0] + "/")  # type: ignore[union-attr]
+
+
+def making_group(frame: Any) -> bool:
+    """Whether ``frame`` or a frame under it (a thread's stack, innermost first) is one of
+    torch.distributed's functions that make a process group."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _GROUP_MAKERS and _in_torch_distributed(code.co_filename):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def collective_call(frame: Any) -> tuple[str, Any, list[Any]] | None:
+    """The collective of ``distributed_c10d`` that ``frame`` (a thread's stack, innermost
+    first) is inside, read from that call's own frame: (its op, its group argument or
+    None for the default group, its tensor arguments); None when it is in none."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _COLLECTIVES and code.co_filename.endswith("distributed_c10d.py"):
+            local = frame.f_locals
+            tensors = []
+            for k in _TENSOR_ARGS:
+                v = local.get(k)
+                tensors += [t for t in (v if isinstance(v, list) else [v]) if hasattr(t, "shape") and hasattr(t, "dtype")]
+            return code.co_name, local.get("group") or local.get("pg"), tensors
+        frame = frame.f_back
+    return None
 
 
 # -- tensors and modules -------------------------------------------------------------

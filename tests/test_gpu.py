@@ -233,12 +233,13 @@ def test_a_plan_matches_the_measured_step_on_the_device(gsess: fsdp_nb.Session):
 
 @CUDA_ONLY
 def test_memory_feed_has_cuda_fields(gsess: fsdp_nb.Session):
-    from fsdp_nb.engine.memory_sampler import sample
+    from fsdp_nb.engine.memory_kinds import by_kind
+    from fsdp_nb.engine.memory_sample import read
 
-    samples = gsess.run(lambda: sample(rank, device))  # type: ignore[name-defined]  # noqa: F821 - engine globals
+    samples = gsess.run(lambda: read(rank, by_kind()))  # type: ignore[name-defined]  # noqa: F821 - engine globals
     for s in samples:
-        assert s["device"].startswith("cuda")
-        assert s["cuda_allocated"] > 0 and s["cuda_total"] > s["cuda_reserved"] > 0
+        assert s.device.startswith("cuda") and s.on_device
+        assert s.device_allocated > 0 and s.budget > s.device_reserved > 0 and s.device_peak >= s.device_allocated
 
 
 def test_error_cell_then_usable(gsess: fsdp_nb.Session):
@@ -311,7 +312,7 @@ def test_the_hang_watch_tells_a_straggler_from_the_groups_counts(gsess: fsdp_nb.
     assert recorder == [None if _device(gsess) == "cuda" else "256"] * gsess.world_size
     # the name torch 2.11+ warns about is never set by fsdp_nb (quiet NCCL starts)
     assert gsess.run(lambda: os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")) == [None] * gsess.world_size
-    counts = [{(g["group"], g["backend"]): g["seq"] for g in got} for got in gsess.run(hang_watch.issued)]
+    counts = [{(g.name, g.backend): g.seq for g in got} for got in gsess.run(hang_watch.WATCH.issued)]
     assert all(c == counts[0] for c in counts) and counts[0]
     if gsess.world_size < 2:
         return

@@ -31,6 +31,11 @@ and as a group issues its first collective. Settled means the main thread sat at
 same instruction since the previous question, making no group and issuing nothing: then
 nothing adds to the tables while the watch reads them. A training loop never settles,
 so it pays nothing for the recorder either.
+
+What the watch remembers between questions (where the main thread was, when it first
+saw a wait and each group's count) is a :class:`RankWatch`'s, one per engine
+(:data:`WATCH`); a test makes its own, handing it the recorder, the main thread's frame
+and the clock it reads.
 """
 
 from __future__ import annotations
@@ -42,20 +47,26 @@ import os
 import sysconfig
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 from ..torch_compat import (
+    collective_call,
     current_frames,
     default_group,
     flight_recorder,
     group_sequence_numbers,
+    making_group,
     process_groups,
 )
-from .retired_groups import RETIRED
+from ..wire.decode import encode
+from ..wire.hang_state import Collective, GroupCount, RankState, UserFrame
+from .retired_groups import RETIRED, RetiredGroups
 from .signing import Link, Refused, start_listener
 
-__all__ = ["FREE", "MAX_FRAME_BYTES", "QUERY", "QUERY_NOW", "WINDOW", "collective", "issued", "library_dirs",
-           "main_frame", "start", "state"]
+__all__ = ["FREE", "MAX_FRAME_BYTES", "QUERY", "QUERY_NOW", "WATCH", "WINDOW", "RankWatch", "library_dirs",
+           "main_frame", "start"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -74,23 +85,8 @@ WINDOW = 64
 """How far out of order the questions (each on a socket of its own) and their answers may
 arrive and still be taken once (``signing.Link``): a rank whose main thread holds the GIL
 reads two queued questions in either order."""
-_COLLECTIVES = {
-    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "gather",
-    "scatter", "send", "recv", "broadcast_object_list", "monitored_barrier",
-}
-_TENSOR_ARGS = ("tensor", "input_tensor", "output_tensor", "tensor_list", "input", "output")
-_WATCH: dict[str, Any] = {}
-_SEEN: dict[tuple[str, int], float] = {}
-_GROUP_MAKERS = frozenset({
-    "init_process_group", "new_group", "_new_process_group_helper", "new_subgroups",
-    "new_subgroups_by_enumeration", "split_group", "init_device_mesh", "_init_process_groups",
-})
-"""torch.distributed's functions that make a process group (the recorder's table grows)."""
-_LAST: dict[str, Any] = {"at": None}
-"""The main thread as the previous question found it (``_settled``)."""
-_ISSUED: dict[tuple[str, str], tuple[int, float]] = {}
-"""(group, backend) -> (its count of issued collectives, when that count was first seen)."""
+_LISTENER: dict[str, Any] = {}
+"""The watch thread's socket: its endpoint, nonce and link (``signing.start_listener``)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -118,20 +114,25 @@ def _where(filename: str, line: int) -> str:
     return f"{base}:{line}"
 
 
-def main_frame(frame: Any = None) -> dict[str, Any] | None:
-    """The innermost frame of user code on the main thread (or of ``frame``): its
+def _main_thread_frame() -> FrameType | None:
+    """The main thread's innermost frame now."""
+    return current_frames().get(threading.main_thread().ident or 0)
+
+
+def main_frame(frame: FrameType | None = None) -> UserFrame | None:
+    """The innermost frame of user code on the main thread (or under ``frame``): its
     function, where it is (``cell line 3``) and the line's source; None when none is."""
     import linecache
 
     if frame is None:
-        frame = current_frames().get(threading.main_thread().ident or 0)
+        frame = _main_thread_frame()
     libs = library_dirs()
     while frame is not None:
         code = frame.f_code
         if _is_user(code.co_filename, libs):
             line = frame.f_lineno or 0
-            text = linecache.getline(code.co_filename, line).strip()
-            return {"function": code.co_name, "where": _where(code.co_filename, line), "code": text}
+            return UserFrame(code.co_name, _where(code.co_filename, line),
+                             linecache.getline(code.co_filename, line).strip())
         frame = frame.f_back
     return None
 
@@ -143,72 +144,36 @@ def _dtype(name: str) -> str:
     return table.get(name, name.lower())
 
 
-def _group_names(config: dict[str, Any]) -> dict[str, tuple[str, list[int] | None]]:
+def _group_names(config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...] | None]]:
     """pg name -> (description, ranks) from the flight recorder's ``pg_config``."""
-    out: dict[str, tuple[str, list[int] | None]] = {}
+    out: dict[str, tuple[str, tuple[int, ...] | None]] = {}
     for name, cfg in (config or {}).items():
         ranks = cfg.get("ranks")
         try:
             ranks = json.loads(ranks) if isinstance(ranks, str) else ranks
         except ValueError:
             ranks = None
-        out[str(name)] = (str(cfg.get("desc") or name), list(ranks) if isinstance(ranks, list) else None)
+        out[str(name)] = (str(cfg.get("desc") or name), tuple(ranks) if isinstance(ranks, list) else None)
     return out
 
 
-def _dump(collectives: bool) -> dict[str, Any] | None:
-    """torch's flight recorder, read (``torch_compat.flight_recorder``): only once the
-    main thread has settled (``_settled``)."""
-    return flight_recorder(collectives)
+def _in_flight(status: dict[str, Any], retired: set[str]) -> dict[str, int]:
+    """pg name -> the sequence number of its collective in flight, from the recorder's
+    groups' status, the groups this rank has left (``retired``) left out."""
+    out = {}
+    for pg, st in (status.get("pg_status") or {}).items():
+        enqueued = int(st.get("last_enqueued_collective", -1))
+        if pg not in retired and enqueued > int(st.get("last_completed_collective", -1)):
+            out[pg] = enqueued
+    return out
 
 
-def _snapshot(frame: Any) -> tuple[Any, ...] | None:
-    """Where the main thread is (its frame and instruction) and what each group has
-    issued; None while it is making a process group."""
-    f = frame
-    while f is not None:
-        if f.f_code.co_name in _GROUP_MAKERS:
-            return None
-        f = f.f_back
-    counts = tuple((g["group"], g["backend"], g["seq"]) for g in issued())
-    return (id(frame), getattr(frame, "f_code", None), getattr(frame, "f_lasti", -1), counts)
-
-
-def _settled(frame: Any, now: bool) -> bool:
-    """The main thread has not moved since the previous question (``now``: over the
-    next 20 ms, for a question that cannot wait for another): same frame, same
-    instruction, no group made, no collective issued. Only then may the recorder be read.
-    Asked on the main thread itself (a call that runs ``collective``), it is settled."""
-    if threading.current_thread() is threading.main_thread():
-        return True
-    here = _snapshot(frame)
-    before, _LAST["at"] = _LAST["at"], here
-    if now:
-        time.sleep(0.02)
-        before, here = here, _snapshot(current_frames().get(threading.main_thread().ident or 0))
-    return here is not None and here == before
-
-
-def _from_recorder() -> dict[str, Any] | None:
-    """This rank's collective in flight per the flight recorder: {} when none is in
-    flight, None when it records nothing here. Called only once settled (``_settled``).
-
-    The groups' status alone costs microseconds; the records (milliseconds) are read
-    only when a group has a collective in flight."""
-    status = _dump(collectives=False)
-    if status is None or not status.get("pg_status"):
-        return None
-    flying = {pg: int(st.get("last_enqueued_collective", -1)) for pg, st in status["pg_status"].items()
-              if pg not in RETIRED
-              and int(st.get("last_enqueued_collective", -1)) > int(st.get("last_completed_collective", -1))}
-    if not flying:
-        return {}
-    dump = _dump(collectives=True)
-    if dump is None:
-        return None
+def _recorded(dump: dict[str, Any], flying: dict[str, int]) -> Collective | None:
+    """The oldest of the ``flying`` collectives that the recorder's ``dump`` has a record
+    of (None: none)."""
     entries = dump.get("entries") or []
     groups = _group_names(dump.get("pg_config") or {})
-    best: dict[str, Any] = {}
+    best: Collective | None = None
     for pg, enq in flying.items():
         # the newest record of that sequence number: a group formed again (recovery) may
         # be named anew in the status but not in the records, where older groups' remain
@@ -218,123 +183,175 @@ def _from_recorder() -> dict[str, Any] | None:
             continue
         e = (named or same)[-1]
         since = int(e.get("time_created_ns") or 0) / 1e9
-        if best and since >= best["since"]:
+        if best is not None and since >= best.since:
             continue
         desc = str((tuple(e.get("process_group") or ()) + ("", ""))[1])
         desc, ranks = groups.get(str(pg), (desc or str(pg), None))
-        best = {"op": str(e.get("profiling_name", "")).split(":", 1)[-1], "group": desc or "default_pg",
-                "group_ranks": ranks, "seq": enq, "since": since,
-                "shapes": [list(x) for x in e.get("input_sizes") or []],
-                "dtypes": [_dtype(d) for d in e.get("input_dtypes") or []]}
+        best = Collective(op=str(e.get("profiling_name", "")).split(":", 1)[-1], desc=desc or "default_pg",
+                          group_ranks=ranks, seq=enq, since=since,
+                          shapes=tuple(tuple(x) for x in e.get("input_sizes") or []),
+                          dtypes=tuple(_dtype(d) for d in e.get("input_dtypes") or []))
     return best
 
 
-def _from_frame(frame: Any) -> dict[str, Any]:
-    """This rank's collective from where its main thread waits in ``torch.distributed``
-    ({} when it is not in one): op, group and shapes from the call's own arguments."""
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name in _COLLECTIVES and code.co_filename.endswith("distributed_c10d.py"):
-            local = frame.f_locals
-            group = local.get("group") or local.get("pg")
+class RankWatch:
+    """What this rank's watch thread reads when the notebook asks, and what it remembers
+    between two questions.
+
+    Args:
+        recorder: reads torch's flight recorder (``torch_compat.flight_recorder``):
+            ``recorder(collectives)`` -> its JSON dump, or None where it records nothing.
+        retired: the groups this rank has left, whose status the recorder keeps.
+        main_thread_frame: the main thread's innermost frame now.
+        on_main_thread: whether the caller is the main thread (a call that runs the
+            question itself needs no waiting for it to settle).
+        clock: Unix time now.
+        pause: sleeps that many seconds (a question that cannot wait checks over 20 ms).
+    """
+
+    def __init__(self, *, recorder: Callable[[bool], dict[str, Any] | None] = flight_recorder,
+                 retired: RetiredGroups = RETIRED,
+                 main_thread_frame: Callable[[], FrameType | None] = _main_thread_frame,
+                 on_main_thread: Callable[[], bool] = lambda: threading.current_thread() is threading.main_thread(),
+                 clock: Callable[[], float] = time.time, pause: Callable[[float], None] = time.sleep):
+        self.recorder, self.retired = recorder, retired
+        self.main_thread_frame, self.on_main_thread = main_thread_frame, on_main_thread
+        self.clock, self.pause = clock, pause
+        self.last: tuple[Any, ...] | None = None
+        """The main thread as the previous question found it (``_settled``)."""
+        self.waits: dict[tuple[str, int], float] = {}
+        """(op, sequence number) -> when a wait seen in ``torch.distributed`` was first seen."""
+        self.counts: dict[tuple[str, str], tuple[int, float]] = {}
+        """(group name, backend) -> (its count of issued collectives, when that count was first seen)."""
+
+    def state(self, rank: int | None = None, now: bool = True) -> RankState:
+        """This rank, now: its collective in flight (:meth:`collective`; ``now=False``:
+        only one in flight since the previous question), each group's issued collectives
+        (:meth:`issued`), the innermost user frame of its main thread (:func:`main_frame`),
+        its pid, rank and the time."""
+        if rank is None:
             try:
                 import torch.distributed as dist
 
-                pg = group or default_group()
-                seq = max(group_sequence_numbers(pg).values(), default=-1)
-                desc = getattr(pg, "group_desc", None) or "default_pg"
-                ranks = dist.get_process_group_ranks(pg)
-            except (RuntimeError, AttributeError, ValueError):
-                seq, desc, ranks = -1, "default_pg", None
-            shapes, dtypes = [], []
-            for k in _TENSOR_ARGS:
-                for t in (local.get(k) if isinstance(local.get(k), list) else [local.get(k)]):
-                    if hasattr(t, "shape") and hasattr(t, "dtype"):
-                        shapes.append(list(t.shape))
-                        dtypes.append(str(t.dtype).replace("torch.", ""))
-            key = (code.co_name, seq)
-            if key not in _SEEN:  # first seen now: the wait is counted from here
-                _SEEN.clear()
-                _SEEN[key] = time.time()
-            since = _SEEN[key]
-            return {"op": code.co_name, "group": desc, "group_ranks": ranks, "seq": seq, "since": since,
-                    "shapes": shapes, "dtypes": dtypes}
-        frame = frame.f_back
-    return {}
+                rank = dist.get_rank() if dist.is_initialized() else None
+            except (RuntimeError, ValueError):
+                rank = None
+        return RankState(rank=rank, pid=os.getpid(), now=self.clock(), collective=self.collective(now),
+                         issued=self.issued(), frame=main_frame(self.main_thread_frame()))
 
+    def collective(self, now: bool = False) -> Collective | None:
+        """The collective this rank waits in, or None.
 
-def collective(now: bool = False) -> dict[str, Any]:
-    """The collective this rank waits in, or {}: ``op``, ``group`` (its description:
-    ``default_pg``, a mesh dimension), ``group_ranks``, ``seq`` (the group's sequence
-    number), ``since`` (Unix time it began), ``shapes`` and ``dtypes``.
+        From the flight recorder once the main thread has settled (``now``: checked over
+        20 ms instead of since the previous question), else from the main thread's frame
+        in ``torch.distributed``."""
+        frame = self.main_thread_frame()
+        found = self._from_recorder() if self._settled(frame, now) else None
+        if found is None:  # nothing recorded here, not settled, or a record the status does not name
+            found = self._from_frame(frame)
+        return found
 
-    From the flight recorder once the main thread has settled (``_settled``; ``now``:
-    checked over 20 ms instead of since the previous question), else from the main
-    thread's frame in ``torch.distributed``."""
-    frame = current_frames().get(threading.main_thread().ident or 0)
-    found = _from_recorder() if _settled(frame, now) else None
-    if not found:  # nothing recorded here, not settled, or a record the status does not name
-        found = _from_frame(frame)
-    return found
-
-
-def issued() -> list[dict[str, Any]]:
-    """Each process group's count of issued collectives on this rank, per backend:
-    ``group`` (its name, the same on every member), ``desc`` (``default_pg``, a mesh
-    dimension), ``ranks``, ``backend``, ``seq`` and ``since`` (when this count was first
-    seen here, Unix time). Microseconds per group, paid only when the notebook asks:
-    unlike the flight recorder, nothing is done per collective."""
-    try:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return []
-        groups = process_groups()
-    except (RuntimeError, AttributeError, ImportError):
-        return []
-    now, out, seen = time.time(), [], set()
-    for pg in groups:
-        try:
-            name = str(pg.group_name)
-            desc = str(getattr(pg, "group_desc", None) or name)
-            ranks = list(dist.get_process_group_ranks(pg))
-            counts = group_sequence_numbers(pg)
-        except (RuntimeError, AttributeError, ValueError):
-            continue
-        for backend, seq in counts.items():
-            key = (name, backend)
-            seen.add(key)
-            if _ISSUED.get(key, (None,))[0] != seq:
-                _ISSUED[key] = (seq, now)
-            out.append({"group": name, "desc": desc, "ranks": ranks, "backend": backend, "seq": seq,
-                        "since": _ISSUED[key][1]})
-    for key in set(_ISSUED) - seen:  # groups destroyed since
-        del _ISSUED[key]
-    return out
-
-
-def state(rank: int | None = None, now: bool = True) -> dict[str, Any]:
-    """This rank, now: its collective in flight (``collective``; ``now=False``: only one
-    in flight since the previous question), each group's issued collectives
-    (``issued``), the innermost user frame of its main thread
-    (``main_frame``), its pid, rank and the time."""
-    if rank is None:
+    def issued(self) -> tuple[GroupCount, ...]:
+        """Each process group's count of issued collectives on this rank, per backend, with
+        when this count was first seen here. Microseconds per group, paid only when the
+        notebook asks: unlike the flight recorder, nothing is done per collective."""
         try:
             import torch.distributed as dist
 
-            rank = dist.get_rank() if dist.is_initialized() else None
-        except (RuntimeError, ValueError):
-            rank = None
-    return {"rank": rank, "pid": os.getpid(), "now": time.time(), "collective": collective(now),
-            "issued": issued(), "frame": main_frame()}
+            if not (dist.is_available() and dist.is_initialized()):
+                return ()
+            groups = process_groups()
+        except (RuntimeError, AttributeError, ImportError):
+            return ()
+        at, out, seen = self.clock(), [], set()
+        for pg in groups:
+            try:
+                name = str(pg.group_name)
+                desc = str(getattr(pg, "group_desc", None) or name)
+                ranks = tuple(dist.get_process_group_ranks(pg))
+                counts = group_sequence_numbers(pg)
+            except (RuntimeError, AttributeError, ValueError):
+                continue
+            for backend, seq in counts.items():
+                key = (name, backend)
+                seen.add(key)
+                if self.counts.get(key, (None,))[0] != seq:
+                    self.counts[key] = (seq, at)
+                out.append(GroupCount(name, desc, ranks, backend, seq, self.counts[key][1]))
+        for key in set(self.counts) - seen:  # groups destroyed since
+            del self.counts[key]
+        return tuple(out)
+
+    def _snapshot(self, frame: FrameType | None) -> tuple[Any, ...] | None:
+        """Where the main thread is (its frame and instruction) and what each group has
+        issued; None while it is making a process group."""
+        if making_group(frame):
+            return None
+        counts = tuple((g.name, g.backend, g.seq) for g in self.issued())
+        return (id(frame), getattr(frame, "f_code", None), getattr(frame, "f_lasti", -1), counts)
+
+    def _settled(self, frame: FrameType | None, now: bool) -> bool:
+        """The main thread has not moved since the previous question (``now``: over the
+        next 20 ms, for a question that cannot wait for another): same frame, same
+        instruction, no group made, no collective issued. Only then may the recorder be
+        read. Asked on the main thread itself (a call that runs ``collective``), it is settled."""
+        if self.on_main_thread():
+            return True
+        here = self._snapshot(frame)
+        before, self.last = self.last, here
+        if now:
+            self.pause(0.02)
+            before, here = here, self._snapshot(self.main_thread_frame())
+        return here is not None and here == before
+
+    def _from_recorder(self) -> Collective | None:
+        """This rank's collective in flight per the flight recorder; None when none is in
+        flight or it records nothing here. Called only once settled (``_settled``).
+
+        The groups' status alone costs microseconds; the records (milliseconds) are read
+        only when a group has a collective in flight."""
+        status = self.recorder(False)
+        flying = _in_flight(status or {}, self.retired.keys)
+        if not flying:
+            return None
+        dump = self.recorder(True)
+        return None if dump is None else _recorded(dump, flying)
+
+    def _from_frame(self, frame: FrameType | None) -> Collective | None:
+        """This rank's collective from where its main thread waits in ``torch.distributed``
+        (None when it is not in one): op, group and shapes from the call's own arguments."""
+        call = collective_call(frame)
+        if call is None:
+            return None
+        op, group, tensors = call
+        try:
+            import torch.distributed as dist
+
+            pg = group or default_group()
+            seq = max(group_sequence_numbers(pg).values(), default=-1)
+            desc = getattr(pg, "group_desc", None) or "default_pg"
+            ranks: tuple[int, ...] | None = tuple(dist.get_process_group_ranks(pg))
+        except (RuntimeError, AttributeError, ValueError):
+            seq, desc, ranks = -1, "default_pg", None
+        key = (op, seq)
+        if key not in self.waits:  # first seen now: the wait is counted from here
+            self.waits.clear()
+            self.waits[key] = self.clock()
+        return Collective(op=op, desc=desc, group_ranks=ranks, seq=seq, since=self.waits[key],
+                          shapes=tuple(tuple(t.shape) for t in tensors),
+                          dtypes=tuple(str(t.dtype).replace("torch.", "") for t in tensors))
+
+
+WATCH = RankWatch()
+"""This engine's watch: what its thread answers the notebook with."""
 
 
 def _answer(payload: bytes) -> bytes:
-    """The JSON reply to a checked request: this rank's state, or (``FREE``) how many
-    connections to the given peers were shut."""
+    """The JSON reply to a checked request: this rank's state (a ``RankState``), or
+    (``FREE``) how many connections to the given peers were shut."""
     try:
         if payload in (QUERY, QUERY_NOW):
-            return json.dumps(state(now=payload == QUERY_NOW), default=str).encode()
+            return encode(WATCH.state(now=payload == QUERY_NOW))
         from .health import close_connections_to
 
         peers = [(str(ip), int(port)) for ip, port in json.loads(payload[len(FREE):])]
@@ -368,5 +385,5 @@ def start(addr: str) -> tuple[str, bytes]:
 
     Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``).
     """
-    return start_listener(_WATCH, addr, "hang-watch", "ROUTER", MAX_FRAME_BYTES, _handle, "fsdp_nb-hang-watch",
+    return start_listener(_LISTENER, addr, "hang-watch", "ROUTER", MAX_FRAME_BYTES, _handle, "fsdp_nb-hang-watch",
                           WINDOW)

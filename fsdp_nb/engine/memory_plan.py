@@ -21,21 +21,24 @@ unpickles nothing from it.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import inspect
-import json
 import logging
 import math
 import os
 import sys
 from typing import Any
 
-from ..torch_compat import fake_process_group, fake_tensor_mode, fsdp_memory_tracker
-from ..wire.memory_plan import RankMemory, StepSpec, TensorSpec, categories
-from .namespace import unship, user_ns
+from ..torch_compat import fake_process_group, fake_tensor_mode, fsdp_memory_tracker, tree_map_only
+from ..wire.decode import encode
+from ..wire.memory_plan import PlanAnswer, PlanJob, RankMemory, StepSpec, TensorSpec, categories
+from ..wire.mesh_plan import MeshPlan
+from ..wire.wrap_options import WrapOptions
+from .memory_sample import device_budget, peak_resident, reset_peak_resident
+from .namespace import rank_device, ranks_on_host, unship, user_ns
 from .wrap import construct, get, mesh_of, shard
 
-__all__ = ["device_budget", "main", "measure", "plan_world", "rank_kinds", "run_step"]
+__all__ = ["PeakPlace", "main", "measure", "plan_world", "rank_kinds", "run_step", "session_budget"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -73,6 +76,42 @@ def _takes_optimizer(fn: Any) -> bool:
         return False
 
 
+class PeakPlace:
+    """Where a step's memory peak fell: the FSDP unit that ran and the phase. The tracker
+    tells :meth:`on_peak` each time the peak rises; the optimizer's step hooks
+    (:meth:`watch`) say when the optimizer runs, which the tracker does not name."""
+
+    def __init__(self, units: set[str]):
+        self.units = units
+        """The FQNs of the model's FSDP units (``""``: the root)."""
+        self.unit = ""
+        """The unit running when the peak fell (``"(optimizer step)"`` in the optimizer)."""
+        self.phase = "forward"
+        """``"forward"``, ``"backward"`` or ``"optimizer"``."""
+        self.in_optimizer = False
+        """The optimizer's step is running now."""
+
+    def on_peak(self, active: set[str], backward: bool) -> None:
+        """The peak rose while the tracker's modules ``active`` ran (``backward``: in the backward)."""
+        if self.in_optimizer:
+            self.unit, self.phase = "(optimizer step)", "optimizer"
+            return
+        names = {n.split(".", 1)[1] if "." in n else "" for n in active if n != "Global"}
+        inside = sorted((n for n in names if n in self.units), key=lambda n: n.count(".") + bool(n))
+        self.unit, self.phase = (inside[-1] if inside else ""), ("backward" if backward else "forward")
+
+    def watch(self, optimizer: Any) -> list[Any]:
+        """Follow ``optimizer``'s steps; the hooks' handles (``remove()`` each when done)."""
+
+        def started(*_: Any) -> None:
+            self.in_optimizer = True
+
+        def ended(*_: Any) -> None:
+            self.in_optimizer = False
+
+        return [optimizer.register_step_pre_hook(started), optimizer.register_step_post_hook(ended)]
+
+
 def run_step(model: Any, optimizer: Any, step: Any, batch: Any, steps: int, units: set[str],
              device_type: str) -> RankMemory:
     """Run ``steps`` training steps under the tracker; this rank's peak by category on
@@ -80,24 +119,10 @@ def run_step(model: Any, optimizer: Any, step: Any, batch: Any, steps: int, unit
 
     ``units``: the FQNs of the model's FSDP units (``""``: the root), for naming where
     the peak fell."""
-
-    where = {"unit": "", "phase": "forward"}
-    in_optimizer = [False]
-
-    def on_peak(active: set[str], backward: bool) -> None:
-        if in_optimizer[0]:
-            where.update(unit="(optimizer step)", phase="optimizer")
-            return
-        names = {n.split(".", 1)[1] if "." in n else "" for n in active if n != "Global"}
-        inside = sorted((n for n in names if n in units), key=lambda n: n.count(".") + bool(n))
-        where.update(unit=inside[-1] if inside else "", phase="backward" if backward else "forward")
-
-    hooks = []
-    if optimizer is not None:
-        hooks = [optimizer.register_step_pre_hook(lambda *_: in_optimizer.__setitem__(0, True)),
-                 optimizer.register_step_post_hook(lambda *_: in_optimizer.__setitem__(0, False))]
+    place = PeakPlace(units)
+    hooks = place.watch(optimizer) if optimizer is not None else []
     whole = step is not None and _takes_optimizer(step)
-    tracker = fsdp_memory_tracker(model, optimizer, on_peak)
+    tracker = fsdp_memory_tracker(model, optimizer, place.on_peak)
     try:
         with tracker:
             for _ in range(steps):
@@ -121,9 +146,8 @@ def run_step(model: Any, optimizer: Any, step: Any, batch: Any, steps: int, unit
     snap = dict(peak.get(dev, {})) if dev is not None else {}
     total = int(snap.pop("Total", 0))
     detail = {getattr(k, "value", str(k)): int(v) for k, v in snap.items()}
-    rank = _rank()
-    return RankMemory(rank, total, **categories(detail), peak_unit=where["unit"],
-                      peak_phase=where["phase"], detail=detail)
+    return RankMemory(_rank(), total, **categories(detail), peak_unit=place.unit, peak_phase=place.phase,
+                      detail=detail)
 
 
 def _rank() -> int:
@@ -172,34 +196,32 @@ def rank_kinds(dim0s: list[int], plan: Any, world_size: int) -> dict[int, list[i
     return {g[0]: g for g in groups.values()}
 
 
-def plan_world(job: dict[str, Any]) -> list[dict[str, Any]]:
-    """Plan one scenario: ``job`` has ``kind``, ``payload`` (the wrap's shipped spec),
-    ``plan`` (its ``MeshPlan``), ``world_size``, ``device`` and ``step`` (a
-    :class:`StepSpec`). Returns every rank's :class:`RankMemory` as a dict."""
+def plan_world(job: PlanJob) -> list[RankMemory]:
+    """Plan one scenario: every rank's :class:`RankMemory`, in rank order."""
     import torch
     import torch.distributed as dist
 
-    kind, world, plan, spec = job["kind"], job["world_size"], job["plan"], job["step"]
-    spec_model, args, kwargs, options = unship(job["payload"])
+    kind, world, plan, spec = job.kind, job.world_size, job.plan, job.step
+    spec_model, args, kwargs, options = unship(job.payload)
     step, optimizer = unship(spec.step), unship(spec.optimizer)
     with torch.device("meta"):
         probe = construct(kind, spec_model, args, kwargs)
     kinds = rank_kinds([p.shape[0] if p.dim() else 1 for p in probe.parameters()], plan, world)
     del probe
-    out: dict[int, dict[str, Any]] = {}
+    out: dict[int, RankMemory] = {}
     for first, ranks in kinds.items():
         fake_process_group(first, world)
         try:
-            mem = _plan_rank(kind, spec_model, args, kwargs, options, plan, job["device"], spec, step, optimizer)
+            mem = _plan_rank(kind, spec_model, args, kwargs, options, plan, job.device, spec, step, optimizer)
         finally:
             dist.destroy_process_group()
         for r in ranks:
-            out[r] = {**mem.__dict__, "rank": r}
+            out[r] = dataclasses.replace(mem, rank=r)
     return [out[r] for r in range(world)]
 
 
-def _plan_rank(kind: str, spec_model: Any, args: tuple, kwargs: dict, options: Any, plan: Any, device: str,
-               spec: StepSpec, step: Any, optimizer: Any) -> RankMemory:
+def _plan_rank(kind: str, spec_model: Any, args: tuple, kwargs: dict, options: WrapOptions, plan: MeshPlan,
+               device: str, spec: StepSpec, step: Any, optimizer: Any) -> RankMemory:
     import torch
 
     model = construct(kind, spec_model, args, kwargs)
@@ -214,8 +236,8 @@ def _plan_rank(kind: str, spec_model: Any, args: tuple, kwargs: dict, options: A
 
 
 def main() -> None:
-    """The planner process: a cloudpickled list of jobs on stdin, one JSON line per
-    job on stdout (``{"ranks": [...]}`` or ``{"error": ...}``)."""
+    """The planner process: a cloudpickled list of :class:`PlanJob` s on stdin, one
+    :class:`PlanAnswer` per job on stdout as a JSON line."""
     import warnings
 
     import cloudpickle
@@ -223,45 +245,19 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    jobs = cloudpickle.loads(sys.stdin.buffer.read())
+    jobs: list[PlanJob] = cloudpickle.loads(sys.stdin.buffer.read())
     for job in jobs:
-        line: dict[str, Any]
         try:
-            line = {"ranks": plan_world(job)}
+            answer = PlanAnswer(ranks=plan_world(job))
         except Exception as exc:  # noqa: BLE001 - each scenario's failure is reported, the others still run
             import traceback
 
-            line = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        sys.stdout.write(json.dumps(line) + "\n")
+            answer = PlanAnswer(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        sys.stdout.buffer.write(encode(answer) + b"\n")
         sys.stdout.flush()
 
 
 # -- measured: the real ranks ------------------------------------------------------------
-
-
-def _peak_resident() -> int | None:
-    """This process's peak resident memory (``VmHWM``), in bytes; None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak_resident() -> None:
-    """Start the peak resident memory afresh: first hand the allocator's free pages back
-    (glibc's ``malloc_trim``; a process that freed memory keeps it resident, and the
-    step would reuse it unseen), then ``5`` to ``clear_refs`` (Linux)."""
-    import ctypes
-    import ctypes.util
-
-    with contextlib.suppress(OSError, AttributeError, TypeError):
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def measure(name: str, spec: StepSpec, batch: Any) -> RankMemory:
@@ -273,41 +269,29 @@ def measure(name: str, spec: StepSpec, batch: Any) -> RankMemory:
     import torch
 
     w = get(name)
-    model, device = w.module, torch.device(user_ns().get("device", "cpu"))
-    batch = unship(batch)
-    if isinstance(batch, dict):
-        batch = {k: v.to(device) for k, v in batch.items()}
-    elif isinstance(batch, (list, tuple)):
-        batch = type(batch)(v.to(device) for v in batch)
-    else:
-        batch = batch.to(device)
+    model, device = w.module, torch.device(rank_device())
+    batch = tree_map_only(torch.Tensor, lambda t: t.to(device), unship(batch))  # nested too
     optimizer = _optimizer(unship(spec.optimizer), model)
     units = {fqn for fqn, m in model.named_modules() if hasattr(m, "unshard")}
     gc.collect()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)  # the peak restarts at what is allocated now
-    _reset_peak_resident()
-    before = _peak_resident()
+    reset_peak_resident()
+    before = peak_resident()
     mem = run_step(model, optimizer, unship(spec.step), batch, spec.steps, units, device.type)
-    after = _peak_resident()
-    growth = None if before is None or after is None else after - before
+    growth = peak_resident() - before
     device_peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
     del optimizer  # a fresh one goes; an engine global's stays bound
     gc.collect()
-    return RankMemory(**{**mem.__dict__, "resident_growth": growth, "device_peak": device_peak})
+    return dataclasses.replace(mem, resident_growth=growth, device_peak=device_peak)
 
 
-def device_budget(local_world_size: int) -> tuple[str, int]:
-    """(device type, bytes one rank may use): the GPU's total memory, or on CPU the
-    host's RAM shared by the ranks on this host."""
-    import psutil
-    import torch
-
-    dev = torch.device(user_ns().get("device", "cpu"))
-    if dev.type == "cuda":
-        return "cuda", int(torch.cuda.get_device_properties(dev).total_memory)
-    return "cpu", int(psutil.virtual_memory().total) // max(1, local_world_size)
+def session_budget() -> tuple[str, int | None]:
+    """(device type, bytes this rank may hold): ``memory_sample.device_budget`` for this
+    rank's device and the ranks on its host."""
+    device = rank_device()
+    return device.split(":")[0], device_budget(device, ranks_on_host())
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ A request sent through the engines' task queue waits behind the cell that is run
 (2.6 s measured), so live memory cannot be polled that way while ``%%px`` trains.
 Instead ``start`` (called once through the task queue) binds a zmq XPUB socket on the
 address the notebook gives (loopback when the notebook is on this host) and starts a
-daemon thread that publishes one JSON sample per interval. The thread stops when its
+daemon thread that publishes one JSON sample per interval (a
+:class:`~fsdp_nb.wire.memory_sample.MemorySample`, read by ``memory_sample.read``). The thread stops when its
 last subscriber goes away (XPUB sees the unsubscribe when the notebook closes its SUB
 socket or dies), or when nobody subscribed within ``wait_subscriber`` seconds: it
 never outlives its widget.
@@ -18,84 +19,30 @@ subscriber's topic, signed, so the notebook drops anything else that reaches it.
 
 from __future__ import annotations
 
-import json
 import os
-import resource
 import threading
 import time
 from typing import Any
 
-from . import memory_kinds
-from .out_of_memory import cuda_in_use
+from ..wire.decode import encode
+from . import memory_kinds, memory_sample
 from .signing import Link, Refused, engine_key, new_nonce
 
-__all__ = ["MAX_SUBSCRIPTION_BYTES", "dropped", "running", "sample", "start"]
+__all__ = ["MAX_SUBSCRIPTION_BYTES", "dropped", "running", "start"]
 
 MAX_SUBSCRIPTION_BYTES = 1024
 """The largest subscription message the sampler takes (a signed one is under 200 bytes)."""
 
 _LOCK = threading.Lock()
 _SAMPLERS: dict[str, _Sampler] = {}
-_RAM_TOTAL: int | None = None
-
-
-def _ram_total() -> int:
-    global _RAM_TOTAL
-    if _RAM_TOTAL is None:
-        import psutil
-
-        _RAM_TOTAL = int(psutil.virtual_memory().total)
-    return _RAM_TOTAL
-
-
-def sample(rank: int, device: str = "cpu", seq: int = 0, _proc: Any = None) -> dict[str, Any]:
-    """One memory sample of this process as a JSON-ready dict.
-
-    CPU: resident set size, its peak (``ru_maxrss``) and the host's RAM. CUDA (only if
-    this process already initialised CUDA, never initialising it from here): allocated,
-    reserved and peak allocated bytes on ``device`` and the device's total memory. Once
-    a model is wrapped: its parameters, gradients and the optimizers' state, in bytes
-    (``memory_kinds``: the main thread's last reading).
-    """
-    import psutil
-
-    proc = _proc or psutil.Process(os.getpid())
-    rss = int(proc.memory_info().rss)
-    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-    out: dict[str, Any] = {
-        "rank": rank,
-        "seq": seq,
-        "t": time.time(),
-        "device": device,
-        "rss": rss,
-        "rss_peak": max(peak, rss),
-        "ram_total": _ram_total(),
-        "cuda_allocated": None,
-        "cuda_reserved": None,
-        "cuda_peak": None,
-        "cuda_total": None,
-    }
-    if device.startswith("cuda"):
-        torch = cuda_in_use()
-        if torch is not None:
-            dev = torch.device(device)
-            out["cuda_allocated"] = int(torch.cuda.memory_allocated(dev))
-            out["cuda_reserved"] = int(torch.cuda.memory_reserved(dev))
-            out["cuda_peak"] = int(torch.cuda.max_memory_allocated(dev))
-            out["cuda_total"] = int(torch.cuda.get_device_properties(dev).total_memory)
-    kinds = memory_kinds.kept()  # read on the main thread: this one touches no tensor
-    if kinds is not None:
-        out["parameters"], out["gradients"], out["optimizer"] = kinds
-    return out
 
 
 class _Sampler(threading.Thread):
     """One publishing thread (daemon): owns its zmq context and XPUB socket."""
 
-    def __init__(self, token: str, rank: int, addr: str, device: str, interval: float,
-                 wait_subscriber: float, key: bytes):
+    def __init__(self, token: str, rank: int, addr: str, interval: float, wait_subscriber: float, key: bytes):
         super().__init__(name=f"fsdp_nb-memory-sampler-{token[:8]}", daemon=True)
-        self.token, self.rank, self.addr, self.device = token, rank, addr, device
+        self.token, self.rank, self.addr = token, rank, addr
         self.interval, self.wait_subscriber = interval, wait_subscriber
         self.nonce = new_nonce()
         self.link = Link(key, "memory", self.nonce, "server")
@@ -150,8 +97,9 @@ class _Sampler(threading.Thread):
                 if not ever and time.monotonic() - started > self.wait_subscriber:
                     return  # nobody came
                 if ever:
-                    s = sample(self.rank, self.device, self.samples_sent, proc)
-                    signed = self.link.pack(json.dumps(s).encode())
+                    # the main thread's last reading by kind: this thread touches no tensor
+                    s = memory_sample.read(self.rank, memory_kinds.kept(), seq=self.samples_sent, process=proc)
+                    signed = self.link.pack(encode(s))
                     for topic in topics:
                         sock.send_multipart([topic, signed])
                     self.samples_sent += 1
@@ -180,8 +128,8 @@ class _Sampler(threading.Thread):
         return True
 
 
-def start(token: str, rank: int, addr: str, device: str = "cpu", interval: float = 1.0,
-          wait_subscriber: float = 60.0, key: bytes | None = None) -> tuple[str, bytes]:
+def start(token: str, rank: int, addr: str, interval: float = 1.0, wait_subscriber: float = 60.0,
+          key: bytes | None = None) -> tuple[str, bytes]:
     """Start (or find) the sampler ``token`` on this engine.
 
     Args:
@@ -189,7 +137,6 @@ def start(token: str, rank: int, addr: str, device: str = "cpu", interval: float
         rank: the rank, written in each sample.
         addr: the address to bind: loopback when the notebook runs on this host, else
             the engine's address on the interface that routes to the controller.
-        device: the rank's device (``"cpu"``, ``"cuda:0"``).
         interval: seconds between samples.
         wait_subscriber: seconds to wait for the first subscriber before giving up.
         key: the cluster's key; default this engine's (``signing.engine_key``).
@@ -205,7 +152,7 @@ def start(token: str, rank: int, addr: str, device: str = "cpu", interval: float
         s = _SAMPLERS.get(token)
         if s is not None and s.is_alive() and s.endpoint:
             return s.endpoint, s.nonce
-        s = _Sampler(token, rank, addr, device, float(interval), float(wait_subscriber), key)
+        s = _Sampler(token, rank, addr, float(interval), float(wait_subscriber), key)
         _SAMPLERS[token] = s
     s.start()
     s._bound.wait(10)

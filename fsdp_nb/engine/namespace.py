@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import types
 from typing import Any
 
@@ -23,6 +24,19 @@ def user_ns() -> dict[str, Any]:
     import __main__
 
     return __main__.__dict__
+
+
+def rank_device() -> str:
+    """This rank's device, as the rendezvous set the engine global ``device`` (``"cpu"``,
+    ``"cuda:0"``); ``"cpu"`` before a group is formed."""
+    return str(user_ns().get("device", "cpu"))
+
+
+def ranks_on_host() -> int:
+    """How many ranks share this rank's host (``LOCAL_WORLD_SIZE``, set by the rendezvous; 1
+    before one)."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
 
 
 def unship(obj: Any) -> Any:

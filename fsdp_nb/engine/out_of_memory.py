@@ -3,7 +3,8 @@ failure left behind (engine side of ``fsdp_nb.recovery.out_of_memory``).
 
 After a failed allocation the failing frames stay alive in ``sys.last_traceback`` (for
 ``sess.debug``), and with them the step's activations; FSDP2 keeps the units it had
-gathered unsharded. :func:`held` reads what the rank holds at that moment;
+gathered unsharded. :func:`held` reads what the rank holds at that moment (a
+:class:`~fsdp_nb.wire.memory_sample.MemorySample`, as the live view gets them);
 :func:`release` drops those frames' locals, reshards every FSDP2 unit (the cut-short
 iteration is dropped), collects and empties CUDA's cache, so the next cell runs. Engine
 globals (models, optimizers, variables) are untouched.
@@ -13,46 +14,21 @@ from __future__ import annotations
 
 import gc
 import os
-import resource
 import sys
-from typing import Any
 
-from ..wire.memory_plan import Held
+from ..wire.memory_sample import MemorySample
+from . import memory_sample
 from .health import reset_fsdp_iterations
 from .memory_kinds import by_kind
-from .namespace import user_ns
+from .namespace import rank_device
 
-__all__ = ["cuda_in_use", "held", "release"]
-
-
-def cuda_in_use(device: Any = None) -> Any:
-    """torch, if this process uses CUDA already (never initialising it from here) and
-    ``device`` (if given) is a CUDA device; else None."""
-    torch = sys.modules.get("torch")
-    if torch is None or (device is not None and device.type != "cuda"):
-        return None
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    return torch
+__all__ = ["held", "release"]
 
 
-def held() -> Held:
-    """What this rank holds now: wrapped models' parameters and gradients, the engine
-    globals' optimizer state, and the total (CUDA allocated, or resident on CPU)."""
-    import psutil
-    import torch
-
-    device = torch.device(user_ns().get("device", "cpu"))
-    params, grads, state = by_kind() or (0, 0, 0)
-    cuda = cuda_in_use(device)
-    if cuda is not None:
-        total = int(cuda.cuda.memory_allocated(device))
-        limit: int | None = int(cuda.cuda.get_device_properties(device).total_memory)
-    else:
-        total = int(psutil.Process(os.getpid()).memory_info().rss)
-        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
-        limit = None if soft == resource.RLIM_INFINITY else int(soft)
-    return Held("cuda" if cuda is not None else "cpu", params, grads, state, total, limit)
+def held(rank: int) -> MemorySample:
+    """What rank ``rank`` (this one) holds now, its wrapped models' parameters, gradients
+    and optimizer state read afresh (this is the main thread)."""
+    return memory_sample.read(rank, by_kind())
 
 
 def release() -> int:
@@ -60,10 +36,9 @@ def release() -> int:
     back between iterations (their gathered units resharded), collect, and empty CUDA's
     cache; the bytes this gave back (CUDA reserved, or resident on CPU)."""
     import psutil
-    import torch
 
-    device = torch.device(user_ns().get("device", "cpu"))
-    cuda = cuda_in_use(device)
+    device = rank_device()
+    cuda = memory_sample.cuda_in_use(device)
 
     def now() -> int:
         if cuda is not None:

@@ -10,16 +10,37 @@ whatever leaves the groups (``process_group.join`` and ``destroy``,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from ..torch_compat import flight_recorder
 
-__all__ = ["RETIRED", "retire_groups"]
+__all__ = ["RETIRED", "RetiredGroups", "retire_groups"]
 
-RETIRED: set[str] = set()
-"""The flight recorder's status keys of the groups this rank has left."""
+
+class RetiredGroups:
+    """The recorder's status keys of the groups this rank has left.
+
+    Args:
+        recorder: reads the flight recorder (``torch_compat.flight_recorder``).
+    """
+
+    def __init__(self, recorder: Callable[[bool], dict[str, Any] | None] = flight_recorder):
+        self.recorder = recorder
+        self.keys: set[str] = set()
+        """The status keys retired so far."""
+
+    def retire(self) -> None:
+        """Called just before this rank destroys its process groups: their recorder status
+        keys join ``keys`` (nothing where the recorder is off or absent)."""
+        status = self.recorder(False) or {}
+        self.keys.update(str(k) for k in status.get("pg_status") or {})
+
+
+RETIRED = RetiredGroups()
+"""This engine's retired groups (the hang watch's ``WATCH`` reads them)."""
 
 
 def retire_groups() -> None:
-    """Called just before this rank destroys its process groups: their recorder status
-    keys join ``RETIRED`` (nothing where the recorder is off or absent)."""
-    status = flight_recorder(False) or {}
-    RETIRED.update(str(k) for k in status.get("pg_status") or {})
+    """This engine's groups retired (:meth:`RetiredGroups.retire` of :data:`RETIRED`)."""
+    RETIRED.retire()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import logging
 import os
 import subprocess
@@ -29,9 +28,12 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..engine.memory_sample import device_budget
 from ..errors import FsdpNbError
 from ..runtime.shipping import by_value, register_local_modules
-from ..wire.memory_plan import RankMemory, StepSpec, TensorSpec
+from ..wire.calls import ByValue
+from ..wire.decode import loads
+from ..wire.memory_plan import PlanAnswer, PlanJob, StepSpec, TensorSpec
 from ..wire.mesh_plan import plan_mesh
 from ..wire.wrap_options import OPTION_NAMES, WrapOptions, make_options, no_split_default
 from .memory_report import MemoryPlan, WhatIf
@@ -107,29 +109,21 @@ def step_spec(batch: Any, step: Any, optimizer: Any, steps: int, *, engine_names
                     optimizer if optimizer is None or isinstance(optimizer, str) else by_value(optimizer), steps)
 
 
-def session_budget(ctx: SessionContext) -> tuple[str, int]:
-    """(device type, the smallest bytes any rank may use) of the session's ranks."""
+def session_budget(ctx: SessionContext) -> tuple[str, int | None]:
+    """(device type, the smallest bytes any rank may hold) of the session's ranks, by the
+    rule every budget follows (``fsdp_nb.engine.memory_sample.device_budget``)."""
     from ..engine import memory_plan as _emp
 
     d = ctx.dispatcher
-    got = d.gather(d.apply("device budget", _emp.device_budget, [(r.local_world_size,) for r in ctx.ranks]))
-    return got[0][0], min(b for _, b in got)
+    got = d.gather(d.apply("device budget", _emp.session_budget))
+    known = [b for _, b in got if b is not None]
+    return got[0][0], min(known) if known else None
 
 
-def _local_budget(device: str, world_size: int) -> int | None:
-    """Bytes a rank may use here: this machine's first GPU, or its RAM shared by the
-    ranks; None for CUDA where this process sees no GPU (the plan says to pass budget=)."""
-    import psutil
-    import torch
-
-    if device == "cuda":
-        return int(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
-    return int(psutil.virtual_memory().total) // world_size
-
-
-def _run_planner(jobs: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
-    """Run ``jobs`` in one planner process; one answer dict per job. Its temporary folder
-    is one of its own, removed after it (torch leaves an inductor cache there)."""
+def _run_planner(jobs: list[PlanJob], timeout: float) -> list[PlanAnswer]:
+    """Run ``jobs`` in one planner process; its answer to each, decoded strictly (a
+    :class:`~fsdp_nb.errors.WireError` names a field that does not match). Its temporary
+    folder is one of its own, removed after it (torch leaves an inductor cache there)."""
     import cloudpickle
 
     try:  # Ctrl-C or the timeout kill the planner process (subprocess.run does)
@@ -140,7 +134,7 @@ def _run_planner(jobs: list[dict[str, Any]], timeout: float) -> list[dict[str, A
     except subprocess.TimeoutExpired:
         raise PlanError(f"planning {len(jobs)} step(s) took longer than timeout={timeout:g} s and was "
                         "stopped; pass a larger timeout=, or fewer what_if alternatives") from None
-    lines = [json.loads(x) for x in proc.stdout.decode().splitlines() if x.startswith("{")]
+    lines = [loads(PlanAnswer, x) for x in proc.stdout.decode().splitlines() if x.startswith("{")]
     if proc.returncode != 0 or len(lines) != len(jobs):
         tail = proc.stderr.decode(errors="replace").strip().splitlines()[-12:]
         raise PlanError(f"the planner process ended with exit code {proc.returncode} after {len(lines)} of "
@@ -201,29 +195,30 @@ def plan(
         p = by_value((meta_clone(model) if kind == "instance" else model, tuple(args), kwargs, o))
         jobs.append(_job(kind, p, o, n, backend, hosts[:1] * n if n != world else hosts, planned_on, s))
     if budget is None:
-        budget = session_budget(ctx)[1] if ctx is not None else _local_budget(device, world)
+        # here (no session): this machine's first GPU, or its RAM shared by the ranks; None for
+        # CUDA where this process sees no GPU (the plan then says to pass budget=)
+        budget = session_budget(ctx)[1] if ctx is not None else device_budget(device, world)
     answers = _run_planner(jobs, timeout)
     base = answers[0]
-    if "error" in base:
-        raise PlanError(f"planning the step failed: {base['error']}\n{_user_lines(base.get('traceback', ''))}")
-    ranks = [RankMemory(**r) for r in base["ranks"]]
+    if base.ranks is None:
+        raise PlanError(f"planning the step failed: {base.error}\n{_user_lines(base.traceback)}")
+    ranks = base.ranks
     weighed = []
     for change, ans in zip(changes, answers[1:]):
         rank, words = cost(change, world)
-        if "error" in ans:
-            weighed.append(WhatIf(change, label(change), None, None, rank, words, ans["error"]))
+        if ans.ranks is None:
+            weighed.append(WhatIf(change, label(change), None, None, rank, words, ans.error))
             continue
-        peak = max(r["peak"] for r in ans["ranks"])
+        peak = max(r.peak for r in ans.ranks)
         weighed.append(WhatIf(change, label(change), peak, None if budget is None else peak <= budget, rank, words))
     weighed.sort(key=lambda w: (not w.fits, w.cost_rank, w.peak if w.peak is not None else 1 << 62))
     return MemoryPlan(ranks, world, device, budget, opts.describe(), weighed, notes,
                       seconds=time.perf_counter() - t0)
 
 
-def _job(kind: str, payload: Any, opts: WrapOptions, world: int, backend: str, hosts: list[str],
-         device: str, spec: StepSpec) -> dict[str, Any]:
-    return {"kind": kind, "payload": payload, "plan": plan_mesh(world, backend, hosts, opts),
-            "world_size": world, "device": device, "step": spec}
+def _job(kind: str, payload: ByValue, opts: WrapOptions, world: int, backend: str, hosts: list[str],
+         device: str, spec: StepSpec) -> PlanJob:
+    return PlanJob(kind, payload, plan_mesh(world, backend, hosts, opts), world, device, spec)
 
 
 def _device_notes(device: str) -> tuple[str, list[str]]:

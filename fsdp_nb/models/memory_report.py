@@ -14,7 +14,7 @@ from typing import Any
 from ..display.tables import fmt_bytes, html_table, text_table
 from ..wire.memory_plan import CATEGORIES, RankMemory
 
-__all__ = ["MemoryPlan", "WhatIf"]
+__all__ = ["MemoryPlan", "WhatIf", "cheapest_change"]
 
 _COLOURS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer": "#54a24b",
             "activations": "#e45756", "communication": "#72b7b2", "other": "#b279a2"}
@@ -92,10 +92,7 @@ class MemoryPlan:
             return head + "; no budget known (pass budget=)"
         if self.fits:
             return head + f": fits {fmt_bytes(self.budget)}"
-        best = self.cheapest_fit
-        tail = (f"; cheapest change that fits: {best.label} ({fmt_bytes(best.peak)}; cost: {best.cost})"
-                if best else "; no what-if weighed fits" if self.what_ifs else "")
-        return head + f": does NOT fit {fmt_bytes(self.budget)}" + tail
+        return head + f": does NOT fit {fmt_bytes(self.budget)}; " + cheapest_change(self)
 
     def _rank_rows(self) -> list[list[str]]:
         return [[str(r.rank), fmt_bytes(r.peak), *(fmt_bytes(getattr(r, c)) for c in CATEGORIES),
@@ -141,3 +138,21 @@ class MemoryPlan:
             parts.append(html_table(self._WHAT_IF_HEAD, self._what_if_rows(), cls="fsdp-nb-what-if"))
         parts += [f"<small>note: {html.escape(n)}</small>" for n in self.notes]
         return "<div class='fsdp-nb-memory-plan'>" + "<br>".join(parts) + "</div>"
+
+
+def cheapest_change(plan: MemoryPlan | None, source: str = "") -> str:
+    """The one line that names the cheapest change that fits: in a plan's verdict, and
+    (``source="the last plan"``) in an out-of-memory error or a killed rank's report.
+
+    Args:
+        plan: the plan (None: there is none, and the line says how to make one).
+        source: where the plan came from, named after "fits" (``""``: nothing named).
+    """
+    if plan is None:
+        return "no plan says what fits: sess.plan(Model, ..., batch=..., what_if='auto') does, before allocating"
+    best = plan.cheapest_fit
+    if best is None:
+        return ("no change weighed fits" if plan.what_ifs else
+                "no change was weighed: what_if='auto' weighs the usual ones") + (f" ({source})" if source else "")
+    return (f"cheapest change that fits{', from ' + source if source else ''}: {best.label} "
+            f"(peak {fmt_bytes(best.peak or 0)}; cost: {best.cost})")

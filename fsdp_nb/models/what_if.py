@@ -85,9 +85,16 @@ def standard(options: WrapOptions, world_size: int, batch: Any, fixed_world: boo
 
 
 def _first_dim(batch: Any) -> int:
-    shapes = [getattr(b, "shape", ()) for b in (batch.values() if isinstance(batch, dict) else
-                                                 batch if isinstance(batch, (list, tuple)) else [batch])]
-    return min((s[0] for s in shapes if s), default=0)
+    """The smallest first dimension among the batch's tensors (or their specs), however deep
+    they sit in tuples, lists and dicts; 0 when none has one."""
+    if isinstance(batch, dict):
+        parts = list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        parts = list(batch)
+    else:
+        shape = getattr(batch, "shape", ())
+        return int(shape[0]) if shape else 0
+    return min((d for d in map(_first_dim, parts) if d), default=0)
 
 
 _COSTS: dict[str, tuple[int, str]] = {
@@ -98,34 +105,45 @@ _COSTS: dict[str, tuple[int, str]] = {
     "grad_op": (0, "none: one all-gather fewer per unit (more memory between forward and backward)"),
     "full": (1, "communication: every unit is gathered again in the backward"),
     "auto_wrap": (1, "communication: more, smaller all-gathers"),
+    "no_auto_wrap": (0, "none: one all-gather of the whole model (fewer, larger ones)"),
     "activation_checkpointing": (2, "recompute: the checkpointed blocks' forward runs again in the "
                                     "backward (about a third more compute)"),
+    "no_activation_checkpointing": (0, "none: no forward runs again in the backward (faster)"),
     "batch": (3, "fewer samples per step: accumulate gradients over more steps for the same batch"),
+    "larger_batch": (0, "none: more samples per step (faster per sample)"),
     "cpu_offload": (4, "transfers: parameters and gradients cross to the host every step and the "
                        "optimizer steps on the CPU"),
+    "no_cpu_offload": (0, "none: parameters, gradients and optimizer state stay on the device (faster)"),
     "more_ranks": (5, "hardware: more GPUs"),
     "fewer_ranks": (0, "none: fewer GPUs"),
 }
 
 
+def _cost_key(k: str, v: Any, world_size: int) -> str:
+    """Which of ``_COSTS`` change ``k=v`` is; a change not named there is its own key."""
+    if k == "world_size":
+        return "more_ranks" if v > world_size else "fewer_ranks"
+    if k == "mixed_precision":
+        return v if isinstance(v, str) else "bf16-mixed"
+    if k in ("sharding", "reshard_after_forward"):
+        return "full" if v in ("full", "hybrid", True) else "grad_op"
+    if k == "cpu_offload":
+        return "cpu_offload" if v else "no_cpu_offload"
+    if k == "activation_checkpointing":
+        return "activation_checkpointing" if v else "no_activation_checkpointing"
+    if k == "auto_wrap" and v is None:
+        return "no_auto_wrap"
+    if k == "batch" and isinstance(v, (int, float)) and v > 1:
+        return "larger_batch"
+    return k
+
+
 def cost(change: dict[str, Any], world_size: int) -> tuple[int, str]:
     """(rank, words) of what ``change`` costs in speed: rank 0 is free, higher is dearer;
-    a change of several things costs its dearest, words for each."""
-    parts: list[tuple[int, str]] = []
-    for k, v in change.items():
-        if k == "world_size":
-            key = "more_ranks" if v > world_size else "fewer_ranks"
-        elif k == "mixed_precision":
-            key = v if isinstance(v, str) else "bf16-mixed"
-        elif k in ("sharding", "reshard_after_forward"):
-            key = "full" if v in ("full", "hybrid", True) else "grad_op"
-        elif k == "cpu_offload":
-            key = "cpu_offload" if v else "fewer_ranks"
-        elif k == "activation_checkpointing" and v is None:
-            key = "fewer_ranks"
-        else:
-            key = k
-        parts.append(_COSTS.get(key, (1, f"{k} changed")))
+    a change of several things costs its dearest, words for each. A change this table
+    does not know (a new batch given as tensors is ``batch``) is named as it is, at rank 1."""
+    parts = [_COSTS.get(key, (1, f"{key} changed: its speed cost is not known"))
+             for key in (_cost_key(k, v, world_size) for k, v in change.items())]
     return max(r for r, _ in parts), "; ".join(w for _, w in parts)
 
 

@@ -23,8 +23,8 @@ import time
 from typing import TYPE_CHECKING
 
 from ..display.tables import fmt_bytes
+from ..models.memory_report import cheapest_change
 from ..runtime.engine_exits import EngineExit, exit_status
-from .out_of_memory import cheapest
 
 if TYPE_CHECKING:
     from ..context import SessionContext
@@ -90,8 +90,9 @@ def explain_deaths(ctx: SessionContext, dead: list[int], oom_kills_before: int |
             out += lines_for_exit(r, ended)
             continue
         last = ctx.last_memory.get(r)
-        held = (f"its last memory sample, {time.time() - last[0]:.0f} s before, showed "
-                f"{fmt_bytes(last[1])} of {fmt_bytes(last[2])}" if last else
+        of = f" of {fmt_bytes(last.budget)}" if last is not None and last.budget else ""
+        held = (f"its last memory sample, {time.time() - last.t:.0f} s before, showed "
+                f"{fmt_bytes(last.used)}{of}" if last is not None else
                 "no memory samples were kept (sess.memory() keeps each rank's history)")
         who = ("the kernel's out-of-memory killer ended it (the kernel's count of such kills rose)" if oom else
                "not the kernel's out-of-memory killer (its count of kills did not change): another process"
@@ -99,7 +100,5 @@ def explain_deaths(ctx: SessionContext, dead: list[int], oom_kills_before: int |
         out.append(f"rank {r} was killed by SIGKILL, which fsdp_nb did not send: {who}; {held}")
         sigkilled = True
     if sigkilled and oom is not False:
-        best = cheapest(ctx)
-        out.append(f"cheapest change that fits, from the last plan: {best}" if best else
-                   "sess.plan(Model, ..., batch=..., what_if='auto') says what fits before allocating")
+        out.append(cheapest_change(ctx.last_plan, "the last plan"))
     return out

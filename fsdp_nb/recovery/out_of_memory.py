@@ -15,29 +15,31 @@ from typing import TYPE_CHECKING
 from ..display.tables import fmt_bytes
 from ..engine import out_of_memory as _oom
 from ..errors import RankFailure
-from ..wire.memory_plan import Held, failed_allocation, is_out_of_memory
+from ..models.memory_report import cheapest_change
+from ..wire.memory_plan import failed_allocation, is_out_of_memory
+from ..wire.memory_sample import MemorySample
 
 if TYPE_CHECKING:
     from ..context import SessionContext
 
-__all__ = ["cheapest", "explain", "lines_for"]
+__all__ = ["explain", "lines_for"]
 
 log = logging.getLogger("fsdp_nb")
 
 
-def lines_for(failure: RankFailure, held: Held, freed: int, cheapest: str | None) -> list[str]:
-    """The error's lines for one rank out of memory (a pure function)."""
+def lines_for(failure: RankFailure, held: MemorySample, freed: int, cheapest: str) -> list[str]:
+    """The error's lines for one rank out of memory (a pure function); ``cheapest`` is
+    the line ``cheapest_change`` gives."""
     asked = failed_allocation(failure.evalue)
-    of = f" of {fmt_bytes(held.limit)}" if held.limit else ""
-    rest = "activations, temporaries" + (", the process itself" if held.device == "cpu" else "")
+    of = f" of {fmt_bytes(held.budget)}" if held.budget else ""
+    rest = "activations, temporaries" + ("" if held.on_device else ", the process itself")
     return [
         f"rank {failure.rank} ran out of memory: it could not allocate "
-        f"{fmt_bytes(asked) if asked is not None else 'more'} while holding {fmt_bytes(held.total)}{of} "
+        f"{fmt_bytes(asked) if asked is not None else 'more'} while holding {fmt_bytes(held.used)}{of} "
         f"({held.device}):",
-        f"  parameters {fmt_bytes(held.parameters)}, gradients {fmt_bytes(held.gradients)}, "
-        f"optimizer state {fmt_bytes(held.optimizer)}, the rest ({rest}) {fmt_bytes(held.rest)}",
-        f"  cheapest change that fits, from the last plan: {cheapest}" if cheapest else
-        "  no plan says what fits: sess.plan(Model, ..., batch=..., what_if='auto') does, before allocating",
+        f"  parameters {fmt_bytes(held.parameters or 0)}, gradients {fmt_bytes(held.gradients or 0)}, "
+        f"optimizer state {fmt_bytes(held.optimizer or 0)}, the rest ({rest}) {fmt_bytes(held.rest)}",
+        f"  {cheapest}",
         f"  the failing frames were dropped and caches emptied ({fmt_bytes(freed)} given back); models "
         "and variables are kept: the next cell runs",
     ]
@@ -48,19 +50,14 @@ def explain(ctx: SessionContext, failures: list[RankFailure]) -> list[str]:
     oom = [f for f in failures if is_out_of_memory(f.ename, f.evalue)]
     if not oom:
         return []
-    best = cheapest(ctx)
+    best = cheapest_change(ctx.last_plan, "the last plan")
     ranks = [f.rank for f in oom]
     d = ctx.plain_dispatcher
     try:
-        held = d.gather(d.apply("what the ranks hold", _oom.held, ranks=ranks), 30)
+        held = d.gather(d.apply("what the ranks hold", _oom.held, [(r,) for r in ranks], ranks=ranks), 30)
         freed = d.gather(d.apply("free after out of memory", _oom.release, ranks=ranks), 60)
     except Exception as exc:  # noqa: BLE001 - the error itself must still reach the user
         log.warning("fsdp_nb: could not ask rank(s) %s what they hold: %s", ranks, exc)
         return []
     return [line for f, h, n in zip(oom, held, freed) for line in lines_for(f, h, n, best)]
 
-
-def cheapest(ctx: SessionContext) -> str | None:
-    """The last plan's cheapest change that fits, as the errors name it; None without one."""
-    best = ctx.last_plan.cheapest_fit if ctx.last_plan is not None else None
-    return f"{best.label} (peak {fmt_bytes(best.peak)}; cost: {best.cost})" if best else None

@@ -1,6 +1,6 @@
 """A hang, explained: which rank waits in which collective, who is missing and where.
 
-Pure functions over what each rank's watch thread told (``fsdp_nb.engine.hang_watch.state``):
+Pure functions over what each rank's watch thread told (a :class:`~fsdp_nb.wire.hang_state.RankState`):
 ``hang_report`` turns them into one line per rank, mismatches and missing ranks first,
 for the live diagnosis, the status widget and the errors of a timeout, a Ctrl-C or a
 recovery. ``fold_stacks`` shortens a faulthandler dump to the user's frames.
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..engine.hang_watch import library_dirs
+from ..wire.hang_state import Collective, GroupCount, RankState, UserFrame
 
 __all__ = ["HangReport", "ahead", "fold_stacks", "hang_report", "out_of_step"]
 
@@ -51,24 +52,24 @@ class HangReport:
         return "\n".join(self.lines)
 
 
-def _group(name: str) -> str:
-    return "the default group" if name in ("default_pg", "", "0") else f"group {name}"
+def _group(desc: str) -> str:
+    return "the default group" if desc in ("default_pg", "", "0") else f"group {desc}"
 
 
-def _tensors(c: dict[str, Any]) -> str:
-    parts = [f"{dt}[{', '.join(map(str, shape))}]" for shape, dt in zip(c.get("shapes") or [], c.get("dtypes") or [])]
+def _tensors(c: Collective) -> str:
+    parts = [f"{dt}[{', '.join(map(str, shape))}]" for shape, dt in zip(c.shapes, c.dtypes)]
     return ", ".join(parts[:3]) + (f", … ({len(parts)} tensors)" if len(parts) > 3 else "")
 
 
-def _coll(c: dict[str, Any]) -> str:
-    return f"{c.get('op', '?')} #{c.get('seq', '?')}"
+def _coll(c: Collective) -> str:
+    return f"{c.op} #{c.seq}"
 
 
-def _place(frame: dict[str, Any] | None) -> str:
-    if not frame:
+def _place(frame: UserFrame | None) -> str:
+    if frame is None:
         return ""
-    code = f": {frame['code']}" if frame.get("code") else ""
-    return f"in {frame.get('function', '?')} ({frame.get('where', '?')}){code}"
+    code = f": {frame.code}" if frame.code else ""
+    return f"in {frame.function} ({frame.where}){code}"
 
 
 def _silent(r: int, stopped: set[int]) -> str:
@@ -77,107 +78,106 @@ def _silent(r: int, stopped: set[int]) -> str:
     return f"rank {r} is not responding (no answer: stuck in C holding the GIL, or gone)"
 
 
-def hang_report(states: dict[int, dict[str, Any] | None], stopped: set[int] | None = None,
+def hang_report(states: Mapping[int, RankState | None], stopped: set[int] | None = None,
                 running: set[int] | None = None) -> HangReport:
     """Explain the ranks of a call from their states.
 
     Args:
-        states: rank -> what its watch thread answered (``engine.hang_watch.state``), or
-            None when it did not answer.
+        states: rank -> what its watch thread answered (``engine.hang_watch.RankWatch.state``),
+            or None when it did not answer.
         stopped: ranks whose process is stopped (checked by the notebook).
         running: the ranks still running the call (default: all in ``states``); the
             others are idle.
     """
     running = set(states) if running is None else set(running)
     stopped = set(stopped or ())
-    silent = sorted(r for r, st in states.items() if st is None or "error" in st)
-    coll = {r: st["collective"] for r, st in states.items() if st and st.get("collective")}
+    told = {r: st for r, st in states.items() if st is not None}
+    silent = sorted(r for r in states if r not in told)
+    coll = {r: st.collective for r, st in told.items() if st.collective is not None}
     for r, c in ahead(states).items():
         coll.setdefault(r, c)
     if not coll:
         return HangReport(stalled=tuple(silent), stopped=tuple(r for r in silent if r in stopped))
-    told = {r: st for r, st in states.items() if st}  # a rank that names a collective answered
-    waited = {r: max(0.0, float(told[r]["now"]) - float(c.get("since") or told[r]["now"])) for r, c in coll.items()}
+    waited = {r: max(0.0, told[r].now - (c.since or told[r].now)) for r, c in coll.items()}
     mismatch_lines = _mismatches(coll)
     members: set[int] = set()
     for c in coll.values():
-        members |= set(c.get("group_ranks") or states)
+        members |= set(c.group_ranks or states)
     missing = sorted(r for r in members if r not in coll and r in states or r in silent)
     lines = list(mismatch_lines)
     for r in missing:
-        st = states.get(r)
-        if st is None or "error" in st:
+        st = told.get(r)
+        if st is None:
             lines.append(_silent(r, stopped))
         elif r not in running:
             lines.append(f"rank {r} is not in it: idle (it finished the call, or was not asked to run it)")
         else:
-            where = _place(st.get("frame"))
+            where = _place(st.frame)
             lines.append(f"rank {r} is not in it: {where}" if where else f"rank {r} is not in it (not in user code)")
     for r in sorted(coll):
         c = coll[r]
         shapes = _tensors(c)
-        line = f"rank {r} waits in {_coll(c)} on {_group(str(c.get('group', '')))}"
+        line = f"rank {r} waits in {_coll(c)} on {_group(c.desc)}"
         line += f" ({shapes})" if shapes else ""
         line += f" for {waited[r]:.0f} s"
-        frame = told[r].get("frame")
-        if frame:
-            line += f", from {frame.get('function', '?')} ({frame.get('where', '?')})"
+        frame = told[r].frame
+        if frame is not None:
+            line += f", from {frame.function} ({frame.where})"
         lines.append(line)
     return HangReport(lines=tuple(lines), waited=max(waited.values()), waiting=tuple(sorted(coll)),
                       missing=tuple(missing), stalled=tuple(silent), mismatch=bool(mismatch_lines),
                       stopped=tuple(r for r in silent if r in stopped))
 
 
-def ahead(states: dict[int, dict[str, Any] | None]) -> dict[int, dict[str, Any]]:
+def ahead(states: Mapping[int, RankState | None]) -> dict[int, Collective]:
     """The collective each rank waits in, told by the groups' counts of issued
-    collectives (``engine.hang_watch.issued``): in a group whose members issued
+    collectives (``engine.hang_watch.RankWatch.issued``): in a group whose members issued
     different counts, collective ``lowest + 1`` cannot complete, and every member that
     issued it waits in it (since its count last changed); the op is not known from a
     count. Where the flight recorder is off (NCCL), this is what names a hang."""
-    counts: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    counts: dict[tuple[str, str], dict[int, GroupCount]] = {}
     for r, st in states.items():
-        for g in (st or {}).get("issued") or ():
-            counts.setdefault((str(g.get("group")), str(g.get("backend"))), {})[r] = g
-    out: dict[int, dict[str, Any]] = {}
+        for g in st.issued if st is not None else ():
+            counts.setdefault((g.name, g.backend), {})[r] = g
+    out: dict[int, Collective] = {}
     for by_rank in counts.values():
-        members = set(next(iter(by_rank.values())).get("ranks") or by_rank)
+        members = set(next(iter(by_rank.values())).ranks or by_rank)
         by_rank = {r: g for r, g in by_rank.items() if r in members}
         if not members <= set(by_rank):  # a member did not answer: nothing to compare with
             continue
-        low = min(int(g["seq"]) for g in by_rank.values())
+        low = min(g.seq for g in by_rank.values())
         for r, g in by_rank.items():
-            if int(g["seq"]) > low and r not in out:
-                out[r] = {"op": "collective", "group": g.get("desc") or g.get("group"),
-                          "group_ranks": sorted(members), "seq": low + 1,
-                          "since": float(g.get("since") or 0.0), "from_counts": True}
+            if g.seq > low and r not in out:
+                out[r] = Collective(op="collective", desc=g.desc, group_ranks=tuple(sorted(members)), seq=low + 1,
+                                    since=g.since, from_counts=True)
     return out
 
 
-def out_of_step(states: dict[int, dict[str, Any] | None]) -> list[str]:
+def out_of_step(states: Mapping[int, RankState | None]) -> list[str]:
     """For a call every rank has returned from: a line for each rank that issued a
     collective the other members of its group did not (``ahead``: rank 1 started an
     async one, then failed). The group's next collective would be paired with it, and
     fail (gloo aborts a mismatched size) or hang."""
     lines, issued = [], ahead(states)
     for r, c in sorted(issued.items()):
-        others = [q for q in c.get("group_ranks") or () if issued.get(q, {}).get("seq") != c["seq"]]
+        others = [q for q in c.group_ranks or () if q not in issued or issued[q].seq != c.seq]
         who = f"rank(s) {', '.join(map(str, others))}" if others else "the other members"
-        lines.append(f"rank {r} issued collective #{c['seq']} on {_group(str(c['group']))}, which {who} never joined")
+        lines.append(f"rank {r} issued collective #{c.seq} on {_group(c.desc)}, which {who} never joined")
     return lines
 
 
-def _mismatches(coll: dict[int, dict[str, Any]]) -> list[str]:
+def _mismatches(coll: dict[int, Collective]) -> list[str]:
     """A line for each group and sequence number whose ranks sit in different ops, or in
     one op with different shapes or dtypes (an op told by counts alone is not compared)."""
-    by_seq: dict[tuple[str, Any], dict[int, dict[str, Any]]] = {}
+    by_seq: dict[tuple[str, int], dict[int, Collective]] = {}
     for r, c in coll.items():
-        if c.get("from_counts"):
+        if c.from_counts:
             continue
-        by_seq.setdefault((str(c.get("group", "")), c.get("seq")), {})[r] = c
+        by_seq.setdefault((c.desc, c.seq), {})[r] = c
     out = []
     for (group, _seq), ranks in sorted(by_seq.items(), key=lambda kv: str(kv[0])):
-        ops = {c.get("op") for c in ranks.values()}
-        sigs = {(c.get("op"), repr(c.get("shapes")), repr(c.get("dtypes"))) for c in ranks.values()}
+        ops = {c.op for c in ranks.values()}
+        sigs = {(c.op, c.shapes, c.dtypes) for c in ranks.values()}
         if len(sigs) < 2:
             continue
         what = "different collectives" if len(ops) > 1 else "the same op with different shapes"

@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..engine import hang_watch as _watch
 from ..engine.signing import Link, Refused
+from ..errors import WireError
+from ..wire.decode import loads
+from ..wire.hang_state import RankState
 from .hang_report import HangReport, hang_report
 from .listeners import start_listeners
 
@@ -53,32 +56,50 @@ class HangWatch:
         self.links.update(start_listeners(self.cluster, dispatcher, "start the hang watch", _watch.start,
                                           "hang-watch", ranks, _watch.WINDOW))
 
-    def states(self, ranks: list[int], now: bool = True) -> dict[int, dict[str, Any] | None]:
-        """What each of ``ranks`` says about itself (``engine.hang_watch.state``); None for
-        a rank that did not answer within ``answer_s`` (or has no watch thread).
-        ``now=False``: the watch's cheap question, whose answer names only a collective
-        already in flight at the previous one."""
-        return self._ask({r: _watch.QUERY_NOW if now else _watch.QUERY for r in ranks},
-                         self.answer_s if now else self.quick_answer_s)
+    def states(self, ranks: list[int], now: bool = True) -> dict[int, RankState | None]:
+        """What each of ``ranks`` says about itself (``engine.hang_watch.RankWatch.state``);
+        None for a rank that did not answer within ``answer_s`` (or has no watch thread),
+        or whose thread could not tell (its error is logged). ``now=False``: the watch's
+        cheap question, whose answer names only a collective already in flight at the
+        previous one."""
+        answers = self._ask({r: _watch.QUERY_NOW if now else _watch.QUERY for r in ranks},
+                            self.answer_s if now else self.quick_answer_s)
+        return {r: None if raw is None else self._state(r, raw) for r, raw in answers.items()}
 
-    def free(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
+    def _state(self, rank: int, raw: bytes) -> RankState | None:
+        """Rank ``rank``'s answer decoded; None (logged) when it is an error or does not
+        decode as a ``RankState`` (another version of fsdp_nb on that engine)."""
+        try:
+            return loads(RankState, raw)
+        except WireError as why:
+            told = json.loads(raw) if raw.startswith(b"{") else {}
+            log.warning("fsdp_nb: rank %d's hang watch could not tell where it is: %s", rank,
+                        told.get("error") if isinstance(told, dict) and "error" in told else why)
+            return None
+
+    def free(self, ranks: list[int]) -> dict[int, int | None]:
         """Ask ``ranks`` to shut their connections to every other engine (their TCP
         endpoints, read from their pids), so a main thread blocked in a gloo collective
-        returns; each rank's answer (``{"closed": n}``), None if it gave none."""
+        returns; how many each rank shut, None if it gave no answer."""
         peers = self.cluster.tcp_endpoints()
-        return self._ask({r: _watch.FREE + json.dumps([e for q, es in peers.items() if q != r for e in es]).encode()
-                          for r in ranks})
+        answers = self._ask({r: _watch.FREE + json.dumps([e for q, es in peers.items() if q != r for e in es]).encode()
+                             for r in ranks})
+        out: dict[int, int | None] = {}
+        for r, raw in answers.items():
+            told = json.loads(raw) if raw is not None else None
+            out[r] = told.get("closed") if isinstance(told, dict) else None
+        return out
 
-    def _ask(self, requests: dict[int, bytes], wait: float | None = None) -> dict[int, dict[str, Any] | None]:
-        """Send each rank its request at once; its JSON answer, None after ``wait``
-        seconds (default ``answer_s``)."""
+    def _ask(self, requests: dict[int, bytes], wait: float | None = None) -> dict[int, bytes | None]:
+        """Send each rank its request at once; its answer (checked, its signature
+        removed), None after ``wait`` seconds (default ``answer_s``)."""
         import zmq
 
         ranks = list(requests)
 
         ctx: Any = zmq.Context.instance()
         socks: dict[Any, tuple[int, Link]] = {}
-        out: dict[int, dict[str, Any] | None] = {r: None for r in ranks}
+        out: dict[int, bytes | None] = {r: None for r in ranks}
         poller = zmq.Poller()
         for r in ranks:
             if r not in self.links:
@@ -99,8 +120,8 @@ class HangWatch:
                 for sock, _ in poller.poll(int(left * 1000) + 1):
                     r, link = socks[sock]
                     try:
-                        out[r] = json.loads(link.unpack(sock.recv()))
-                    except (Refused, ValueError) as exc:
+                        out[r] = link.unpack(sock.recv())
+                    except Refused as exc:
                         link.refused(str(exc), self.links[r][0])
         finally:
             for sock in socks:

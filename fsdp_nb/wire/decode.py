@@ -11,7 +11,6 @@ field), never as a silent None further on. :func:`encode` is the other way:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import types
 import typing
@@ -69,9 +68,15 @@ def decode(cls: type[T], data: Any, where: str = "") -> T:
     return cls(**{k: _value(hints[k], v, f"{here}.{k}") for k, v in data.items()})
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+"""Each wire type's field types, resolved once (a memo: the types never change)."""
+
+
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    found = _HINTS.get(cls)
+    if found is None:
+        found = _HINTS[cls] = typing.get_type_hints(cls)
+    return found
 
 
 def _value(tp: Any, v: Any, where: str) -> Any:  # noqa: C901 - one branch per kind of type

@@ -3,7 +3,9 @@ from a planner process or an engine to the notebook.
 
 ``RankMemory`` holds the peak of the step by category, in bytes, and where the peak
 fell. ``categories`` folds torch's ``FSDPMemTracker`` categories into the six a plan
-shows.
+shows. A planner process (``python -m fsdp_nb.engine.memory_plan``) reads
+:class:`PlanJob` s (cloudpickled, on its stdin) and prints one :class:`PlanAnswer` per
+job as a JSON line, which the notebook decodes strictly (``fsdp_nb.wire.decode``).
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .calls import ByValue
+from .mesh_plan import MeshPlan
+
 __all__ = [
-    "CATEGORIES", "TRACKER_CATEGORIES", "Held", "RankMemory", "StepSpec", "TensorSpec", "categories",
-    "failed_allocation", "is_out_of_memory",
+    "CATEGORIES", "TRACKER_CATEGORIES", "PlanAnswer", "PlanJob", "RankMemory", "StepSpec", "TensorSpec",
+    "categories", "failed_allocation", "is_out_of_memory",
 ]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "other")
@@ -134,23 +139,30 @@ def failed_allocation(evalue: str) -> int | None:
 
 
 @dataclass(frozen=True)
-class Held:
-    """What a rank holds, by what it is, in bytes: read after a failure."""
+class PlanJob:
+    """One scenario a planner process plans: a wrap of one model on a fake world."""
 
+    kind: str
+    """How the model is given: ``"class"``, ``"factory"`` or ``"instance"`` (``models.model_spec``)."""
+    payload: ByValue
+    """``(model, args, kwargs, WrapOptions)`` by value: what ``sess.wrap`` would build and shard."""
+    plan: MeshPlan
+    """The mesh every rank builds for it."""
+    world_size: int
+    """Ranks planned for."""
     device: str
-    """``"cuda"`` or ``"cpu"``."""
-    parameters: int
-    """Parameters and buffers of the wrapped models (this rank's shards)."""
-    gradients: int
-    """Their gradients."""
-    optimizer: int
-    """The state of the optimizers among the engine globals."""
-    total: int
-    """CUDA's allocated bytes, or the process's resident memory on CPU."""
-    limit: int | None
-    """What the rank may hold: the GPU's memory, or the address-space limit on CPU (None: none set)."""
+    """Where the fake tensors live: ``"cpu"`` or ``"cuda"``."""
+    step: StepSpec
+    """The training step to run under the tracker."""
 
-    @property
-    def rest(self) -> int:
-        """Everything else: activations, temporaries (and on CPU the process itself)."""
-        return max(0, self.total - self.parameters - self.gradients - self.optimizer)
+
+@dataclass(frozen=True)
+class PlanAnswer:
+    """A planner process's answer to one :class:`PlanJob`: every rank's peak, or why not."""
+
+    ranks: list[RankMemory] | None = None
+    """Each rank's peak by category, in rank order (None: it failed)."""
+    error: str | None = None
+    """The model's or the step's error, as ``"TypeError: ..."`` (None: it was planned)."""
+    traceback: str = ""
+    """The planner's traceback of that error."""

@@ -40,24 +40,25 @@ def plan_mesh(world: int, backend: str, hosts: list[str], options: WrapOptions) 
     if world % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the world size {world}")
     dp_default = world // tp
+    dp_option = options.data_parallel_size
     if options.sharding == "hybrid":
-        if options.data_parallel_size is not None:
-            rep, shard = options.data_parallel_size
+        if isinstance(dp_option, tuple):  # WrapOptions checked: a (replicate, shard) pair with "hybrid"
+            rep, shard = dp_option
         else:
             shard = min(hosts.count(h) for h in set(hosts))
-            rep = world // shard if world % shard == 0 else None
-            if rep is None:
+            if world % shard:
                 raise ValueError(
                     f"cannot split {world} ranks into hosts of {shard}; pass "
                     "data_parallel_size=(replicate, shard)"
                 )
+            rep = world // shard
         if rep * shard != world:
             raise ValueError(
                 f"data_parallel_size={(rep, shard)} has {rep * shard} ranks, the world has {world}"
             )
         names = ("dp_replicate", "dp_shard")
         return MeshPlan(device_type, (rep, shard), names, names)
-    dp = options.data_parallel_size or dp_default
+    dp = dp_option if isinstance(dp_option, int) else dp_default  # an int without "hybrid" (WrapOptions checked)
     if dp * tp != world:
         raise ValueError(
             f"data_parallel_size={dp} × tensor_parallel_size={tp} = {dp * tp} ranks, "

@@ -12,86 +12,27 @@ a closed session ends the receiver too.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...engine import memory_sampler as _ms
 from ...engine.signing import Link, Refused
+from ...errors import WireError
+from ...wire.decode import loads
+from ...wire.memory_sample import MemorySample
 
 if TYPE_CHECKING:
     from ...context import SessionContext
 
 log = logging.getLogger("fsdp_nb")
 
-__all__ = ["MemoryFeed", "MemorySample"]
-
-
-@dataclass(frozen=True)
-class MemorySample:
-    """One rank's memory at one moment (bytes; CUDA fields None on CPU ranks)."""
-
-    rank: int
-    """Rank that measured it."""
-    t: float
-    """Engine wall-clock time of the sample (``time.time()``)."""
-    device: str
-    """The rank's device (``"cpu"``, ``"cuda:0"``)."""
-    rss: int
-    """Resident set size of the engine process."""
-    rss_peak: int
-    """Peak resident set size of the engine process."""
-    ram_total: int
-    """Total RAM of the engine's host (the CPU limit)."""
-    cuda_allocated: int | None = None
-    """Bytes held by tensors on the rank's GPU."""
-    cuda_reserved: int | None = None
-    """Bytes reserved by the CUDA caching allocator."""
-    cuda_peak: int | None = None
-    """Peak allocated bytes since start (or the last reset)."""
-    cuda_total: int | None = None
-    """Total memory of the GPU (the GPU limit)."""
-    parameters: int | None = None
-    """Bytes of the wrapped models' parameters and buffers on this rank (None: no model)."""
-    gradients: int | None = None
-    """Bytes of their gradients."""
-    optimizer: int | None = None
-    """Bytes of the engine globals' optimizer state."""
-    seq: int = 0
-    """Sequence number within its sampler."""
-    received: float = field(default=0.0, compare=False)
-    """Notebook wall-clock time the sample arrived (0 when not received over the wire)."""
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], received: float = 0.0) -> MemorySample:
-        names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in d.items() if k in names}, received=received)
-
-    @property
-    def used(self) -> int:
-        """The headline number: CUDA allocated on GPU ranks, RSS on CPU ranks."""
-        return self.cuda_allocated if self.cuda_allocated is not None else self.rss
-
-    @property
-    def kinds(self) -> dict[str, int] | None:
-        """``used`` split into parameters, gradients, optimizer state and the rest (None
-        before a model is wrapped)."""
-        if self.parameters is None:
-            return None
-        known = {"parameters": self.parameters, "gradients": self.gradients or 0,
-                 "optimizer": self.optimizer or 0}
-        return {**known, "rest": max(0, self.used - sum(known.values()))}
-
-    @property
-    def limit(self) -> int:
-        """The device's limit: GPU total memory, or host RAM."""
-        return self.cuda_total if self.cuda_total is not None else self.ram_total
+__all__ = ["MemoryFeed"]
 
 
 Listener = Callable[["MemoryFeed"], None]
@@ -114,11 +55,14 @@ class MemoryFeed:
         self.token = uuid.uuid4().hex
         self.endpoints: list[str] = []
         self.updates = 0
+        self.malformed = 0
+        """Signed samples that did not decode as a ``MemorySample`` (a version skew: logged once)."""
         self._listeners: list[Listener] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._ctx: SessionContext = None
+        self._zmq: Any = None
+        """The receiver's zmq context (None until started)."""
 
     # -- data -------------------------------------------------------------------
 
@@ -155,16 +99,15 @@ class MemoryFeed:
         d = self.ctx.dispatcher
         cluster = self.ctx.cluster
         ranks = self.ctx.ranks
-        args = [(self.token, r.rank, cluster.listen_address(r.rank), r.device, self.interval)
-                for r in ranks]
+        args = [(self.token, r.rank, cluster.listen_address(r.rank), self.interval) for r in ranks]
         started = d.gather(d.apply("start memory sampler", _ms.start, args))
         self.endpoints = [ep for ep, _ in started]
         key = cluster.key
-        self._ctx = zmq.Context()
+        self._zmq = zmq.Context()
         subs = []
         for rank, (ep, nonce) in enumerate(started):
             link = Link(key, "memory", nonce, "client")
-            sub = self._ctx.socket(zmq.SUB)
+            sub = self._zmq.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, link.pack(self.token.encode()))
             sub.connect(ep)
@@ -231,7 +174,7 @@ class MemoryFeed:
         finally:
             for sub, _, _ in subs:
                 sub.close(0)
-            self._ctx.term()
+            self._zmq.term()
 
     def _store(self, frames: list[bytes], link: Link, rank: int) -> bool:
         """Keep the sample in ``frames`` (``[topic, signed sample]`` from ``rank``'s
@@ -244,14 +187,17 @@ class MemoryFeed:
             link.refused(why, f"a memory sample from rank {rank}")
             return False
         try:
-            s = MemorySample.from_dict(json.loads(raw), received=time.time())
-        except (ValueError, TypeError):
+            s = dataclasses.replace(loads(MemorySample, raw), received=time.time())
+        except WireError as why:  # signed by the sampler, so not an outsider: another version of fsdp_nb
+            if not self.malformed:
+                log.warning("fsdp_nb: rank %d sends memory samples this notebook cannot read: %s", rank, why)
+            self.malformed += 1
             return False
         if s.rank != rank:
             return False
         with self._lock:
             self.history[s.rank].append(s)
-        self.ctx.last_memory[s.rank] = (s.t, s.used, s.limit)  # for a death's report
+        self.ctx.last_memory[s.rank] = s  # for a death's report
         return True
 
     def __del__(self) -> None:

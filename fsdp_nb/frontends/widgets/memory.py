@@ -1,4 +1,4 @@
-"""Live per-rank memory: one bar per rank against its device's limit, plus history.
+"""Live per-rank memory: one bar per rank against what it may hold, plus history.
 
 ``sess.memory()`` returns a :class:`MemoryWidget`. Samples arrive through the side
 channel (:class:`fsdp_nb.frontends.widgets._feed.MemoryFeed`), so the bars keep moving while a
@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as W
 
-from ._feed import MemoryFeed, MemorySample
+from ...wire.memory_sample import MemorySample
+from ._feed import MemoryFeed
 from ._render import StaticForm, fmt_bytes, sparkline_svg, text_table
 
 if TYPE_CHECKING:
     from ...context import SessionContext
 
-__all__ = ["MemorySample", "MemorySnapshot", "MemoryWidget", "memory_widget"]
+__all__ = ["MemorySnapshot", "MemoryWidget", "memory_widget"]
 
 
 @dataclass(frozen=True)
@@ -52,29 +53,27 @@ class MemorySnapshot:
         return self.HEADER + (KINDS if self.split else ())
 
     def rows(self) -> list[tuple[str, ...]]:
-        """Text rows: rank, device, used, limit, percent, peak, reserved (and by kind)."""
+        """Text rows: rank, device, used, budget, percent, peak, reserved (and by kind)."""
         out = []
         for r, s in enumerate(self.latest):
             if s is None:
                 out.append((str(r), "waiting for the first sample"))
                 continue
-            gpu = s.cuda_allocated is not None
-            pct = 100.0 * s.used / s.limit if s.limit else 0.0
+            pct = 100.0 * s.used / s.budget if s.budget else 0.0
             kinds = s.kinds
             out.append((
                 str(r), s.device,
-                fmt_bytes(s.used), fmt_bytes(s.limit), f"{pct:.1f}%",
-                fmt_bytes(s.cuda_peak if gpu else s.rss_peak),
-                fmt_bytes(s.cuda_reserved) if gpu else "-",
+                fmt_bytes(s.used), fmt_bytes(s.budget) if s.budget else "-", f"{pct:.1f}%",
+                fmt_bytes(s.peak),
+                fmt_bytes(s.device_reserved) if s.device_reserved is not None else "-",
                 *((fmt_bytes(kinds[k]) if kinds else "-" for k in KINDS) if self.split else ()),
             ))
         return out
 
-    HEADER = ("rank", "device", "used", "limit", "%", "peak", "reserved")
+    HEADER = ("rank", "device", "used", "budget", "%", "peak", "reserved")
 
     def to_text(self) -> str:
-        kind = "CUDA allocated" if any(s and s.cuda_allocated is not None
-                                       for s in self.latest) else "process RSS"
+        kind = "CUDA allocated" if any(s and s.on_device for s in self.latest) else "process RSS"
         head = self.header()
         rows = [r if len(r) == len(head) else (*r, *([""] * (len(head) - len(r)))) for r in self.rows()]
         return f"fsdp_nb memory ({kind})\n" + text_table(head, rows)
@@ -86,12 +85,11 @@ class MemorySnapshot:
                 rows.append(f"<tr><td>rank {r}</td><td colspan='3'><i>waiting for the first sample"
                             f"</i></td></tr>")
                 continue
-            gpu = s.cuda_allocated is not None
-            pct = min(100.0, 100.0 * s.used / s.limit) if s.limit else 0.0
-            peak = s.cuda_peak if gpu else s.rss_peak
-            peak_pct = min(100.0, 100.0 * (peak or 0) / s.limit) if s.limit else 0.0
-            res_pct = (min(100.0, 100.0 * (s.cuda_reserved or 0) / s.limit)
-                       if gpu and s.limit else 0.0)
+            budget = s.budget
+            pct = min(100.0, 100.0 * s.used / budget) if budget else 0.0
+            peak = s.peak
+            peak_pct = min(100.0, 100.0 * peak / budget) if budget else 0.0
+            res_pct = min(100.0, 100.0 * (s.device_reserved or 0) / budget) if budget else 0.0
             color = "#d62728" if pct > 90 else "#ff7f0e" if pct > 75 else "#2ca02c"
             bar = (
                 "<div class='fsdp-nb-bar' style='position:relative;width:260px;height:14px;"
@@ -102,10 +100,11 @@ class MemorySnapshot:
                 + f"<div title='peak' style='position:absolute;top:0;height:100%;left:{peak_pct:.2f}%;"
                 "border-left:2px solid #333'></div></div>"
             )
-            detail = (f"{fmt_bytes(s.used)} / {fmt_bytes(s.limit)} ({pct:.1f}%) &middot; "
-                      f"peak {fmt_bytes(peak)}")
-            if gpu:
-                detail += f" &middot; reserved {fmt_bytes(s.cuda_reserved)} &middot; RSS {fmt_bytes(s.rss)}"
+            of = f" / {fmt_bytes(budget)} ({pct:.1f}%)" if budget else ""
+            detail = f"{fmt_bytes(s.used)}{of} &middot; peak {fmt_bytes(peak)}"
+            if s.on_device:
+                detail += (f" &middot; reserved {fmt_bytes(s.device_reserved or 0)} &middot; "
+                           f"RSS {fmt_bytes(s.resident)}")
             if s.kinds:
                 detail += "<br>" + " &middot; ".join(
                     f"<span style='color:{_KIND_COLOURS[k]}'>&#9632;</span> {k} {fmt_bytes(v)}"
@@ -117,7 +116,7 @@ class MemorySnapshot:
                 f"<td style='padding:2px 6px'>{spark}</td></tr>"
             )
         kind = "CUDA allocated (reserved light blue)" if any(
-            s and s.cuda_allocated is not None for s in self.latest) else "process RSS vs host RAM"
+            s and s.on_device for s in self.latest) else "process RSS vs the rank's share of host RAM"
         return (f"<div class='fsdp-nb-memory'><b>Memory per rank</b> <small>{kind}; "
                 f"line: history</small><table style='font-size:12px'>{''.join(rows)}</table></div>")
 
