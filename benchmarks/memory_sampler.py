@@ -27,15 +27,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def sample_cost(n: int) -> float:
-    """Seconds per ``memory_sampler.sample()`` call on this engine (runs on engines)."""
+    """Seconds per ``memory_sample.read()`` call on this engine, as its sampler thread makes
+    them (runs on engines)."""
     import time as _t
 
-    from fsdp_nb.engine.memory_sampler import sample
+    from fsdp_nb.engine import memory_kinds
+    from fsdp_nb.engine.memory_sample import read
 
-    sample(0)
+    read(0, memory_kinds.kept())
     t0 = _t.perf_counter()
     for i in range(n):
-        sample(0, "cpu", i)
+        read(0, memory_kinds.kept(), seq=i)
     return (_t.perf_counter() - t0) / n
 
 

@@ -67,6 +67,22 @@ def sess():
     s.shutdown()
 
 
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """A one-rank gloo group in this test process (unit tests of what reads groups); left at
+    the module's end."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already formed in this process")
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def artifacts(tmp_path):
     """Where a test leaves what a person may want to look at (screenshots, console logs):

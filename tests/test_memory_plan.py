@@ -177,7 +177,7 @@ def test_an_engine_the_oom_killer_ends_is_reported_as_that(session_factory):
         while 1 not in s.context.last_memory and time.monotonic() < wait_for:
             time.sleep(0.1)  # the feed's first sample of rank 1: a readiness we wait for, not a delay
         assert 1 in s.context.last_memory
-        used = s.context.last_memory[1][1]
+        used = s.context.last_memory[1].used
         try:
             (group / limit_file).write_text(str(used + (256 << 20)))
             (group / "cgroup.procs").write_text(str(s.ranks[1].pid))

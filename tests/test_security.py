@@ -183,7 +183,7 @@ def test_abort_without_the_key_aborts_nothing(sess):
 def _watch_dropped() -> int:
     from fsdp_nb.engine import hang_watch
 
-    return hang_watch._WATCH["link"].dropped
+    return hang_watch._LISTENER["link"].dropped
 
 
 def test_the_watch_answers_questions_read_out_of_order_once_each(sess):

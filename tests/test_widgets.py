@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+import psutil
 import pytest
 
 from fsdp_nb.engine import memory_sampler as ms
@@ -105,8 +106,10 @@ def test_memory_samples_arrive_while_a_cell_runs(sess):
             during = [s for s in w.feed.samples(r) if t0 < s.t < t1 and s.received < t1]
             # arrived while the engines' task queues were busy with the cell
             assert len(during) >= 5, (r, [(s.t - t0, s.received - t0) for s in w.feed.samples(r)])
-            assert all(s.rank == r and s.device == "cpu" and s.rss > 0 for s in during)
-            assert all(0 < s.rss <= s.rss_peak and s.limit == s.ram_total for s in during)
+            assert all(s.rank == r and s.device == "cpu" and s.resident > 0 and not s.on_device for s in during)
+            # what a rank may hold: its share of the host's RAM (the rule a plan's budget follows too)
+            share = psutil.virtual_memory().total // sess.ranks[r].local_world_size
+            assert all(0 < s.resident <= s.resident_peak and s.budget == share for s in during)
         # one redraw per feed update, at most one per interval
         assert w.renders == w.feed.updates >= 5
         assert w.feed.updates <= (time.time() - t0) / 0.2 + 2
@@ -124,7 +127,7 @@ def test_memory_samples_arrive_while_a_cell_runs(sess):
 
 def test_memory_sampler_without_subscriber_ends_and_bad_interval(sess):
     d = sess.dispatcher
-    args = [("lonely", r.rank, r.addr, r.device, 0.1, 0.3) for r in sess.ranks]
+    args = [("lonely", r.rank, r.addr, 0.1, 0.3) for r in sess.ranks]
     started = d.gather(d.apply("start sampler", ms.start, args))
     assert all(e.startswith("tcp://127.0.0.1:") and len(nonce) == 16 for e, nonce in started)
     assert wait_until(lambda: _engines_running(sess) == [[], []], 10)
@@ -134,10 +137,10 @@ def test_memory_sampler_without_subscriber_ends_and_bad_interval(sess):
 
 
 def test_memory_snapshot_static_form_gpu_fields():
-    from fsdp_nb.frontends.widgets._feed import MemorySample
+    from fsdp_nb.wire.memory_sample import MemorySample
 
-    s = MemorySample(0, 1.0, "cuda:0", 1 << 30, 1 << 30, 64 << 30, cuda_allocated=40 << 30,
-                     cuda_reserved=50 << 30, cuda_peak=60 << 30, cuda_total=80 << 30)
+    s = MemorySample(rank=0, t=1.0, device="cuda:0", resident=1 << 30, resident_peak=1 << 30, budget=80 << 30,
+                     device_allocated=40 << 30, device_reserved=50 << 30, device_peak=60 << 30)
     snap = MemorySnapshot((s, None), ((s,), ()))
     text = snap.to_text()
     assert "CUDA allocated" in text and "40.0 GiB  80.0 GiB  50.0%  60.0 GiB  50.0 GiB" in text

@@ -2,33 +2,50 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from fsdp_nb.display.hang_view import HangView
-from fsdp_nb.engine.hang_watch import main_frame
+from fsdp_nb.engine.hang_watch import RankWatch, main_frame
+from fsdp_nb.engine.retired_groups import RetiredGroups
+from fsdp_nb.errors import WireError
 from fsdp_nb.frontends.magics import parse_px
 from fsdp_nb.recovery.status import RankStatus, SessionStatus, apply_event
 from fsdp_nb.runtime.checks import check_hang_after
 from fsdp_nb.runtime.dispatch import CallEvent
 from fsdp_nb.runtime.hang_report import fold_stacks, hang_report, out_of_step
+from fsdp_nb.wire.decode import decode, encode, loads
+from fsdp_nb.wire.hang_state import RankState, UserFrame
 
 NOW = 1_000_000.0
 
 
+def _state(collective=None, frame=None, issued=()):
+    """A rank's answer as its watch thread sends it (JSON), decoded as the notebook decodes it."""
+    return decode(RankState, {"rank": None, "pid": 1, "now": NOW, "collective": collective, "issued": list(issued),
+                              "frame": frame})
+
+
+def _frame(function, where, code=""):
+    return {"function": function, "where": where, "code": code}
+
+
 def _waits(op="all_reduce", seq=57, shapes=([1],), dtypes=("float32",), waited=38.0, frame=None, group="default_pg"):
-    return {"now": NOW, "collective": {"op": op, "seq": seq, "group": group, "group_ranks": None,
-                                       "since": NOW - waited, "shapes": list(shapes), "dtypes": list(dtypes)},
-            "frame": frame}
+    return _state({"op": op, "seq": seq, "desc": group, "group_ranks": None, "since": NOW - waited,
+                   "shapes": [list(s) for s in shapes], "dtypes": list(dtypes)}, frame)
 
 
 def _in(function="data_step", where="cell line 3", code="time.sleep(60)"):
-    return {"now": NOW, "collective": {}, "frame": {"function": function, "where": where, "code": code}}
+    return _state(None, _frame(function, where, code))
 
 
 def test_a_straggler_is_named_first_then_who_waits_and_for_how_long():
-    r = hang_report({0: _waits(frame={"function": "train_step", "where": "cell line 9", "code": ""}), 1: _in()})
+    r = hang_report({0: _waits(frame=_frame("train_step", "cell line 9")), 1: _in()})
     assert r.lines == (
         "rank 1 is not in it: in data_step (cell line 3): time.sleep(60)",
         "rank 0 waits in all_reduce #57 on the default group (float32[1]) for 38 s, from train_step (cell line 9)",
@@ -63,15 +80,14 @@ def test_an_idle_rank_and_no_collective_at_all():
 
 def _counts(seq, since_ago=5.0, frame=None, group="0", desc="default_pg", ranks=(0, 1), backend="nccl"):
     """A rank whose watch found no collective (NCCL, no flight recorder) but counts."""
-    return {"now": NOW, "collective": {}, "frame": frame,
-            "issued": [{"group": group, "desc": desc, "ranks": list(ranks), "backend": backend, "seq": seq,
-                        "since": NOW - since_ago}]}
+    return _state(None, frame, [{"name": group, "desc": desc, "ranks": list(ranks), "backend": backend, "seq": seq,
+                                 "since": NOW - since_ago}])
 
 
 def test_without_the_recorder_the_issued_counts_name_who_waits_and_who_is_missing():
     # rank 0 issued collective 58, which rank 1 has not: rank 0 waits in it, rank 1 is missing
-    r = hang_report({0: _counts(58, since_ago=7.0, frame={"function": "step", "where": "cell line 4", "code": ""}),
-                     1: _counts(57, frame={"function": "data_step", "where": "cell line 2", "code": "load()"})})
+    r = hang_report({0: _counts(58, since_ago=7.0, frame=_frame("step", "cell line 4")),
+                     1: _counts(57, frame=_frame("data_step", "cell line 2", "load()"))})
     assert r.lines == (
         "rank 1 is not in it: in data_step (cell line 2): load()",
         "rank 0 waits in collective #58 on the default group for 7 s, from step (cell line 4)",
@@ -89,7 +105,7 @@ def test_equal_counts_or_a_silent_member_say_nothing_and_a_frame_wins_over_count
                        2: _counts(3, group="3", desc="dp", ranks=(0, 2))})
     assert sub.waiting == (0,) and "on group dp" in sub.lines[-1] and sub.missing == (2,)
     # a rank whose frame names its collective keeps it; no mismatch with a count-told one
-    framed = _waits(seq=5) | {"issued": _counts(5)["issued"]}
+    framed = dataclasses.replace(_waits(seq=5), issued=_counts(5).issued)
     r = hang_report({0: framed, 1: _counts(4)})
     assert r.lines[-1].startswith("rank 0 waits in all_reduce #5") and not r.mismatch
 
@@ -105,27 +121,41 @@ def test_a_group_left_out_of_step_is_named_rank_by_rank():
     assert out_of_step({0: _counts(3), 1: None}) == []  # a silent member: nothing to compare
 
 
-def test_a_left_groups_collective_in_flight_is_not_named_once_retired(monkeypatch):
+class _Recorder:
+    """torch's flight recorder as the watch reads it: the groups' status, and the records of
+    collectives in flight; counts its reads."""
+
+    def __init__(self, status, record):
+        self.status, self.record, self.reads = status, record, []
+
+    def __call__(self, collectives):
+        self.reads.append(collectives)
+        return {**self.status, "entries": [self.record]} if collectives else self.status
+
+
+def _watch(recorder, frame=None, main=False, retired=None):
+    return RankWatch(recorder=recorder, retired=retired or RetiredGroups(recorder),
+                     main_thread_frame=lambda: frame, on_main_thread=lambda: main, pause=lambda s: None)
+
+
+def test_a_left_groups_collective_in_flight_is_not_named_once_retired():
     """The flight recorder keeps a destroyed group's status; a collective cut short stays
     "in flight" there. Once the groups are retired (before a destroy), it is not named."""
-    from fsdp_nb.engine import hang_watch, retired_groups
-
-    status = {"pg_status": {"0": {"last_enqueued_collective": "13", "last_completed_collective": "12"}}}
-    record = {"collective_seq_id": 13, "process_group": ["0", "default_pg"], "profiling_name": "gloo:all_reduce",
-              "time_created_ns": 1_000 * 10**9, "input_sizes": [[144]], "input_dtypes": ["Float"]}
-    monkeypatch.setattr(hang_watch, "_dump", lambda collectives: {**status, "entries": [record]} if collectives
-                        else status)
-    monkeypatch.setattr(retired_groups, "flight_recorder", lambda collectives: status)
-    monkeypatch.setattr(retired_groups, "RETIRED", set())
-    monkeypatch.setattr(hang_watch, "RETIRED", retired_groups.RETIRED)
-    found = hang_watch.collective(now=True)
-    assert (found["op"], found["seq"], found["shapes"]) == ("all_reduce", 13, [[144]])
-    retired_groups.retire_groups()
-    assert hang_watch.collective(now=True) == {} and retired_groups.RETIRED == {"0"}
+    recorder = _Recorder({"pg_status": {"0": {"last_enqueued_collective": "13", "last_completed_collective": "12"}}},
+                         {"collective_seq_id": 13, "process_group": ["0", "default_pg"],
+                          "profiling_name": "gloo:all_reduce", "time_created_ns": 1_000 * 10**9,
+                          "input_sizes": [[144]], "input_dtypes": ["Float"]})
+    retired = RetiredGroups(recorder)
+    watch = _watch(recorder, main=True, retired=retired)
+    found = watch.collective(now=True)
+    assert found is not None and (found.op, found.seq, found.shapes, found.dtypes) == (
+        "all_reduce", 13, ((144,),), ("float32",))
+    retired.retire()
+    assert watch.collective(now=True) is None and retired.keys == {"0"}
     # a group formed after it, under a new key, is read as before
-    status["pg_status"]["1"] = {"last_enqueued_collective": "2", "last_completed_collective": "1"}
-    record.update(collective_seq_id=2, process_group=["1", "default_pg"], input_sizes=[[1]])
-    assert hang_watch.collective(now=True)["seq"] == 2
+    recorder.status["pg_status"]["1"] = {"last_enqueued_collective": "2", "last_completed_collective": "1"}
+    recorder.record.update(collective_seq_id=2, process_group=["1", "default_pg"], input_sizes=[[1]])
+    assert watch.collective(now=True).seq == 2
 
 
 def test_stacks_are_folded_to_the_users_frames():
@@ -150,8 +180,8 @@ def test_stacks_are_folded_to_the_users_frames():
 
 def test_the_main_threads_user_frame_is_this_test():
     here = main_frame()
-    assert here["function"] == "test_the_main_threads_user_frame_is_this_test"
-    assert here["where"].startswith("test_hang_report.py:") and here["code"] == "here = main_frame()"
+    assert here is not None and here.function == "test_the_main_threads_user_frame_is_this_test"
+    assert here.where.startswith("test_hang_report.py:") and here.code == "here = main_frame()"
 
 
 def test_hang_after_is_checked_and_read_from_px():
@@ -186,62 +216,66 @@ def test_the_status_widget_keeps_one_line_per_diagnosis():
     assert len(st.events) == 1 and "hang-cleared" in st.events[0]
 
 
-def _asked_from_another_thread(questions, main_waits=None):
-    """Ask ``collective()`` ``len(questions)`` times from a watch-like thread (``questions``:
-    the ``now`` of each) while the main thread waits (in ``main_waits``, given the join)."""
-    import threading
-    import time
-
-    from fsdp_nb.engine import hang_watch
-
-    answers = []
-
-    def watch():
-        time.sleep(0.05)  # the main thread reaches its wait
-        for now in questions:
-            answers.append(hang_watch.collective(now=now))
-            time.sleep(0.05)
-
-    t = threading.Thread(target=watch)
-    t.start()
-    (main_waits or (lambda join: join()))(t.join)
-    return answers
+def _code(name, filename):
+    return SimpleNamespace(co_name=name, co_filename=filename)
 
 
-def test_the_recorder_is_read_only_once_the_main_thread_has_settled(monkeypatch):
+def new_group():
+    """A user's function that happens to share a name with torch's: making no group."""
+
+
+def test_the_recorder_is_read_only_once_the_main_thread_has_settled(group):
     """torch's recorder dump walks its table of groups unlocked, and the main thread adds
     to it as it makes a group or issues a group's first collective: another thread reads
-    it only when the main thread sat still, making no group and issuing nothing."""
-    from fsdp_nb.engine import hang_watch
-
-    status = {"pg_status": {"0": {"last_enqueued_collective": "7", "last_completed_collective": "6"}}}
-    record = {"collective_seq_id": 7, "process_group": ["0", "default_pg"], "profiling_name": "gloo:all_gather",
-              "time_created_ns": 1_000 * 10**9, "input_sizes": [[8]], "input_dtypes": ["Float"]}
-    reads = []
-
-    def dump(collectives):
-        reads.append(collectives)
-        return {**status, "entries": [record]} if collectives else status
-
-    monkeypatch.setattr(hang_watch, "_dump", dump)
-    monkeypatch.setattr(hang_watch, "_LAST", {"at": None})
-    counts = iter(range(100))
-    monkeypatch.setattr(hang_watch, "issued", lambda: [{"group": "0", "backend": "gloo", "seq": 7}])
-    first, second = _asked_from_another_thread([False, False])
-    assert first == {} and second["op"] == "all_gather" and second["seq"] == 7  # the second found it still
-    assert reads == [False, True]
-    reads.clear()
-    assert _asked_from_another_thread([True])[0]["seq"] == 7  # now: still over 20 ms is enough
-
-    def new_group(join):  # the main thread is making a group: the recorder is left alone
-        join()
-
-    reads.clear()
-    assert _asked_from_another_thread([False, False, True], main_waits=new_group) == [{}, {}, {}]
-    assert reads == []
+    it only when the main thread sat still, making no group and issuing nothing. Real
+    collectives on a one-rank gloo group move the counts; the main thread's frame is the
+    watch's to read, handed to it."""
+    recorder = _Recorder({"pg_status": {"0": {"last_enqueued_collective": "7", "last_completed_collective": "6"}}},
+                         {"collective_seq_id": 7, "process_group": ["0", "default_pg"],
+                          "profiling_name": "gloo:all_gather", "time_created_ns": 1_000 * 10**9,
+                          "input_sizes": [[8]], "input_dtypes": ["Float"]})
+    here = SimpleNamespace(f_code=_code("train", __file__), f_lasti=40, f_back=None)
+    watch = _watch(recorder, frame=here)
+    assert watch.collective() is None and recorder.reads == []  # the first question has nothing to compare
+    second = watch.collective()
+    assert second is not None and (second.op, second.seq) == ("all_gather", 7) and recorder.reads == [False, True]
+    recorder.reads.clear()
+    assert _watch(recorder, frame=here).collective(now=True).seq == 7  # now: still over the pause is enough
+    # the main thread moved on to the next instruction between two questions
+    watch.collective()
+    here.f_lasti = 42
+    assert watch.collective() is None
+    # it is making a group (inside torch's new_group): the recorder is left alone, even when still
+    making = SimpleNamespace(f_code=_code("new_group", dist.distributed_c10d.__file__), f_lasti=1, f_back=None)
+    inside = SimpleNamespace(f_code=_code("_store_based_barrier", dist.distributed_c10d.__file__), f_lasti=5,
+                             f_back=making)
+    recorder.reads.clear()
+    watch.main_thread_frame = lambda: inside
+    assert [watch.collective(), watch.collective(), watch.collective(now=True)] == [None] * 3
+    assert recorder.reads == []
+    # a user's function of the same name makes no group: read as soon as it sat still
+    watch.main_thread_frame = lambda: SimpleNamespace(f_code=new_group.__code__, f_lasti=3, f_back=None)
+    watch.collective()
+    assert watch.collective().seq == 7
     # issuing collectives (its counts move) is not settled either, even at the same instruction
-    monkeypatch.setattr(hang_watch, "issued", lambda: [{"group": "0", "backend": "gloo", "seq": next(counts)}])
-    assert _asked_from_another_thread([False, False, True]) == [{}, {}, {}] and reads == []
+    watch.main_thread_frame = lambda: here
+    watch.collective()
+    recorder.reads.clear()
+    for _ in range(3):
+        dist.all_reduce(torch.ones(1))
+        assert watch.collective() is None
+    assert recorder.reads == []
     # on the main thread itself (a call running it) the recorder is read at once
-    monkeypatch.setattr(hang_watch, "issued", lambda: [])
-    assert hang_watch.collective()["seq"] == 7
+    assert _watch(recorder, frame=here, main=True).collective().seq == 7
+
+
+def test_a_rank_state_crosses_as_json_and_a_renamed_field_fails_loudly():
+    state = RankState(rank=1, pid=2, now=NOW, collective=None, issued=(), frame=UserFrame("f", "cell line 1", "x"))
+    assert loads(RankState, encode(state)) == state
+    raw = encode(state).replace(b'"frame"', b'"user_frame"')
+    with pytest.raises(WireError, match=r"RankState: unknown field\(s\) user_frame; missing field\(s\) frame"):
+        loads(RankState, raw)
+    with pytest.raises(WireError, match=r"RankState.issued\[0\]: missing field\(s\) since"):
+        _state(issued=[{"name": "0", "desc": "default_pg", "ranks": [0], "backend": "gloo", "seq": 1}])
+    with pytest.raises(WireError, match="RankState.collective.seq: expected an int, got '5'"):
+        _waits(seq="5")

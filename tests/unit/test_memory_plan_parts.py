@@ -191,16 +191,26 @@ def test_out_of_memory_is_recognised_and_its_allocation_read():
 
 def test_the_out_of_memory_lines_name_rank_holdings_allocation_and_the_fix():
     from fsdp_nb.errors import RankFailure
+    from fsdp_nb.models.memory_report import cheapest_change
     from fsdp_nb.recovery.out_of_memory import lines_for
-    from fsdp_nb.wire.memory_plan import Held
+    from fsdp_nb.wire.memory_sample import MemorySample
 
     f = RankFailure(3, "OutOfMemoryError", "CUDA out of memory. Tried to allocate 512.00 MiB.", "")
-    h = Held("cuda", 1 << 30, 1 << 30, 2 << 30, 10 << 30, 16 << 30)
-    lines = lines_for(f, h, 3 << 30, "activation_checkpointing={Block} (peak 9.0 GiB; cost: recompute)")
-    assert lines[0] == "rank 3 ran out of memory: it could not allocate 512.0 MiB while holding 10.0 GiB of 16.0 GiB (cuda):"
+    h = MemorySample(rank=3, t=0.0, device="cuda:3", resident=3 << 30, resident_peak=3 << 30, budget=16 << 30,
+                     device_allocated=10 << 30, device_reserved=12 << 30, device_peak=11 << 30,
+                     parameters=1 << 30, gradients=1 << 30, optimizer=2 << 30)
+    lines = lines_for(f, h, 3 << 30, "cheapest change that fits, from the last plan: activation_checkpointing={Block}")
+    assert lines[0] == ("rank 3 ran out of memory: it could not allocate 512.0 MiB while holding 10.0 GiB of "
+                        "16.0 GiB (cuda:3):")
     assert "optimizer state 2.0 GiB" in lines[1] and "the rest (activations, temporaries) 6.0 GiB" in lines[1]
     assert "activation_checkpointing={Block}" in lines[2] and "3.0 GiB given back" in lines[3]
-    assert "sess.plan" in lines_for(f, h, 0, None)[2]
+    assert "sess.plan" in lines_for(f, h, 0, cheapest_change(None, "the last plan"))[2]
+    cpu = MemorySample(rank=0, t=0.0, device="cpu", resident=5 << 30, resident_peak=6 << 30, budget=None,
+                       parameters=1 << 30, gradients=0, optimizer=0)
+    assert lines_for(f, cpu, 0, "")[:2] == [
+        "rank 3 ran out of memory: it could not allocate 512.0 MiB while holding 5.0 GiB (cpu):",
+        "  parameters 1.0 GiB, gradients 0 B, optimizer state 0 B, the rest (activations, temporaries, "
+        "the process itself) 4.0 GiB"]
 
 
 def test_a_planner_past_its_timeout_is_stopped_with_a_clear_error():

@@ -53,12 +53,14 @@ def test_no_import_cycle_among_the_modules_at_import_time():
     assert _cycles(graph) == []
 
 
-def test_at_most_fourteen_modules_at_the_top():
-    # the layers' packages (display: what every layer above the runtime prints through),
-    # the facade, the context, the errors, and torch_compat: the one module that touches
-    # torch's private API (below every layer that uses it)
+def test_at_most_sixteen_modules_at_the_top():
+    # the layers' packages (display: what every layer above the runtime prints through;
+    # formats: the file formats, below the engines), the command line (above the facade,
+    # so no package holds both a layer above the facade and one below it), the facade,
+    # the context, the errors, and torch_compat: the one module that touches torch's
+    # private API (below every layer that uses it)
     top = [p.name for p in ROOT.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()]
-    assert len(top) <= 14, sorted(top)
+    assert len(top) <= 16, sorted(top)
 
 
 @pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))

@@ -18,19 +18,6 @@ import torch.distributed as dist
 from fsdp_nb import torch_compat as tc
 
 
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    """A one-rank gloo group in this process; left at the end."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already formed in this process")
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def test_the_installed_torch_is_in_the_range_pyproject_declares():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "pyproject.toml")) as f:
