@@ -26,7 +26,9 @@ __all__ = [
     "collective_call", "compute_local_shape_and_global_offset", "current_frames", "default_group",
     "flight_recorder", "fake_process_group", "fake_tensor_mode", "fsdp_mesh_info_classes",
     "fsdp_memory_tracker", "fsdp_root_states", "fsspec_reader", "fsspec_writer",
-    "group_backend", "group_sequence_numbers", "hf_init_weights", "local_tensor", "making_group",
+    "DCP_METADATA_GLOBALS", "dcp_load_into", "dcp_metadata_path", "empty_state_dict_planner",
+    "group_backend", "group_sequence_numbers", "hf_init_weights", "keep_stager_open", "local_tensor",
+    "making_group", "non_persistent_buffers", "parameter_initialiser",
     "mesh_group_names", "narrow_tensor_by_index", "process_groups", "reset_fsdp_iteration", "resolve_process_group",
     "set_element", "set_mesh_group_names", "tree_leaves", "tree_map_only",
     "weights_only_unpickler",
@@ -269,6 +271,22 @@ def activation_checkpoint(module: Any) -> Any:
     return checkpoint(module)
 
 
+def non_persistent_buffers(module: Any) -> set[str]:
+    """The names of ``module``'s own buffers that its state dict leaves out (rotary
+    tables): they are recomputed, never loaded."""
+    return set(getattr(module, "_non_persistent_buffers_set", ()) or ())
+
+
+def parameter_initialiser(module: Any) -> Callable[[], None] | None:
+    """What initialises ``module``'s own parameters: its ``reset_parameters``, or the
+    private one some torch modules use instead (``nn.MultiheadAttention``); None if neither."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        fn = getattr(module, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
 def hf_init_weights(model: Any, module: Any) -> None:
     """A Hugging Face model's own initialisation of one of its ``module``s."""
     model._init_weights(module)
@@ -317,6 +335,54 @@ def set_element(root: Any, path: Any, value: Any) -> None:
     from torch.distributed.checkpoint._traverse import set_element as f
 
     f(root, path, value)
+
+
+def dcp_metadata_path(reader: Any, rank: int | None) -> str:
+    """Where DCP file-system reader ``reader`` keeps the ``.metadata`` of ``rank`` (None:
+    the checkpoint's one metadata file)."""
+    return str(reader._get_metadata_path(rank))
+
+
+def dcp_load_into(state_dict: dict[str, Any], reader: Any, planner: Any) -> None:
+    """DCP's load into ``state_dict`` itself, in this process alone (no process group).
+    ``dcp.load`` loads into a copy of the dict's keys, so a planner that builds the whole
+    nested state dict from the metadata (``empty_state_dict_planner``) would fill the copy;
+    this fills ``state_dict`` (as DCP's own ``dcp_to_torch_save`` does)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    _load_state_dict(state_dict, storage_reader=reader, planner=planner, no_dist=True)
+
+
+def empty_state_dict_planner() -> type:
+    """DCP's load planner that rebuilds a whole checkpoint's nested state dict from its
+    metadata, into an empty dict (what ``dcp_to_torch_save`` uses)."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+
+    return _EmptyStateDictLoadPlanner
+
+
+DCP_METADATA_GLOBALS: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    }),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.distributed.checkpoint._extension": frozenset({"ExtensionRegistry"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "torch": frozenset({"Size", "device", "layout", "memory_format", "strided", "sparse_coo"}),
+}
+"""The classes and functions of torch that a DCP ``.metadata`` pickle names (the
+supported torch versions' writers, private ones among them): what the restricted
+unpickler may resolve from torch (``formats.restricted``)."""
+
+
+def keep_stager_open(stager: Any) -> None:
+    """Make DCP's ``DefaultStager`` ``stager`` keep its inner copier across saves: torch 2.11
+    closes it after every staging (``DefaultStager._stage``), which empties its copy tables
+    (the next save failed with "KeyError: <class 'type'>", and no buffer was reused)."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    if inner is not None:
+        inner.close = lambda: None
 
 
 def weights_only_unpickler() -> type:

@@ -27,6 +27,7 @@ from ..formats.metadata import FORMAT, META_FILE
 from ..formats.pickles import full_load_planner
 from ..formats.reader import named_corruption, open_sharded
 from ..formats.storage import dcp_writer, options_for, sibling, url_to_fs
+from ..torch_compat import dcp_load_into
 
 __all__ = ["consolidate", "read_sharded"]
 
@@ -36,8 +37,6 @@ def read_sharded(path: str, storage_options: dict | None = None,
     """(model state dict, optimizer state dict or None, metadata) of a sharded checkpoint, in
     full; ``on_read(n)`` is told each item's size as it is read. ``weights_only=False``
     trusts its pickled items (they can run code); else one that could is refused."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     so = options_for(path) if storage_options is None else storage_options
     fs, p = url_to_fs(path, so)
     p = p.rstrip("/")
@@ -46,10 +45,9 @@ def read_sharded(path: str, storage_options: dict | None = None,
         raise CheckpointError(f"checkpoint {path!r} is incomplete (no completion marker); refusing to read it")
     _, reader = open_sharded(fs, p, path, marker, so, on_read=on_read, weights_only=weights_only)
     sd: dict[str, Any] = {}
-    # dcp.load only fills keys already in ``sd``; the private loader with the empty
-    # planner rebuilds the whole nested state dict from the metadata (as dcp_to_torch_save).
+    # the planner rebuilds the whole nested state dict from the metadata, into sd itself
     with named_corruption(path):
-        _load_state_dict(sd, storage_reader=reader, planner=full_load_planner(weights_only), no_dist=True)
+        dcp_load_into(sd, reader, full_load_planner(weights_only))
     try:
         meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
     except FileNotFoundError:

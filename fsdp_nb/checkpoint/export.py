@@ -135,7 +135,7 @@ def _sharded_tensors(fs: Any, p: str, url: str, info: CheckpointInfo, entries: l
     import warnings
 
     import torch
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    import torch.distributed.checkpoint as dcp
 
     from ..formats.atomic import read_marker
     from ..formats.reader import named_corruption, open_sharded
@@ -150,8 +150,8 @@ def _sharded_tensors(fs: Any, p: str, url: str, info: CheckpointInfo, entries: l
         buf = torch.empty(t.shape, dtype=getattr(torch, t.dtype))
         with warnings.catch_warnings(), named_corruption(url):
             warnings.simplefilter("ignore")
-            _load_state_dict({layout.model_key(e.name): buf}, storage_reader=reader,
-                             planner=load_planner(weights_only, allow_partial_load=True), no_dist=True)
+            dcp.load({layout.model_key(e.name): buf}, storage_reader=reader,
+                     planner=load_planner(weights_only, allow_partial_load=True), no_dist=True)
         yield buf
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..formats.helper_threads import lower_priority
+from ..torch_compat import keep_stager_open
 from ..wire.checkpoint import Outcome, SaveProgress
 
 __all__ = [
@@ -137,9 +138,7 @@ def stager(cuda: bool) -> Any:
 
             def __init__(self, options: StagingOptions) -> None:
                 super().__init__(options)
-                inner = getattr(self, "_state_dict_stager", None)
-                if inner is not None:
-                    inner.close = lambda: None
+                keep_stager_open(self)
 
             def close(self) -> None:
                 pass

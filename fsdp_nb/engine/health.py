@@ -23,6 +23,7 @@ import warnings
 from typing import Any
 
 from ..torch_compat import (
+    default_group,
     fsdp_mesh_info_classes,
     fsdp_root_states,
     mesh_group_names,
@@ -237,10 +238,9 @@ def rebind_groups(partitions: list[tuple[tuple[int, ...], ...]] | None = None) -
     ranks is dropped on all of them. Returns counts of what was done.
     """
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_default_group
 
     world = dist.get_world_size()
-    default_name = _get_default_group().group_name
+    default_name = default_group().group_name
     meshes = [m for m in _meshes() if hasattr(m, "_dim_group_names")]
     if partitions is None:
         partitions = mesh_partitions()

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+from ..torch_compat import local_tensor
 from .namespace import user_ns
 from .wrap import MODELS, ON_WRAPPED
 
@@ -38,7 +39,7 @@ def _bytes(tensors: Any) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
-        t = getattr(t, "_local_tensor", t)
+        t = local_tensor(t)
         try:
             storage = t.untyped_storage()
         except (RuntimeError, AttributeError):

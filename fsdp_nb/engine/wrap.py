@@ -39,7 +39,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..torch_compat import activation_checkpoint, hf_init_weights, local_tensor
+from ..torch_compat import (
+    activation_checkpoint,
+    hf_init_weights,
+    local_tensor,
+    non_persistent_buffers,
+    parameter_initialiser,
+)
 from .hugging_face import initialize_weights, is_hugging_face
 from .namespace import unship, user_ns
 from .wrap_policies import policies, root
@@ -248,18 +254,17 @@ def _init(model: Any, options: Any, seed: int, plan: Any) -> None:
             # instead of training on uninitialised memory
             for p in model.parameters():
                 if p.is_floating_point():
-                    _local(p).fill_(float("nan"))
+                    local_tensor(p).fill_(float("nan"))
             if options.init_fn is not None:
                 model.apply(options.init_fn)
             elif is_hugging_face(model):
                 initialize_weights(model)
             else:
                 for m in model.modules():
-                    # nn.MultiheadAttention initialises in the private _reset_parameters
-                    reset = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
-                    if callable(reset):
+                    reset = parameter_initialiser(m)
+                    if reset is not None:
                         reset()
-    missing = [n for n, p in model.named_parameters() if p.is_floating_point() and _local(p).isnan().any()]
+    missing = [n for n, p in model.named_parameters() if p.is_floating_point() and local_tensor(p).isnan().any()]
     if missing:
         how = ("init_fn" if options.init_fn is not None else
                "transformers' initialize_weights()" if is_hugging_face(model) else "reset_parameters()")
@@ -280,17 +285,12 @@ def _init_buffers(model: Any) -> None:
     hf = is_hugging_face(model)
     with torch.no_grad():
         for m in model.modules():
-            if not getattr(m, "_non_persistent_buffers_set", None):
+            if not non_persistent_buffers(m):
                 continue
             if hf:
                 hf_init_weights(model, m)
             elif callable(getattr(m, "reset_parameters", None)):
                 m.reset_parameters()
-
-
-def _local(t: Any) -> Any:
-    """The tensor this rank holds of ``t`` (a DTensor's local shard, else ``t``)."""
-    return getattr(t, "_local_tensor", t)
 
 
 def _forget(*names: str) -> None:
@@ -401,7 +401,7 @@ def param_sizes(model: Any) -> tuple[int, int, int]:
     for p in model.parameters():
         num += p.numel()
         total += p.numel() * p.element_size()
-        lt = _local(p)
+        lt = local_tensor(p)
         local += lt.numel() * lt.element_size()
     return num, total, local
 

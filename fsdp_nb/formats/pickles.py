@@ -30,7 +30,7 @@ import re
 from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-from ..torch_compat import set_element
+from ..torch_compat import empty_state_dict_planner, set_element
 
 __all__ = [
     "TRUST_HINT", "full_load_planner", "is_weights_only", "load_item", "load_planner", "load_pt",
@@ -191,14 +191,13 @@ def load_planner(weights_only: bool = True, **kwargs: Any) -> Any:
 
 def full_load_planner(weights_only: bool = True) -> Any:
     """The planner that rebuilds a whole checkpoint's nested state dict from its metadata
-    (DCP's ``_EmptyStateDictLoadPlanner``, as ``dcp_to_torch_save`` uses), loading
+    (``torch_compat.empty_state_dict_planner``, as ``dcp_to_torch_save`` uses), loading
     BYTE_IO items weights-only unless ``weights_only`` is False."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-
+    base = empty_state_dict_planner()
     if not weights_only:
-        return _EmptyStateDictLoadPlanner()
+        return base()
 
-    class WeightsOnlyFullPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
+    class WeightsOnlyFullPlanner(_WeightsOnlyBytes, base):  # type: ignore[valid-type,misc]  # a class known at run time
         pass
 
     return WeightsOnlyFullPlanner()

@@ -19,6 +19,7 @@ import pickle
 from typing import Any
 
 from ..errors import UnsafeCheckpointError
+from ..torch_compat import DCP_METADATA_GLOBALS
 
 __all__ = [
     "ALLOWED", "MAX_METADATA_ENV", "RefusedGlobal", "check_paths", "load_dcp_metadata", "max_metadata_bytes", "read_capped",
@@ -35,20 +36,14 @@ def max_metadata_bytes() -> int:
     raw = os.environ.get(MAX_METADATA_ENV, "")
     return int(raw) if raw.isdigit() and int(raw) > 0 else _MAX_METADATA_DEFAULT
 
-ALLOWED: dict[str, set[str]] = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.distributed.checkpoint._extension": {"ExtensionRegistry"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size", "device", "layout", "memory_format", "strided", "sparse_coo"},
-    "collections": {"OrderedDict"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
-    "builtins": {"set", "frozenset", "tuple", "list", "dict", "bytes", "bytearray", "slice"},
+ALLOWED: dict[str, frozenset[str]] = {
+    **DCP_METADATA_GLOBALS,
+    "collections": frozenset({"OrderedDict"}),
+    "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}),
+    "builtins": frozenset({"set", "frozenset", "tuple", "list", "dict", "bytes", "bytearray", "slice"}),
 }
-"""module -> names the restricted unpickler may resolve (dtypes are allowed separately)."""
+"""module -> names the restricted unpickler may resolve (dtypes are allowed separately):
+torch's metadata classes (``torch_compat.DCP_METADATA_GLOBALS``) and the plain containers."""
 
 
 class RefusedGlobal(pickle.UnpicklingError):
