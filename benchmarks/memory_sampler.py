@@ -34,10 +34,10 @@ def sample_cost(n: int) -> float:
     from fsdp_nb.engine import memory_kinds
     from fsdp_nb.engine.memory_sample import read
 
-    read(0, memory_kinds.kept())
+    read(0, memory_kinds.READINGS.kept())
     t0 = _t.perf_counter()
     for i in range(n):
-        read(0, memory_kinds.kept(), seq=i)
+        read(0, memory_kinds.READINGS.kept(), seq=i)
     return (_t.perf_counter() - t0) / n
 
 

@@ -15,6 +15,7 @@ is there.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -22,15 +23,14 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "FLIGHT_RECORDER_ENV", "activation_checkpoint",
-    "collective_call", "compute_local_shape_and_global_offset", "current_frames", "default_group",
-    "flight_recorder", "fake_process_group", "fake_tensor_mode", "fsdp_mesh_info_classes",
-    "fsdp_memory_tracker", "fsdp_root_states", "fsspec_reader", "fsspec_writer",
-    "DCP_METADATA_GLOBALS", "dcp_load_into", "dcp_metadata_path", "empty_state_dict_planner",
-    "group_backend", "group_sequence_numbers", "hf_init_weights", "keep_stager_open", "local_tensor",
-    "making_group", "non_persistent_buffers", "parameter_initialiser",
-    "mesh_group_names", "narrow_tensor_by_index", "process_groups", "reset_fsdp_iteration", "resolve_process_group",
-    "set_element", "set_mesh_group_names", "tree_leaves", "tree_map_only",
+    "DCP_METADATA_GLOBALS", "FLIGHT_RECORDER_ENV", "TORCH_PRELOAD", "activation_checkpoint", "collective_call",
+    "compute_local_shape_and_global_offset", "current_frames", "dcp_load_into", "dcp_metadata_path",
+    "default_group", "empty_state_dict_planner", "fake_process_group", "fake_tensor_mode",
+    "flight_recorder", "fsdp_memory_tracker", "fsdp_mesh_info_classes", "fsdp_roots", "fsspec_reader",
+    "fsspec_writer", "group_backend", "group_sequence_numbers", "hf_init_weights", "keep_stager_open",
+    "local_tensor", "making_group", "mesh_group_names", "narrow_tensor_by_index",
+    "non_persistent_buffers", "parameter_initialiser", "process_groups", "reset_fsdp_iteration",
+    "resolve_process_group", "set_element", "set_mesh_group_names", "tree_leaves", "tree_map_only",
     "weights_only_unpickler",
 ]
 
@@ -38,6 +38,10 @@ FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
 """The variable every supported torch reads for the flight recorder's size, NCCL
 included (2.11 reads it first and warns about ``TORCH_NCCL_TRACE_BUFFER_SIZE``, the
 name it replaces, so fsdp_nb never sets the old one)."""
+
+TORCH_PRELOAD = ("torch._dynamo",)
+"""torch's modules a rank imports before it is needed: else the first ``fully_shard``
+imports ``torch._dynamo`` (DTensor's constructor), about 1 s."""
 
 log = logging.getLogger("fsdp_nb")
 
@@ -116,8 +120,7 @@ def flight_recorder(collectives: bool) -> dict[str, Any] | None:
     """torch's flight recorder, read: each group's status (``pg_status``) and
     (``collectives``) the records of collectives not yet completed (``entries``); None
     where this torch has no such dump or it does not record. Its JSON dump, not the
-    pickled one, so nothing is unpickled: the status alone reads as fast (0.01 ms), 256
-    records slower (about 4 ms against 1.3–2.8 ms, measured)."""
+    pickled one, so nothing is unpickled."""
     import torch
 
     try:
@@ -137,14 +140,12 @@ def fsdp_mesh_info_classes() -> tuple[type, type] | None:
     return FSDPMeshInfo, DDPMeshInfo
 
 
-def fsdp_root_states(instances: Callable[[type], list[Any]]) -> list[Any]:
-    """The live FSDP2 root states (one per top-level ``fully_shard`` that ran a forward);
+def fsdp_roots(instances: Callable[[type], list[Any]]) -> list[Any]:
+    """The live FSDP2 root modules (each top-level ``fully_shard`` whose forward has run);
     ``instances(cls)`` finds the live objects of a class (a heap scan)."""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-    except ImportError:
-        return []
-    return [o for o in instances(FSDPState) if getattr(o, "_is_root", None) is True]
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in instances(FSDPModule) if getattr(m._get_fsdp_state(), "_is_root", None) is True]
 
 
 def _param_groups(state: Any) -> list[Any]:
@@ -155,27 +156,25 @@ def _param_groups(state: Any) -> list[Any]:
     return [] if group is None else [group]
 
 
-def reset_fsdp_iteration(state: Any) -> None:
-    """Put an FSDP2 root ``state`` and every module under it back between iterations:
+def reset_fsdp_iteration(root: Any) -> None:
+    """Put FSDP2 root module ``root`` and every module under it back between iterations:
     every parameter group sharded and idle, no pending all-gather or reduce-scatter, no
     iteration under way; the gradients the failed iteration had not reduced are dropped.
 
-    Why: a forward or backward that failed on one rank leaves that rank's groups where
-    the failure caught them (a unit still unsharded, a forward root still set) while the
-    others were stopped elsewhere; the next step would skip an all-gather on one rank and
-    run it on another, and the ranks' collectives would no longer match. Called after the
-    group was re-formed: the collectives still pending belonged to the destroyed group and
-    are dropped, never waited on. torch 2.13+ does this itself (``FSDPModule.reset_iter_state``,
-    called here through the state); on older ones the same fields are reset here."""
+    Why: a step a failure cut short on some ranks leaves their units where it caught them,
+    and the next step's collectives would no longer match across ranks. Called after the
+    group was re-formed: what was pending belonged to the destroyed group and is dropped,
+    never waited on. torch 2.13+ has the public ``FSDPModule.reset_iter_state``; on older
+    ones the same fields are reset here."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
+    state = root._get_fsdp_state()
     states = list(state._state_ctx.all_states)
     for s in states:  # their work is the destroyed group's: waiting on it would raise
         for group in _param_groups(s):
             group._all_gather_result = None
-    public = getattr(state, "_reset_iter_state", None)
-    if public is not None:
-        public()
+    if hasattr(root, "reset_iter_state"):
+        root.reset_iter_state()
         return
     comm = state._comm_ctx
     comm.all_gather_state = None
@@ -196,17 +195,13 @@ def reset_fsdp_iteration(state: Any) -> None:
     state._state_ctx.post_backward_final_callback_queued = False
 
 
-_GROUP_MAKERS = frozenset({
-    "init_process_group", "new_group", "_new_process_group_helper", "new_subgroups",
-    "new_subgroups_by_enumeration", "split_group", "init_device_mesh", "_init_process_groups",
-})
+_GROUP_MAKERS = frozenset({"init_process_group", "new_group", "_new_process_group_helper", "new_subgroups",
+                           "new_subgroups_by_enumeration", "split_group", "init_device_mesh", "_init_process_groups"})
 """torch.distributed's functions that make a process group (the flight recorder's table of
 groups grows while one runs)."""
-_COLLECTIVES = frozenset({
-    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "gather",
-    "scatter", "send", "recv", "broadcast_object_list", "monitored_barrier",
-})
+_COLLECTIVES = frozenset({"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
+                          "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+                          "barrier", "gather", "scatter", "send", "recv", "broadcast_object_list", "monitored_barrier"})
 """``distributed_c10d``'s collectives whose frame the hang watch reads."""
 _TENSOR_ARGS = ("tensor", "input_tensor", "output_tensor", "tensor_list", "input", "output")
 """The names ``distributed_c10d``'s collectives give their tensor arguments."""
@@ -414,25 +409,33 @@ def fake_tensor_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+@functools.cache
+def _peak_tracker() -> type:
+    """``FSDPMemTracker`` telling a callback where each new peak fell (its own update of the
+    peak, ``_update_peak_stats``, runs after every allocation it counts); made once."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class PeakTracker(FSDPMemTracker):
+        def __init__(self, model: Any, optimizer: Any, on_peak: Callable[[set[str], bool], None]) -> None:
+            super().__init__(model, optimizer)
+            self.on_peak = on_peak
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            before = dict(self._peak_mem)
+            super()._update_peak_stats(peak_state)
+            if self._peak_mem != before:
+                self.on_peak(set(self._mod_tracker.parents), bool(self._mod_tracker.is_bw))
+
+    return PeakTracker
+
+
 def fsdp_memory_tracker(model: Any, optimizer: Any, on_peak: Callable[[set[str], bool], None]) -> Any:
     """torch's ``FSDPMemTracker`` over ``model`` and ``optimizer`` (a context manager):
     bytes by category (``get_tracker_snapshot("peak")``, keyed by ``_FSDPRefType``) of
     every tensor made inside it, fake or real. ``on_peak(modules, backward)`` is told,
     each time the peak rises, the names of the modules running then (the tracker's
     ``"Root.sub.unit"`` names) and whether it was in the backward."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    tracker = FSDPMemTracker(model, optimizer)
-    update = tracker._update_peak_stats
-
-    def _update_peak_stats(state: Any) -> None:
-        before = dict(tracker._peak_mem)
-        update(state)
-        if tracker._peak_mem != before:
-            on_peak(set(tracker._mod_tracker.parents), bool(tracker._mod_tracker.is_bw))
-
-    tracker._update_peak_stats = _update_peak_stats  # type: ignore[method-assign,assignment]
-    return tracker
+    return _peak_tracker()(model, optimizer, on_peak)
 
 
 # -- the interpreter -----------------------------------------------------------------

@@ -69,6 +69,36 @@ def test_the_plan_is_within_ten_percent_of_the_measured_step(sess, four, n, case
         assert m.resident_growth is not None and m.resident_growth >= 0.8 * made, (m.resident_growth, made)
 
 
+class Pair(torch.nn.Module):
+    """A model whose batch is nested a level deeper than a dict of tensors: ``{"x": [a, b]}``."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: list[torch.Tensor]) -> torch.Tensor:
+        return self.lin(x[0]) + self.lin(x[1])
+
+
+def test_a_nested_batch_is_planned_and_measured_on_every_rank(sess):
+    """``{"x": [a, b]}``: the plan halves its first dimension among its what-ifs, and the
+    measured step moves every tensor of it to the rank's device, however deep."""
+    batch = {"x": [torch.randn(8, 32), torch.randn(8, 32)]}
+    plan = sess.plan(Pair, batch=batch, optimizer=torch.optim.AdamW, what_if="auto")
+    assert {"batch": 0.5} in [w.change for w in plan.what_ifs]
+    model = sess.wrap(Pair, name="pair")
+    try:
+        measured = model.measure_memory(batch, optimizer=torch.optim.AdamW)
+    finally:
+        sess.run(forget_all, ("pair",))
+        sess.context.wraps.pop("pair", None)
+        sess.context.models.pop("pair", None)
+    assert [r.rank for r in measured.ranks] == [0, 1]
+    assert all(r.activations > 0 and r.optimizer > 0 for r in measured.ranks)
+    for p, m in zip(plan.ranks, measured.ranks):
+        assert p.optimizer == m.optimizer
+
+
 def test_a_plan_names_the_session_budget_and_what_the_cpu_plan_leaves_out(sess):
     plan = sess.plan(GPT, batch=_ids(), auto_wrap={Block}, budget=1 << 20, what_if=[{"batch": 0.25}], **SMALL)
     assert plan.budget == 1 << 20 and plan.fits is False

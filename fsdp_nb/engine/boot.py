@@ -30,11 +30,12 @@ import signal
 import sys
 import time
 
+from ..torch_compat import TORCH_PRELOAD
+
 PRELOAD = (
     "fsdp_nb.engine.probe", "fsdp_nb.engine.process_group", "fsdp_nb.engine.health",
     "fsdp_nb.engine.call_channel", "torch.distributed.fsdp", "fsdp_nb.engine.wrap",
-    "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-    "torch._dynamo",  # else the first fully_shard imports it (DTensor's constructor): ~1 s
+    "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", *TORCH_PRELOAD,
 )
 """What a rank imports to join the group and to wrap, save and load (seconds)."""
 PRELOAD_ENV = "FSDP_NB_ENGINE_PRELOAD"

@@ -25,7 +25,7 @@ from typing import Any
 from ..torch_compat import (
     default_group,
     fsdp_mesh_info_classes,
-    fsdp_root_states,
+    fsdp_roots,
     mesh_group_names,
     process_groups,
     reset_fsdp_iteration,
@@ -276,7 +276,7 @@ def reset_fsdp_iterations() -> int:
     """Put every FSDP2 model on this rank back between iterations (``torch_compat.
     reset_fsdp_iteration``): a step a failure cut short leaves no unit unsharded and no
     iteration under way. Returns how many root modules were reset."""
-    roots = fsdp_root_states(_instances)
+    roots = fsdp_roots(_instances)
     for root in roots:
         reset_fsdp_iteration(root)
     return len(roots)

@@ -98,7 +98,7 @@ class _Sampler(threading.Thread):
                     return  # nobody came
                 if ever:
                     # the main thread's last reading by kind: this thread touches no tensor
-                    s = memory_sample.read(self.rank, memory_kinds.kept(), seq=self.samples_sent, process=proc)
+                    s = memory_sample.read(self.rank, memory_kinds.READINGS.kept(), seq=self.samples_sent, process=proc)
                     signed = self.link.pack(encode(s))
                     for topic in topics:
                         sock.send_multipart([topic, signed])
@@ -147,7 +147,7 @@ def start(token: str, rank: int, addr: str, interval: float = 1.0, wait_subscrib
     if not (isinstance(interval, (int, float)) and interval > 0):
         raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
     key = engine_key() if key is None else key
-    memory_kinds.install()  # on the main thread (a task): the readings the samples carry
+    memory_kinds.READINGS.install()  # on the main thread (a task): the readings the samples carry
     with _LOCK:
         s = _SAMPLERS.get(token)
         if s is not None and s.is_alive() and s.endpoint:

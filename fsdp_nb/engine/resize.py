@@ -33,11 +33,12 @@ from ..formats.dcp_reader import safe_reader
 from ..formats.inspect import read_dcp_metadata
 from ..formats.pickles import load_planner
 from ..formats.storage import url_to_fs
+from ..torch_compat import local_tensor
 from ..wire.calls import ByValue
 from ..wire.resize import OptimizerRecipe, RankSurvey
 from .checkpoint_save import checkpoint_group, state_bytes
 from .namespace import unship, user_ns
-from .wrap import MODELS, _local, forget_all
+from .wrap import MODELS, forget_all
 
 log = logging.getLogger("fsdp_nb")
 
@@ -128,9 +129,9 @@ def state_size(optimizers: dict[str, tuple[str, ...]]) -> int:
     total = 0
     for name, onames in optimizers.items():
         module = MODELS[name].module
-        total += sum(_local(t).nbytes for t in [*module.parameters(), *module.buffers()])
+        total += sum(local_tensor(t).nbytes for t in [*module.parameters(), *module.buffers()])
         for o in onames:
-            total += sum(_local(v).nbytes for st in ns[o].state.values() for v in st.values()
+            total += sum(local_tensor(v).nbytes for st in ns[o].state.values() for v in st.values()
                          if isinstance(v, torch.Tensor))
     return total
 

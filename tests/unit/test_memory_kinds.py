@@ -7,59 +7,73 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.optim.optimizer as optimizer_module
 
-from fsdp_nb.engine import memory_kinds
-from fsdp_nb.engine.wrap import MODELS
+from fsdp_nb.engine.memory_kinds import KindReadings, by_kind
+
+PARAMS = (16 * 8 + 8) * 4
+"""Bytes of the parameters of ``Linear(16, 8)``."""
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @pytest.fixture
-def wrapped(monkeypatch):
+def wrapped():
+    """A model as the engine's registry holds it, the namespace optimizers are found in, a
+    clock, and readings of those (not the engine's own)."""
     model = torch.nn.Linear(16, 8)
-    monkeypatch.setitem(MODELS, "kinds_model", SimpleNamespace(module=model))
-    monkeypatch.setattr(memory_kinds, "_KEPT", {"value": None, "at": float("-inf"), "installed": False})
-    ns = {}
-    monkeypatch.setattr(memory_kinds, "user_ns", lambda: ns)
-    return model, ns
+    ns: dict[str, object] = {}
+    clock = _Clock()
+    readings = KindReadings(read=lambda: by_kind({"kinds_model": SimpleNamespace(module=model)}, ns), clock=clock)
+    yield model, ns, clock, readings
+    readings.uninstall()
 
 
 def test_only_the_main_thread_reads_the_tensors(wrapped):
     """The sampler's thread must never touch a tensor: off the main thread ``note`` does
     nothing, and ``kept`` hands over the main thread's last reading."""
-    model, _ = wrapped
-    other = threading.Thread(target=memory_kinds.note, kwargs={"force": True})
+    model, _, _, readings = wrapped
+    other = threading.Thread(target=readings.note, kwargs={"force": True})
     other.start()
     other.join()
-    assert memory_kinds.kept() is None
-    memory_kinds.note(force=True)
-    assert memory_kinds.kept() == ((16 * 8 + 8) * 4, 0, 0)
+    assert readings.kept() is None
+    readings.note(force=True)
+    assert readings.kept() == (PARAMS, 0, 0)
     seen = []
-    reader = threading.Thread(target=lambda: seen.append(memory_kinds.kept()))
+    reader = threading.Thread(target=lambda: seen.append(readings.kept()))
     reader.start()
     reader.join()
-    assert seen == [((16 * 8 + 8) * 4, 0, 0)]
+    assert seen == [(PARAMS, 0, 0)]
 
 
-def test_every_optimizer_step_refreshes_the_reading_at_most_once_per_interval(wrapped, monkeypatch):
-    model, ns = wrapped
+def test_every_optimizer_step_refreshes_the_reading_at_most_once_per_interval(wrapped):
+    model, ns, clock, readings = wrapped
     opt = torch.optim.AdamW(model.parameters())
     ns["opt"] = opt
-    handles = []
-    real = optimizer_module.register_optimizer_step_post_hook
-    monkeypatch.setattr(optimizer_module, "register_optimizer_step_post_hook",
-                        lambda hook: handles.append(real(hook)) or handles[-1])
-    try:
-        memory_kinds.install()
-        memory_kinds.install()  # idempotent: one hook
-        assert len(handles) == 1 and memory_kinds.kept() == ((16 * 8 + 8) * 4, 0, 0)
-        model(torch.randn(4, 16)).sum().backward()
-        opt.step()  # within EVERY of the install's reading: not read again
-        assert memory_kinds.kept()[1:] == (0, 0)
-        monkeypatch.setattr(memory_kinds, "EVERY", 0.0)
-        opt.step()
-        params = (16 * 8 + 8) * 4
-        assert memory_kinds.kept()[:2] == (params, params)  # the gradients
-        assert memory_kinds.kept()[2] >= 2 * params  # AdamW's two moments (and its step counts)
-    finally:
-        for h in handles:
-            h.remove()
+    readings.install()
+    readings.install()  # idempotent: one hook
+    assert len([h for h in readings.hooks if hasattr(h, "remove")]) == 1 and readings.kept() == (PARAMS, 0, 0)
+    model(torch.randn(4, 16)).sum().backward()
+    clock.now += readings.every / 2
+    opt.step()  # within ``every`` of the install's reading: not read again
+    assert readings.kept() == (PARAMS, 0, 0)
+    clock.now += readings.every
+    opt.step()
+    got = readings.kept()
+    assert got is not None and got[:2] == (PARAMS, PARAMS)  # the gradients
+    assert got[2] >= 2 * PARAMS  # AdamW's two moments (and its step counts)
+    readings.uninstall()
+    clock.now += 10 * readings.every
+    model(torch.randn(4, 16)).sum().backward()
+    opt.zero_grad(set_to_none=True)
+    opt.step()
+    assert readings.kept() == got  # no hook left: nothing read
+
+
+def test_no_model_wrapped_reads_nothing():
+    assert by_kind({}, {}) is None

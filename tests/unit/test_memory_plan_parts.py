@@ -13,7 +13,7 @@ import fsdp_nb
 from fsdp_nb.engine.memory_plan import rank_kinds
 from fsdp_nb.models.memory_plan import PlanError
 from fsdp_nb.models.memory_report import MemoryPlan, WhatIf
-from fsdp_nb.models.what_if import check_what_ifs, cost, standard
+from fsdp_nb.models.what_if import check_what_ifs, cost, label, standard
 from fsdp_nb.wire.memory_plan import CATEGORIES, RankMemory, TensorSpec, categories
 from fsdp_nb.wire.mesh_plan import plan_mesh
 from fsdp_nb.wire.wrap_options import WrapOptions
@@ -105,16 +105,36 @@ def test_standard_what_ifs_follow_the_options():
                      TensorSpec((1, 4), "float32"), fixed_world=True)
     assert fixed == [{"reshard_after_forward": True}, {"cpu_offload": True}]
     assert check_what_ifs(None, WrapOptions(), 2, None, True) == []
+    # a batch nested deeper than one level still has a first dimension to halve
+    nested = {"x": [TensorSpec((8, 4), "float32"), TensorSpec((6, 2), "float32")], "mask": TensorSpec((), "bool")}
+    assert {"batch": 0.5} in standard(WrapOptions(), 2, nested, fixed_world=True)
+    assert {"batch": 0.5} not in standard(WrapOptions(), 2, {"x": [TensorSpec((1, 4), "float32")]}, True)
 
 
 def test_costs_order_changes_from_free_to_dear():
     order = [cost({"mixed_precision": "bf16-mixed"}, 2), cost({"reshard_after_forward": True}, 2),
              cost({"activation_checkpointing": {Block}}, 2), cost({"batch": 0.5}, 2),
              cost({"cpu_offload": True}, 2), cost({"world_size": 4}, 2)]
-    assert [r for r, _ in order] == sorted(r for r, _ in order) == [0, 1, 2, 3, 4, 5]
-    assert "recompute" in order[2][1] and "transfers" in order[4][1]
+    ranks = [r for r, _ in order]
+    assert ranks[0] == 0 and all(a < b for a, b in zip(ranks, ranks[1:])), order
+    assert "recompute" in order[2][1] and "transfers" in order[4][1] and "more GPUs" in order[5][1]
     both_rank, both_words = cost({"mixed_precision": "bf16-mixed", "cpu_offload": True}, 2)
-    assert both_rank == 4 and "bf16" in both_words and "transfers" in both_words
+    assert both_rank == order[4][0] and "bf16" in both_words and "transfers" in both_words
+
+
+def test_undoing_a_costly_option_is_free_and_says_what_it_undoes():
+    """Turning CPU offload or activation checkpointing off, or unwrapping, costs nothing
+    in speed, and the words say so; only fewer ranks is "fewer GPUs"."""
+    undo = {"cpu_offload": False, "activation_checkpointing": None, "auto_wrap": None, "batch": 2.0}
+    for k, v in undo.items():
+        rank, words = cost({k: v}, 2)
+        assert rank == 0 and words.startswith("none:") and "GPUs" not in words, (k, words)
+    assert "stay on the device" in cost({"cpu_offload": False}, 2)[1]
+    assert "no forward runs again" in cost({"activation_checkpointing": None}, 2)[1]
+    assert cost({"world_size": 1}, 2) == (0, "none: fewer GPUs")
+    ifs = [WhatIf(c, label(c), 50, True, *cost(c, 2)) for c in ({"cpu_offload": False}, {"world_size": 1})]
+    text = MemoryPlan([_rank(0, 200)], 2, "cpu", 100, what_ifs=ifs).to_text()
+    assert "cpu_offload=False" in text and text.count("fewer GPUs") == 1
 
 
 def _rank(r: int, peak: int) -> RankMemory:

@@ -106,3 +106,116 @@ def test_the_facade_documents_every_parameter():
         if lost:
             missing[name] = lost
     assert missing == {}
+
+
+# -- torch's private names: only in torch_compat.py ---------------------------------------------
+
+OTHER_LIBRARIES_PRIVATE = {
+    "_no_split_modules": "transformers: the blocks a model asks FSDP to cut at (a documented convention)",
+    "_init_weights": "transformers: a model's initialiser of one module",
+    "_is_hf_initialized": "transformers: the flag its initialiser skips modules by",
+    "_view_name": "ipywidgets: a widget's view class, in its saved state",
+    "_model_id": "ipywidgets: a widget's id, in its saved state",
+    "_config": "ipyparallel: a client's connection settings",
+    "_children": "ipyparallel: an AsyncResult's per-engine futures",
+}
+"""Private names of the other libraries fsdp_nb reads, each with whose it is: everything
+else private that the package names outside torch_compat.py is torch's, or a mistake."""
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _defined_here(trees: dict[Path, object]) -> set[str]:
+    """Every name fsdp_nb defines: modules, functions, classes, attributes, variables, arguments."""
+    import ast
+
+    names = {p.stem for p in trees}
+    for tree in trees.values():
+        for n in ast.walk(tree):  # type: ignore[arg-type]
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(n.name)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                names.add(n.id)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                names.add(n.attr)
+            elif isinstance(n, ast.arg):
+                names.add(n.arg)
+    return names
+
+
+def _torch_private_uses(path: Path, tree: object, ours: set[str]) -> list[str]:
+    """Where module ``tree`` names something of torch's that is private: an import of a
+    private module or name, an attribute or a name in a string (``getattr(t, "_x")``, a
+    frame's function name) that fsdp_nb does not define and no other library owns."""
+    import ast
+
+    out = []
+    for n in ast.walk(tree):  # type: ignore[arg-type]
+        found: list[str] = []
+        if isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").split(".")[0] == "torch":
+            found += [n.module] if any(_private(x) for x in n.module.split(".")) else []  # type: ignore[union-attr]
+            found += [a.name for a in n.names if _private(a.name)]
+        elif isinstance(n, ast.Import):
+            found += [a.name for a in n.names if a.name.split(".")[0] == "torch"
+                      and any(_private(x) for x in a.name.split("."))]
+        elif isinstance(n, ast.Attribute) and _private(n.attr) and n.attr not in ours:
+            found.append("." + n.attr)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            v = n.value
+            if v.isidentifier() and _private(v) and v not in ours:
+                found.append(repr(v))
+            elif v.startswith("torch.") and any(_private(x) for x in v.split(".")):
+                found.append(repr(v))
+        out += [f"{path.relative_to(ROOT.parent)}:{getattr(n, 'lineno', 0)}: {f}" for f in found
+                if f.strip("'.") not in OTHER_LIBRARIES_PRIVATE]
+    return out
+
+
+def test_torchs_private_names_appear_only_in_torch_compat():
+    """A new torch breaks its private names first: they live in one module, which CI runs
+    on both ends of the supported range. Read from the package's source (its syntax tree)."""
+    import ast
+
+    trees = {p: ast.parse(p.read_text()) for p in sorted(ROOT.rglob("*.py"))}
+    ours = _defined_here(trees) - set(OTHER_LIBRARIES_PRIVATE)
+    found = [use for p, tree in trees.items() if p.name != "torch_compat.py"
+             for use in _torch_private_uses(p, tree, ours)]
+    assert found == []
+
+
+def test_the_scan_sees_each_way_of_naming_a_private_torch_name(tmp_path):
+    """The scan itself, on code that uses torch's private names in each way it looks for."""
+    import ast
+
+    code = ("from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader\n"
+            "from torch.distributed.distributed_c10d import _get_default_group\n"
+            "import torch._dynamo\n"
+            "t = getattr(x, '_local_tensor', x)\n"
+            "m = mesh._dim_group_names\n"
+            "where = 'torch.distributed.checkpoint._extension'\n"
+            "ok = (model._no_split_modules, self.mine)\n")
+    path = ROOT / "example.py"
+    uses = _torch_private_uses(path, ast.parse(code), {"mine"})
+    assert sorted(u.split(": ", 1)[1] for u in uses) == sorted([
+        "torch.distributed.checkpoint._fsspec_filesystem", "_get_default_group", "torch._dynamo",
+        "'_local_tensor'", "._dim_group_names", "'torch.distributed.checkpoint._extension'"])
+
+
+def test_no_class_of_the_package_overrides_a_private_method_of_torch():
+    """Overriding one of torch's private hooks (a reader's ``_slice_file``) is a private name
+    too: every class the package defines at module level, against its torch bases."""
+    import inspect
+
+    found = []
+    for name in MODULES:
+        if name == "fsdp_nb.torch_compat":
+            continue
+        module = importlib.import_module(name)
+        for cls in [c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == name]:
+            for attr in (a for a in vars(cls) if _private(a)):
+                owners = [b.__module__ for b in cls.__mro__[1:] if attr in vars(b)]
+                if any(o.split(".")[0] == "torch" for o in owners):
+                    found.append(f"{name}.{cls.__name__}.{attr}")
+    assert found == []
