@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from fsdp_nb.engine.probe import EngineProbe
 from fsdp_nb.engine.process_group import init_backend
 from fsdp_nb.runtime.rendezvous import choose_backend, gpu_indexes
+from fsdp_nb.wire.probe import EngineProbe
 
 
 def probe(host: str, gpus: int, visible: str | None = None) -> EngineProbe:

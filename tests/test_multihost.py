@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 import fsdp_nb
-from fsdp_nb.engine.probe import EngineProbe
 from fsdp_nb.runtime.launch_settings import split_cluster_kwargs
 from fsdp_nb.runtime.rendezvous import local_ranks, rank_env, rank_order
+from fsdp_nb.wire.probe import EngineProbe
 
 sys.path.insert(0, str(Path(__file__).parent))
 import netns_hosts  # noqa: E402

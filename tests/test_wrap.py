@@ -476,3 +476,43 @@ def test_plan_mesh_is_a_function_of_world_backend_hosts_options():
     assert plan_mesh(3, "gloo", ["a", "a", "b"], WrapOptions(sharding="hybrid")).shape == (3, 1)
     with pytest.raises(ValueError, match="cannot split 5 ranks into hosts of 2"):
         plan_mesh(5, "gloo", ["a", "a", "b", "b", "b"], WrapOptions(sharding="hybrid"))
+
+
+def _fsdp_nb_modules() -> list[str]:
+    """The fsdp_nb modules this process has imported (run on the ranks)."""
+    import sys
+
+    return sorted(m for m in sys.modules if m == "fsdp_nb" or m.startswith("fsdp_nb."))
+
+
+def test_the_ranks_import_only_what_the_engine_contract_allows(sess, tmp_path):
+    """What crosses to the ranks (wrap options, mesh plans, step specs, checkpoint specs) and
+    what they run (a wrap, a save and a load, a measured step, a memory feed, the hang
+    watch's question) import nothing the import contract forbids the rank side: read on
+    the ranks, against the contract in pyproject.toml."""
+    from pathlib import Path
+
+    import tomllib
+
+    contracts = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    engine = next(c for c in contracts["tool"]["importlinter"]["contracts"] if c["id"] == "engine")
+    forbidden = tuple(engine["forbidden_modules"])
+    model = sess.wrap(Net, name="imports_model", auto_wrap={Block}, mixed_precision="bf16-mixed")
+    try:
+        sess.execute("imports_opt = torch.optim.AdamW(imports_model.parameters())")
+        sess.save(str(tmp_path / "ckpt"), model, optimizer="imports_opt")
+        sess.load(str(tmp_path / "ckpt"), model, optimizer="imports_opt")
+        model.measure_memory(torch.randn(BATCH, DIM), optimizer="imports_opt")
+        assert model.shards().world_size == sess.world_size
+        feed = sess.memory(interval=0.1)
+        feed.close()
+        assert all(st is not None for st in sess.context.health.watch.states([0, 1]).values())
+        loaded = sess.run(_fsdp_nb_modules)
+    finally:
+        sess.run(forget_all, ("imports_model",))
+        sess.execute("del imports_opt")
+        sess.context.wraps.pop("imports_model", None)
+        sess.context.models.pop("imports_model", None)
+    for rank, modules in enumerate(loaded):
+        assert "fsdp_nb.engine.wrap" in modules and "fsdp_nb.wire.wrap_options" in modules
+        assert [m for m in modules if m.startswith(forbidden)] == [], rank

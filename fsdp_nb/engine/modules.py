@@ -13,22 +13,12 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from dataclasses import dataclass
 from typing import Any
 
+from ..wire.modules import Reloaded
 from .namespace import user_ns
 
-__all__ = ["Reloaded", "imported", "reload_here", "reload_on_rank"]
-
-
-@dataclass(frozen=True)
-class Reloaded:
-    """What a reload did in one process."""
-
-    modules: tuple[str, ...]
-    """The modules reloaded (the package's submodules first)."""
-    rebound: tuple[str, ...]
-    """Names in the namespace re-bound to the new code (``from m import X`` ones)."""
+__all__ = ["imported", "reload_here", "reload_on_rank"]
 
 
 def imported(name: str) -> bool:

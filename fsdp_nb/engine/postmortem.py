@@ -12,9 +12,10 @@ from __future__ import annotations
 import io
 import pdb
 import sys
-from dataclasses import dataclass
 
-__all__ = ["DebugReply", "close_debugger", "last_failure", "open_debugger", "run_commands", "send"]
+from ..wire.postmortem import DebugReply
+
+__all__ = ["close_debugger", "last_failure", "open_debugger", "run_commands", "send"]
 
 _ACTIVE: list[tuple[pdb.Pdb, io.StringIO]] = []
 """The debugger the notebook is driving on this rank (at most one)."""
@@ -22,16 +23,6 @@ _ACTIVE: list[tuple[pdb.Pdb, io.StringIO]] = []
 _ENDS = {"c", "cont", "continue", "q", "quit", "exit", "n", "next", "s", "step", "r", "return",
          "unt", "until", "j", "jump", "run", "restart"}
 """Commands that would resume execution: in a post-mortem they end the session."""
-
-
-@dataclass(frozen=True)
-class DebugReply:
-    """What one step of a post-mortem printed, and whether the debugger closed."""
-
-    text: str
-    """pdb's output (the stack entry on open, then each command's output)."""
-    done: bool = False
-    """The session ended (``q``, ``c``, or no failure to debug)."""
 
 
 def last_failure() -> str | None:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import gc
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..torch_compat import (
@@ -46,13 +45,13 @@ from ..torch_compat import (
     non_persistent_buffers,
     parameter_initialiser,
 )
+from ..wire.wrap_summary import WrapSummary
 from .hugging_face import initialize_weights, is_hugging_face
 from .namespace import unship, user_ns
 from .wrap_policies import policies, root
 
 __all__ = [
     "MODELS",
-    "WrapSummary",
     "Wrapped",
     "build",
     "check_classes",
@@ -90,30 +89,6 @@ MODELS: dict[str, Wrapped] = {}
 ON_WRAPPED: list[Callable[[], None]] = []
 """Called, in order, on the main thread after each wrap has put its model in ``MODELS``
 (``memory_kinds`` reads what the new model holds for a live memory view)."""
-
-
-@dataclass(frozen=True)
-class WrapSummary:
-    """What a build did, returned to the notebook (plain data)."""
-
-    num_params: int
-    """Parameters of the whole (unsharded) model."""
-    total_bytes: int
-    """Bytes of all parameters, unsharded."""
-    local_bytes: int
-    """Bytes of parameters this rank holds after sharding."""
-    units: tuple[str, ...]
-    """FQNs given their own ``fully_shard`` (``""`` is the root)."""
-    checkpointed: tuple[str, ...]
-    """FQNs with activation checkpointing."""
-    mesh_shape: tuple[int, ...]
-    """Shape of the device mesh."""
-    mesh_dims: tuple[str, ...]
-    """Its dimension names."""
-    param_dtype: str
-    """dtype of the sharded parameters (first parameter)."""
-    model_class: str
-    """Qualified class name of the model."""
 
 
 def _key(cls: type) -> tuple[str, str]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..engine import probe as _probe
 from ..engine import process_group as _pg
-from ..engine.probe import EngineProbe
+from ..wire.probe import EngineProbe
 from .cluster import EngineCluster
 from .dispatch import Dispatcher
 from .phases import PhaseClock
