@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
 import types
@@ -127,13 +128,11 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def _defined_here(trees: dict[Path, object]) -> set[str]:
+def _defined_here(trees: dict[Path, ast.Module]) -> set[str]:
     """Every name fsdp_nb defines: modules, functions, classes, attributes, variables, arguments."""
-    import ast
-
     names = {p.stem for p in trees}
     for tree in trees.values():
-        for n in ast.walk(tree):  # type: ignore[arg-type]
+        for n in ast.walk(tree):
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(n.name)
             elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
@@ -145,17 +144,16 @@ def _defined_here(trees: dict[Path, object]) -> set[str]:
     return names
 
 
-def _torch_private_uses(path: Path, tree: object, ours: set[str]) -> list[str]:
+def _torch_private_uses(path: Path, tree: ast.Module, ours: set[str]) -> list[str]:
     """Where module ``tree`` names something of torch's that is private: an import of a
     private module or name, an attribute or a name in a string (``getattr(t, "_x")``, a
     frame's function name) that fsdp_nb does not define and no other library owns."""
-    import ast
-
     out = []
-    for n in ast.walk(tree):  # type: ignore[arg-type]
+    for n in ast.walk(tree):
         found: list[str] = []
         if isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").split(".")[0] == "torch":
-            found += [n.module] if any(_private(x) for x in n.module.split(".")) else []  # type: ignore[union-attr]
+            module = n.module or ""
+            found += [module] if any(_private(x) for x in module.split(".")) else []
             found += [a.name for a in n.names if _private(a.name)]
         elif isinstance(n, ast.Import):
             found += [a.name for a in n.names if a.name.split(".")[0] == "torch"
@@ -176,8 +174,6 @@ def _torch_private_uses(path: Path, tree: object, ours: set[str]) -> list[str]:
 def test_torchs_private_names_appear_only_in_torch_compat():
     """A new torch breaks its private names first: they live in one module, which CI runs
     on both ends of the supported range. Read from the package's source (its syntax tree)."""
-    import ast
-
     trees = {p: ast.parse(p.read_text()) for p in sorted(ROOT.rglob("*.py"))}
     ours = _defined_here(trees) - set(OTHER_LIBRARIES_PRIVATE)
     found = [use for p, tree in trees.items() if p.name != "torch_compat.py"
@@ -187,8 +183,6 @@ def test_torchs_private_names_appear_only_in_torch_compat():
 
 def test_the_scan_sees_each_way_of_naming_a_private_torch_name(tmp_path):
     """The scan itself, on code that uses torch's private names in each way it looks for."""
-    import ast
-
     code = ("from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader\n"
             "from torch.distributed.distributed_c10d import _get_default_group\n"
             "import torch._dynamo\n"
