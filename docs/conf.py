@@ -1,8 +1,10 @@
 """Sphinx configuration of fsdp_nb's documentation (``python -m sphinx -W docs docs/_build/html``).
 
-Sphinx with MyST-NB: the tutorials are the repository's notebooks, executed during the
-build (jupyter-cache: a notebook runs again only when its code changed) with their widget
-state saved, so the memory, layout and checkpoint widgets render without a kernel; the
+Sphinx with MyST-NB: the tutorials are the repository's notebooks, stored with the outputs
+and widget state of their last run and the key of the code it ran (``_ext/stored_runs.py``):
+one whose code and package are unchanged is rendered as stored, the others run during the
+build (once per change of their code), so the memory, layout and checkpoint widgets render
+without a kernel; the
 reference is autodoc over the docstrings (Google style, through napoleon); ``_ext``
 holds what is ours: the ipywidgets renderer fetched once from the npm registry (no CDN
 at reading time), the CLI and layer pictures drawn from the code, and the completeness
@@ -13,8 +15,12 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "_ext"))
+
+import stored_runs  # noqa: E402 - from _ext, just put on the path
+from fsdp_nb_docs import REPO  # noqa: E402
 
 project = "fsdp_nb"
 author = "the fsdp_nb developers"
@@ -50,8 +56,14 @@ myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 
 nb_execution_mode = os.environ.get("FSDP_NB_DOCS_EXECUTE", "cache")
-"""``cache`` (default): run a notebook only when its code changed; ``force``: always;
-``off``: render the notebooks as committed (without outputs)."""
+"""``cache`` (default): run a tutorial whose stored run is stale, once per change of its
+code; ``force``: run every tutorial; ``off``: render the notebooks as committed."""
+_TUTORIALS = os.path.join(os.path.dirname(__file__), "tutorials")
+nb_execution_excludepatterns = [] if nb_execution_mode == "force" else [
+    f"tutorials/{name}" for name in sorted(os.listdir(_TUTORIALS))
+    if name.endswith(".ipynb") and stored_runs.is_fresh(Path(_TUTORIALS, name), REPO)]
+"""The tutorials rendered as stored: those whose last run (committed with the notebook)
+was of this code and this package (``_ext/stored_runs.py``)."""
 nb_execution_timeout = 600
 nb_execution_in_temp = True  # a notebook's relative files land in a folder the build removes
 nb_execution_raise_on_error = True  # a tutorial that fails fails the build

@@ -337,6 +337,42 @@ def test_every_performance_figure_is_in_its_results_entry():
         assert command.strip("`").split()[0] in body, (command, entry)
 
 
+def test_a_tutorials_stored_run_stands_only_for_the_code_it_ran(tmp_path):
+    """The build renders a tutorial as stored only while its code cells, the package's
+    sources and pyproject.toml are what its last run had; anything else runs it again."""
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import stored_runs
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    repo = tmp_path / "repo"
+    (repo / "fsdp_nb" / "engine").mkdir(parents=True)
+    (repo / "fsdp_nb" / "engine" / "wrap.py").write_text("X = 1\n")
+    (repo / "pyproject.toml").write_text("[project]\n")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# A"), nbformat.v4.new_code_cell("x = 1")])
+    path = repo / "t.ipynb"
+    nbformat.write(nb, path)
+    assert not stored_runs.is_fresh(path, repo)  # never run
+    nb.metadata["fsdp_nb"] = {stored_runs.KEY: stored_runs.ran_with(path, repo)}
+    nbformat.write(nb, path)
+    assert stored_runs.is_fresh(path, repo)
+    nb.cells[0].source = "# A tutorial"  # prose and outputs are not what it ran
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", text="seen")]
+    nbformat.write(nb, path)
+    assert stored_runs.is_fresh(path, repo)
+    (repo / "fsdp_nb" / "engine" / "wrap.py").write_text("X = 2\n")  # the package changed
+    assert not stored_runs.is_fresh(path, repo)
+    (repo / "fsdp_nb" / "engine" / "wrap.py").write_text("X = 1\n")
+    assert stored_runs.is_fresh(path, repo)
+    nb.cells[1].source = "x = 2"  # its code changed
+    nbformat.write(nb, path)
+    assert not stored_runs.is_fresh(path, repo)
+    (repo / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    nb.cells[1].source = "x = 1"
+    nbformat.write(nb, path)
+    assert not stored_runs.is_fresh(path, repo)  # the dependencies changed
+
+
 def test_the_readme_is_a_front_page():
     readme = (REPO / "README.md").read_text()
     lines = readme.splitlines()

@@ -172,7 +172,7 @@ def _fake_batch(batch: Any, device: Any) -> Any:
     return batch
 
 
-def _shard_rows(plan: Any, rank: int) -> tuple[int, int]:
+def _shard_rows(plan: MeshPlan, rank: int) -> tuple[int, int]:
     """(shards along FSDP's dimension, this rank's index among them)."""
     size = plan.shape[-1] if len(plan.fsdp_dims) == 2 else plan.shape[plan.dim_names.index(plan.fsdp_dims[0])]
     if len(plan.fsdp_dims) == 2:
@@ -182,7 +182,7 @@ def _shard_rows(plan: Any, rank: int) -> tuple[int, int]:
     return size, rank
 
 
-def rank_kinds(dim0s: list[int], plan: Any, world_size: int) -> dict[int, list[int]]:
+def rank_kinds(dim0s: list[int], plan: MeshPlan, world_size: int) -> dict[int, list[int]]:
     """Ranks grouped by the shapes of their shards (FSDP2 gives rank i rows
     ``[i*ceil(d/S), (i+1)*ceil(d/S))`` of a dimension of ``d`` rows over ``S`` shards):
     first rank of each group -> the group. With tensor parallelism every rank is its own."""

@@ -45,6 +45,9 @@ from ..torch_compat import (
     non_persistent_buffers,
     parameter_initialiser,
 )
+from ..wire.calls import ByValue
+from ..wire.mesh_plan import MeshPlan
+from ..wire.wrap_options import WrapOptions
 from ..wire.wrap_summary import WrapSummary
 from .hugging_face import initialize_weights, is_hugging_face
 from .namespace import unship, user_ns
@@ -75,10 +78,10 @@ class Wrapped(NamedTuple):
     """The FSDP2 module."""
     mesh: Any
     """Its ``DeviceMesh``."""
-    options: Any
-    """The ``WrapOptions`` it was wrapped with."""
-    summary: Any = None
-    """The ``WrapSummary`` its build returned."""
+    options: WrapOptions
+    """The options it was wrapped with."""
+    summary: WrapSummary | None = None
+    """What its build returned."""
     shipped: Any = None
     """``(kind, payload, plan, seed)`` as the notebook sent them: a kernel that attaches
     later rebuilds its ``WrapRecord`` from this (``wrapped_models``)."""
@@ -107,7 +110,7 @@ def matches(module: Any, classes: frozenset[type]) -> bool:
     return any(_key(c) in keys for c in type(module).__mro__)
 
 
-def check_classes(model: Any, options: Any) -> str | None:
+def check_classes(model: Any, options: WrapOptions) -> str | None:
     """A message if an ``auto_wrap`` / ``activation_checkpointing`` class is absent."""
     present = {_key(c) for m in model.modules() for c in type(m).__mro__}
     for opt in ("auto_wrap", "activation_checkpointing"):
@@ -172,7 +175,7 @@ def check_spec(kind: str, payload: Any) -> str | None:
     return check_classes(model, options)
 
 
-def mesh_of(plan: Any) -> Any:
+def mesh_of(plan: MeshPlan) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(plan.device_type, plan.shape, mesh_dim_names=plan.dim_names)
@@ -196,7 +199,7 @@ def _units(model: Any, auto_wrap: Any) -> list[tuple[str, Any]]:
     return list(reversed(chosen))  # innermost first
 
 
-def _sync_replicas(model: Any, plan: Any) -> None:
+def _sync_replicas(model: Any, plan: MeshPlan) -> None:
     """Make replicated pieces equal across ranks: broadcast from each group's first rank."""
     import torch
     import torch.distributed as dist
@@ -214,7 +217,7 @@ def _sync_replicas(model: Any, plan: Any) -> None:
                 dist.broadcast(t.data, src=0)
 
 
-def _init(model: Any, options: Any, seed: int, plan: Any) -> None:
+def _init(model: Any, options: WrapOptions, seed: int, plan: MeshPlan) -> None:
     import torch
     import torch.distributed as dist
 
@@ -290,7 +293,8 @@ def forget_all(names: tuple[str, ...]) -> None:
     _forget(*names)
 
 
-def shard(model: Any, options: Any, plan: Any, mesh: Any) -> tuple[Any, list[tuple[str, Any]], tuple[str, ...], bool]:
+def shard(model: Any, options: WrapOptions, plan: MeshPlan, mesh: Any,
+          ) -> tuple[Any, list[tuple[str, Any]], tuple[str, ...], bool]:
     """Apply ``options`` to a model whose parameters are not allocated yet (meta or fake):
     bf16-true's cast, tensor parallelism, activation checkpointing, then ``fully_shard``
     on each unit (innermost first) and the root. Returns the model, its units, the
@@ -301,6 +305,8 @@ def shard(model: Any, options: Any, plan: Any, mesh: Any) -> tuple[Any, list[tup
     if options.mixed_precision == "bf16-true":
         model.to(torch.bfloat16)
     if plan.tp_dim is not None:
+        if options.parallelize is None:  # WrapOptions refuses tensor parallelism without it
+            raise ValueError("a tensor-parallel mesh needs parallelize=fn(model, device_mesh)")
         model = options.parallelize(model, mesh)
         if not isinstance(model, torch.nn.Module):
             raise TypeError("parallelize(model, device_mesh) must return the nn.Module")
@@ -316,7 +322,7 @@ def shard(model: Any, options: Any, plan: Any, mesh: Any) -> tuple[Any, list[tup
     return model, units, checkpointed, bool(kw.get("offload_policy"))
 
 
-def build(name: str, kind: str, payload: Any, plan: Any, seed: int, init: bool = True) -> WrapSummary:
+def build(name: str, kind: str, payload: ByValue, plan: MeshPlan, seed: int, init: bool = True) -> WrapSummary:
     """Build, shard and bind one model on this rank (every rank calls it together).
     ``init=False`` (weights come from a checkpoint next): a class or factory spec's
     parameters are left as allocated; only buffers outside the state dict are computed."""

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..wire.wrap_options import WrapOptions
+
 __all__ = ["policies", "root"]
 
 
-def policies(options: Any, device_type: str) -> dict[str, Any]:
+def policies(options: WrapOptions, device_type: str) -> dict[str, Any]:
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 

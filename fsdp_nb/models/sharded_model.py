@@ -19,6 +19,7 @@ from ..wire.shards import ShardTable
 if TYPE_CHECKING:
     from ..context import SessionContext
     from ..wire.wrap_options import WrapOptions
+    from ..wire.wrap_summary import WrapSummary
     from .memory_report import MemoryPlan
 
 __all__ = ["ShardedModel"]
@@ -30,7 +31,7 @@ class ShardedModel:
     ``sess.wrap`` (and ``Session.attach``) make it, not user code: ``ctx`` is the session's
     context, ``options`` the ``WrapOptions`` and ``summary`` what the ranks reported."""
 
-    def __init__(self, ctx: SessionContext, name: str, options: WrapOptions, summary: Any):
+    def __init__(self, ctx: SessionContext, name: str, options: WrapOptions, summary: WrapSummary):
         self._ctx = ctx
         self.name = name
         """Engine global name of the FSDP module."""
