@@ -2,10 +2,11 @@
 # The supported torch range's two ends: the unit tier plus the session, wrap, checkpoint,
 # hang and device-parametrized (test_gpu's CPU half) engine tests and a step a failure
 # cut short (FSDP2's iteration state, reset by private names on 2.11), each torch in a venv of
-# its own. PyPI serves these only as CUDA builds: about 90 s and 4.7-5.5 GB a venv here
-# (torch alone; 258-276 s and 5.7-6.5 GB with the test extras, measured 2026-11-26),
-# which is why the whole suite runs once, on the CPU build of
-# .ci/run, and these two runs take the tests that touch torch's API.
+# its own with what those tests need (the test-core extra, not the notebook, docs and
+# trainer packages of the whole suite). PyPI serves these only as CUDA builds: about 90 s
+# and 4.7-5.5 GB a venv (torch alone, measured 2026-11-26), which is why the whole suite
+# runs once, on the CPU build of .ci/run, and these two runs take the tests that touch
+# torch's API.
 #   bash .ci/torch_versions.sh 2.11.0 2.15.0
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ for v in "$@"; do
   rm -rf "$venv" && python3 -m venv "$venv"
   start=$(date +%s)
   # a machine's pip config may cap torch below the newest release: PyPI as it is
-  PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q "torch==$v" -e ".[test]"
+  PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q "torch==$v" -e ".[test-core]"
   echo "torch $v: installed in $(( $(date +%s) - start )) s, $(du -sm "$venv" | cut -f1) MB"
   "$venv/bin/python" -c "import torch; assert torch.__version__.startswith('$v'), torch.__version__"
   "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider tests/unit tests/test_session.py tests/test_wrap.py \
