@@ -145,10 +145,10 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionWidgets)
         """
         checks.check_n_backend(n, backend)
         checks.check_grace(grace)
-        keep_alive = check_keep_alive(keep_alive)
+        alive = check_keep_alive(keep_alive)
         return cls._from(start_stop.connect(
             url_file, profile=profile, cluster_id=cluster_id, n=n, backend=backend, timeout=timeout,
-            pg_timeout=pg_timeout, grace=grace, keep_alive=keep_alive,
+            pg_timeout=pg_timeout, grace=grace, keep_alive=alive,
         ), activate)
 
     @classmethod

@@ -26,10 +26,10 @@ __all__ = [
     "DCP_METADATA_GLOBALS", "FLIGHT_RECORDER_ENV", "TORCH_PRELOAD", "activation_checkpoint", "collective_call",
     "compute_local_shape_and_global_offset", "current_frames", "dcp_load_into", "dcp_metadata_path",
     "default_group", "empty_state_dict_planner", "fake_process_group", "fake_tensor_mode",
-    "flight_recorder", "fsdp_memory_tracker", "fsdp_mesh_info_classes", "fsdp_roots", "fsspec_reader",
-    "fsspec_writer", "group_backend", "group_sequence_numbers", "hf_init_weights", "keep_stager_open",
+    "flight_recorder", "fsdp_memory_tracker", "fsdp_roots", "fsspec_reader",
+    "fsspec_writer", "group_backend", "group_sequence_numbers", "keep_stager_open",
     "local_tensor", "making_group", "mesh_group_names", "narrow_tensor_by_index",
-    "non_persistent_buffers", "parameter_initialiser", "process_groups", "reset_fsdp_iteration",
+    "non_persistent_buffers", "parameter_initialiser", "process_groups", "repoint_fsdp_groups", "reset_fsdp_iteration",
     "resolve_process_group", "set_element", "set_mesh_group_names", "tree_leaves", "tree_map_only",
     "weights_only_unpickler",
 ]
@@ -130,14 +130,21 @@ def flight_recorder(collectives: bool) -> dict[str, Any] | None:
         return None
 
 
-def fsdp_mesh_info_classes() -> tuple[type, type] | None:
-    """FSDP2's (FSDPMeshInfo, DDPMeshInfo), whose process groups a re-formed group
-    must replace; None where this torch has neither."""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
-    except ImportError:
-        return None
-    return FSDPMeshInfo, DDPMeshInfo
+def repoint_fsdp_groups(instances: Callable[..., list[Any]]) -> int:
+    """Point every live FSDP2 mesh info at the process groups its mesh now has (after the
+    groups were formed again); how many there were. ``instances(*classes)`` finds the live
+    objects of those classes (a heap scan)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
+
+    found = instances(FSDPMeshInfo, DDPMeshInfo)
+    for o in found:  # HSDP infos are both
+        if isinstance(o, FSDPMeshInfo):
+            o.shard_process_group = o.mesh.get_group(o.shard_mesh_dim)
+            if getattr(o, "reduce_scatter_process_group", None) is not None:
+                o.reduce_scatter_process_group = None
+        if isinstance(o, DDPMeshInfo):
+            o.replicate_process_group = o.mesh.get_group(o.replicate_mesh_dim)
+    return len(found)
 
 
 def fsdp_roots(instances: Callable[[type], list[Any]]) -> list[Any]:
@@ -280,11 +287,6 @@ def parameter_initialiser(module: Any) -> Callable[[], None] | None:
         if callable(fn):
             return fn
     return None
-
-
-def hf_init_weights(model: Any, module: Any) -> None:
-    """A Hugging Face model's own initialisation of one of its ``module``s."""
-    model._init_weights(module)
 
 
 def tree_map_only(cls: Any, fn: Callable[[Any], Any], tree: Any) -> Any:

@@ -52,7 +52,10 @@ class Kernel:
 
     @property
     def pid(self) -> int:
-        return self.km.provisioner.pid
+        pid = getattr(self.km.provisioner, "pid", None)  # a local provisioner's (jupyter_client types it None)
+        if not isinstance(pid, int):
+            raise RuntimeError(f"the kernel has no local process id (provisioner {self.km.provisioner!r})")
+        return pid
 
     def run(self, code: str, timeout: float = 120, answers: list[str] | None = None) -> str:
         """Run ``code``; its stdout (stderr too). A cell that raises fails the test
@@ -190,6 +193,10 @@ class FakeReply:
 
     def wait_for_output(self, timeout: float = -1) -> bool:
         return self.done
+
+    @property
+    def data(self) -> dict[str, Any] | None:
+        return self.metadata.get("data")
 
 
 class FakeCluster:

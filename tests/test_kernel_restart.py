@@ -64,7 +64,9 @@ def _processes(k: Kernel) -> list[int]:
     """Engine pids, the controller's and the standby engine's of the kernel's session."""
     engines = k.value("[r.pid for r in sess.ranks]")
     controller = k.value("sess.cluster.cluster.controller.pid")
-    return [*engines, controller, k.value("sess.cluster.standby.pid")]
+    standby = k.value("sess.cluster.standby.pid")
+    assert isinstance(engines, list) and isinstance(controller, int) and isinstance(standby, int)
+    return [*engines, controller, standby]
 
 
 def test_kept_alive_session_survives_a_kernel_restart_and_attach_gets_it_back(kernel):

@@ -63,7 +63,7 @@ def _call_endpoints(sess) -> list[str]:
 
 
 def _outsider(kind: int, endpoint: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(kind)
+    sock: zmq.SyncSocket = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     return sock

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -21,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2)
+CONFIG: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2)
 Q = "model.layers.0.self_attn.q_proj.weight"
 
 
@@ -50,8 +51,8 @@ def _exp_avg(name: str, fqn: str):
     from fsdp_nb.engine.namespace import user_ns
 
     ns = user_ns()
-    osd = get_optimizer_state_dict(ns[name], ns[f"{name}_opt"],
-                                   options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    osd: dict[str, Any] = get_optimizer_state_dict(
+        ns[name], ns[f"{name}_opt"], options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     t = osd["state"][fqn]["exp_avg"]
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 

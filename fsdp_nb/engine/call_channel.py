@@ -116,7 +116,8 @@ class _Server:
 
         self.nonce = new_nonce()
         self.link = Link(key, "call", self.nonce, "server")
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock: zmq.SyncSocket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock = sock
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         port = self.sock.bind_to_random_port(f"tcp://{addr}")
@@ -140,7 +141,8 @@ class _Server:
         except Refused as why:
             self.link.refused(why, self.endpoint)
             return
-        _AFTER = after = []
+        after: list[Any] = []
+        _AFTER = after
         try:
             self._answer(ident, frames[1].bytes[:HEADER_BYTES], payload.buffer)
         finally:

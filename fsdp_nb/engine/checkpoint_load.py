@@ -36,7 +36,7 @@ from . import progress_feed
 from .checkpoint_save import begin, rank_and_world, state_bytes
 from .dcp_load import load_dcp
 from .hugging_face import tied_parameters
-from .load_checks import agree_problem, apply_read, match, shape_problems, shapes
+from .load_checks import agree_problem, apply_read, match, optim_entries, shape_problems, shapes
 
 __all__ = ["load"]
 
@@ -95,8 +95,7 @@ def _load_safetensors(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -
     if problem is None:
         msd, osd = get_state_dict(model, [optim] if optim is not None else [])
         exp_o = None if optim is None else {
-            optim_key(fqn, key): tuple(v.shape) for fqn, entries in osd["state"].items()
-            for key, v in entries.items() if isinstance(v, torch.Tensor)}
+            optim_key(fqn, key): tuple(v.shape) for fqn, key, v in optim_entries(osd) if isinstance(v, torch.Tensor)}
         problem, usable = match(
             url, strict, shapes(msd), {k: s.shape for k, s in ck.model.items()}, tied_parameters(model), exp_o,
             {k: s.shape for k, s in ck.optim.items()} if ck.optim_other is not None else None,
@@ -111,11 +110,10 @@ def _load_safetensors(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -
     try:
         with PieceReader(fs, progress_feed.add) as r:
             fresh_m = {k: _read_owned(r, ck.model[k], msd[k]) for k in usable}
-            if optim is not None:
+            if optim is not None and ck.optim_other is not None:  # match() refused a file without optimizer state
                 fresh_o = optim_state(ck.optim_other, (
                     (fqn, key, _read_owned(r, ck.optim[optim_key(fqn, key)], like))
-                    for fqn, entries in osd["state"].items() for key, like in entries.items()
-                    if isinstance(like, torch.Tensor)))
+                    for fqn, key, like in optim_entries(osd) if isinstance(like, torch.Tensor)))
     except Exception as exc:  # noqa: BLE001 - any read failure becomes the agreed CorruptCheckpointError; the model is unchanged
         problem, cls = (f"checkpoint {url!r}: reading failed ({type(exc).__name__}: {exc}); "
                         "the model is unchanged"), CorruptCheckpointError
@@ -194,7 +192,7 @@ def _load_full(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outco
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     set_model_state_dict(model, full_m if rank == 0 else {}, options=opts)
     if optim is not None:
-        set_optimizer_state_dict(model, optim, full_o if rank == 0 else {}, options=opts)
+        set_optimizer_state_dict(model, optim, full_o if rank == 0 and full_o is not None else {}, options=opts)
     box = [meta.get("extra", {}), meta.get("world_size")]
     if ws > 1:
         dist.broadcast_object_list(box, src=0)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -247,6 +248,7 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
     fs, target = url_to_fs(spec.url, spec.storage_options)
     tmp = sibling(target.rstrip("/"), "tmp", spec.token)
@@ -290,6 +292,8 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
             if device is not None:
                 torch.cuda.set_device(device)  # a new thread starts on device 0
             resp = dcp.async_save(sd, storage_writer=writer, process_group=group, async_stager=copier)
+            if not isinstance(resp, AsyncSaveResponse):  # what DCP returns when the stager copies in its thread
+                raise TypeError(f"dcp.async_save returned a {type(resp).__name__}, not its two completions")
             resp.staging_completion.add_done_callback(lambda f: copied(f, staged, progress))
             resp.upload_completion.result()  # after the staging: ``staged`` is set by then
         except BaseException as exc:  # noqa: BLE001 - handed to the staging future and re-raised from it: training must not wait forever
@@ -359,6 +363,18 @@ def _cleanup(fs: Any, path: str) -> None:
         log.warning("could not remove the unfinished checkpoint folder: %s", exc)
 
 
+def _state_copy(osd: Mapping[str, Any]) -> dict[str, Any]:
+    """Optimizer state dict ``osd`` with each parameter's state tensors cloned (its
+    ``param_groups`` kept as they are)."""
+    import torch
+
+    return {
+        "state": {f: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+                  for f, s in osd["state"].items()},
+        "param_groups": osd["param_groups"],
+    }
+
+
 def _save_full(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -377,10 +393,7 @@ def _save_full(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
         live = {p.data_ptr() for p in model.parameters()} | {b.data_ptr() for b in model.buffers()}
         msd = {k: (v.clone() if isinstance(v, torch.Tensor) and v.data_ptr() in live else v) for k, v in msd.items()}
         if optim is not None:
-            osd = {
-                "state": {f: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for f, s in osd["state"].items()},
-                "param_groups": osd["param_groups"],
-            }
+            osd = _state_copy(osd)
 
     def write() -> Outcome:
         try:

@@ -106,7 +106,7 @@ class _Plan:
         )
 
         url = spec.url
-        self.msd = get_model_state_dict(model)
+        self.msd: dict[str, Any] = get_model_state_dict(model)
         self.layout: Layout = find_layout(
             fs, p, lambda f: read_dcp_metadata(fs, f, url, weights_only=spec.weights_only).state_dict_metadata,
             url, expected=self.msd)
@@ -171,7 +171,8 @@ def load_dcp(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome
         into_o = rekey_optim(into_o, lay.flat_optim, lambda fqn: lay.inner + fqn)
     sd: dict[str, Any] = {lay.model_key(k): v for k, v in into_m.items()}
     sd.update(_extra_targets(plan))
-    optim_sd = {lay.optim_root: into_o} if into_o is not None else {}
+    # an optimizer's state has a root here: match() refused a checkpoint without one
+    optim_sd = {lay.optim_root: into_o} if into_o is not None and lay.optim_root is not None else {}
     if not lay.optim_in_own_folder:
         sd.update(optim_sd)
     progress_feed.start(state_bytes([sd, optim_sd]), spec.report_progress)

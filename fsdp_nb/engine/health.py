@@ -24,10 +24,10 @@ from typing import Any
 
 from ..torch_compat import (
     default_group,
-    fsdp_mesh_info_classes,
     fsdp_roots,
     mesh_group_names,
     process_groups,
+    repoint_fsdp_groups,
     reset_fsdp_iteration,
     set_mesh_group_names,
 )
@@ -81,7 +81,7 @@ def install(folder: str) -> str:
     faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
     old_path = _state.get("path")
     _state["file"], _state["path"] = f, path
-    if old is not None:
+    if old is not None and old_path is not None:
         old.close()
         try:
             os.unlink(old_path)
@@ -262,12 +262,12 @@ def rebind_groups(partitions: list[tuple[tuple[int, ...], ...]] | None = None) -
     for m in meshes:
         names = mesh_group_names(m)
         for d in range(min(len(names), m.mesh.ndim)):
-            row = next((r for r in _rows(m, d) if me in r), None)
-            if row is not None and row in mine and names[d] != mine[row]:
+            row = next((r for r in _rows(m, d) if me in r), ())
+            if row and row in mine and names[d] != mine[row]:
                 names[d] = mine[row]
                 rebound += 1
         set_mesh_group_names(m, names)
-    fsdp = _refresh_fsdp()
+    fsdp = repoint_fsdp_groups(_instances)
     return {"meshes": len(meshes), "groups_created": created, "names_rebound": rebound,
             "fsdp_groups": fsdp, "fsdp_roots_reset": reset_fsdp_iterations()}
 
@@ -280,21 +280,3 @@ def reset_fsdp_iterations() -> int:
     for root in roots:
         reset_fsdp_iteration(root)
     return len(roots)
-
-
-def _refresh_fsdp() -> int:
-    """Point FSDP2 mesh infos at the live process groups of their meshes."""
-    classes = fsdp_mesh_info_classes()
-    if classes is None:
-        return 0
-    FSDPMeshInfo, DDPMeshInfo = classes  # noqa: N806 - the classes, by their names
-    n = 0
-    for o in _instances(FSDPMeshInfo, DDPMeshInfo):  # HSDP infos are both
-        if isinstance(o, FSDPMeshInfo):
-            o.shard_process_group = o.mesh.get_group(o.shard_mesh_dim)
-            if getattr(o, "reduce_scatter_process_group", None) is not None:
-                o.reduce_scatter_process_group = None
-        if isinstance(o, DDPMeshInfo):
-            o.replicate_process_group = o.mesh.get_group(o.replicate_mesh_dim)
-        n += 1
-    return n

@@ -10,14 +10,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..torch_compat import hf_init_weights
-
-__all__ = ["hugging_face_meta", "initialize_weights", "is_hugging_face", "tied_parameters"]
+__all__ = ["hf_init_weights", "hugging_face_meta", "initialize_weights", "is_hugging_face", "tied_parameters"]
 
 
 def is_hugging_face(model: Any) -> bool:
     """A transformers ``PreTrainedModel`` (its initialiser and its config)."""
     return callable(getattr(model, "_init_weights", None)) and hasattr(getattr(model, "config", None), "to_json_string")
+
+
+def hf_init_weights(model: Any, module: Any) -> None:
+    """A Hugging Face model's own initialisation of one of its ``module`` s (its
+    ``_init_weights``, transformers' name for it)."""
+    model._init_weights(module)
 
 
 def initialize_weights(model: Any) -> None:

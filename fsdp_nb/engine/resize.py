@@ -293,7 +293,7 @@ def restore(name: str, folder: str, recipes: tuple[OptimizerRecipe, ...]) -> int
     fill: list[tuple[Any, str, dict[str, Any] | None]] = []
     for i, rec in enumerate(recipes):
         optim = _DETACHED.pop(rec.name, None)
-        if optim is not None and ns.get(rec.name) is optim:
+        if optim is not None and rec.name in ns and ns[rec.name] is optim:
             for g, fqns in zip(optim.param_groups, rec.fqns):
                 g["params"] = [params[f] for f in fqns]
         else:

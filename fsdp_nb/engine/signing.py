@@ -233,7 +233,7 @@ def start_listener(state: dict[str, Any], addr: str, purpose: str, sock_type: st
 
     nonce = new_nonce()
     link = Link(engine_key(), purpose, nonce, "server", window)
-    sock = zmq.Context.instance().socket(getattr(zmq, sock_type))
+    sock: zmq.SyncSocket = zmq.Context.instance().socket(getattr(zmq, sock_type))
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     port = sock.bind_to_random_port(f"tcp://{addr}")

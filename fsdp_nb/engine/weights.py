@@ -51,7 +51,7 @@ def load_full_chunk(name: str, chunk: dict[str, Any] | None) -> int:
             if key not in targets:
                 raise KeyError(f"{key!r} is not a parameter or buffer of {name!r}")
             target = targets[key]
-            if rank0:
+            if rank0 and chunk:  # meta came from rank 0's chunk, so it holds every key
                 full = chunk[key].to(comm_device)
             else:
                 full = torch.empty(shape, dtype=dtype, device=comm_device)

@@ -40,7 +40,6 @@ from typing import Any, NamedTuple
 
 from ..torch_compat import (
     activation_checkpoint,
-    hf_init_weights,
     local_tensor,
     non_persistent_buffers,
     parameter_initialiser,
@@ -49,7 +48,7 @@ from ..wire.calls import ByValue
 from ..wire.mesh_plan import MeshPlan
 from ..wire.wrap_options import WrapOptions
 from ..wire.wrap_summary import WrapSummary
-from .hugging_face import initialize_weights, is_hugging_face
+from .hugging_face import hf_init_weights, initialize_weights, is_hugging_face
 from .namespace import unship, user_ns
 from .wrap_policies import policies, root
 

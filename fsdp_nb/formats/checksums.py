@@ -38,7 +38,10 @@ _UPDATE: dict[str, Callable[[Any, int], int]] = {"crc32": zlib.crc32}
 try:
     import crc32c as _crc32c
 
-    _UPDATE["crc32c"] = lambda data, value=0: _crc32c.crc32c(data, value=value)
+    def _crc32c_update(data: Any, value: int = 0) -> int:
+        return _crc32c.crc32c(data, value=value)
+
+    _UPDATE["crc32c"] = _crc32c_update
 except ImportError:  # pragma: no cover - crc32c is a dependency; zlib is the fallback
     log.warning("the crc32c package is missing: checkpoints are checksummed with zlib's slower CRC-32")
 
@@ -97,8 +100,7 @@ class ChecksumStream(io.RawIOBase):
         ahead = _crc_pool().submit(checksum, view, self._crc) if len(view) >= OVERLAP_BYTES else None
         n = self.raw.write(view)
         n = len(view) if n is None else n
-        full = ahead is not None and n == len(view)
-        self._crc = ahead.result() if full else checksum(view[:n], self._crc)
+        self._crc = ahead.result() if ahead is not None and n == len(view) else checksum(view[:n], self._crc)
         self._pos += n
         if self._on_write is not None:
             self._on_write(n)

@@ -35,6 +35,9 @@ log = logging.getLogger("fsdp_nb")
 FULL_SUFFIXES = (".pt", ".safetensors")
 """File suffixes of full checkpoints."""
 
+_Entry = tuple[tuple[int, ...], str, str, int | None, int]
+"""A stored tensor without its data: (shape, dtype, file name, byte offset or None, length)."""
+
 
 def full_suffix(path: str) -> str | None:
     """``.pt`` / ``.safetensors`` when ``path`` names a full checkpoint file, else None."""
@@ -57,8 +60,8 @@ def _unshared(tensors: dict[str, Any]) -> dict[str, Any]:
 
 
 def _safetensors_parts(model_sd: dict, optim_sd: dict | None, meta: dict, token: str,
-                       optim_name: str) -> tuple[dict, dict, dict | None, dict | None]:
-    """(model tensors, model header, optimizer tensors, optimizer header)."""
+                       optim_name: str) -> tuple[dict, dict, tuple[dict, dict] | None]:
+    """(model tensors, model header, (optimizer tensors, optimizer header) or None)."""
     import torch
 
     for k, v in model_sd.items():
@@ -67,7 +70,7 @@ def _safetensors_parts(model_sd: dict, optim_sd: dict | None, meta: dict, token:
     meta = dict(meta, token=token, optimizer_file=optim_name if optim_sd else None)
     header = {"format": "pt", "fsdp_nb": json.dumps(meta)}
     if not optim_sd:
-        return _unshared(model_sd), header, None, None
+        return _unshared(model_sd), header, None
     tensors: dict[str, Any] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for flat, fqn, key, v in flat_optim_state(optim_sd.get("state", {})):
@@ -77,7 +80,7 @@ def _safetensors_parts(model_sd: dict, optim_sd: dict | None, meta: dict, token:
             scalars.setdefault(fqn, {})[key] = v
     other = {"param_groups": optim_sd.get("param_groups", []), "scalars": scalars}
     oheader = {"format": "pt", "fsdp_nb.optim": json.dumps(other), "fsdp_nb.token": token}
-    return _unshared(model_sd), header, _unshared(tensors), oheader
+    return _unshared(model_sd), header, (_unshared(tensors), oheader)
 
 
 def _create(fs: Any, path: str) -> Any:
@@ -111,12 +114,12 @@ def write_full(fs: Any, target: str, token: str, model_sd: dict, optim_sd: dict 
     try:
         if suffix == ".safetensors":
             opath = optim_file(target)
-            tensors, header, otensors, oheader = _safetensors_parts(
+            tensors, header, optim_part = _safetensors_parts(
                 model_sd, optim_sd, meta, token, posixpath.basename(opath))
-            if otensors is not None:
+            if optim_part is not None:
                 otmp = sibling(opath, "tmp", token) + suffix
                 moves.insert(0, (otmp, opath))
-                _write_safetensors(fs, otmp, otensors, oheader)
+                _write_safetensors(fs, otmp, *optim_part)
             _write_safetensors(fs, tmp, tensors, header)
         else:
             obj = {"model": model_sd, "fsdp_nb": dict(meta, token=token)}
@@ -177,7 +180,7 @@ def read_full(fs: Any, path: str, url: str, weights_only: bool = True) -> tuple[
 
 def read_full_meta(
     fs: Any, path: str, url: str | None = None, weights_only: bool = True,
-) -> tuple[dict, dict[str, tuple[tuple[int, ...], str, str, int | None, int]], dict[str, int]]:
+) -> tuple[dict, dict[str, _Entry], dict[str, int]]:
     """(metadata, key -> (shape, dtype, file name, byte offset, length), file name -> size)
     without tensor data.
 
@@ -187,7 +190,7 @@ def read_full_meta(
     """
     if full_suffix(path) != ".pt":
         ck = read_layout(fs, path, url or path)
-        out = {}
+        out: dict[str, _Entry] = {}
         for prefix, entries in ((MODEL, ck.model), ("", ck.optim)):
             for k, s in entries.items():
                 out[prefix + k] = (s.shape, s.dtype, posixpath.basename(s.file), s.offset, s.length)
@@ -196,7 +199,7 @@ def read_full_meta(
 
     obj = load_pt(fs, path, url or path, weights_only)
     name = posixpath.basename(path)
-    outp = {}
+    outp: dict[str, _Entry] = {}
     flat = [(MODEL + k, v) for k, v in obj.get("model", {}).items()]
     flat += [(f, v) for f, _, _, v in flat_optim_state((obj.get("optim") or {}).get("state", {}))]
     for key, t in flat:

@@ -45,7 +45,8 @@ def read_dcp_metadata(fs: Any, path: str, url: str, record: dict | None = None,
         raise CorruptCheckpointError(
             f"checkpoint {url!r}: file '.metadata' is missing (not a DCP checkpoint, or unfinished)"
         ) from exc
-    for off, length, crc in (record or {}).get("segments", ()):
+    record = record or {}
+    for off, length, crc in record.get("segments", ()):
         try:
             check_item(data[off:off + length], ".metadata", off, (length, crc, record.get("algorithm", "crc32")))
         except ChecksumMismatch as exc:

@@ -295,7 +295,7 @@ class PieceReader:
         n = out.numel() * out.element_size()
         if n == 0:
             return out
-        view = memoryview(out.view(-1).view(torch.uint8).numpy())
+        view = out.view(-1).view(torch.uint8).numpy().data
         f = self._file(st.file)
         f.seek(st.offset + first * (n // count))
         if read_into(f, view) < n:

@@ -23,7 +23,10 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 __all__ = ["STEP_BYTES", "Writeback", "WrittenBackFile"]
 
@@ -86,7 +89,7 @@ class WrittenBackFile(io.FileIO):
         self.writeback = Writeback(self.fileno(), step) if _START is not None else None
         """None where the system has no ``sync_file_range``."""
 
-    def write(self, b: Any) -> int | None:
+    def write(self, b: ReadableBuffer) -> int:
         n = super().write(b)
         if n and self.writeback is not None:
             self._written += n

@@ -25,7 +25,8 @@ from ..runtime.checks import check_hang_after
 class Session(Protocol):
     """What the magics use of a ``fsdp_nb.Session``."""
 
-    state: str
+    @property
+    def state(self) -> str: ...
 
     def __init__(self, n: int | None = None, *, backend: str | None = None) -> None: ...
 

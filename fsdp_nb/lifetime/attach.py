@@ -91,7 +91,7 @@ def reconnect(rec: SessionRecord, timeout: float) -> EngineCluster:
     engines.set_rank_order([r.engine_id for r in ranks], [r.pid for r in ranks], [r.host for r in ranks],
                            [started.get(r.pid) for r in ranks])
     engines.ranks = ranks
-    engines.controller_pids = [tuple(p) for p in rec.controller_pids]
+    engines.controller_pids = [(pid, stamp) for pid, stamp in rec.controller_pids]  # JSON lists as tuples
     return engines
 
 

@@ -64,8 +64,9 @@ class Keeper:
     def begin(cls, ctx: SessionContext, keep_alive: bool | float, connection: dict[str, Any]) -> Keeper:
         """Write ``sess``'s record; start its watchdog when fsdp_nb started the engines."""
         owns = ctx.cluster.owns_engines
-        if owns:
-            cluster_id = ctx.cluster.cluster.cluster_id
+        started = ctx.cluster.cluster
+        if owns and started is not None:
+            cluster_id = started.cluster_id
         else:  # a connected cluster may have no id (a url file): make one
             cluster_id = connection.get("cluster_id") or f"connected-{int(time.time())}-{os.getpid()}"
         record = SessionRecord(

@@ -166,6 +166,9 @@ def _failed(ctx: SessionContext, report: ResizeReport, folder: str, exc: BaseExc
 def _change(ctx: SessionContext, plan: ResizePlan, folder: str, report: ResizeReport, clock: PhaseClock,
             timeout: float) -> None:
     d, cluster, old, n = ctx.plain_dispatcher, ctx.cluster, ctx.world_size, plan.n
+    backend = ctx.backend
+    if backend is None:  # set when the group was first formed
+        raise RuntimeError("this session's process group was never formed: there is none to resize")
     known = membership.start_engines(cluster, n - old) if n > old else set()
     d.gather(d.apply("watch memory", _er.watch_memory), 30)
     report.staged_bytes = sum(d.gather(d.apply("stage models", _er.stage, args=(folder, plan.optimizers))))
@@ -182,7 +185,7 @@ def _change(ctx: SessionContext, plan: ResizePlan, folder: str, report: ResizeRe
         d.gather(d.apply("watch memory", _er.watch_memory, ranks=new), 30)
         clock.mark("engines added")
     probes = rendezvous.probe_engines(cluster, d, timeout=60)
-    rendezvous.join_group(cluster, d, probes, ctx.backend, pg_timeout=ctx.pg_timeout,
+    rendezvous.join_group(cluster, d, probes, backend, pg_timeout=ctx.pg_timeout,
                           threads=ctx.omp_threads, timeout=120)
     clock.mark("group formed")
     if new:

@@ -81,7 +81,7 @@ def form(
 
 def start(
     n: int,
-    backend: str,
+    backend: str | None,
     launcher: str,
     *,
     timeout: float,
@@ -92,8 +92,8 @@ def start(
     cluster_kwargs: dict[str, Any],
 ) -> SessionContext:
     """Launch ``n`` engines with ``launcher`` and form a ``backend`` group on them (the
-    arguments are ``Session``'s, already checked); the start's phases are timed in
-    ``start_phases``."""
+    arguments are ``Session``'s, already checked; ``backend`` None, for engines started
+    elsewhere: decided from their probes); the start's phases are timed in ``start_phases``."""
     clock = PhaseClock()
     threads = max(1, (os.cpu_count() or 1) // n) if backend == "gloo" else None
     env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
@@ -103,6 +103,7 @@ def start(
     ctx = form(cluster, backend=backend, launcher=launcher, threads=threads, pg_timeout=pg_timeout,
                grace=grace, clock=clock)
     cluster.wants_standby = standby
+    assert cluster.cluster is not None  # EngineCluster.start keeps the Cluster it started
     keep(ctx, keep_alive, {"cluster_file": cluster.cluster.cluster_file})
     clock.mark("session record")
     cluster.keep_standby()  # after the start: its imports would slow the ranks'

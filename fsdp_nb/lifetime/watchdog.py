@@ -26,9 +26,13 @@ import shutil
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from ..engine.process_handles import stop_processes
 from .record import SessionRecord
+
+if TYPE_CHECKING:
+    import ipyparallel as ipp
 
 log = logging.getLogger("fsdp_nb.lifetime.watchdog")
 
@@ -44,7 +48,7 @@ class _Idle:
 
     def __init__(self, record: SessionRecord):
         self.record = record
-        self.client = None
+        self.client: ipp.Client | None = None
         self.since: float | None = None
 
     def busy(self) -> bool:

@@ -137,7 +137,7 @@ def wrap(
         )
     if kind in ("class", "factory"):
         check_call(model, args, kwargs)
-    plan = plan_mesh(ctx.world_size, ctx.backend, [r.host for r in ctx.ranks], opts)
+    plan = plan_mesh(ctx.world_size, ctx.backend or "gloo", [r.host for r in ctx.ranks], opts)
     import torch
 
     # classes in the model, auto_wrap classes and callables may live in a user's
@@ -190,22 +190,22 @@ def _build(
     if source is not None:
         _stream_weights(d, ctx.world_size, record.name, source.state_dict())
     if record.weights is not None:
-        _load_weights(ctx, d, record)
+        _load_weights(ctx, d, record.name, record.weights)
     ctx.wraps[record.name] = record
     model = ctx.models[record.name] = ShardedModel(ctx, record.name, record.options, summaries[0])
     return model
 
 
-def _load_weights(ctx: SessionContext, d: Dispatcher, record: WrapRecord) -> None:
-    """Fill the just-built ``record`` from its ``weights``: each rank reads only the
+def _load_weights(ctx: SessionContext, d: Dispatcher, name: str, weights: str) -> None:
+    """Fill the just-built model ``name`` from ``weights``: each rank reads only the
     slices it owns (``sess.load``'s path, every key required). A failed load drops the
     half-built model from every rank before the error is raised."""
     from ..checkpoint.load import load
 
     try:
-        load(ctx, record.weights, record.name, strict=True, fill=True)
+        load(ctx, weights, name, strict=True, fill=True)
     except BaseException:  # drop the model nobody initialised, then re-raise
-        d.gather(d.apply(f"drop {record.name}", _ew.forget_all, args=((record.name,),)))
+        d.gather(d.apply(f"drop {name}", _ew.forget_all, args=((name,),)))
         raise
 
 

@@ -165,7 +165,7 @@ class RecoveringPolicy(FailurePolicy):
         c = self.ctx.cluster
         silent = report.stalled if report.waiting else report.stopped  # others wait for them
         gone = set(c.dead_ranks()) if silent else set()
-        stuck = [r for r in silent if r not in gone and c.owns_pid(c.pids[r])]
+        stuck = [r for r in silent if r not in gone and (pid := c.pids[r]) is not None and c.owns_pid(pid)]
         if stuck:
             log.warning("fsdp_nb: rank(s) %s stopped responding: killing them so the other ranks "
                         "return with their state", ", ".join(map(str, stuck)))

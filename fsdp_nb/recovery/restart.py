@@ -29,6 +29,8 @@ log = logging.getLogger("fsdp_nb")
 def reform(ctx: SessionContext) -> None:
     """Every rank joins a new process group on a fresh port, keeping the rank order,
     then DeviceMeshes and FSDP2 modules on the ranks are re-pointed at the new groups."""
+    if ctx.backend is None:  # set when the group was first formed
+        raise RuntimeError("this session's process group was never formed: there is none to re-form")
     d = ctx.plain_dispatcher
     probes = rendezvous.probe_engines(ctx.cluster, d, timeout=60)
     rendezvous.join_group(

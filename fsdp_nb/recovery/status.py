@@ -162,7 +162,7 @@ def read_status(ctx: SessionContext, *, with_stacks: bool = True) -> SessionStat
         RankStatus(r, eid, c.hosts[r] or "?", c.pids[r], devices[r], states[r], queued[r], found.get(r))
         for r, eid in enumerate(c.engine_ids)
     )
-    return SessionStatus(ctx.state, ctx.backend, ranks)
+    return SessionStatus(ctx.state, ctx.backend or "?", ranks)
 
 
 def _queued(client: Any, engine_ids: Sequence[int]) -> list[int]:

@@ -66,6 +66,11 @@ class CallResult:
     def wait_for_output(self, timeout: float = -1) -> bool:
         return True  # output comes before the reply on the same socket
 
+    @property
+    def data(self) -> dict[str, Any] | None:
+        """None: a direct call publishes nothing (progress goes through ipyparallel)."""
+        return None
+
     def get(self, timeout: float | None = None) -> Any:
         if not self._done:
             raise TimeoutError("Result not ready.")
@@ -90,7 +95,7 @@ class CallChannel:
         self.cluster = cluster
         self.enabled = True
         """False: every call takes the ipyparallel path (benchmarks compare the two)."""
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.SyncContext = zmq.Context.instance()
         self._socks: dict[int, zmq.Socket] = {}
         """engine id -> its socket (an engine replaced under a rank gets a new one)."""
         self._links: dict[zmq.Socket, Link] = {}
@@ -219,7 +224,7 @@ class CallChannel:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                for s, _ in poller.poll(left * 1000):
+                for s, _ in poller.poll(int(left * 1000)):
                     self._drain(s)
             return True
 

@@ -62,7 +62,7 @@ class EngineCluster:
         """Per-rank ``rendezvous.RankInfo`` of the group last formed (``join_group``)."""
         self._views: dict[Any, Any] = {}
         """Kept views: engine id, or a tuple of them."""
-        self._procs: dict[tuple[int, float | None], ProcessHandle | None] = {}
+        self._procs: dict[tuple[int | None, float | None], ProcessHandle | None] = {}
         """(pid, start time) -> its verified handle (None: that process is gone)."""
         self._launched: dict[int, int] = {}
         """Rank -> the dead engine id a replacement was launched for (``start_replacements``)."""
@@ -344,10 +344,10 @@ class EngineCluster:
         found. Local launchers only (it starts processes on this host, where another
         launcher would submit a job nobody asked for yet). Never raises: the death is
         what the caller reports."""
-        if not self._local_launcher():
+        if self.cluster is None or not self._local_launcher():
             return
         try:
-            self._launch(dead)
+            self._launch(self.cluster, dead)
         except Exception as exc:  # noqa: BLE001 - restart() starts them then
             log.warning("could not start replacement engine(s) for rank(s) %s yet: %s", dead, exc)
 
@@ -361,7 +361,7 @@ class EngineCluster:
                 "(Session.connect), so it cannot start engines: restart them with the "
                 "cluster's launcher, then call sess.restart()."
             )
-        self._launch(dead)
+        self._launch(self.cluster, dead)
         known = self._known or set()
         if not wait_until(lambda: len(set(self.client.ids) - known) >= len(dead), timeout, 0.1):
             raise TimeoutError(
@@ -374,10 +374,10 @@ class EngineCluster:
         self._launched.clear()
         self._known = None
 
-    def _launch(self, dead: list[int]) -> None:
-        """Start an engine for each rank in ``dead`` that has none on its way yet (once
-        per dead engine): the standby engine first, new ones for the rest. The engine
-        ids known before the first such start are kept, to tell the new engines apart."""
+    def _launch(self, cluster: ipp.Cluster, dead: list[int]) -> None:
+        """Start an engine for each rank in ``dead`` that has none on its way yet (once per
+        dead engine): the standby engine first, new ones on ``cluster`` for the rest. The
+        engine ids known before the first such start are kept, to tell the new engines apart."""
         todo = [r for r in dead if self._launched.get(r) != self.engine_ids[r]]
         if not todo:
             return
@@ -389,7 +389,7 @@ class EngineCluster:
             log.info("rank %d: the standby engine takes its place", fresh.pop(0))
         self.standby = None
         if fresh:
-            self.cluster.start_engines_sync(n=len(fresh), **self._replacement_settings())
+            cluster.start_engines_sync(n=len(fresh), **self._replacement_settings())
             log.info("rank(s) %s: replacement engine(s) starting", fresh)
         for r in todo:
             self._launched[r] = self.engine_ids[r]
@@ -423,7 +423,7 @@ class EngineCluster:
         from ..engine.boot import PRELOAD_ENV
 
         c = self.cluster
-        if not self._local_launcher():
+        if c is None or not self._local_launcher():
             return {}
         launcher = c.engine_launcher_class(parent=c, log=c.log, profile_dir=c.profile_dir,
                                            cluster_id=c.cluster_id)

@@ -185,7 +185,7 @@ class Dispatcher:
             ar = self.cluster.ranks_view(ranks).execute(code, block=False, silent=silent)
             results = per_rank(ranks, ar)
         shown = None if echoed is None else tuple(echoed)
-        return Pending("execute", results, interrupted=ctrl_c.hit, echoed=shown, waiter=self._client_wait)
+        return Pending("execute", dict(results), interrupted=ctrl_c.hit, echoed=shown, waiter=self._client_wait)
 
     @contextmanager
     def _sending(self, what: str, ranks: Sequence[int]) -> Iterator[None]:

@@ -129,7 +129,7 @@ def abort_collectives(listeners: list[tuple[str, Link]], timeout: float = 2.0) -
     NCCL communicators."""
     import zmq
 
-    ctx = zmq.Context.instance()
+    ctx: zmq.SyncContext = zmq.Context.instance()
     for ep, link in listeners:
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, int(timeout * 1000))

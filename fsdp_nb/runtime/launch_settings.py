@@ -14,9 +14,12 @@ import logging
 import os
 import sys
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ipyparallel as ipp
+
+if TYPE_CHECKING:
+    from traitlets.config import LoggingConfigurable
 
 __all__ = [
     "HEARTBEAT_MISSES", "HEARTBEAT_MS", "batch_file_in_profile", "boot_with_torch",
@@ -33,7 +36,7 @@ def launcher_names() -> list[str]:
     return sorted({e.name for e in entry_points(group="ipyparallel.engine_launchers")})
 
 
-def engine_launcher_class(launcher: str) -> type:
+def engine_launcher_class(launcher: str) -> type[LoggingConfigurable]:
     """The ipyparallel engine-set launcher class named ``launcher`` (``"mpi"``, ``"slurm"``...)."""
     from ipyparallel.cluster.launcher import find_launcher_class
 

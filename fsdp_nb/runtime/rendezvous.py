@@ -57,8 +57,9 @@ def rank_order(engine_ids: list[int], probes: list[EngineProbe]) -> list[int]:
     so ranks on one host are contiguous.
     """
     lr = [p.launcher_rank for p in probes]
-    if all(r is not None for r in lr) and len(set(lr)) == len(lr):
-        return sorted(range(len(probes)), key=lambda i: lr[i])
+    known = [r for r in lr if r is not None]
+    if len(known) == len(lr) and len(set(known)) == len(known):
+        return sorted(range(len(probes)), key=lambda i: known[i])
     by_id = sorted(range(len(probes)), key=lambda i: engine_ids[i])
     first_seen: dict[str, int] = {}
     for i in by_id:

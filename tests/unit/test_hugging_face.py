@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_nb.engine.hugging_face import hugging_face_meta, is_hugging_face, tied_parameters
+from fsdp_nb.engine.hugging_face import (
+    hf_init_weights,
+    hugging_face_meta,
+    is_hugging_face,
+    tied_parameters,
+)
 from fsdp_nb.wire.wrap_options import ClassNames, make_options, no_split_default
 
 
@@ -50,3 +55,17 @@ def test_tied_parameters_name_the_copy_and_its_source():
 def test_only_a_transformers_model_is_taken_for_one():
     assert not is_hugging_face(Tied()) and hugging_face_meta(Tied()) == {}
 
+
+def test_hugging_face_init_weights_is_called_on_a_module():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+            self.lin = torch.nn.Linear(1, 1)
+
+        def _init_weights(self, module):
+            self.seen.append(type(module).__name__)
+
+    m = Model()
+    hf_init_weights(m, m.lin)
+    assert m.seen == ["Linear"]

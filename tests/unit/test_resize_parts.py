@@ -19,6 +19,7 @@ from fsdp_nb.lifetime.resize_checks import (
 from fsdp_nb.models.wrap import WrapRecord
 from fsdp_nb.runtime.definitions import Definitions, top_level_definitions
 from fsdp_nb.wire.calls import ByValue
+from fsdp_nb.wire.mesh_plan import MeshPlan
 from fsdp_nb.wire.resize import RankSurvey
 from fsdp_nb.wire.wrap_options import make_options
 
@@ -42,7 +43,8 @@ def test_staging_folder(tmp_path):
 
 
 def _record(name: str, kind: str = "class", **options) -> WrapRecord:
-    return WrapRecord(name, kind, ByValue(b"", name), make_options(**options), None, 0)
+    one_rank = MeshPlan("cpu", (1,), ("dp",), ("dp",))  # the mesh it was wrapped on (mesh_plans plans anew)
+    return WrapRecord(name, kind, ByValue(b"", name), make_options(**options), one_rank, 0)
 
 
 def test_mesh_plans_name_the_model_that_cannot_be_resized():

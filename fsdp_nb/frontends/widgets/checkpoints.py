@@ -83,7 +83,7 @@ class CheckpointBrowser(StaticForm, W.VBox):
         ], **kwargs)
         self.add_class("fsdp-nb-checkpoint-browser")
         self.listing.observe(self._on_select, names="value")
-        self.b_refresh.on_click(lambda _b: (self.check_save(), self.refresh()))
+        self.b_refresh.on_click(self._on_refresh)
         self.b_save.on_click(lambda _b: self.save_now())
         self.b_load.on_click(lambda _b: self.load_selected())
         self.b_consolidate.on_click(lambda _b: self.consolidate_selected())
@@ -118,6 +118,10 @@ class CheckpointBrowser(StaticForm, W.VBox):
                 return
         raise KeyError(f"no checkpoint {path_or_name!r} under {self.root}; "
                        f"have: {[e.name for e in self.entries]}")
+
+    def _on_refresh(self, _button: Any) -> None:
+        self.check_save()
+        self.refresh()
 
     def _on_select(self, _change: Any) -> None:
         self.cancel_delete()

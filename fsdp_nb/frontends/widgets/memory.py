@@ -54,7 +54,7 @@ class MemorySnapshot:
 
     def rows(self) -> list[tuple[str, ...]]:
         """Text rows: rank, device, used, budget, percent, peak, reserved (and by kind)."""
-        out = []
+        out: list[tuple[str, ...]] = []
         for r, s in enumerate(self.latest):
             if s is None:
                 out.append((str(r), "waiting for the first sample"))
