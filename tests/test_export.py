@@ -110,7 +110,7 @@ def test_export_cli_and_from_a_full_file(sess, saved, tmp_path):
 
 
 def test_torch_dcp_to_torch_save_reads_an_fsdp_nb_checkpoint(saved, tmp_path):
-    from torch.distributed.formats_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path, weights = saved
     dcp_to_torch_save(str(path), str(tmp_path / "t.pt"))

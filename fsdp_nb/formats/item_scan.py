@@ -9,14 +9,12 @@ window at a time, and only its first and last ``EDGE`` bytes are kept: a DCP ten
 item is a ``torch.save`` zip whose pickle and headers sit at the front and whose
 directory sits at the end, with the tensor's bytes between. They are kept at their
 places in a buffer as long as the item whose middle is never written, so the kernel
-never backs it with memory.
-
-Reading whole items into two item-sized buffers, as before, wrote every byte into
-memory once more and read it back for the checksum: about three times the memory
-traffic of the window, on ranks that share the memory bus with each other and with
-the disk's transfers, and two buffers the size of the largest item (a large
-embedding's shard: hundreds of MB) held through the load. An item that is not a plain
-zip of one tensor (a pickled object, a compressed record) is read whole, as before.
+never backs it with memory. Reading whole items into item-sized buffers instead would
+write every byte into memory once more and read it back for the checksum, on ranks
+that share the memory bus with each other and with the disk's transfers, and hold
+buffers the size of the largest item (a large embedding's shard: hundreds of MB)
+through the load. An item that is not a plain zip of one tensor (a pickled object, a
+compressed record) is read whole.
 """
 
 from __future__ import annotations

@@ -9,13 +9,14 @@ compressed record, big-endian data, a zip64 archive) falls back to ``zipfile``, 
 to ``torch.load`` of a copy.
 
 The directory is read straight from the archive's last bytes, and what a pickle says
-is kept by its bytes (``_LAYOUTS``): a model's items repeat a few shapes, and parsing
-each again (``zipfile`` and the unpickler, about 0.5 ms an item) was most of the
-Python time of a load's check pass, under the GIL its reading threads share.
+is kept by its bytes (``item_layout``): a model's items repeat a few shapes, and
+parsing each again (``zipfile`` and the unpickler) would be most of the Python time of
+a load's check pass, under the GIL its reading threads share.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import struct
@@ -24,7 +25,7 @@ from typing import Any
 
 from ..torch_compat import weights_only_unpickler
 
-__all__ = ["kept_edges_suffice", "tensor_from_item"]
+__all__ = ["MAX_LAYOUTS", "item_layout", "kept_edges_suffice", "tensor_from_item"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -36,10 +37,8 @@ the directory's size and offset, the comment's length."""
 _ENTRY = struct.Struct("<4s6xH8xLLHHH8xL")
 """A zip central directory entry: signature, method, compressed and uncompressed
 sizes, name, extra and comment lengths, local header offset."""
-_LAYOUTS: dict[bytes, tuple[str, Any, int, tuple[int, ...], tuple[int, ...], int]] = {}
-"""A tensor item's pickle -> (its storage record's key, dtype, storage offset, size,
-stride, storage bytes)."""
-_MAX_LAYOUTS = 4096
+MAX_LAYOUTS = 4096
+"""``item_layout`` keeps what this many pickles say (the most recently used)."""
 
 
 class _ViewFile(io.RawIOBase):
@@ -147,14 +146,7 @@ def _over_records(view: memoryview, records: dict[str, tuple[int, int]]) -> Any:
     if order is not None and bytes(view[order[0]:order[0] + order[1]]) != b"little":
         raise NotImplementedError("big-endian item")
     start, n = records[pkl]
-    pickled = bytes(view[start:start + n])
-    layout = _LAYOUTS.get(pickled)
-    if layout is None:
-        layout = _layout(pickled)
-        if len(_LAYOUTS) >= _MAX_LAYOUTS:
-            _LAYOUTS.clear()
-        _LAYOUTS[pickled] = layout
-    key, dtype, offset, size, stride, nbytes = layout
+    key, dtype, offset, size, stride, nbytes = item_layout(bytes(view[start:start + n]))
     start, n = records[f"{prefix}data/{key}"]
     if n != nbytes:
         raise ValueError(f"the storage record holds {n} bytes, its pickle says {nbytes}")
@@ -162,9 +154,13 @@ def _over_records(view: memoryview, records: dict[str, tuple[int, int]]) -> Any:
     return torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), offset, size, stride)
 
 
-def _layout(pickled: bytes) -> tuple[str, Any, int, tuple[int, ...], tuple[int, ...], int]:
-    """What the pickle of a one-tensor item says: unpickled weights-only over a storage
-    on the meta device (no bytes), so only its record's key, dtype and geometry are kept."""
+@functools.lru_cache(maxsize=MAX_LAYOUTS)
+def item_layout(pickled: bytes) -> tuple[str, Any, int, tuple[int, ...], tuple[int, ...], int]:
+    """What the pickle of a one-tensor item says: (its storage record's key, dtype,
+    storage offset, size, stride, storage bytes). Unpickled weights-only over a storage
+    on the meta device (no bytes); kept by the pickle's bytes, so each shape is parsed
+    once (``item_layout.cache_info()`` counts parses as misses). ValueError unless the
+    pickle is one tensor over one storage."""
     import torch
 
     Unpickler = weights_only_unpickler()  # noqa: N806 - the class, by its name

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fsdp_nb.formats import item_tensor
-from fsdp_nb.formats.item_tensor import tensor_from_item
+from fsdp_nb.formats.item_tensor import item_layout, tensor_from_item
 
 
 def _item(t: torch.Tensor) -> bytearray:
@@ -51,29 +51,33 @@ def test_the_directory_read_by_hand_is_zipfiles():
             assert bytes(buf[start:start + n]) == zf.read(name)
 
 
-def test_a_kept_layout_serves_the_next_item_of_that_shape_with_its_own_bytes(monkeypatch):
-    monkeypatch.setattr(item_tensor, "_LAYOUTS", {})
-    parsed = []
-    layout = item_tensor._layout
-    monkeypatch.setattr(item_tensor, "_layout", lambda p: parsed.append(p) or layout(p))
+def test_a_kept_layout_serves_the_next_item_of_that_shape_with_its_own_bytes():
+    """Each shape's pickle is parsed once (the cache's misses), then served from the cache
+    (its hits), each item's tensor still over its own bytes."""
+    item_layout.cache_clear()
     a, b = torch.randn(16, 4), torch.randn(16, 4)
     got_a, got_b = (tensor_from_item(memoryview(_item(t))) for t in (a, b))
-    assert torch.equal(got_a, a) and torch.equal(got_b, b) and len(parsed) == 1
+    assert torch.equal(got_a, a) and torch.equal(got_b, b)
+    assert (item_layout.cache_info().misses, item_layout.cache_info().hits) == (1, 1)
     tensor_from_item(memoryview(_item(torch.randn(4, 16))))  # another shape: parsed once more
-    assert len(parsed) == 2 and len(item_tensor._LAYOUTS) == 2
+    assert (item_layout.cache_info().misses, item_layout.cache_info().currsize) == (2, 2)
 
 
-def test_a_record_shorter_than_its_pickle_says_is_not_read_past(monkeypatch):
-    """A pickle that promises more bytes than its record holds goes to zipfile and
-    torch.load, which refuse it; nothing is read outside the record."""
-    buf = _item(torch.randn(8))
-    pickled = next(bytes(buf[s:s + n]) for name, (s, n) in item_tensor._records(memoryview(buf)).items()
-                   if name.endswith("data.pkl"))
-    key, dtype, offset, size, stride, nbytes = item_tensor._layout(pickled)
-    monkeypatch.setattr(item_tensor, "_LAYOUTS", {pickled: (key, dtype, offset, (64,), stride, nbytes * 8)})
-    with pytest.raises(ValueError, match="holds 32 bytes, its pickle says 256"):
-        item_tensor._over_records(memoryview(buf), item_tensor._records(memoryview(buf)))
-    _same(tensor_from_item(memoryview(buf)), torch.load(io.BytesIO(bytes(buf)), weights_only=True))
+def test_a_record_shorter_than_its_pickle_says_is_not_read_past(caplog):
+    """A pickle that promises more bytes than its record holds (here: a real archive
+    whose tensor record was cut to a quarter) goes to zipfile and torch.load, which refuse
+    it as torch.load of the archive does; nothing is read outside the record."""
+    raw = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(bytes(_item(torch.randn(64))))) as src, zipfile.ZipFile(raw, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            dst.writestr(info.filename, data[:len(data) // 4] if info.filename.endswith("data/0") else data)
+    buf = bytearray(raw.getvalue())
+    with pytest.raises(Exception) as torch_says:  # noqa: B017 - whatever torch.load raises
+        torch.load(io.BytesIO(bytes(buf)), weights_only=True)
+    with caplog.at_level("DEBUG", logger="fsdp_nb"), pytest.raises(type(torch_says.value)):
+        tensor_from_item(memoryview(buf))
+    assert "the storage record holds 64 bytes, its pickle says 256" in caplog.text
 
 
 @pytest.mark.parametrize("change", ["comment", "deflated"])
