@@ -61,7 +61,7 @@ from ..torch_compat import (
     process_groups,
 )
 from ..wire.decode import encode
-from ..wire.hang_state import Collective, GroupCount, RankState, UserFrame
+from ..wire.hang_state import Collective, Freed, GroupCount, RankState, UserFrame, WatchError
 from .retired_groups import RETIRED, RetiredGroups
 from .signing import Link, Refused, start_listener
 
@@ -119,20 +119,19 @@ def _main_thread_frame() -> FrameType | None:
     return current_frames().get(threading.main_thread().ident or 0)
 
 
-def main_frame(frame: FrameType | None = None) -> UserFrame | None:
-    """The innermost frame of user code on the main thread (or under ``frame``): its
-    function, where it is (``cell line 3``) and the line's source; None when none is."""
+def main_frame(frame: FrameType | None) -> UserFrame | None:
+    """The innermost frame of user code at or under ``frame`` (a thread's stack, innermost
+    first): its function, where it is (``cell line 3``) and the line's source; None when
+    none is."""
     import linecache
 
-    if frame is None:
-        frame = _main_thread_frame()
     libs = library_dirs()
     while frame is not None:
         code = frame.f_code
         if _is_user(code.co_filename, libs):
             line = frame.f_lineno or 0
-            return UserFrame(code.co_name, _where(code.co_filename, line),
-                             linecache.getline(code.co_filename, line).strip())
+            return UserFrame(function=code.co_name, where=_where(code.co_filename, line),
+                             code=linecache.getline(code.co_filename, line).strip())
         frame = frame.f_back
     return None
 
@@ -223,6 +222,8 @@ class RankWatch:
         """(op, sequence number) -> when a wait seen in ``torch.distributed`` was first seen."""
         self.counts: dict[tuple[str, str], tuple[int, float]] = {}
         """(group name, backend) -> (its count of issued collectives, when that count was first seen)."""
+        self.lock = threading.Lock()
+        """Held by each question: the watch thread and a call on the main thread may ask at once."""
 
     def state(self, rank: int | None = None, now: bool = True) -> RankState:
         """This rank, now: its collective in flight (:meth:`collective`; ``now=False``:
@@ -236,8 +237,9 @@ class RankWatch:
                 rank = dist.get_rank() if dist.is_initialized() else None
             except (RuntimeError, ValueError):
                 rank = None
-        return RankState(rank=rank, pid=os.getpid(), now=self.clock(), collective=self.collective(now),
-                         issued=self.issued(), frame=main_frame(self.main_thread_frame()))
+        with self.lock:
+            return RankState(rank=rank, pid=os.getpid(), now=self.clock(), collective=self._collective(now),
+                             issued=self._issued(), frame=main_frame(self.main_thread_frame()))
 
     def collective(self, now: bool = False) -> Collective | None:
         """The collective this rank waits in, or None.
@@ -245,16 +247,24 @@ class RankWatch:
         From the flight recorder once the main thread has settled (``now``: checked over
         20 ms instead of since the previous question), else from the main thread's frame
         in ``torch.distributed``."""
+        with self.lock:
+            return self._collective(now)
+
+    def issued(self) -> tuple[GroupCount, ...]:
+        """Each process group's count of issued collectives on this rank, per backend, with
+        when this count was first seen here. Microseconds per group, paid only when the
+        notebook asks: unlike the flight recorder, nothing is done per collective."""
+        with self.lock:
+            return self._issued()
+
+    def _collective(self, now: bool) -> Collective | None:
         frame = self.main_thread_frame()
         found = self._from_recorder() if self._settled(frame, now) else None
         if found is None:  # nothing recorded here, not settled, or a record the status does not name
             found = self._from_frame(frame)
         return found
 
-    def issued(self) -> tuple[GroupCount, ...]:
-        """Each process group's count of issued collectives on this rank, per backend, with
-        when this count was first seen here. Microseconds per group, paid only when the
-        notebook asks: unlike the flight recorder, nothing is done per collective."""
+    def _issued(self) -> tuple[GroupCount, ...]:
         try:
             import torch.distributed as dist
 
@@ -277,7 +287,8 @@ class RankWatch:
                 seen.add(key)
                 if self.counts.get(key, (None,))[0] != seq:
                     self.counts[key] = (seq, at)
-                out.append(GroupCount(name, desc, ranks, backend, seq, self.counts[key][1]))
+                out.append(GroupCount(name=name, desc=desc, ranks=ranks, backend=backend, seq=seq,
+                                      since=self.counts[key][1]))
         for key in set(self.counts) - seen:  # groups destroyed since
             del self.counts[key]
         return tuple(out)
@@ -287,7 +298,7 @@ class RankWatch:
         issued; None while it is making a process group."""
         if making_group(frame):
             return None
-        counts = tuple((g.name, g.backend, g.seq) for g in self.issued())
+        counts = tuple((g.name, g.backend, g.seq) for g in self._issued())
         return (id(frame), getattr(frame, "f_code", None), getattr(frame, "f_lasti", -1), counts)
 
     def _settled(self, frame: FrameType | None, now: bool) -> bool:
@@ -348,7 +359,8 @@ WATCH = RankWatch()
 
 def _answer(payload: bytes) -> bytes:
     """The JSON reply to a checked request: this rank's state (a ``RankState``), or
-    (``FREE``) how many connections to the given peers were shut."""
+    (``FREE``) how many connections to the given peers were shut (a ``Freed``); a
+    ``WatchError`` when that failed."""
     try:
         if payload in (QUERY, QUERY_NOW):
             return encode(WATCH.state(now=payload == QUERY_NOW))
@@ -356,9 +368,9 @@ def _answer(payload: bytes) -> bytes:
 
         peers = [(str(ip), int(port)) for ip, port in json.loads(payload[len(FREE):])]
         log.warning("fsdp_nb: closing this rank's connections to its peers (asked by the notebook's recovery)")
-        return json.dumps({"closed": close_connections_to(peers)}).encode()
+        return encode(Freed(closed=close_connections_to(peers)))
     except Exception as exc:  # noqa: BLE001 - the thread must keep answering; the notebook is told why
-        return json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
+        return encode(WatchError(error=f"{type(exc).__name__}: {exc}"))
 
 
 def _handle(sock: Any, link: Link, endpoint: str, frames: list[Any]) -> None:

@@ -146,7 +146,7 @@ def run_step(model: Any, optimizer: Any, step: Any, batch: Any, steps: int, unit
     snap = dict(peak.get(dev, {})) if dev is not None else {}
     total = int(snap.pop("Total", 0))
     detail = {getattr(k, "value", str(k)): int(v) for k, v in snap.items()}
-    return RankMemory(_rank(), total, **categories(detail), peak_unit=place.unit, peak_phase=place.phase,
+    return RankMemory(rank=_rank(), peak=total, **categories(detail), peak_unit=place.unit, peak_phase=place.phase,
                       detail=detail)
 
 
@@ -237,11 +237,15 @@ def _plan_rank(kind: str, spec_model: Any, args: tuple, kwargs: dict, options: W
 
 def main() -> None:
     """The planner process: a cloudpickled list of :class:`PlanJob` s on stdin, one
-    :class:`PlanAnswer` per job on stdout as a JSON line."""
+    :class:`PlanAnswer` per job on stdout as a JSON line. Stdout carries nothing else:
+    what the user's model and step print (Python's and C's) goes to stderr."""
     import warnings
 
     import cloudpickle
 
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -253,8 +257,8 @@ def main() -> None:
             import traceback
 
             answer = PlanAnswer(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-        sys.stdout.buffer.write(encode(answer) + b"\n")
-        sys.stdout.flush()
+        answers.write(encode(answer) + b"\n")
+        answers.flush()
 
 
 # -- measured: the real ranks ------------------------------------------------------------

@@ -102,8 +102,11 @@ def read(rank: int, kinds: tuple[int, int, int] | None, *, seq: int = 0, process
         dev = torch.device(device)
         allocated, reserved = int(torch.cuda.memory_allocated(dev)), int(torch.cuda.memory_reserved(dev))
         peak = int(torch.cuda.max_memory_allocated(dev))
+    # measured against what it is measured in: the GPU's memory once this rank uses CUDA (asked
+    # only then: the device's properties would initialise CUDA), else its share of the host's RAM
+    budget = device_budget(device if torch is not None else "cpu", ranks_on_host())
     params, grads, state = kinds if kinds is not None else (None, None, None)
     return MemorySample(rank=rank, t=time.time(), device=device, resident=rss,
-                        resident_peak=max(peak_resident(), rss), budget=device_budget(device, ranks_on_host()),
+                        resident_peak=max(peak_resident(), rss), budget=budget,
                         device_allocated=allocated, device_reserved=reserved, device_peak=peak,
                         parameters=params, gradients=grads, optimizer=state, seq=seq)

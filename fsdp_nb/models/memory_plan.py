@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..engine.memory_sample import device_budget
-from ..errors import FsdpNbError
+from ..errors import FsdpNbError, WireError
 from ..runtime.shipping import by_value, register_local_modules
 from ..wire.calls import ByValue
 from ..wire.decode import loads
@@ -134,11 +134,14 @@ def _run_planner(jobs: list[PlanJob], timeout: float) -> list[PlanAnswer]:
     except subprocess.TimeoutExpired:
         raise PlanError(f"planning {len(jobs)} step(s) took longer than timeout={timeout:g} s and was "
                         "stopped; pass a larger timeout=, or fewer what_if alternatives") from None
-    lines = [loads(PlanAnswer, x) for x in proc.stdout.decode().splitlines() if x.startswith("{")]
+    tail = "\n".join(proc.stderr.decode(errors="replace").strip().splitlines()[-12:])
+    try:
+        lines = [loads(PlanAnswer, x) for x in proc.stdout.decode().splitlines()]
+    except WireError as why:
+        raise PlanError(f"the planner process answered what this notebook cannot read ({why}):\n{tail}") from None
     if proc.returncode != 0 or len(lines) != len(jobs):
-        tail = proc.stderr.decode(errors="replace").strip().splitlines()[-12:]
         raise PlanError(f"the planner process ended with exit code {proc.returncode} after {len(lines)} of "
-                        f"{len(jobs)} plan(s):\n" + "\n".join(tail))
+                        f"{len(jobs)} plan(s):\n{tail}")
     return lines
 
 
@@ -218,7 +221,8 @@ def plan(
 
 def _job(kind: str, payload: ByValue, opts: WrapOptions, world: int, backend: str, hosts: list[str],
          device: str, spec: StepSpec) -> PlanJob:
-    return PlanJob(kind, payload, plan_mesh(world, backend, hosts, opts), world, device, spec)
+    return PlanJob(kind=kind, payload=payload, plan=plan_mesh(world, backend, hosts, opts), world_size=world,
+                   device=device, step=spec)
 
 
 def _device_notes(device: str) -> tuple[str, list[str]]:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..engine.hang_watch import library_dirs
-from ..wire.hang_state import Collective, GroupCount, RankState, UserFrame
+from ..wire.hang_state import Collective, GroupCount, RankState, UserFrame, WatchError
 
 __all__ = ["HangReport", "ahead", "fold_stacks", "hang_report", "out_of_step"]
 
@@ -78,21 +78,26 @@ def _silent(r: int, stopped: set[int]) -> str:
     return f"rank {r} is not responding (no answer: stuck in C holding the GIL, or gone)"
 
 
-def hang_report(states: Mapping[int, RankState | None], stopped: set[int] | None = None,
-                running: set[int] | None = None) -> HangReport:
+Answers = Mapping[int, "RankState | WatchError | None"]
+"""Rank -> what its watch thread answered: its state, the error it met telling it, or None
+when it did not answer."""
+
+
+def hang_report(states: Answers, stopped: set[int] | None = None, running: set[int] | None = None) -> HangReport:
     """Explain the ranks of a call from their states.
 
     Args:
         states: rank -> what its watch thread answered (``engine.hang_watch.RankWatch.state``),
-            or None when it did not answer.
+            the error it met telling it, or None when it did not answer.
         stopped: ranks whose process is stopped (checked by the notebook).
         running: the ranks still running the call (default: all in ``states``); the
             others are idle.
     """
     running = set(states) if running is None else set(running)
     stopped = set(stopped or ())
-    told = {r: st for r, st in states.items() if st is not None}
-    silent = sorted(r for r in states if r not in told)
+    told = {r: st for r, st in states.items() if isinstance(st, RankState)}
+    erred = {r: st.error for r, st in states.items() if isinstance(st, WatchError)}
+    silent = sorted(r for r, st in states.items() if st is None)
     coll = {r: st.collective for r, st in told.items() if st.collective is not None}
     for r, c in ahead(states).items():
         coll.setdefault(r, c)
@@ -107,7 +112,9 @@ def hang_report(states: Mapping[int, RankState | None], stopped: set[int] | None
     lines = list(mismatch_lines)
     for r in missing:
         st = told.get(r)
-        if st is None:
+        if r in erred:
+            lines.append(f"rank {r} is not in it, as far as it can tell: its watch failed ({erred[r]})")
+        elif st is None:
             lines.append(_silent(r, stopped))
         elif r not in running:
             lines.append(f"rank {r} is not in it: idle (it finished the call, or was not asked to run it)")
@@ -129,7 +136,7 @@ def hang_report(states: Mapping[int, RankState | None], stopped: set[int] | None
                       stopped=tuple(r for r in silent if r in stopped))
 
 
-def ahead(states: Mapping[int, RankState | None]) -> dict[int, Collective]:
+def ahead(states: Answers) -> dict[int, Collective]:
     """The collective each rank waits in, told by the groups' counts of issued
     collectives (``engine.hang_watch.RankWatch.issued``): in a group whose members issued
     different counts, collective ``lowest + 1`` cannot complete, and every member that
@@ -137,7 +144,7 @@ def ahead(states: Mapping[int, RankState | None]) -> dict[int, Collective]:
     count. Where the flight recorder is off (NCCL), this is what names a hang."""
     counts: dict[tuple[str, str], dict[int, GroupCount]] = {}
     for r, st in states.items():
-        for g in st.issued if st is not None else ():
+        for g in st.issued if isinstance(st, RankState) else ():
             counts.setdefault((g.name, g.backend), {})[r] = g
     out: dict[int, Collective] = {}
     for by_rank in counts.values():
@@ -153,7 +160,7 @@ def ahead(states: Mapping[int, RankState | None]) -> dict[int, Collective]:
     return out
 
 
-def out_of_step(states: Mapping[int, RankState | None]) -> list[str]:
+def out_of_step(states: Answers) -> list[str]:
     """For a call every rank has returned from: a line for each rank that issued a
     collective the other members of its group did not (``ahead``: rank 1 started an
     async one, then failed). The group's next collective would be paired with it, and

@@ -21,7 +21,7 @@ from ..engine import hang_watch as _watch
 from ..engine.signing import Link, Refused
 from ..errors import WireError
 from ..wire.decode import loads
-from ..wire.hang_state import RankState
+from ..wire.hang_state import Freed, RankState, WatchError
 from .hang_report import HangReport, hang_report
 from .listeners import start_listeners
 
@@ -50,45 +50,59 @@ class HangWatch:
         """The engines (rank -> pid, host, handle)."""
         self.links: dict[int, tuple[str, Link]] = {}
         """Rank -> its engine's watch thread (endpoint, signed link)."""
+        self.warned: set[tuple[int, str]] = set()
+        """(rank, what) already logged: a rank's thread that keeps failing is said once."""
 
     def start(self, dispatcher: Dispatcher, ranks: list[int] | None = None) -> None:
         """Start the watch thread of ``ranks``' engines (all by default; once per engine)."""
         self.links.update(start_listeners(self.cluster, dispatcher, "start the hang watch", _watch.start,
                                           "hang-watch", ranks, _watch.WINDOW))
 
-    def states(self, ranks: list[int], now: bool = True) -> dict[int, RankState | None]:
-        """What each of ``ranks`` says about itself (``engine.hang_watch.RankWatch.state``);
-        None for a rank that did not answer within ``answer_s`` (or has no watch thread),
-        or whose thread could not tell (its error is logged). ``now=False``: the watch's
-        cheap question, whose answer names only a collective already in flight at the
-        previous one."""
+    def states(self, ranks: list[int], now: bool = True) -> dict[int, RankState | WatchError | None]:
+        """What each of ``ranks`` says about itself (``engine.hang_watch.RankWatch.state``),
+        or the error its thread met telling it; None for a rank that did not answer within
+        ``answer_s`` (or has no watch thread, or whose answer did not decode: logged once).
+        ``now=False``: the watch's cheap question, whose answer names only a collective
+        already in flight at the previous one."""
         answers = self._ask({r: _watch.QUERY_NOW if now else _watch.QUERY for r in ranks},
                             self.answer_s if now else self.quick_answer_s)
-        return {r: None if raw is None else self._state(r, raw) for r, raw in answers.items()}
-
-    def _state(self, rank: int, raw: bytes) -> RankState | None:
-        """Rank ``rank``'s answer decoded; None (logged) when it is an error or does not
-        decode as a ``RankState`` (another version of fsdp_nb on that engine)."""
-        try:
-            return loads(RankState, raw)
-        except WireError as why:
-            told = json.loads(raw) if raw.startswith(b"{") else {}
-            log.warning("fsdp_nb: rank %d's hang watch could not tell where it is: %s", rank,
-                        told.get("error") if isinstance(told, dict) and "error" in told else why)
-            return None
+        out: dict[int, RankState | WatchError | None] = {}
+        for r, raw in answers.items():
+            got = None if raw is None else self._decode(r, raw, RankState, WatchError)
+            if isinstance(got, WatchError):
+                self._warn_once(r, "error", "fsdp_nb: rank %d's hang watch could not tell where it is: %s", got.error)
+            out[r] = got
+        return out
 
     def free(self, ranks: list[int]) -> dict[int, int | None]:
         """Ask ``ranks`` to shut their connections to every other engine (their TCP
         endpoints, read from their pids), so a main thread blocked in a gloo collective
-        returns; how many each rank shut, None if it gave no answer."""
+        returns; how many each rank shut, None if it gave no answer (or could not)."""
         peers = self.cluster.tcp_endpoints()
         answers = self._ask({r: _watch.FREE + json.dumps([e for q, es in peers.items() if q != r for e in es]).encode()
                              for r in ranks})
         out: dict[int, int | None] = {}
         for r, raw in answers.items():
-            told = json.loads(raw) if raw is not None else None
-            out[r] = told.get("closed") if isinstance(told, dict) else None
+            got = None if raw is None else self._decode(r, raw, Freed, WatchError)
+            out[r] = got.closed if isinstance(got, Freed) else None
         return out
+
+    def _decode(self, rank: int, raw: bytes, *types: type[Any]) -> Any:
+        """Rank ``rank``'s answer as the first of ``types`` it decodes as; None (logged once)
+        when it is none of them: another version of fsdp_nb on that engine."""
+        for i, cls in enumerate(types):
+            try:
+                return loads(cls, raw)
+            except WireError as why:
+                if i == len(types) - 1:
+                    self._warn_once(rank, "wire", "fsdp_nb: rank %d's hang watch answers in a form this notebook "
+                                    "cannot read: %s", str(why))
+        return None
+
+    def _warn_once(self, rank: int, what: str, message: str, detail: str) -> None:
+        if (rank, what) not in self.warned:
+            self.warned.add((rank, what))
+            log.warning(message, rank, detail)
 
     def _ask(self, requests: dict[int, bytes], wait: float | None = None) -> dict[int, bytes | None]:
         """Send each rank its request at once; its answer (checked, its signature

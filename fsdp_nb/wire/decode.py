@@ -84,6 +84,10 @@ def _value(tp: Any, v: Any, where: str) -> Any:  # noqa: C901 - one branch per k
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:
         return v
+    if origin is typing.Literal:
+        if v in args:
+            return v
+        raise WireError(f"{where}: {v!r} is not one of {', '.join(map(repr, args))}")
     if origin in (typing.Union, types.UnionType):
         if v is None and type(None) in args:
             return None
@@ -123,4 +127,9 @@ def _value(tp: Any, v: Any, where: str) -> Any:  # noqa: C901 - one branch per k
         if isinstance(v, tp):
             return v
         raise WireError(f"{where}: expected a {tp.__name__}, got {v!r}")
-    return v
+    if tp is type(None):
+        if v is None:
+            return None
+        raise WireError(f"{where}: expected null, got {v!r}")
+    raise TypeError(f"{where}: a field of type {tp!r} cannot come from JSON; a wire type that crosses as JSON "
+                    "holds numbers, strings, bools, None, lists, dicts and such dataclasses")

@@ -1,8 +1,9 @@
 """Where one rank is, as its hang-watch thread tells the notebook: :class:`RankState`.
 
 Each engine's watch thread (``fsdp_nb.engine.hang_watch``) answers a signed question with
-one of these as JSON; the notebook decodes it strictly (``fsdp_nb.wire.decode``) and
-explains the ranks together (``fsdp_nb.runtime.hang_report``). A process group is named
+one of these as JSON (or a :class:`WatchError`; a request to free a rank gets a
+:class:`Freed`); the notebook decodes it strictly (``fsdp_nb.wire.decode``) and explains
+the ranks together (``fsdp_nb.runtime.hang_report``). A process group is named
 two ways, never under one key: ``name``, torch's name of the group (the same on every
 member, what counts are compared by), and ``desc``, what a person reads (``default_pg``,
 a mesh dimension).
@@ -12,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Collective", "GroupCount", "RankState", "UserFrame"]
+__all__ = ["Collective", "Freed", "GroupCount", "RankState", "UserFrame", "WatchError"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Collective:
     """The collective a rank waits in."""
 
@@ -37,7 +38,7 @@ class Collective:
     """Told by the groups' counts of issued collectives alone (op, shapes and dtypes unknown)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GroupCount:
     """How many collectives one process group has issued on a rank, for one backend."""
 
@@ -55,7 +56,7 @@ class GroupCount:
     """Unix time this count was first seen on this rank."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UserFrame:
     """The innermost frame of the user's code on a rank's main thread."""
 
@@ -67,7 +68,7 @@ class UserFrame:
     """The line's source."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankState:
     """One rank, now: what its watch thread answers."""
 
@@ -83,3 +84,20 @@ class RankState:
     """Each of its groups' counts of issued collectives."""
     frame: UserFrame | None
     """Where its main thread is in user code (None: not in user code)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WatchError:
+    """A rank's watch thread could not tell where the rank is (its answer in place of a
+    :class:`RankState`)."""
+
+    error: str
+    """The exception it met, as ``"RuntimeError: ..."``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Freed:
+    """A rank's answer to the recovery's request to shut its connections to its peers."""
+
+    closed: int
+    """How many connections it shut."""

@@ -79,7 +79,7 @@ class StepSpec:
     """Steps run; the peak is the highest of them (the first creates optimizer state)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankMemory:
     """One rank's peak memory over the step, by category, in bytes."""
 
@@ -138,7 +138,7 @@ def failed_allocation(evalue: str) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m else None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanJob:
     """One scenario a planner process plans: a wrap of one model on a fake world."""
 
@@ -156,7 +156,7 @@ class PlanJob:
     """The training step to run under the tracker."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanAnswer:
     """A planner process's answer to one :class:`PlanJob`: every rank's peak, or why not."""
 

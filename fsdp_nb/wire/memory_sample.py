@@ -29,9 +29,10 @@ class MemorySample:
     resident_peak: int
     """Peak resident set size of the engine process (``VmHWM``)."""
     budget: int | None
-    """What this rank may hold (``fsdp_nb.engine.memory_sample.device_budget``, the rule a
-    plan's budget follows too): the GPU's memory, or on CPU the host's RAM shared by the
-    ranks on it, no more than an address-space limit set on the process. None: unknown."""
+    """What this rank may hold of what ``used`` counts (``fsdp_nb.engine.memory_sample.
+    device_budget``, the rule a plan's budget follows too): the GPU's memory once the rank
+    uses CUDA, else the host's RAM shared by the ranks on it, no more than an address-space
+    limit set on the process. None: unknown."""
     device_allocated: int | None = None
     """Bytes held by tensors on the rank's GPU."""
     device_reserved: int | None = None

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from types import SimpleNamespace
+from typing import Literal
 
 import pytest
 import torch
@@ -179,9 +181,10 @@ def test_stacks_are_folded_to_the_users_frames():
 
 
 def test_the_main_threads_user_frame_is_this_test():
-    here = main_frame()
+    here = main_frame(sys._getframe())  # noqa: SLF001 - this test's own frame
     assert here is not None and here.function == "test_the_main_threads_user_frame_is_this_test"
-    assert here.where.startswith("test_hang_report.py:") and here.code == "here = main_frame()"
+    assert here.where.startswith("test_hang_report.py:") and here.code.startswith("here = main_frame(")
+    assert main_frame(None) is None
 
 
 def test_hang_after_is_checked_and_read_from_px():
@@ -270,7 +273,7 @@ def test_the_recorder_is_read_only_once_the_main_thread_has_settled(group):
 
 
 def test_a_rank_state_crosses_as_json_and_a_renamed_field_fails_loudly():
-    state = RankState(rank=1, pid=2, now=NOW, collective=None, issued=(), frame=UserFrame("f", "cell line 1", "x"))
+    state = RankState(rank=1, pid=2, now=NOW, collective=None, issued=(), frame=UserFrame(function="f", where="cell line 1", code="x"))
     assert loads(RankState, encode(state)) == state
     raw = encode(state).replace(b'"frame"', b'"user_frame"')
     with pytest.raises(WireError, match=r"RankState: unknown field\(s\) user_frame; missing field\(s\) frame"):
@@ -279,3 +282,47 @@ def test_a_rank_state_crosses_as_json_and_a_renamed_field_fails_loudly():
         _state(issued=[{"name": "0", "desc": "default_pg", "ranks": [0], "backend": "gloo", "seq": 1}])
     with pytest.raises(WireError, match="RankState.collective.seq: expected an int, got '5'"):
         _waits(seq="5")
+
+
+def test_a_rank_whose_watch_failed_is_named_so_not_as_silent(caplog):
+    """A rank's thread that raised while telling where it is answers a WatchError: the
+    report says so (it is not stopped nor stuck), and the notebook logs it once."""
+    from fsdp_nb.runtime.hang_watch import HangWatch
+    from fsdp_nb.wire.hang_state import WatchError
+
+    r = hang_report({0: _waits(), 1: WatchError(error="RuntimeError: no group")})
+    assert r.lines[0] == "rank 1 is not in it, as far as it can tell: its watch failed (RuntimeError: no group)"
+    assert r.stalled == () and r.missing == (1,)
+    watch = HangWatch(cluster=None)  # type: ignore[arg-type]  # decoding needs no engines
+    for raw in (b"{not json", b'{"rank": 1}', encode(WatchError(error="x"))):
+        assert watch._decode(1, raw, RankState) is None
+    assert watch._decode(1, encode(WatchError(error="x")), RankState, WatchError) == WatchError(error="x")
+    assert watch._decode(0, b"[]", RankState) is None
+    said = [rec.getMessage() for rec in caplog.records if "hang watch" in rec.getMessage()]
+    assert len(said) == 2 and all("cannot read" in s for s in said)  # once per rank
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kinds:
+    mode: Literal["a", "b"]
+    sizes: tuple[int, ...]
+    pair: tuple[str, float]
+    names: dict[str, list[int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _NotJson:
+    raw: bytes
+
+
+def test_decoding_checks_every_kind_of_field_and_refuses_a_type_json_cannot_carry():
+    from fsdp_nb.errors import WireError
+
+    got = decode(_Kinds, {"mode": "b", "sizes": [1, 2], "pair": ["x", 3], "names": {"k": [1]}})
+    assert got == _Kinds("b", (1, 2), ("x", 3.0), {"k": [1]}) and isinstance(got.pair[1], float)
+    for bad, match in (({"mode": "c"}, "'c' is not one of 'a', 'b'"), ({"sizes": [1, True]}, r"sizes\[1\]: expected an int"),
+                       ({"pair": ["x"]}, "expected 2 items, got 1"), ({"names": {"k": 1}}, "expected a list")):
+        with pytest.raises(WireError, match=match):
+            decode(_Kinds, {"mode": "a", "sizes": [], "pair": ["x", 1.0], "names": {}} | bad)
+    with pytest.raises(TypeError, match="cannot come from JSON"):
+        decode(_NotJson, {"raw": "x"})

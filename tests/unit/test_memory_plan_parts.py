@@ -4,6 +4,8 @@ process group and fake tensors: nothing allocated)."""
 
 from __future__ import annotations
 
+import os
+
 import psutil
 import pytest
 import torch
@@ -138,7 +140,8 @@ def test_undoing_a_costly_option_is_free_and_says_what_it_undoes():
 
 
 def _rank(r: int, peak: int) -> RankMemory:
-    return RankMemory(r, peak, peak // 2, 0, peak // 4, peak // 4, 0, 0, "blocks.1", "backward")
+    return RankMemory(rank=r, peak=peak, parameters=peak // 2, gradients=0, optimizer=peak // 4, activations=peak // 4,
+                      communication=0, other=0, peak_unit="blocks.1", peak_phase="backward")
 
 
 def test_the_report_says_whether_it_fits_and_the_cheapest_change_that_does():
@@ -194,6 +197,43 @@ class _Broken(nn.Module):
 def test_a_step_that_fails_is_named_in_the_error():
     with pytest.raises(PlanError, match="the forward of _Broken fails"):
         fsdp_nb.plan(_Broken, world_size=2, batch=torch.randn(2, 4))
+
+
+class _Chatty(nn.Module):
+    """Prints, from Python and from C, lines that look like the planner's answers."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        print('{"ranks": null, "error": "not the planner"}')
+        os.write(1, b'{"bogus": 1}\n')
+
+    def forward(self, x):
+        print("{ a line from the step")
+        return self.lin(x)
+
+
+def test_what_a_model_prints_is_never_taken_for_the_planners_answer():
+    p = fsdp_nb.plan(_Chatty, world_size=2, batch=torch.randn(2, 4))
+    assert len(p.ranks) == 2 and p.peak > 0
+
+
+def test_a_renamed_or_missing_field_of_a_sample_or_an_answer_fails_loudly():
+    from fsdp_nb.errors import WireError
+    from fsdp_nb.wire.decode import encode, loads
+    from fsdp_nb.wire.memory_plan import PlanAnswer
+    from fsdp_nb.wire.memory_sample import MemorySample
+
+    s = MemorySample(rank=0, t=1.0, device="cpu", resident=5, resident_peak=6, budget=None, parameters=1)
+    assert loads(MemorySample, encode(s)) == s
+    with pytest.raises(WireError, match=r"MemorySample: unknown field\(s\) rss; missing field\(s\) resident"):
+        loads(MemorySample, encode(s).replace(b'"resident"', b'"rss"'))
+    with pytest.raises(WireError, match=r"MemorySample.budget: expected an int, got '12'"):
+        loads(MemorySample, encode(s).replace(b'"budget": null', b'"budget": "12"'))
+    answer = PlanAnswer(ranks=[_rank(0, 100)])
+    assert loads(PlanAnswer, encode(answer)) == answer
+    with pytest.raises(WireError, match=r"PlanAnswer.ranks\[0\]: missing field\(s\) peak_phase"):
+        loads(PlanAnswer, encode(answer).replace(b'"peak_phase": "backward", ', b""))
 
 
 def test_out_of_memory_is_recognised_and_its_allocation_read():
