@@ -45,6 +45,7 @@ nitpick_ignore_regex = [
     # fsdp_nb's own parts that are not public, named unqualified in type hints
     ("py:class", r"CallChannel|CheckpointBrowser|ClassNames|Dashboard|Definitions|Dispatcher|EngineCluster|"
                  r"Keeper|Lifecycle|MemorySample|MemoryWidget|RankHealth|SessionStatus|StatusWidget|WrapRecord|WrapSummary"),
+    ("py:class", r"MixedPrecisionPolicy|CPUOffloadPolicy"),  # torch's, named unqualified in WrapOptions
     ("py:class", r"(ipp|W|np|dist|dcp)\..*"),
     # the session's internals (its context's parts) and the mixins the façade is made of
     ("py:class", r"fsdp_nb\.(runtime|lifetime)\..*"),

@@ -50,13 +50,13 @@ def _demo_train(steps: int) -> list[float]:
     import torch
     import torch.distributed as dist
 
-    from .engine.namespace import user_ns
+    from .engine.namespace import rank_device, user_ns
 
     ns = user_ns()
     model = ns["model"]
     ns["optimizer"] = opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(dist.get_rank())
-    x = torch.randn(32, 64, device=ns.get("device", "cpu"))
+    x = torch.randn(32, 64, device=rank_device())
     y = x.roll(1, dims=1)
     losses = []
     for _ in range(steps):

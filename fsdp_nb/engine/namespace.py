@@ -26,10 +26,24 @@ def user_ns() -> dict[str, Any]:
     return __main__.__dict__
 
 
+class Placement:
+    """Where this engine computes as a rank: what ``process_group.init`` made it. The cells
+    see the same values as the engine globals ``rank``, ``world_size`` and ``device``,
+    which they may rebind; fsdp_nb reads them here."""
+
+    def __init__(self) -> None:
+        self.device = "cpu"
+        """``"cpu"``, or the rank's ``"cuda:N"``."""
+
+
+PLACEMENT = Placement()
+"""This engine's placement."""
+
+
 def rank_device() -> str:
-    """This rank's device, as the rendezvous set the engine global ``device`` (``"cpu"``,
-    ``"cuda:0"``); ``"cpu"`` before a group is formed."""
-    return str(user_ns().get("device", "cpu"))
+    """This rank's device (``"cpu"``, ``"cuda:0"``), as the group's formation set it;
+    ``"cpu"`` before one is formed."""
+    return PLACEMENT.device
 
 
 def ranks_on_host() -> int:

@@ -138,8 +138,9 @@ def init(
         timeout=timeout,
         **kwargs,
     )
-    from .namespace import user_ns
+    from .namespace import PLACEMENT, user_ns
 
+    PLACEMENT.device = device
     ns = user_ns()
     ns.setdefault("torch", torch)
     ns.setdefault("dist", dist)
@@ -161,11 +162,11 @@ def all_reduce_rank() -> float:
     import torch
     import torch.distributed as dist
 
-    from .namespace import user_ns
+    from .namespace import rank_device
 
     # the rank's compute device, as init pinned it (get_backend() gives the whole
     # "cpu:gloo,cuda:nccl" string for an NCCL group)
-    t = torch.tensor([float(dist.get_rank())], device=user_ns().get("device", "cpu"))
+    t = torch.tensor([float(dist.get_rank())], device=rank_device())
     dist.all_reduce(t)
     return float(t.item())
 

@@ -46,10 +46,10 @@ from ..torch_compat import (
 )
 from ..wire.calls import ByValue
 from ..wire.mesh_plan import MeshPlan
+from ..wire.wrap import ShippedWrap, WrapSummary
 from ..wire.wrap_options import WrapOptions
-from ..wire.wrap_summary import WrapSummary
 from .hugging_face import hf_init_weights, initialize_weights, is_hugging_face
-from .namespace import unship, user_ns
+from .namespace import rank_device, unship, user_ns
 from .wrap_policies import policies, root
 
 __all__ = [
@@ -81,9 +81,9 @@ class Wrapped(NamedTuple):
     """The options it was wrapped with."""
     summary: WrapSummary | None = None
     """What its build returned."""
-    shipped: Any = None
-    """``(kind, payload, plan, seed)`` as the notebook sent them: a kernel that attaches
-    later rebuilds its ``WrapRecord`` from this (``wrapped_models``)."""
+    shipped: ShippedWrap | None = None
+    """What the notebook sent: a kernel that attaches later rebuilds its ``WrapRecord``
+    from this (``wrapped_models``)."""
 
 
 MODELS: dict[str, Wrapped] = {}
@@ -335,7 +335,7 @@ def build(name: str, kind: str, payload: ByValue, plan: MeshPlan, seed: int, ini
     model = construct(kind, spec, args, kwargs)
     del spec
     ns = user_ns()
-    device = torch.device(ns.get("device", "cpu"))
+    device = torch.device(rank_device())
     mesh = mesh_of(plan)
     full_sd = None
     saved_buffers: dict[str, Any] = {}
@@ -367,7 +367,7 @@ def build(name: str, kind: str, payload: ByValue, plan: MeshPlan, seed: int, ini
             full_sd = None
     gc.collect()
     summary = _summary(model, units, checkpointed, mesh)
-    MODELS[name] = Wrapped(model, mesh, options, summary, (kind, shipped, plan, seed))
+    MODELS[name] = Wrapped(model, mesh, options, summary, ShippedWrap(kind=kind, payload=shipped, plan=plan, seed=seed))
     ns[name] = model
     for hook in ON_WRAPPED:
         hook()
@@ -413,9 +413,9 @@ def get(name: str) -> Wrapped:
     return MODELS[name]
 
 
-def wrapped_models() -> dict[str, tuple[Any, Any]]:
-    """Name -> (``shipped``, summary) of every model wrapped on this rank, in wrap order:
-    what ``Session.attach`` needs to give a new kernel its ``sess.models``."""
+def wrapped_models() -> dict[str, tuple[ShippedWrap | None, WrapSummary | None]]:
+    """Name -> (what was shipped, its summary) of every model wrapped on this rank, in wrap
+    order: what ``Session.attach`` needs to give a new kernel its ``sess.models``."""
     return {name: (w.shipped, w.summary) for name, w in MODELS.items()}
 
 

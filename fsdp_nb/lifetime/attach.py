@@ -128,15 +128,14 @@ def rebuild_models(ctx: SessionContext) -> None:
     d = ctx.plain_dispatcher
     held = d.gather(d.apply("list wrapped models", _ew.wrapped_models, ranks=live[:1]))[0]
     for name, (shipped, summary) in held.items():
-        if shipped is None:
+        if shipped is None or summary is None:
             continue
-        kind, payload, plan, seed = shipped
         try:
-            options = cloudpickle.loads(payload.payload)[3]
+            options = cloudpickle.loads(shipped.payload.payload)[3]
         except Exception as exc:  # noqa: BLE001 - the model still works; only replay is lost
             log.warning("cannot read how %r was wrapped in this kernel (%s); sess.restart() "
                         "will not rebuild it", name, exc)
             ctx.models[name] = ShardedModel(ctx, name, WrapOptions(), summary)
             continue
-        ctx.wraps[name] = WrapRecord(name, kind, payload, options, plan, seed)
+        ctx.wraps[name] = WrapRecord(name, shipped.kind, shipped.payload, options, shipped.plan, shipped.seed)
         ctx.models[name] = ShardedModel(ctx, name, options, summary)

@@ -18,8 +18,8 @@ from ..wire.shards import ShardTable
 
 if TYPE_CHECKING:
     from ..context import SessionContext
+    from ..wire.wrap import WrapSummary
     from ..wire.wrap_options import WrapOptions
-    from ..wire.wrap_summary import WrapSummary
     from .memory_report import MemoryPlan
 
 __all__ = ["ShardedModel"]

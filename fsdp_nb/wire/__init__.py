@@ -3,7 +3,7 @@ import them; they import nothing of either side (only the file formats and the e
 
 What a call carries (``calls``), a save's or load's spec and each rank's outcome
 (``checkpoint``), a wrap's options, mesh and summary (``wrap_options``, ``mesh_plan``,
-``wrap_summary``), a wrapped model's shard table (``shards``), an engine's probe (``probe``),
+``wrap``), a wrapped model's shard table (``shards``), an engine's probe (``probe``),
 a plan's jobs and answers (``memory_plan``), a rank's memory (``memory_sample``) and where
 it waits (``hang_state``), a resize (``resize``), a reload (``modules``), a post-mortem step
 (``postmortem``). What comes back as JSON over a side channel is decoded strictly

@@ -18,7 +18,7 @@ from .calls import ByValue
 from .mesh_plan import MeshPlan
 
 __all__ = [
-    "CATEGORIES", "TRACKER_CATEGORIES", "PlanAnswer", "PlanJob", "RankMemory", "StepSpec", "TensorSpec",
+    "CATEGORIES", "TRACKER_CATEGORIES", "BatchSpec", "PlanAnswer", "PlanJob", "RankMemory", "StepSpec", "TensorSpec",
     "categories", "failed_allocation", "is_out_of_memory",
 ]
 
@@ -61,18 +61,22 @@ class TensorSpec:
     """Its dtype's name, e.g. ``"int64"``."""
 
 
+BatchSpec = TensorSpec | list[Any] | tuple[Any, ...] | dict[str, Any]
+"""A batch as shapes: a :class:`TensorSpec`, or a tuple / list / dict (str keys) of batch specs."""
+
+
 @dataclass(frozen=True)
 class StepSpec:
     """The training step a plan or a measurement runs, as shipped (plain data and
     by-value payloads)."""
 
-    batch: Any
-    """The batch: a :class:`TensorSpec` or a tuple / list / dict of them."""
-    step: Any = None
+    batch: BatchSpec
+    """The batch, as shapes."""
+    step: ByValue | None = None
     """``fn(model, batch)`` (forward and backward; the optimizer steps after it) or
     ``fn(model, batch, optimizer)`` (the whole step), shipped by value; None: the mean of
     ``model(batch)`` (``model(**batch)`` for a dict) is the loss."""
-    optimizer: Any = None
+    optimizer: ByValue | str | None = None
     """An optimizer class (its defaults) or a factory ``params -> optimizer``, shipped by
     value; on engines also the name of an engine global optimizer; None: no optimizer."""
     steps: int = 2

@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 __all__ = [
     "MIXED_PRECISION",
@@ -44,12 +47,12 @@ class WrapOptions:
     ``None``: only the root is wrapped. Each class must occur in the model. Not given,
     for a model that declares ``_no_split_modules`` (Hugging Face models do): those
     classes (:class:`ClassNames`), as Accelerate and transformers' FSDP integration do."""
-    mixed_precision: str | Any = "32-true"
+    mixed_precision: str | MixedPrecisionPolicy = "32-true"
     """``"bf16-mixed"`` / ``"16-mixed"``: compute in bf16 / fp16, keep fp32
     sharded parameters, reduce gradients in fp32 and return the output in fp32 (the loss
     in fp32, as under autocast); ``"bf16-true"``: parameters
     themselves bf16; ``"32-true"``: plain fp32; or a ``MixedPrecisionPolicy``."""
-    cpu_offload: bool | Any = False
+    cpu_offload: bool | CPUOffloadPolicy = False
     """Keep sharded parameters, gradients and optimizer state on the CPU: ``True``
     or a ``CPUOffloadPolicy`` (pinned memory only where there is an accelerator)."""
     activation_checkpointing: frozenset[type] | None = None

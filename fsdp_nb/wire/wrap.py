@@ -1,11 +1,29 @@
-"""What a wrap did on one rank: :class:`WrapSummary`, returned by ``fsdp_nb.engine.wrap.build``
-to the notebook, where ``ShardedModel.summary`` keeps it."""
+"""What a wrap carries to the ranks and back: :class:`ShippedWrap`, what the notebook sent
+(each rank keeps it, so a kernel that attaches later can wrap the model again), and
+:class:`WrapSummary`, what the build did, which ``ShardedModel.summary`` keeps."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["WrapSummary"]
+from .calls import ByValue
+from .mesh_plan import MeshPlan
+
+__all__ = ["ShippedWrap", "WrapSummary"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShippedWrap:
+    """One wrap as the notebook shipped it to every rank (``fsdp_nb.engine.wrap.build``)."""
+
+    kind: str
+    """How the model was given: ``"instance"``, ``"class"``, ``"factory"`` or ``"string"``."""
+    payload: ByValue
+    """``(spec, args, kwargs, WrapOptions)``, by value."""
+    plan: MeshPlan
+    """The mesh every rank builds."""
+    seed: int
+    """Base seed for initialising class-built models (rank r uses seed + r)."""
 
 
 @dataclass(frozen=True)
