@@ -1,16 +1,15 @@
 """Every use of torch's private API, and every branch on torch's version, in one place.
 
-A new torch breaks private names first (``_world``, ``_local_tensor``, a module moved
-under ``_composable``), so fsdp_nb touches them only here, each behind a small function
-that says what it is for; ``tests/unit/test_torch_compat.py`` calls each one on every
-torch CI runs (the lowest supported and the newest), so a rename fails CI in one place.
-Nothing here imports torch at import time: the notebook side imports this module
-without paying for torch.
+A new torch breaks private names first (``_world``, a module moved under ``_composable``),
+so fsdp_nb touches them only here, each behind a small function that says what it is for
+(``tests/unit/test_structure.py`` reads the package's source for any other use);
+``tests/unit/test_torch_compat.py`` calls each one on every torch CI runs (the lowest
+supported and the newest), so a rename fails CI in one place. Nothing here imports torch
+at import time: the notebook side imports this module without paying for torch.
 
 Supported: torch 2.11 (the oldest a GPU image here has) to the newest release, as
-``pyproject.toml`` says; where a newer torch has a public call for what an older one
-needs private names for (``reset_fsdp_iteration``), the function uses the call when it
-is there.
+``pyproject.toml`` says; where a torch has a public call for what an older one needs
+private names for (``reset_fsdp_iteration``), the function uses it when it is there.
 """
 
 from __future__ import annotations
@@ -24,10 +23,10 @@ from typing import Any
 
 __all__ = [
     "DCP_METADATA_GLOBALS", "FLIGHT_RECORDER_ENV", "TORCH_PRELOAD", "activation_checkpoint", "collective_call",
-    "compute_local_shape_and_global_offset", "current_frames", "dcp_load_into", "dcp_metadata_path",
+    "compute_local_shape_and_global_offset", "dcp_load_into", "dcp_metadata_path",
     "default_group", "empty_state_dict_planner", "fake_process_group", "fake_tensor_mode",
     "flight_recorder", "fsdp_memory_tracker", "fsdp_roots", "fsspec_reader",
-    "fsspec_writer", "group_backend", "group_sequence_numbers", "keep_stager_open",
+    "fsspec_writer", "group_backend", "group_sequence_numbers", "kept_open_stager",
     "local_tensor", "making_group", "mesh_group_names", "narrow_tensor_by_index",
     "non_persistent_buffers", "parameter_initialiser", "process_groups", "repoint_fsdp_groups", "reset_fsdp_iteration",
     "resolve_process_group", "set_element", "set_mesh_group_names", "tree_leaves", "tree_map_only",
@@ -35,13 +34,11 @@ __all__ = [
 ]
 
 FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
-"""The variable every supported torch reads for the flight recorder's size, NCCL
-included (2.11 reads it first and warns about ``TORCH_NCCL_TRACE_BUFFER_SIZE``, the
-name it replaces, so fsdp_nb never sets the old one)."""
+"""The variable every supported torch reads for the flight recorder's size, NCCL included
+(2.11 warns about ``TORCH_NCCL_TRACE_BUFFER_SIZE``, the name it replaces, never set here)."""
 
 TORCH_PRELOAD = ("torch._dynamo",)
-"""torch's modules a rank imports before it is needed: else the first ``fully_shard``
-imports ``torch._dynamo`` (DTensor's constructor), about 1 s."""
+"""What a rank imports up front: else the first ``fully_shard`` imports it (about 1 s)."""
 
 log = logging.getLogger("fsdp_nb")
 
@@ -65,10 +62,8 @@ def default_group() -> Any:
 
 def group_sequence_numbers(pg: Any) -> dict[str, int]:
     """How many collectives ``pg`` has issued on this rank, per backend (``{"nccl": n}``,
-    ``{"gloo": n}``, both in a ``cpu:gloo,cuda:nccl`` group): the same
-    on every member once each has issued them, so a member that issued fewer is behind
-    the others. A read of a counter, for the hang watch's question; nothing per
-    collective."""
+    ``{"gloo": n}``, both in a ``cpu:gloo,cuda:nccl`` group): a member that issued fewer
+    than the others is behind them. A read of a counter; nothing per collective."""
     out: dict[str, int] = {}
     for device in sorted({str(d.type) for d in getattr(pg, "_device_types", ())}):
         try:
@@ -98,8 +93,8 @@ def resolve_process_group(name: str) -> Any:
 
 
 def mesh_group_names(mesh: Any) -> list[str]:
-    """The process-group name of each dimension of device mesh ``mesh``."""
-    return list(mesh._dim_group_names)
+    """The process-group name of each dimension of device mesh ``mesh`` ([]: it has no groups)."""
+    return list(getattr(mesh, "_dim_group_names", None) or ())
 
 
 def set_mesh_group_names(mesh: Any, names: list[str]) -> None:
@@ -221,8 +216,8 @@ def _in_torch_distributed(filename: str) -> bool:
 
 
 def making_group(frame: Any) -> bool:
-    """Whether ``frame`` or a frame under it (a thread's stack, innermost first) is one of
-    torch.distributed's functions that make a process group."""
+    """Whether ``frame`` or a frame under it (a thread's stack) is in torch.distributed
+    making a process group."""
     while frame is not None:
         code = frame.f_code
         if code.co_name in _GROUP_MAKERS and _in_torch_distributed(code.co_filename):
@@ -252,9 +247,16 @@ def collective_call(frame: Any) -> tuple[str, Any, list[Any]] | None:
 
 
 def local_tensor(t: Any) -> Any:
-    """The tensor this rank holds of DTensor ``t`` (not a copy: writing to it writes the
-    shard); ``t`` itself when it is a plain tensor."""
-    return getattr(t, "_local_tensor", t)
+    """The tensor this rank holds of DTensor ``t`` (a view of the shard, not a copy:
+    writing to it writes the shard); ``t`` itself when it is a plain tensor. DTensor's
+    public ``to_local``, outside autograd (a parameter's shard is written in place)."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is None:
+        return t
+    import torch
+
+    with torch.no_grad():
+        return to_local()
 
 
 def compute_local_shape_and_global_offset(shape: Any, mesh: Any, placements: Any) -> tuple[Any, Any]:
@@ -290,17 +292,17 @@ def parameter_initialiser(module: Any) -> Callable[[], None] | None:
 
 
 def tree_map_only(cls: Any, fn: Callable[[Any], Any], tree: Any) -> Any:
-    """``tree`` with each leaf of type ``cls`` replaced by ``fn(leaf)``."""
-    from torch.utils._pytree import tree_map_only as f
+    """``tree`` (a nested dict / list / tuple) with each leaf of type ``cls`` replaced by ``fn(leaf)``."""
+    from torch.utils import _pytree
 
-    return f(cls, fn, tree)
+    return _pytree.tree_map_only(cls, fn, tree)
 
 
 def tree_leaves(tree: Any) -> list[Any]:
     """The leaves of a nested dict / list / tuple."""
-    from torch.utils._pytree import tree_leaves as f
+    from torch.utils import _pytree
 
-    return f(tree)
+    return _pytree.tree_leaves(tree)
 
 
 # -- checkpoints ---------------------------------------------------------------------
@@ -308,16 +310,16 @@ def tree_leaves(tree: Any) -> list[Any]:
 
 def fsspec_writer() -> type:
     """DCP's storage writer over an fsspec file system (remote URLs)."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    from torch.distributed.checkpoint import _fsspec_filesystem
 
-    return FsspecWriter
+    return _fsspec_filesystem.FsspecWriter
 
 
 def fsspec_reader() -> type:
     """DCP's storage reader over an fsspec file system (remote URLs)."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint import _fsspec_filesystem
 
-    return FsspecReader
+    return _fsspec_filesystem.FsspecReader
 
 
 def narrow_tensor_by_index(tensor: Any, offsets: Any, sizes: Any) -> Any:
@@ -359,10 +361,9 @@ def empty_state_dict_planner() -> type:
 
 
 DCP_METADATA_GLOBALS: dict[str, frozenset[str]] = {
-    "torch.distributed.checkpoint.metadata": frozenset({
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    }),
+    "torch.distributed.checkpoint.metadata": frozenset({"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                                        "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                                        "StorageMeta", "_MEM_FORMAT_ENCODING"}),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
     "torch.distributed.checkpoint._extension": frozenset({"ExtensionRegistry"}),
     "torch.serialization": frozenset({"_get_layout"}),
@@ -373,18 +374,27 @@ supported torch versions' writers, private ones among them): what the restricted
 unpickler may resolve from torch (``formats.restricted``)."""
 
 
-def keep_stager_open(stager: Any) -> None:
-    """Make DCP's ``DefaultStager`` ``stager`` keep its inner copier across saves: torch 2.11
-    closes it after every staging (``DefaultStager._stage``), which empties its copy tables
-    (the next save failed with "KeyError: <class 'type'>", and no buffer was reused)."""
+def kept_open_stager(cuda: bool) -> Any:
+    """DCP's ``DefaultStager``, copying in its own thread (from ``cuda`` tensors into pinned
+    memory, non-blocking), that stays open across saves: torch 2.11 closes its inner copier
+    after every staging (``DefaultStager._stage``), which empties its copy tables (the next
+    save failed with "KeyError: <class 'type'>", and no buffer was reused)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    class KeptStager(DefaultStager):
+        def close(self) -> None:  # kept for the engine's life
+            pass
+
+    stager = KeptStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+                                       use_non_blocking_copy=cuda))
     inner = getattr(stager, "_state_dict_stager", None)
     if inner is not None:
         inner.close = lambda: None
+    return stager
 
 
 def weights_only_unpickler() -> type:
-    """torch's weights-only unpickler class (what ``torch.load(weights_only=True)``
-    uses), for reading a pickle in place over a buffer."""
+    """The unpickler ``torch.load(weights_only=True)`` uses, to read a pickle in place."""
     from torch._weights_only_unpickler import Unpickler
 
     return Unpickler
@@ -404,8 +414,7 @@ def fake_process_group(rank: int, world_size: int) -> None:
 
 
 def fake_tensor_mode() -> Any:
-    """A ``FakeTensorMode``: tensors made inside it have shapes, dtypes and devices but
-    no storage (how torchtitan's memory estimator builds a model)."""
+    """A ``FakeTensorMode``: tensors made in it have shapes, dtypes and devices, no storage."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
@@ -439,10 +448,3 @@ def fsdp_memory_tracker(model: Any, optimizer: Any, on_peak: Callable[[set[str],
     ``"Root.sub.unit"`` names) and whether it was in the backward."""
     return _peak_tracker()(model, optimizer, on_peak)
 
-
-# -- the interpreter -----------------------------------------------------------------
-
-
-def current_frames() -> dict[int, Any]:
-    """Thread id -> its innermost frame, for every thread (a snapshot)."""
-    return sys._current_frames()

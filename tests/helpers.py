@@ -347,3 +347,14 @@ def release_on_diagnosis(sess: Any, go: Any) -> Iterator[list[str]]:
         yield seen
     finally:
         sess.dispatcher.observers.remove(release)
+
+
+def import_contracts() -> dict[str, dict[str, Any]]:
+    """The import contracts of pyproject.toml, by id (``tomllib``, or ``tomli`` on Python 3.10)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    toml = importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    config = toml.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    return {c["id"]: c for c in config["tool"]["importlinter"]["contracts"]}

@@ -125,11 +125,10 @@ def test_the_reference_documents_every_public_name(built):
 
 
 def test_the_architecture_page_draws_the_layers_and_lists_every_module(built):
-    import tomllib
+    from helpers import import_contracts
 
     page = (built.html / "explanation" / "architecture.html").read_text()
-    layers = next(c for c in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-                  if c["id"] == "layers")["layers"]
+    layers = import_contracts()["layers"]["layers"]
     assert page.count('class="fsdp-layers"') == 1 and page.count("<rect ") == len(layers)
     modules = {".".join(("fsdp_nb", *p.relative_to(REPO / "fsdp_nb").with_suffix("").parts))
                for p in (REPO / "fsdp_nb").rglob("*.py")}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..formats.helper_threads import lower_priority
-from ..torch_compat import keep_stager_open
+from ..torch_compat import kept_open_stager
 from ..wire.checkpoint import Outcome, SaveProgress
 
 __all__ = [
@@ -128,25 +128,7 @@ def stager(cuda: bool) -> Any:
     """
     global _STAGER
     if _STAGER is None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        class KeptStager(DefaultStager):
-            """A stager that stays open across saves, for the engine's life. torch 2.11
-            closes the inner copier after every staging (``DefaultStager._stage``),
-            which empties its copy tables: the next save failed with "KeyError: <class
-            'type'>", and no buffer could be reused. Closing is a no-op here."""
-
-            def __init__(self, options: StagingOptions) -> None:
-                super().__init__(options)
-                keep_stager_open(self)
-
-            def close(self) -> None:
-                pass
-
-        _STAGER = KeptStager(StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=False,
-            use_async_staging=True, use_non_blocking_copy=cuda,
-        ))
+        _STAGER = kept_open_stager(cuda)
     return _STAGER
 
 

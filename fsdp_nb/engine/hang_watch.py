@@ -44,6 +44,7 @@ import functools
 import json
 import logging
 import os
+import sys
 import sysconfig
 import threading
 import time
@@ -53,7 +54,6 @@ from typing import Any
 
 from ..torch_compat import (
     collective_call,
-    current_frames,
     default_group,
     flight_recorder,
     group_sequence_numbers,
@@ -116,7 +116,7 @@ def _where(filename: str, line: int) -> str:
 
 def _main_thread_frame() -> FrameType | None:
     """The main thread's innermost frame now."""
-    return current_frames().get(threading.main_thread().ident or 0)
+    return sys._current_frames().get(threading.main_thread().ident or 0)
 
 
 def main_frame(frame: FrameType | None) -> UserFrame | None:

@@ -214,7 +214,7 @@ def mesh_partitions() -> list[tuple[tuple[int, ...], ...]]:
     world = dist.get_world_size() if dist.is_initialized() else None
     found: set[tuple[tuple[int, ...], ...]] = set()
     for m in _meshes():
-        if not hasattr(m, "_dim_group_names"):
+        if not mesh_group_names(m):
             continue
         for d in range(m.mesh.ndim):
             rows = tuple(_rows(m, d))
@@ -241,7 +241,7 @@ def rebind_groups(partitions: list[tuple[tuple[int, ...], ...]] | None = None) -
 
     world = dist.get_world_size()
     default_name = default_group().group_name
-    meshes = [m for m in _meshes() if hasattr(m, "_dim_group_names")]
+    meshes = [m for m in _meshes() if mesh_group_names(m)]
     if partitions is None:
         partitions = mesh_partitions()
     partitions = sorted({tuple(tuple(int(x) for x in row) for row in rows) for rows in partitions})

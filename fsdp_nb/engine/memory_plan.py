@@ -34,11 +34,11 @@ from ..wire.decode import encode
 from ..wire.memory_plan import PlanAnswer, PlanJob, RankMemory, StepSpec, TensorSpec, categories
 from ..wire.mesh_plan import MeshPlan
 from ..wire.wrap_options import WrapOptions
-from .memory_sample import device_budget, peak_resident, reset_peak_resident
-from .namespace import rank_device, ranks_on_host, unship, user_ns
+from .memory_sample import peak_resident, reset_peak_resident
+from .namespace import rank_device, unship, user_ns
 from .wrap import construct, get, mesh_of, shard
 
-__all__ = ["PeakPlace", "main", "measure", "plan_world", "rank_kinds", "run_step", "session_budget"]
+__all__ = ["PeakPlace", "main", "measure", "plan_world", "rank_kinds", "run_step"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -289,13 +289,6 @@ def measure(name: str, spec: StepSpec, batch: Any) -> RankMemory:
     del optimizer  # a fresh one goes; an engine global's stays bound
     gc.collect()
     return dataclasses.replace(mem, resident_growth=growth, device_peak=device_peak)
-
-
-def session_budget() -> tuple[str, int | None]:
-    """(device type, bytes this rank may hold): ``memory_sample.device_budget`` for this
-    rank's device and the ranks on its host."""
-    device = rank_device()
-    return device.split(":")[0], device_budget(device, ranks_on_host())
 
 
 if __name__ == "__main__":

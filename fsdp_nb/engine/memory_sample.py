@@ -21,7 +21,7 @@ from typing import Any
 from ..wire.memory_sample import MemorySample
 from .namespace import rank_device, ranks_on_host
 
-__all__ = ["cuda_in_use", "device_budget", "peak_resident", "read", "reset_peak_resident"]
+__all__ = ["cuda_in_use", "device_budget", "peak_resident", "rank_budget", "read", "reset_peak_resident"]
 
 
 def cuda_in_use(device: Any = None) -> Any:
@@ -52,6 +52,13 @@ def device_budget(device: str, ranks: int) -> int | None:
     share = int(psutil.virtual_memory().total) // max(1, ranks)
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
     return share if soft == resource.RLIM_INFINITY else min(share, int(soft))
+
+
+def rank_budget() -> tuple[str, int | None]:
+    """(device type, bytes this rank may hold): :func:`device_budget` of this rank's device
+    and the ranks on its host."""
+    device = rank_device()
+    return device.split(":")[0], device_budget(device, ranks_on_host())
 
 
 def peak_resident() -> int:

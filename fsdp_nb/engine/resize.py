@@ -25,7 +25,6 @@ from __future__ import annotations
 import inspect as _inspect
 import logging
 import os
-import threading
 import types
 from typing import Any
 
@@ -37,6 +36,7 @@ from ..torch_compat import local_tensor
 from ..wire.calls import ByValue
 from ..wire.resize import OptimizerRecipe, RankSurvey
 from .checkpoint_save import checkpoint_group, state_bytes
+from .memory_sample import peak_resident, reset_peak_resident
 from .namespace import unship, user_ns
 from .wrap import MODELS, forget_all
 
@@ -153,34 +153,15 @@ def _build_optimizer(rec: OptimizerRecipe, params: dict[str, Any]) -> Any:
 
 # -- memory -------------------------------------------------------------------------
 
-_PEAK: dict[str, Any] = {}
-
-
-def watch_memory(every: float = 0.01) -> None:
-    """Start sampling this process's resident memory every ``every`` seconds."""
-    import psutil
-
-    memory_peak()  # one watch at a time
-    proc, stop = psutil.Process(), threading.Event()
-    _PEAK.update(peak=proc.memory_info().rss, stop=stop)
-
-    def sample() -> None:
-        while not stop.wait(every):
-            _PEAK["peak"] = max(_PEAK["peak"], proc.memory_info().rss)
-
-    _PEAK["thread"] = threading.Thread(target=sample, name="fsdp_nb-resize-memory", daemon=True)
-    _PEAK["thread"].start()
+def watch_memory() -> None:
+    """Start this process's peak resident set afresh (``memory_sample.reset_peak_resident``:
+    the kernel keeps the peak; nothing samples it)."""
+    reset_peak_resident()
 
 
 def memory_peak() -> int:
-    """Stop the watch; the highest resident bytes it saw (0 if none ran)."""
-    if "stop" not in _PEAK:
-        return 0
-    import psutil
-
-    _PEAK.pop("stop").set()
-    _PEAK.pop("thread").join(1)
-    return max(_PEAK.pop("peak"), psutil.Process().memory_info().rss)
+    """The highest resident bytes this process reached since ``watch_memory``."""
+    return peak_resident()
 
 
 # -- staging --------------------------------------------------------------------------

@@ -119,7 +119,6 @@ def resize(ctx: SessionContext, n: int, staging: str | None = None, timeout: flo
     except BaseException as exc:
         if ctx.state != "closed":
             ctx.lifecycle.to("degraded")
-            _end_watches(ctx)
         raise ResizeError(_failed(ctx, report, folder, exc), folder) from exc
     finally:
         if ctx.state != "closed":
@@ -130,15 +129,6 @@ def resize(ctx: SessionContext, n: int, staging: str | None = None, timeout: flo
     ctx.dispatcher.notify("resize", "recovered", tuple(range(n)), note=f"{report.old} -> {n} ranks")
     log.info("%s", report)
     return report
-
-
-def _end_watches(ctx: SessionContext) -> None:
-    """Stop the memory watch on the ranks that answer (a failed resize did not)."""
-    d = ctx.plain_dispatcher
-    try:
-        d.gather(d.apply("memory peak", _er.memory_peak), 10)
-    except Exception as exc:  # noqa: BLE001 - the resize's own error is what the user gets
-        log.debug("could not stop the memory watch on every rank: %s", exc)
 
 
 def _failed(ctx: SessionContext, report: ResizeReport, folder: str, exc: BaseException) -> str:

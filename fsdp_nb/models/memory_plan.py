@@ -112,10 +112,10 @@ def step_spec(batch: Any, step: Any, optimizer: Any, steps: int, *, engine_names
 def session_budget(ctx: SessionContext) -> tuple[str, int | None]:
     """(device type, the smallest bytes any rank may hold) of the session's ranks, by the
     rule every budget follows (``fsdp_nb.engine.memory_sample.device_budget``)."""
-    from ..engine import memory_plan as _emp
+    from ..engine import memory_sample as _ems
 
     d = ctx.dispatcher
-    got = d.gather(d.apply("device budget", _emp.session_budget))
+    got = d.gather(d.apply("device budget", _ems.rank_budget))
     known = [b for _, b in got if b is not None]
     return got[0][0], min(known) if known else None
 

@@ -10,21 +10,38 @@ way of the error: any trouble is logged and the error goes on without these line
 from __future__ import annotations
 
 import logging
+import re
 from typing import TYPE_CHECKING
 
 from ..display.tables import fmt_bytes
 from ..engine import out_of_memory as _oom
 from ..errors import RankFailure
 from ..models.memory_report import cheapest_change
-from ..wire.memory_plan import failed_allocation, is_out_of_memory
 from ..wire.memory_sample import MemorySample
 
 if TYPE_CHECKING:
     from ..context import SessionContext
 
-__all__ = ["explain", "lines_for"]
+__all__ = ["explain", "failed_allocation", "is_out_of_memory", "lines_for"]
 
 log = logging.getLogger("fsdp_nb")
+
+_OOM = re.compile(r"out of memory|can't allocate memory|Cannot allocate memory|MemoryError", re.I)
+_TRIED = re.compile(r"(?:Tried to allocate|tried to allocate) ([\d.]+) ?(bytes|B|KiB|MiB|GiB|TiB)", re.I)
+_UNITS = {"bytes": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def is_out_of_memory(ename: str, evalue: str) -> bool:
+    """Whether a rank's failure (exception name and message) is an allocation that
+    failed: ``torch.OutOfMemoryError`` (CUDA), the CPU allocator's failure, ``MemoryError``."""
+    return ename in ("OutOfMemoryError", "MemoryError") or bool(_OOM.search(evalue))
+
+
+def failed_allocation(evalue: str) -> int | None:
+    """The bytes the failed allocation asked for, read from its message (CUDA's "Tried
+    to allocate 2.00 GiB", the CPU allocator's "you tried to allocate 123 bytes")."""
+    m = _TRIED.search(evalue)
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m else None
 
 
 def lines_for(failure: RankFailure, held: MemorySample, freed: int, cheapest: str) -> list[str]:

@@ -1,5 +1,6 @@
-"""The types that cross between the notebook and the engines, and nothing else: both sides
-import them; they import nothing of either side (only the file formats and the errors).
+"""The types that cross between the notebook and the engines, with the pure functions that
+make and check them (``plan_mesh``, ``make_options``, ``decode``): both sides import them;
+they import nothing of either side (only the file formats and the errors).
 
 What a call carries (``calls``), a save's or load's spec and each rank's outcome
 (``checkpoint``), a wrap's options, mesh and summary (``wrap_options``, ``mesh_plan``,

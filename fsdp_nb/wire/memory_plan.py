@@ -10,7 +10,6 @@ job as a JSON line, which the notebook decodes strictly (``fsdp_nb.wire.decode``
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +18,7 @@ from .mesh_plan import MeshPlan
 
 __all__ = [
     "CATEGORIES", "TRACKER_CATEGORIES", "BatchSpec", "PlanAnswer", "PlanJob", "RankMemory", "StepSpec", "TensorSpec",
-    "categories", "failed_allocation", "is_out_of_memory",
+    "categories",
 ]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "other")
@@ -122,24 +121,6 @@ class RankMemory:
         """Category -> bytes at the peak, in ``CATEGORIES`` order (parameters, gradients,
         optimizer, activations, communication, other)."""
         return {c: getattr(self, c) for c in CATEGORIES}
-
-
-_OOM = re.compile(r"out of memory|can't allocate memory|Cannot allocate memory|MemoryError", re.I)
-_TRIED = re.compile(r"(?:Tried to allocate|tried to allocate) ([\d.]+) ?(bytes|B|KiB|MiB|GiB|TiB)", re.I)
-_UNITS = {"bytes": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def is_out_of_memory(ename: str, evalue: str) -> bool:
-    """Whether a rank's failure (exception name and message) is an allocation that
-    failed: ``torch.OutOfMemoryError`` (CUDA), the CPU allocator's failure, ``MemoryError``."""
-    return ename in ("OutOfMemoryError", "MemoryError") or bool(_OOM.search(evalue))
-
-
-def failed_allocation(evalue: str) -> int | None:
-    """The bytes the failed allocation asked for, read from its message (CUDA's "Tried
-    to allocate 2.00 GiB", the CPU allocator's "you tried to allocate 123 bytes")."""
-    m = _TRIED.search(evalue)
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m else None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -237,7 +237,7 @@ def test_a_renamed_or_missing_field_of_a_sample_or_an_answer_fails_loudly():
 
 
 def test_out_of_memory_is_recognised_and_its_allocation_read():
-    from fsdp_nb.wire.memory_plan import failed_allocation, is_out_of_memory
+    from fsdp_nb.recovery.out_of_memory import failed_allocation, is_out_of_memory
 
     cpu = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
            "you tried to allocate 2147483648 bytes. Error code 12 (Cannot allocate memory)")

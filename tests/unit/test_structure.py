@@ -119,6 +119,8 @@ OTHER_LIBRARIES_PRIVATE = {
     "_model_id": "ipywidgets: a widget's id, in its saved state",
     "_config": "ipyparallel: a client's connection settings",
     "_children": "ipyparallel: an AsyncResult's per-engine futures",
+    "_output": "ipyparallel: a launcher's captured output",
+    "_current_frames": "Python: every thread's innermost frame (sys)",
 }
 """Private names of the other libraries fsdp_nb reads, each with whose it is: everything
 else private that the package names outside torch_compat.py is torch's, or a mistake."""
@@ -129,7 +131,8 @@ def _private(name: str) -> bool:
 
 
 def _defined_here(trees: dict[Path, ast.Module]) -> set[str]:
-    """Every name fsdp_nb defines: modules, functions, classes, attributes, variables, arguments."""
+    """Every name these modules define: modules, functions, classes, attributes, variables,
+    arguments (torch_compat's left out: what it assigns on torch's objects is torch's)."""
     names = {p.stem for p in trees}
     for tree in trees.values():
         for n in ast.walk(tree):
@@ -174,10 +177,9 @@ def _torch_private_uses(path: Path, tree: ast.Module, ours: set[str]) -> list[st
 def test_torchs_private_names_appear_only_in_torch_compat():
     """A new torch breaks its private names first: they live in one module, which CI runs
     on both ends of the supported range. Read from the package's source (its syntax tree)."""
-    trees = {p: ast.parse(p.read_text()) for p in sorted(ROOT.rglob("*.py"))}
+    trees = {p: ast.parse(p.read_text()) for p in sorted(ROOT.rglob("*.py")) if p.name != "torch_compat.py"}
     ours = _defined_here(trees) - set(OTHER_LIBRARIES_PRIVATE)
-    found = [use for p, tree in trees.items() if p.name != "torch_compat.py"
-             for use in _torch_private_uses(p, tree, ours)]
+    found = [use for p, tree in trees.items() for use in _torch_private_uses(p, tree, ours)]
     assert found == []
 
 
@@ -197,19 +199,33 @@ def test_the_scan_sees_each_way_of_naming_a_private_torch_name(tmp_path):
         "'_local_tensor'", "._dim_group_names", "'torch.distributed.checkpoint._extension'"])
 
 
+def _subclasses(cls: type) -> list[type]:
+    """Every class under ``cls``, at any depth (asked of ``type``: a metaclass's own
+    ``__subclasses__`` wants an argument)."""
+    out: list[type] = []
+    subs: list[type] = type.__subclasses__(cls)
+    for sub in subs:
+        out += [sub, *_subclasses(sub)]
+    return out
+
+
 def test_no_class_of_the_package_overrides_a_private_method_of_torch():
     """Overriding one of torch's private hooks (a reader's ``_slice_file``) is a private name
-    too: every class the package defines at module level, against its torch bases."""
-    import inspect
+    too: every class the package defines, those its functions make on first use (the DCP
+    readers and planners) included, against its torch bases."""
+    from fsdp_nb.formats import dcp_reader, pickles
 
-    found = []
     for name in MODULES:
-        if name == "fsdp_nb.torch_compat":
-            continue
-        module = importlib.import_module(name)
-        for cls in [c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == name]:
-            for attr in (a for a in vars(cls) if _private(a)):
-                owners = [b.__module__ for b in cls.__mro__[1:] if attr in vars(b)]
-                if any(o.split(".")[0] == "torch" for o in owners):
-                    found.append(f"{name}.{cls.__name__}.{attr}")
-    assert found == []
+        importlib.import_module(name)
+    dcp_reader.reader_classes()  # classes made when first needed, over torch's
+    pickles.full_load_planner(True)
+    pickles.load_planner(True)
+    ours = {c for c in _subclasses(object) if str(vars(c).get("__module__", "")).startswith("fsdp_nb.")
+            and c.__module__ != "fsdp_nb.torch_compat"}
+    found = []
+    for cls in ours:
+        for attr in (a for a in vars(cls) if _private(a) and a != "_abc_impl"):  # Python's, on every ABC
+            owners = [b.__module__ for b in cls.__mro__[1:] if attr in vars(b)]
+            if any(o.split(".")[0] == "torch" for o in owners):
+                found.append(f"{cls.__module__}.{cls.__qualname__}.{attr}")
+    assert len(ours) > 100 and found == []
