@@ -72,7 +72,11 @@ nb_execution_show_tb = True
 CACHE = os.environ.get("FSDP_NB_DOCS_CACHE") or os.path.join(os.path.dirname(__file__), "_build", "cache")
 """Where the build keeps what it fetched or ran once: the executed notebooks (jupyter-cache)
 and the widget renderer; ``FSDP_NB_DOCS_CACHE`` moves it (the tests put it in a temporary folder)."""
-nb_execution_cache_path = os.path.join(CACHE, "jupyter_cache")
+nb_execution_cache_path = os.path.join(CACHE, "jupyter_cache", stored_runs.package_key(REPO)[:16])
+"""MyST-NB's cache of the tutorials it ran, one per state of the package: its own key is
+the code cells alone, so a run against older code is never shown for newer."""
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the tutorials are the CPU path, on a GPU machine too
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 fsdp_nb_cache = CACHE
 nb_merge_streams = True
 nb_ipywidgets_js = {"widgets/embed.js": {}}

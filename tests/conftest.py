@@ -73,8 +73,8 @@ def group(tmp_path_factory):
     the module's end."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already formed in this process")
+    if dist.is_initialized():  # left by an earlier module: its tests, not these, must be fixed
+        pytest.fail("a process group is already formed in this test process")
     store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:

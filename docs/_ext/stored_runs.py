@@ -26,22 +26,24 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["KEY", "is_fresh", "ran_with", "refresh"]
+__all__ = ["KEY", "is_fresh", "package_key", "ran_with", "refresh"]
 
 KEY = "ran_with"
 """Where in a notebook's ``metadata["fsdp_nb"]`` its run's key is kept."""
 
 
-def _package_files(repo: Path) -> list[Path]:
-    return sorted([*(repo / "fsdp_nb").rglob("*.py"), repo / "pyproject.toml"])
+def package_key(repo: Path) -> str:
+    """The key of the package under ``repo``: its sources and its ``pyproject.toml``."""
+    h = hashlib.sha256()
+    for f in sorted([*(repo / "fsdp_nb").rglob("*.py"), repo / "pyproject.toml"]):
+        h.update(str(f.relative_to(repo)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def ran_with(notebook: Path, repo: Path) -> str:
-    """The key of what ``notebook`` runs with: its code cells, the package's sources under
-    ``repo`` and its ``pyproject.toml`` (markdown and outputs left out)."""
-    h = hashlib.sha256()
-    for f in _package_files(repo):
-        h.update(str(f.relative_to(repo)).encode() + b"\0" + f.read_bytes() + b"\0")
+    """The key of what ``notebook`` runs with: its code cells and the package under ``repo``
+    (``package_key``); markdown and outputs left out."""
+    h = hashlib.sha256(package_key(repo).encode())
     cells = json.loads(notebook.read_text())["cells"]
     for cell in cells:
         if cell["cell_type"] == "code":

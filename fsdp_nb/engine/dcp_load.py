@@ -171,7 +171,8 @@ def load_dcp(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome
         into_o = rekey_optim(into_o, lay.flat_optim, lambda fqn: lay.inner + fqn)
     sd: dict[str, Any] = {lay.model_key(k): v for k, v in into_m.items()}
     sd.update(_extra_targets(plan))
-    # an optimizer's state has a root here: match() refused a checkpoint without one
+    if into_o is not None and lay.optim_root is None:  # match() refused a layout without one
+        raise CheckpointError(f"{spec.url}: its layout keeps no optimizer state to load into {spec.optimizer!r}")
     optim_sd = {lay.optim_root: into_o} if into_o is not None and lay.optim_root is not None else {}
     if not lay.optim_in_own_folder:
         sd.update(optim_sd)

@@ -79,7 +79,7 @@ measured), paid only while a collective stays in flight between two questions.
 An NCCL session leaves the recorder off: each record captures the Python stack on the
 launching thread, and with it on a 368M GPT trained at 0.785-0.804 of torchrun's speed
 on an H200, 0.998 with it off. There the watch reads each group's count of issued
-collectives instead (``hang_watch.issued``), which costs nothing per collective. A
+collectives instead (``hang_watch.RankWatch.issued``), which costs nothing per collective. A
 user who wants the records anyway sets ``TORCH_FR_BUFFER_SIZE`` before the session:
 fsdp_nb keeps a user's value."""
 

@@ -87,16 +87,18 @@ def can_stage(md: Any) -> bool:
 
 def safe_reader(fs: Any, path: str, so: dict[str, Any], *, metadata: Any = None,
                 checks: Checks | None = None, on_read: Callable[[int], None] | None = None,
-                before_commit: Callable[[bool], bool] | None = None, weights_only: bool = True) -> Any:
+                before_commit: Callable[[bool], bool] | None = None, weights_only: bool = True,
+                readers: int | None = None) -> Any:
     """A DCP storage reader for folder ``path`` on ``fs`` that unpickles ``.metadata`` safely
-    and checks what it reads: a ``CheckedFileSystemReader`` for a local folder, else a
-    ``CheckedFsspecReader`` (``so``: its storage options). ``metadata``, ``checks``,
-    ``on_read``, ``before_commit``, ``weights_only``: as ``CheckedRead`` says."""
+    and checks what it reads: a ``CheckedFileSystemReader`` for a local folder, read by
+    ``readers`` threads at once (default: ``local_readers()``), else a ``CheckedFsspecReader``
+    (``so``: its storage options), read by one. ``metadata``, ``checks``, ``on_read``,
+    ``before_commit``, ``weights_only``: as ``CheckedRead`` says."""
     checked = CheckedRead(metadata=metadata, checks=checks, on_read=on_read, before_commit=before_commit,
                           weights_only=weights_only)
     local, remote = reader_classes()
     if is_local(fs):
-        return local(path, checked)
+        return local(path, checked, local_readers() if readers is None else readers)
     return remote(to_url(fs, path), checked, **so)
 
 
@@ -119,15 +121,20 @@ def read_items(fs: Any, path: str, md: Any, keys: list[str], so: dict[str, Any] 
     return sd
 
 
-def local_readers() -> int:
+def local_readers(cores: int | None = None, ranks: int | None = None) -> int:
     """How many threads read one process's share of a local checkpoint at once: one per
-    core it has to itself (its cores over ``LOCAL_WORLD_SIZE``, the ranks on this host),
-    at least ``MIN_READERS`` and at most ``MAX_READERS``."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(MIN_READERS, min(MAX_READERS, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))))
+    core it has to itself (its ``cores``, default the ones it may run on, over the ``ranks``
+    on this host, default ``LOCAL_WORLD_SIZE``), at least ``MIN_READERS`` and at most
+    ``MAX_READERS``."""
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            cores = os.cpu_count() or 1
+    if ranks is None:
+        raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+        ranks = int(raw) if raw.isdigit() else 1
+    return max(MIN_READERS, min(MAX_READERS, cores // max(1, ranks)))
 
 
 @functools.cache
@@ -138,11 +145,11 @@ def reader_classes() -> tuple[type, type]:
 
     class CheckedFileSystemReader(FileSystemReader):
         """DCP's reader of a local folder, reading through ``checked`` with ``readers``
-        (``local_readers()``) threads at once."""
+        threads at once."""
 
-        def __init__(self, path: str, checked: CheckedRead) -> None:
+        def __init__(self, path: str, checked: CheckedRead, readers: int) -> None:
             super().__init__(path)
-            self.checked, self.readers = checked, local_readers()
+            self.checked, self.readers = checked, readers
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return self.checked.read_metadata(self, kwargs.get("rank"))

@@ -197,6 +197,7 @@ def plan(
             spec, batch=_scaled(batch_spec, b) if isinstance(b, (int, float)) else _batch_spec(b, "what_if batch"))
         p = by_value((meta_clone(model) if kind == "instance" else model, tuple(args), kwargs, o))
         jobs.append(_job(kind, p, o, n, backend, hosts[:1] * n if n != world else hosts, planned_on, s))
+    given = budget
     if budget is None:
         # here (no session): this machine's first GPU, or its RAM shared by the ranks; None for
         # CUDA where this process sees no GPU (the plan then says to pass budget=)
@@ -213,7 +214,9 @@ def plan(
             weighed.append(WhatIf(change, label(change), None, None, rank, words, ans.error))
             continue
         peak = max(r.peak for r in ans.ranks)
-        weighed.append(WhatIf(change, label(change), peak, None if budget is None else peak <= budget, rank, words))
+        n = change.get("world_size", world)  # without a session, n ranks share this machine as a plan's do
+        limit = budget if given is not None or ctx is not None or n == world else device_budget(device, n)
+        weighed.append(WhatIf(change, label(change), peak, None if limit is None else peak <= limit, rank, words))
     weighed.sort(key=lambda w: (not w.fits, w.cost_rank, w.peak if w.peak is not None else 1 << 62))
     return MemoryPlan(ranks, world, device, budget, opts.describe(), weighed, notes,
                       seconds=time.perf_counter() - t0)

@@ -14,10 +14,11 @@ from typing import Any
 from ..display.tables import fmt_bytes, html_table, text_table
 from ..wire.memory_plan import CATEGORIES, RankMemory
 
-__all__ = ["MemoryPlan", "WhatIf", "cheapest_change"]
+__all__ = ["CATEGORY_COLOURS", "MemoryPlan", "WhatIf", "cheapest_change"]
 
-_COLOURS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer": "#54a24b",
-            "activations": "#e45756", "communication": "#72b7b2", "other": "#b279a2"}
+CATEGORY_COLOURS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer": "#54a24b",
+                    "activations": "#e45756", "communication": "#72b7b2", "other": "#b279a2"}
+"""Each category's colour in a plan's bars (the live memory view uses the same)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ class MemoryPlan:
     device: str
     """The device planned for (``"cuda"`` or ``"cpu"``)."""
     budget: int | None
-    """Bytes one rank may use (the device's memory, or ``budget=``); None: unknown."""
+    """Bytes one rank may hold (``budget=``, or by fsdp_nb's one rule: a GPU's memory, or the
+    host's RAM shared by the ranks on it); None: unknown."""
     options: dict[str, str] = field(default_factory=dict)
     """The wrap options that differ from the defaults."""
     what_ifs: list[WhatIf] = field(default_factory=list)
@@ -123,11 +125,11 @@ class MemoryPlan:
         for r in self.ranks:
             segs = "".join(
                 f"<div title='{c}: {fmt_bytes(getattr(r, c))}' style='width:{100 * getattr(r, c) / scale:.2f}%;"
-                f"background:{_COLOURS[c]}'></div>" for c in CATEGORIES)
+                f"background:{CATEGORY_COLOURS[c]}'></div>" for c in CATEGORIES)
             rows.append(f"<div style='display:flex;align-items:center;gap:6px'><code>rank {r.rank}</code>"
                         f"<div style='display:flex;width:320px;height:12px;background:#eee'>{segs}</div>"
                         f"<small>{fmt_bytes(r.peak)}</small></div>")
-        legend = " ".join(f"<span style='color:{_COLOURS[c]}'>&#9632;</span> {c}" for c in CATEGORIES)
+        legend = " ".join(f"<span style='color:{CATEGORY_COLOURS[c]}'>&#9632;</span> {c}" for c in CATEGORIES)
         budget = f" &mdash; budget {fmt_bytes(self.budget)} = full bar width" if self.budget and self.budget >= self.peak else ""
         return f"<div>{''.join(rows)}<small>{legend}{budget}</small></div>"
 

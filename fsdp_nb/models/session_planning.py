@@ -28,7 +28,10 @@ PLAN_ARGS = """model: what ``sess.wrap`` takes: a Module class, a factory, a mod
                 ``activation_checkpointing``, ``mixed_precision``, ``cpu_offload``,
                 ``sharding``, ``reshard_after_forward``, ``auto_wrap``), or ``"auto"`` for
                 the usual ones.
-            budget: bytes one rank may use (default: the ranks' device memory).
+            budget: bytes one rank may hold (default: what a rank may hold by fsdp_nb's
+                one rule: a GPU's memory, or on CPU the host's RAM shared by the ranks on
+                it, no more than an address-space limit; with a session, the least of its
+                ranks'; without one, this machine's, for each what-if's number of ranks).
             steps: training steps run (the peak is their highest; the first makes the
                 optimizer's state).
             timeout: seconds the planner may take.
@@ -48,7 +51,7 @@ class SessionPlanning:
         ``options`` on this session's ranks, planned before anything is allocated: a fake
         process group and fake tensors in a process of its own, the step under torch's
         ``FSDPMemTracker``. Returns a ``MemoryPlan``: the peak by category per rank, where
-        it falls, whether it fits the ranks' memory, the what-ifs ranked.
+        it falls, whether it fits what a rank may hold, the what-ifs ranked.
 
         Args:
             {PLAN_ARGS}

@@ -137,7 +137,9 @@ def wrap(
         )
     if kind in ("class", "factory"):
         check_call(model, args, kwargs)
-    plan = plan_mesh(ctx.world_size, ctx.backend or "gloo", [r.host for r in ctx.ranks], opts)
+    if ctx.backend is None:  # set when the session formed its group, before any wrap can run
+        raise RuntimeError("this session has no process group to wrap a model over")
+    plan = plan_mesh(ctx.world_size, ctx.backend, [r.host for r in ctx.ranks], opts)
     import torch
 
     # classes in the model, auto_wrap classes and callables may live in a user's

@@ -91,7 +91,7 @@ def explain_deaths(ctx: SessionContext, dead: list[int], oom_kills_before: int |
             continue
         last = ctx.last_memory.get(r)
         of = f" of {fmt_bytes(last.budget)}" if last is not None and last.budget else ""
-        held = (f"its last memory sample, {time.time() - last.t:.0f} s before, showed "
+        held = (f"its last memory sample, {time.time() - (last.received or last.t):.0f} s before, showed "
                 f"{fmt_bytes(last.used)}{of}" if last is not None else
                 "no memory samples were kept (sess.memory() keeps each rank's history)")
         who = ("the kernel's out-of-memory killer ended it (the kernel's count of such kills rose)" if oom else

@@ -43,9 +43,10 @@ def _saved(tmp_path):
     return state
 
 
-def _load(url, targets, before_commit: Callable[[bool], bool] | None = lambda read_all: read_all, on_read=None):
+def _load(url, targets, before_commit: Callable[[bool], bool] | None = lambda read_all: read_all, on_read=None,
+          readers=None):
     fs, p = url_to_fs(str(url), None)
-    reader = dcp_reader.safe_reader(fs, p, {}, before_commit=before_commit, on_read=on_read)
+    reader = dcp_reader.safe_reader(fs, p, {}, before_commit=before_commit, on_read=on_read, readers=readers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp_load_into(targets, reader, load_planner(True))
@@ -141,10 +142,11 @@ def test_a_local_share_is_read_by_two_to_four_threads_by_the_cores_a_rank_has(tm
                                                                               want):
     """A check-pass reader waits on the disk most of the time, so even ranks that fill
     the host's cores read with two threads each; more where a rank has cores to itself."""
-    monkeypatch.setattr(dcp_reader.os, "sched_getaffinity", lambda pid: set(range(cores)))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    assert dcp_reader.local_readers(cores, ranks) == want
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))  # the ranks on this host, as the rendezvous sets them
+    assert dcp_reader.local_readers(cores) == want
     fs, p = url_to_fs(str(tmp_path), None)
-    assert dcp_reader.safe_reader(fs, p, {}).readers == want
+    assert dcp_reader.safe_reader(fs, p, {}).readers == dcp_reader.local_readers()
 
 
 @pytest.fixture
@@ -161,20 +163,18 @@ def test_a_remote_store_is_read_by_one_thread_where_a_local_folder_takes_several
                                                                                  monkeypatch):
     """torch's fsspec reader subclasses its local one, yet a remote store's client keeps
     its own connections: its items are all read on the loading thread."""
-    monkeypatch.setattr(dcp_reader.os, "sched_getaffinity", lambda pid: set(range(64)))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # a local folder: four readers
     state = {f"p{i}": torch.full((256, 64), float(i)) for i in range(8)}
     threads: dict[str, set[str]] = {}
     for where in (str(tmp_path), memory_folder):
         _save(where, state)
         targets = {k: torch.zeros_like(v) for k, v in state.items()}
         seen = threads[where] = set()
-        _load(where, targets, on_read=lambda n, seen=seen: seen.add(threading.current_thread().name))
+        _load(where, targets, on_read=lambda n, seen=seen: seen.add(threading.current_thread().name), readers=4)
         assert all(torch.equal(targets[k], v) for k, v in state.items())
     assert len(threads[str(tmp_path)]) > 1
     assert threads[memory_folder] == {threading.current_thread().name}
     fs, p = url_to_fs(memory_folder, None)
-    reader = dcp_reader.safe_reader(fs, p, {})
+    reader = dcp_reader.safe_reader(fs, p, {}, readers=4)
     assert isinstance(reader, FileSystemReader) and reader.readers == 1
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as W
 
+from ...models.memory_report import CATEGORY_COLOURS
 from ...wire.memory_sample import MemorySample
 from ._feed import MemoryFeed
 from ._render import StaticForm, fmt_bytes, sparkline_svg, text_table
@@ -123,7 +124,7 @@ class MemorySnapshot:
 
 KINDS = ("parameters", "gradients", "optimizer", "rest")
 """What a rank's memory is split into once a model is wrapped."""
-_KIND_COLOURS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer": "#54a24b", "rest": "#9d9d9d"}
+_KIND_COLOURS = {**{k: CATEGORY_COLOURS[k] for k in KINDS[:3]}, "rest": "#9d9d9d"}
 
 
 def _used_bar(s: MemorySample, pct: float, color: str) -> str:
