@@ -358,3 +358,16 @@ def import_contracts() -> dict[str, dict[str, Any]]:
     toml = importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")
     config = toml.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     return {c["id"]: c for c in config["tool"]["importlinter"]["contracts"]}
+
+
+def forget_models(sess: Any, *names: str, optimizers: tuple[str, ...] = ()) -> None:
+    """Take models a test wrapped (and the engine globals ``optimizers``) off a shared
+    session, on the ranks and in the notebook, so a later restart does not rebuild them."""
+    from fsdp_nb.engine.wrap import forget_all
+
+    sess.run(forget_all, names)
+    for name in names:
+        sess.context.wraps.pop(name, None)
+        sess.context.models.pop(name, None)
+    if optimizers:
+        sess.execute("".join(f"del {o}\n" for o in optimizers))

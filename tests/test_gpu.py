@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same, full_state, release_on_diagnosis, straggle
+from helpers import assert_same, forget_models, full_state, release_on_diagnosis, straggle
 from torch import nn
 
 import fsdp_nb
@@ -217,11 +217,7 @@ def test_a_plan_matches_the_measured_step_on_the_device(gsess: fsdp_nb.Session):
     try:
         got = model.measure_memory(x, optimizer=torch.optim.AdamW)
     finally:
-        from fsdp_nb.engine.wrap import forget_all
-
-        gsess.run(forget_all, ("gpu_planned",))
-        gsess.context.wraps.pop("gpu_planned", None)
-        gsess.context.models.pop("gpu_planned", None)
+        forget_models(gsess, "gpu_planned")
     assert plan.device == _device(gsess) == got.device
     for p, m in zip(plan.ranks, got.ranks):
         assert abs(p.peak - m.peak) <= 0.1 * m.peak, (p, m)

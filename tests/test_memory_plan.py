@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import forget_models
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from _gpt import GPT, Block  # noqa: E402
 
-from fsdp_nb.engine.wrap import forget_all
 from fsdp_nb.errors import DeadRankError, RankError
 from fsdp_nb.runtime.cluster import wait_until
 
@@ -56,9 +56,7 @@ def test_the_plan_is_within_ten_percent_of_the_measured_step(sess, four, n, case
     try:
         measured = model.measure_memory(batch, optimizer=torch.optim.AdamW)
     finally:  # dropped on the ranks and the session: a restart must not rebuild it
-        s.run(forget_all, ("planned",))
-        s.context.wraps.pop("planned", None)
-        s.context.models.pop("planned", None)
+        forget_models(s, "planned")
     assert plan.world_size == measured.world_size == n and not plan.measured and measured.measured
     assert plan.fits and plan.budget == measured.budget
     for p, m in zip(plan.ranks, measured.ranks):
@@ -90,9 +88,7 @@ def test_a_nested_batch_is_planned_and_measured_on_every_rank(sess):
     try:
         measured = model.measure_memory(batch, optimizer=torch.optim.AdamW)
     finally:
-        sess.run(forget_all, ("pair",))
-        sess.context.wraps.pop("pair", None)
-        sess.context.models.pop("pair", None)
+        forget_models(sess, "pair")
     assert [r.rank for r in measured.ranks] == [0, 1]
     assert all(r.activations > 0 and r.optimizer > 0 for r in measured.ranks)
     for p, m in zip(plan.ranks, measured.ranks):
@@ -160,9 +156,7 @@ def test_a_rank_out_of_memory_says_what_it_held_and_what_would_fit(sess):
         sess.execute(TRAIN.replace("big_ids", "small_ids"))
         assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     finally:
-        sess.run(forget_all, ("oom_model",))
-        sess.context.wraps.pop("oom_model", None)
-        sess.context.models.pop("oom_model", None)
+        forget_models(sess, "oom_model")
         sess.execute("for _n in ('oom_opt', 'big_ids', 'small_ids', 'loss', '_old', '_mapped', '_f'):\n"
                      "    globals().pop(_n, None)")
 

@@ -19,10 +19,9 @@ import subprocess
 import psutil
 import pytest
 import torch
-from helpers import assert_same, full_state
+from helpers import assert_same, forget_models, full_state
 from torch import nn
 
-from fsdp_nb.engine.wrap import forget_all
 from fsdp_nb.errors import ResizeError
 from fsdp_nb.runtime.cluster import wait_until
 
@@ -96,10 +95,7 @@ class Trap(nn.Module):
 
 def _drop(sess, *names: str) -> None:
     """Take models a test wrapped off the shared session."""
-    for name in names:
-        sess.context.models.pop(name, None)
-        sess.context.wraps.pop(name, None)
-    sess.run(forget_all, names)
+    forget_models(sess, *names)
 
 
 def _as_outsider(cmd: list[str]) -> subprocess.CompletedProcess:

@@ -23,7 +23,7 @@ from fsdp_nb.frontends.widgets.layout import LayoutData, LayoutWidget
 from fsdp_nb.frontends.widgets.memory import MemorySnapshot
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import TABLE_CODE, hand_table, hybrid_table  # noqa: E402
+from helpers import TABLE_CODE, forget_models, hand_table, hybrid_table  # noqa: E402
 from test_checkpoint import GATE, UNGATE  # noqa: E402
 
 from fsdp_nb.runtime.cluster import wait_until  # noqa: E402
@@ -148,16 +148,6 @@ def test_memory_snapshot_static_form_gpu_fields():
     assert "1     waiting for the first sample" in text and "?" not in text
 
 
-def _forget_model(sess, name: str, optimizer: str) -> None:
-    """Drop a test's wrapped model ``name`` and its optimizer from the shared session."""
-    from fsdp_nb.engine.wrap import forget_all
-
-    sess.run(forget_all, (name,))
-    sess.context.wraps.pop(name, None)
-    sess.context.models.pop(name, None)
-    sess.execute(f"del {optimizer}")
-
-
 def test_a_live_memory_view_samples_an_fsdp_model_as_it_trains_and_every_rank_lives(sess):
     """The sampler's thread once read the model's tensors itself while the main thread
     trained: engines died of SIGSEGV in ``untyped_storage()`` on the sampler's thread, about
@@ -182,7 +172,7 @@ def test_a_live_memory_view_samples_an_fsdp_model_as_it_trains_and_every_rank_li
         assert all(s.parameters > 0 for s in w.feed.latest())
     finally:
         w.close()
-        _forget_model(sess, "busy_model", "busy_opt")
+        forget_models(sess, "busy_model", optimizers=("busy_opt",))
 
 
 def test_the_memory_view_opens_with_numbers_and_splits_a_wrapped_models_memory(sess):
@@ -211,7 +201,7 @@ def test_the_memory_view_opens_with_numbers_and_splits_a_wrapped_models_memory(s
         assert "title='optimizer'" in w.to_html() and "</span> optimizer " in w.to_html()
     finally:
         w.close()
-        _forget_model(sess, "split_model", "split_opt")
+        forget_models(sess, "split_model", optimizers=("split_opt",))
 
 
 # -- checkpoints ---------------------------------------------------------------------

@@ -7,6 +7,7 @@ import gc
 
 import pytest
 import torch
+from helpers import forget_models
 from torch import nn
 
 from fsdp_nb.engine.wrap import forget_all
@@ -505,10 +506,7 @@ def test_the_ranks_import_only_what_the_engine_contract_allows(sess, tmp_path):
         assert all(st is not None for st in sess.context.health.watch.states([0, 1]).values())
         loaded = sess.run(_fsdp_nb_modules)
     finally:
-        sess.run(forget_all, ("imports_model",))
-        sess.execute("del imports_opt")
-        sess.context.wraps.pop("imports_model", None)
-        sess.context.models.pop("imports_model", None)
+        forget_models(sess, "imports_model", optimizers=("imports_opt",))
     for rank, modules in enumerate(loaded):
         assert "fsdp_nb.engine.wrap" in modules and "fsdp_nb.wire.wrap_options" in modules
         assert [m for m in modules if any(m == f or m.startswith(f + ".") for f in forbidden)] == [], rank
