@@ -21,7 +21,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -60,11 +59,18 @@ def is_fresh(notebook: Path, repo: Path) -> bool:
 
 def _stop_left_sessions(ipython_dir: Path) -> None:
     """Stop every session a tutorial's kernel kept alive under ``ipython_dir``."""
-    os.environ["IPYTHONDIR"] = str(ipython_dir)
     import fsdp_nb
 
-    for s in fsdp_nb.sessions():
-        fsdp_nb.Session.attach(s.cluster_id, activate=False).shutdown()
+    saved = os.environ.get("IPYTHONDIR")
+    os.environ["IPYTHONDIR"] = str(ipython_dir)  # where fsdp_nb.sessions() reads the records
+    try:
+        for s in fsdp_nb.sessions():
+            fsdp_nb.Session.attach(s.cluster_id, activate=False).shutdown()
+    finally:
+        if saved is None:
+            os.environ.pop("IPYTHONDIR", None)
+        else:
+            os.environ["IPYTHONDIR"] = saved
 
 
 def refresh(notebook: Path, repo: Path, timeout: int = 600) -> None:
@@ -79,17 +85,13 @@ def refresh(notebook: Path, repo: Path, timeout: int = 600) -> None:
         base = Path(scratch)
         for d in ("cwd", "tmp", "ipython"):
             (base / d).mkdir()
-        saved = dict(os.environ)
-        os.environ.update(TMPDIR=str(base / "tmp"), IPYTHONDIR=str(base / "ipython"), OMP_NUM_THREADS="1",
-                          CUDA_VISIBLE_DEVICES="")
+        env = dict(os.environ, TMPDIR=str(base / "tmp"), IPYTHONDIR=str(base / "ipython"), OMP_NUM_THREADS="1",
+                   CUDA_VISIBLE_DEVICES="")
         try:
             NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=True,
-                           resources={"metadata": {"path": str(base / "cwd")}}).execute()
+                           resources={"metadata": {"path": str(base / "cwd")}}).execute(env=env)
         finally:
             _stop_left_sessions(base / "ipython")
-            os.environ.clear()
-            os.environ.update(saved)
-            shutil.rmtree(base, ignore_errors=True)
     nb.metadata.setdefault("fsdp_nb", {})[KEY] = ran_with(notebook, repo)
     nbformat.write(nb, notebook)
 

@@ -238,8 +238,9 @@ class RankWatch:
             except (RuntimeError, ValueError):
                 rank = None
         with self.lock:
-            return RankState(rank=rank, pid=os.getpid(), now=self.clock(), collective=self._collective(now),
-                             issued=self._issued(), frame=main_frame(self.main_thread_frame()))
+            issued = self._issued()  # read once: the settling check compares these counts too
+            return RankState(rank=rank, pid=os.getpid(), now=self.clock(), collective=self._collective(now, issued),
+                             issued=issued, frame=main_frame(self.main_thread_frame()))
 
     def collective(self, now: bool = False) -> Collective | None:
         """The collective this rank waits in, or None.
@@ -248,7 +249,7 @@ class RankWatch:
         20 ms instead of since the previous question), else from the main thread's frame
         in ``torch.distributed``."""
         with self.lock:
-            return self._collective(now)
+            return self._collective(now, None)
 
     def issued(self) -> tuple[GroupCount, ...]:
         """Each process group's count of issued collectives on this rank, per backend, with
@@ -257,9 +258,9 @@ class RankWatch:
         with self.lock:
             return self._issued()
 
-    def _collective(self, now: bool) -> Collective | None:
+    def _collective(self, now: bool, issued: tuple[GroupCount, ...] | None) -> Collective | None:
         frame = self.main_thread_frame()
-        found = self._from_recorder() if self._settled(frame, now) else None
+        found = self._from_recorder() if self._settled(frame, now, issued) else None
         if found is None:  # nothing recorded here, not settled, or a record the status does not name
             found = self._from_frame(frame)
         return found
@@ -293,22 +294,24 @@ class RankWatch:
             del self.counts[key]
         return tuple(out)
 
-    def _snapshot(self, frame: FrameType | None) -> tuple[Any, ...] | None:
+    def _snapshot(self, frame: FrameType | None, issued: tuple[GroupCount, ...] | None = None,
+                  ) -> tuple[Any, ...] | None:
         """Where the main thread is (its frame and instruction) and what each group has
-        issued; None while it is making a process group."""
+        issued (``issued``: as just read, else read now); None while it is making a
+        process group."""
         if making_group(frame):
             return None
-        counts = tuple((g.name, g.backend, g.seq) for g in self._issued())
+        counts = tuple((g.name, g.backend, g.seq) for g in (self._issued() if issued is None else issued))
         return (id(frame), getattr(frame, "f_code", None), getattr(frame, "f_lasti", -1), counts)
 
-    def _settled(self, frame: FrameType | None, now: bool) -> bool:
+    def _settled(self, frame: FrameType | None, now: bool, issued: tuple[GroupCount, ...] | None) -> bool:
         """The main thread has not moved since the previous question (``now``: over the
         next 20 ms, for a question that cannot wait for another): same frame, same
         instruction, no group made, no collective issued. Only then may the recorder be
         read. Asked on the main thread itself (a call that runs ``collective``), it is settled."""
         if self.on_main_thread():
             return True
-        here = self._snapshot(frame)
+        here = self._snapshot(frame, issued)
         before, self.last = self.last, here
         if now:
             self.pause(0.02)

@@ -12,6 +12,7 @@ and the out-of-memory errors all measure against.
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import sys
@@ -40,8 +41,6 @@ def device_budget(device: str, ranks: int) -> int | None:
     GPU's total memory (None where this process sees no GPU), or on CPU this host's RAM
     shared by the ``ranks`` on it, and no more than the address-space limit
     (``RLIMIT_AS``) where one is set on this process."""
-    import psutil
-
     if device.startswith("cuda"):
         import torch
 
@@ -49,7 +48,7 @@ def device_budget(device: str, ranks: int) -> int | None:
             return None
         index = torch.device(device).index
         return int(torch.cuda.get_device_properties(0 if index is None else index).total_memory)
-    share = int(psutil.virtual_memory().total) // max(1, ranks)
+    share = _host_ram() // max(1, ranks)
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
     return share if soft == resource.RLIM_INFINITY else min(share, int(soft))
 
@@ -59,6 +58,14 @@ def rank_budget() -> tuple[str, int | None]:
     and the ranks on its host."""
     device = rank_device()
     return device.split(":")[0], device_budget(device, ranks_on_host())
+
+
+@functools.cache
+def _host_ram() -> int:
+    """This host's RAM, in bytes (read once: a sampler asks at every sample)."""
+    import psutil
+
+    return int(psutil.virtual_memory().total)
 
 
 def peak_resident() -> int:

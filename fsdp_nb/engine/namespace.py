@@ -27,9 +27,8 @@ def user_ns() -> dict[str, Any]:
 
 
 class Placement:
-    """Where this engine computes as a rank: what ``process_group.init`` made it. The cells
-    see the same values as the engine globals ``rank``, ``world_size`` and ``device``,
-    which they may rebind; fsdp_nb reads them here."""
+    """Where this engine computes as a rank, as ``process_group.init`` set it. The cells see
+    the device as the engine global ``device``, which they may rebind; fsdp_nb reads it here."""
 
     def __init__(self) -> None:
         self.device = "cpu"
