@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what type checkers and editors see of the lazy names below
     from .checkpoint.async_saves import AsyncCheckpoint
+    from .checkpoint.autosave import Autosaving
     from .checkpoint.consolidate import consolidate
     from .checkpoint.export import export_safetensors
     from .context import SessionContext
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # what type checkers and editors see of the lazy names below
     from .models.memory_report import MemoryPlan
     from .models.session_planning import plan
     from .models.sharded_model import ShardedModel
+    from .recovery.restart_report import RestartReport
     from .runtime.rendezvous import RankInfo
     from .session import Session
     from .wire.wrap_options import WrapOptions
@@ -52,6 +54,8 @@ _LAZY = {
     "MemoryPlan": "models.memory_report",
     "plan": "models.session_planning",
     "AsyncCheckpoint": "checkpoint.async_saves",
+    "Autosaving": "checkpoint.autosave",
+    "RestartReport": "recovery.restart_report",
     "CheckpointInfo": "formats.info",
     "inspect": "formats.inspect",
     "list_checkpoints": "formats.listing",
@@ -81,6 +85,7 @@ def load_ipython_extension(ip: Any) -> None:
 
 __all__ = [
     "AsyncCheckpoint",
+    "Autosaving",
     "CheckpointError",
     "CheckpointInfo",
     "CorruptCheckpointError",
@@ -93,6 +98,7 @@ __all__ = [
     "RankTimeoutError",
     "ResizeError",
     "ResizeReport",
+    "RestartReport",
     "Session",
     "SessionClosedError",
     "SessionContext",

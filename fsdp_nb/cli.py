@@ -87,7 +87,8 @@ def consolidate_cmd(args: argparse.Namespace) -> int:
     """Convert sharded -> one .pt/.safetensors file, or full -> sharded folder."""
     from .checkpoint.consolidate import consolidate
 
-    info = consolidate(args.path, args.out, overwrite=args.overwrite, weights_only=not args.trust_pickles)
+    info = consolidate(args.path, args.out, overwrite=args.overwrite, weights_only=not args.trust_pickles,
+                       model=args.model)
     print(repr(info))
     return 0
 
@@ -97,7 +98,7 @@ def export_cmd(args: argparse.Namespace) -> int:
     from .checkpoint.export import export_safetensors
 
     for f in export_safetensors(args.path, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                                overwrite=args.overwrite, weights_only=not args.trust_pickles):
+                                overwrite=args.overwrite, weights_only=not args.trust_pickles, model=args.model):
         print(f)
     return 0
 
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.set_defaults(func=export_cmd)
+    for name in ("consolidate", "export"):
+        sub.choices[name].add_argument(
+            "--model", default=None, help="of a checkpoint holding several models, the one to write")
     for name in ("inspect", "consolidate", "export"):
         sub.choices[name].add_argument(
             "--trust-pickles", action="store_true",

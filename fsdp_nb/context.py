@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .models.memory_report import MemoryPlan
     from .models.sharded_model import ShardedModel
     from .models.wrap import WrapRecord
+    from .wire.autosave import AutosaveSpec
     from .wire.memory_sample import MemorySample
 
 __all__ = ["SessionContext", "SessionFacts"]
@@ -67,6 +68,8 @@ class SessionContext:
     is given (``sess.resize``, ``sess.restart``)."""
     saves: list[AsyncCheckpoint] = field(default_factory=list)
     """Async saves still being written; the next save, load or shutdown waits for them."""
+    autosave: AutosaveSpec | None = None
+    """The ranks' autosave (``sess.autosave``), re-armed by ``restart``; None when off."""
     keeper: Keeper | None = None
     """The session record and watchdog (None for a connected session not kept alive)."""
     last_memory: dict[int, MemorySample] = field(default_factory=dict)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from .lifetime.resize import ResizeReport
     from .models.sharded_model import ShardedModel
+    from .recovery.restart_report import RestartReport
     from .recovery.status import SessionStatus
 
 log = logging.getLogger("fsdp_nb")
@@ -319,7 +320,7 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionWidgets)
                 reads only its slices; every parameter must be there).
             **options: how to shard (``sharding``, ``auto_wrap``, ``mixed_precision``,
                 ``cpu_offload``, ``activation_checkpointing``, ``parallelize``,
-                ``data_parallel_size``, ``tensor_parallel_size``, ``init_fn``, ...; see
+                ``data_parallel_size``, ``tensor_parallel_size``, ``init_fn``, ``compile``, ...; see
                 ``fsdp_nb.WrapOptions``) and keyword arguments of the class or factory.
         """
         from .models.wrap import wrap
@@ -349,21 +350,27 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionWidgets)
 
         return read_status(self._ctx)
 
-    def restart(self, restore: str | None = None, *, drop: Sequence[str] = ()) -> Session:
-        """Bring back the same ranks (dead engines replaced), rebuild the group and wraps.
+    def restart(self, restore: str | None = None, *, drop: Sequence[str] = (),
+                setup: Callable[[], Any] | None = None) -> RestartReport:
+        """Bring back the same ranks (dead engines replaced), rebuild the group and wraps;
+        returns what was replaced, rebuilt from initialisation, restored and kept.
 
         Args:
-            restore: a checkpoint loaded into the last wrapped model afterwards (needed
-                to bring back a model wrapped from a notebook instance, whose weights
-                are not kept).
+            restore: a checkpoint, or ``"latest"`` (the newest ``autosave`` wrote),
+                loaded last into the model it was saved from, with its optimizer, the
+                per-rank state it keeps and each rank's random state: the training cell
+                goes on from it bit for bit. Without it a model comes back at its
+                initial weights (one wrapped from a notebook instance, not at all).
             drop: names of wrapped models not to rebuild.
+            setup: a function run on every rank after the rebuild, before the load, that
+                makes what the training cell uses (``global opt; opt = AdamW(model...)``):
+                a replaced rank has nothing a cell made.
         """
         from .recovery.restart import restart
 
         if isinstance(drop, str) or not all(isinstance(n, str) for n in drop):
             raise TypeError(f"drop must be a list of wrapped model names, got {drop!r}")
-        restart(self._ctx, restore=restore, drop=tuple(drop))
-        return self
+        return restart(self._ctx, restore=restore, drop=tuple(drop), setup=setup)
 
     def resize(self, n: int, *, staging: str | None = None) -> ResizeReport:
         """Grow or shrink the world to ``n`` ranks, keeping every wrapped model and its

@@ -18,7 +18,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 from jupyter_client.manager import KernelManager
+from torch import nn
 
 # -- an attacker's pickle -----------------------------------------------------------
 
@@ -371,3 +373,75 @@ def forget_models(sess: Any, *names: str, optimizers: tuple[str, ...] = ()) -> N
         sess.context.models.pop(name, None)
     if optimizers:
         sess.execute("".join(f"del {o}\n" for o in optimizers))
+
+
+# -- a training run that resumes (tests of run state, autosave and restart) -------------
+
+class DropNet(nn.Module):
+    """Dropout between two layers: a resumed run that drew other masks would differ."""
+
+    def __init__(self, dim: int = 8, hidden: int = 32):
+        super().__init__()
+        self.inp = nn.Linear(dim, hidden)
+        self.drop = nn.Dropout(0.3)
+        self.out = nn.Linear(hidden, 1)
+
+    def forward(self, x):
+        return self.out(self.drop(torch.relu(self.inp(x))))
+
+
+RUN_LOOP = """
+import torch
+from torch.utils.data import DistributedSampler, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+def rs_setup(name, scale=1.0, lr=0.02, eps=1e-8):
+    global rs_opt, rs_sched, rs_loader, rs_it, rs_scale
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 8, generator=g)
+    data = TensorDataset(x, x.sum(1, keepdim=True))
+    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=5)
+    # a generator of its own: making an iterator then draws nothing from torch's global
+    # one, so a resumed loop's dropout masks are the saved run's
+    rs_loader = StatefulDataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
+    rs_opt = torch.optim.AdamW(globals()[name].parameters(), lr=lr, eps=eps)
+    rs_sched = torch.optim.lr_scheduler.StepLR(rs_opt, step_size=2, gamma=0.7)
+    rs_it, rs_scale = None, scale
+
+def rs_train(name, n, scaled=False):
+    global rs_it
+    m, losses = globals()[name], []
+    m.train()
+    for _ in range(n):
+        if rs_it is None:
+            rs_it = iter(rs_loader)
+        xb, yb = next(rs_it)
+        loss = torch.nn.functional.mse_loss(m(xb), yb) * rs_scale
+        if scaled:
+            scaler.scale(loss).backward()
+            scaler.step(rs_opt)
+            scaler.update()
+        else:
+            loss.backward()
+            rs_opt.step()
+        rs_opt.zero_grad()
+        rs_sched.step()
+        losses.append(loss.item() / rs_scale)
+    return losses
+
+def rs_eval(name):
+    m = globals()[name]
+    m.eval()
+    with torch.no_grad():
+        x, y = rs_loader.dataset.tensors
+        return torch.nn.functional.mse_loss(m(x), y).item()
+
+def rs_weights(name):
+    return {k: v.full_tensor().clone() for k, v in globals()[name].state_dict().items()}
+"""
+
+
+def run_out(sess: Any, code: str) -> list:
+    """Run ``code`` on every rank; each rank's ``rs_out`` after it."""
+    sess.execute(code)
+    return sess.pull("rs_out")

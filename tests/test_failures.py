@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from helpers import mark_code, on_marker
+from helpers import RUN_LOOP, DropNet, forget_models, mark_code, on_marker, run_out
 
 import fsdp_nb
 from fsdp_nb.engine import hang_watch
@@ -694,3 +694,62 @@ def test_restart_drop_lets_instance_wraps_go(fragile):
     assert s.run(lambda: [n in globals() for n in ("fail_inst", "fail_gone", "fail_tiny")]) == [
         [False, False, True]
     ] * 2  # class wraps were replayed, the dropped ones are gone on every rank
+
+
+def _make_run():
+    """``restart(setup=)``: what the training cell needs, made on every rank; its globals
+    are the ranks' (``fail_made``)."""
+    global fail_made
+    rs_setup("fail_run")  # noqa: F821 - an engine global (RUN_LOOP), replayed on a new engine
+    fail_made = rank  # noqa: F821 - an engine global
+
+
+def test_a_killed_engine_costs_only_the_steps_since_the_last_autosave(fragile, tmp_path):
+    """Autosave every 3 steps; rank 1 killed in step 8; restart(restore="latest") and the
+    unchanged training cell gives steps 7 to 10 of the run that never stopped, bit for bit."""
+    s = fragile
+    s.execute(RUN_LOOP)
+    start = "rs_setup('fail_run'); torch.manual_seed(10 + rank)"
+
+    def fresh():
+        torch.manual_seed(0)  # the wrap's seed: the same initial weights each time
+        m = s.wrap(DropNet, name="fail_run")
+        s.execute(start)
+        return m
+
+    fresh()
+    never_stopped = run_out(s, "rs_out = rs_train('fail_run', 10)")
+    want = run_out(s, "rs_out = rs_weights('fail_run')")[0]
+
+    model = fresh()
+    root = tmp_path / "auto"
+    on = s.autosave(str(root), every=3, model=model, optimizer="rs_opt", state=["rs_sched", "rs_loader"],
+                    keep_last=2)
+    assert "every 3 optimizer steps, keeping the last 2" in repr(on)
+    assert run_out(s, "rs_out = rs_train('fail_run', 7)") == [r[:7] for r in never_stopped]
+    # the save of step 6 was taken at step 7's forward; its commit is the readiness signal
+    assert wait_until(lambda: (root / "step-6" / ".fsdp_nb_complete").exists(), 60)
+    assert s.autosave().ranks[0].saved == str(root / "step-6")
+    victim = s.ranks[1].pid
+    marker = tmp_path / "in_step_8"
+    on_marker(marker, lambda: os.kill(victim, signal.SIGKILL))
+    with pytest.raises(DeadRankError):
+        s.execute("rs_train('fail_run', 1)\nif rank == 1:\n    " + mark_code(marker) + "    time.sleep(30)\n"
+                  "rs_train('fail_run', 2)\n")
+    with pytest.raises(ValueError, match=r"'rs_opt', 'rs_loader', 'rs_sched'.*rank\(s\) 1 will be new engines.*setup=fn"):
+        s.restart(restore="latest")  # what the new rank would lack, refused before any work
+    assert s.status().dead == [1] and s.ranks[1].pid == victim
+    report = s.restart(restore="latest", setup=_make_run)
+    assert report.replaced == (1,) and report.restored.step == 6
+    assert report.restored.state == ("rs_loader", "rs_sched") and report.restored.rng
+    assert "restored: model 'fail_run', optimizer 'rs_opt'" in repr(report)
+    assert "autosave goes on from step 6" in repr(report)
+    assert s.pull("fail_made") == [0, 1]
+    # the unchanged training cell goes on as if nothing had happened
+    assert run_out(s, "rs_out = rs_train('fail_run', 4)") == [r[6:] for r in never_stopped]
+    got = run_out(s, "rs_out = rs_weights('fail_run')")[0]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert wait_until(lambda: (root / "step-9" / ".fsdp_nb_complete").exists(), 60)  # re-armed
+    s.stop_autosave()
+    assert s.autosave() is None
+    forget_models(s, "fail_run", optimizers=("rs_opt", "rs_sched", "rs_loader"))

@@ -73,6 +73,7 @@ def test_kept_alive_session_survives_a_kernel_restart_and_attach_gets_it_back(ke
     k = kernel
     k.run(_SETUP.format(keep=True), timeout=START_S)
     k.run("%%px\nopt = torch.optim.AdamW(model.parameters(), lr=0.01)\nsteps = 0\nnote = f'rank {rank}'")
+    k.run("import tempfile\nauto = tempfile.mkdtemp()\nsess.autosave(auto, every=1, model='model', optimizer='opt')")
     k.run(_STEP)
     before = k.value(_WEIGHTS)
     pids = _processes(k)
@@ -92,6 +93,8 @@ def test_kept_alive_session_survives_a_kernel_restart_and_attach_gets_it_back(ke
     assert k.value("[r.pid for r in sess.ranks]") == pids[:2]  # same ranks, same order
     assert k.value("sess.cluster.standby.pid") == pids[3]  # the standby waited for it
     assert k.value("sorted(sess.models)") == ["model"]
+    # the ranks' autosave comes back with them, counting on from where it was
+    assert k.value("[r.step for r in sess.autosave().ranks]") == [1, 1]
     assert k.value(_WEIGHTS) == before
     assert k.value("sess.pull('note'), sess.pull('steps')") == (["rank 0", "rank 1"], [1, 1])
     assert "FSDPNet" in k.value("repr(sess.models['model'])")

@@ -429,7 +429,9 @@ def test_a_poisoned_checkpoint_is_refused_by_every_reader(sess, tmp_path):
     plain = tmp_path / "plain"  # the same files with no fsdp_nb marker: a plain dcp.save folder
     shutil.copytree(path, plain)
     for name in os.listdir(plain):
-        if not name.endswith((".distcp", ".metadata")):
+        if (plain / name).is_dir():
+            shutil.rmtree(plain / name)  # each rank's own state: not dcp.save's
+        elif not name.endswith((".distcp", ".metadata")):
             os.remove(plain / name)
     refused = r"item 'optim\.param_groups\.0\.evil' in file '__\d_0\.distcp' holds a pickle .*could run code"
     for where in (path, plain):

@@ -204,17 +204,26 @@ def test_a_save_in_lightnings_layout_is_what_fabric_load_resumes(sess, tmp_path)
     import fsdp_nb
 
     _wrap_trained(sess, "out_l")
+    sess.execute("out_l_sched = torch.optim.lr_scheduler.StepLR(out_l_opt, 2, gamma=0.5); out_l_sched.step()")
     path = tmp_path / "for_fabric"
     try:
         info = sess.save(str(path), "out_l", optimizer="out_l_opt", extra={"step": 11, "data": {"seen": 64}},
-                         layout="lightning")
-        assert info.layout == "lightning" and info.extra == {"step": 11, "data": {"seen": 64}}
+                         state=["out_l_sched"], layout="lightning")
+        sched = sess.pull("out_l_sched")[0].state_dict()
+        assert info.layout == "lightning" and info.extra == {"step": 11, "data": {"seen": 64}, "out_l_sched": sched}
         assert fsdp_nb.inspect(str(path), verify=True).valid
         got = _lightning(tmp_path, "fabric-load", path)
-        assert (got["step"], got["data"], got["rest"]) == (11, {"seen": 64}, {})
+        # Fabric hands back meta.pt's entries: those it was asked for, and the rest
+        assert (got["step"], got["data"], got["rest"]) == (11, {"seen": 64}, {"out_l_sched": sched})
         _same_as(sess, "out_l", got["model"], got["exp_avg"])
+        # and back in: the scheduler takes its state from meta.pt by its name
+        sess.execute("out_l_sched.step(); out_l_sched.step()")
+        sess.load(str(path), "out_l", optimizer="out_l_opt", state=["out_l_sched"])
+        assert [s.state_dict() for s in sess.pull("out_l_sched")] == [sched, sched]
+        with pytest.raises(fsdp_nb.CheckpointError, match=r"keeps no 'out_l_opt'.*'out_l_sched', 'step'"):
+            sess.load(str(path), "out_l", state=["out_l_opt"])
     finally:
-        sess.execute("del out_l, out_l_opt, b")
+        sess.execute("del out_l, out_l_opt, out_l_sched, b")
 
 
 # --- torchtitan --------------------------------------------------------------------------
@@ -332,23 +341,29 @@ def test_torchtitans_own_checkpoint_loads_with_its_train_state(sess, tmp_path):
 def test_a_save_in_torchtitans_layout_is_what_its_checkpointer_resumes(sess, tmp_path):
 
     _wrap_trained(sess, "out_t")
+    sess.execute("lr_scheduler = torch.optim.lr_scheduler.StepLR(out_t_opt, 2, gamma=0.5); lr_scheduler.step()")
     path = tmp_path / "checkpoint" / "step-12"
     try:
-        info = sess.save(str(path), "out_t", optimizer="out_t_opt", layout="torchtitan",
+        info = sess.save(str(path), "out_t", optimizer="out_t_opt", layout="torchtitan", state=["lr_scheduler"],
                          extra={"train_state": {"step": 12, "ntokens_seen": 768}})
         assert info.layout == "torchtitan" and info.valid and info.has_optimizer
+        sched = sess.pull("lr_scheduler")[0].state_dict()
+        assert info.extra["lr_scheduler"] == sched
         assert f"model.{Q}" in info.tensors
         got = _torchtitan(tmp_path, "load", path)
         assert (got["step"], got["ntokens_seen"]) == (12, 768)
         _same_as(sess, "out_t", got["model"], got["exp_avg"])
         # and back in: the train state comes back as extra, the optimizer from its flat keys
         sess.execute("out_t_opt.state.clear(); out_t_opt.zero_grad(set_to_none=True)")
-        assert sess.load(str(path), "out_t", optimizer="out_t_opt") == {"train_state": {"step": 12, "ntokens_seen": 768}}
+        sess.execute("lr_scheduler.step()")
+        extra = sess.load(str(path), "out_t", optimizer="out_t_opt", state=["lr_scheduler"])
+        assert extra["train_state"] == {"step": 12, "ntokens_seen": 768}
+        assert [s.state_dict() for s in sess.pull("lr_scheduler")] == [sched, sched]
         _same_as(sess, "out_t", got["model"], got["exp_avg"])
         if got["loader"] != "torchtitan":
             pytest.skip("torchtitan is not installed: its loading protocol stood in for its CheckpointManager")
     finally:
-        sess.execute("del out_t, out_t_opt, b")
+        sess.execute("del out_t, out_t_opt, lr_scheduler, b")
 
 
 def test_a_torchtitan_layout_save_is_refused_before_any_work_when_torchtitan_could_not_resume_it(sess, tmp_path):
@@ -360,6 +375,8 @@ def test_a_torchtitan_layout_save_is_refused_before_any_work_when_torchtitan_cou
         sess.save(str(tmp_path / "x"), "anything", layout="megatron")
     with pytest.raises(ValueError, match="sharded folder"):
         sess.save(str(tmp_path / "x.pt"), "anything", layout="lightning", sharded=False)
+    with pytest.raises(ValueError, match=r"torchtitan's own states, train_state and lr_scheduler.*\['sched'\]"):
+        sess.save(str(tmp_path / "step-1"), "anything", layout="torchtitan", state=["sched"])
     assert not any(tmp_path.iterdir())
 
 

@@ -454,6 +454,8 @@ def test_bad_input_is_refused_before_any_work(sess, args, kwargs, exc, match):
         ({"auto_wrap": [int]}, TypeError, "torch.nn.Module subclasses"),
         ({"tensor_parallel_size": 2}, ValueError, "needs parallelize"),
         ({"sharding": "hybrid", "data_parallel_size": 4}, ValueError, "pair of positive ints"),
+        ({"compile": "yes"}, TypeError, "compile must be True or False, got 'yes'"),
+        ({"compile": 1}, TypeError, "compile must be True or False, got 1"),
     ],
 )
 def test_wrap_options_validate_themselves(kwargs, exc, match):

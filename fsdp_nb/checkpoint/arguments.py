@@ -12,7 +12,10 @@ from typing import Any
 from ..errors import CheckpointError
 from ..wire.checkpoint import Outcome
 
-__all__ = ["check_optimizer", "model_name", "raise_outcomes"]
+__all__ = [
+    "check_layout", "check_optimizer", "check_shared_state", "check_state", "model_name", "models_and_optimizers",
+    "raise_outcomes",
+]
 
 
 def raise_outcomes(outs: list[Outcome]) -> None:
@@ -38,6 +41,39 @@ def model_name(model: Any) -> str:
     )
 
 
+def models_and_optimizers(model: Any, optimizer: Any) -> tuple[str, str | None, tuple[tuple[str, str | None], ...]]:
+    """(the first model's name, its optimizer's, every (model, optimizer) pair when there
+    are several) of what a save or load was given: one model and optimizer, or a list of
+    models with a list of as many optimizers (None where a model has none)."""
+    from ..formats.layouts import check_part_names
+
+    if not isinstance(model, (list, tuple)):
+        if isinstance(optimizer, (list, tuple)):
+            raise TypeError(f"optimizer is a list, {list(optimizer)!r}, for one model: pass one name, or a list of models")
+        return model_name(model), check_optimizer(optimizer), ()
+    names = [model_name(m) for m in model]
+    if not names:
+        raise ValueError("model is an empty list: pass a model, or a list of them")
+    if len(set(names)) != len(names):
+        raise ValueError(f"model names a model twice: {names}")
+    if optimizer is None:
+        optims: list[str | None] = [None] * len(names)
+    elif isinstance(optimizer, (list, tuple)) and len(optimizer) == len(names):
+        optims = [check_optimizer(o) for o in optimizer]
+    else:
+        raise TypeError(
+            f"with {len(names)} models, optimizer is a list of as many engine global names (None for a model "
+            f"without one), in the models' order; got {optimizer!r}"
+        )
+    taken = [o for o in optims if o is not None]
+    if len(set(taken)) != len(taken):
+        raise ValueError(f"optimizer names an optimizer twice: {optims}")
+    if len(names) == 1:
+        return names[0], optims[0], ()
+    check_part_names(names)
+    return names[0], optims[0], tuple(zip(names, optims))
+
+
 def check_optimizer(optimizer: Any) -> str | None:
     """``optimizer`` as an engine global name (str) or None; TypeError otherwise."""
     if optimizer is None:
@@ -47,6 +83,57 @@ def check_optimizer(optimizer: Any) -> str | None:
             f"optimizer must be the engine global name of a torch.optim.Optimizer (str), got {optimizer!r}"
         )
     return optimizer
+
+
+def check_state(state: Any) -> tuple[str, ...]:
+    """``state`` (engine global names, or None) as a tuple of names; TypeError / ValueError
+    naming the entry that is not one, before any rank is asked."""
+    from ..formats.run_state import RNG
+
+    if state is None:
+        return ()
+    if isinstance(state, str) or not isinstance(state, (list, tuple)):
+        raise TypeError(
+            f"state must be a list of engine global names (state=['scheduler', 'loader']), got {state!r}"
+        )
+    for name in state:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise TypeError(f"state= holds {name!r}, which is not the engine global name of an object (str)")
+        if name == RNG:
+            raise ValueError(
+                f"state= names {name!r}, which is what each rank's random state goes by: it is kept by every "
+                "save and put back by load(rng=...); name your object otherwise"
+            )
+    if len(set(state)) != len(state):
+        raise ValueError(f"state= names an object twice: {list(state)}")
+    return tuple(state)
+
+
+def check_shared_state(names: tuple[str, ...], layout: str, sharded: bool, extra: dict[str, Any]) -> None:
+    """Refuse ``state=`` names a save cannot keep, before any work.
+
+    fsdp_nb's layout keeps them per rank in a sharded folder; a full file has no place
+    for them. Lightning's keeps rank 0's ``state_dict()`` of each in ``meta.pt`` beside
+    ``extra``, torchtitan's as its own states, which are ``train_state`` and
+    ``lr_scheduler`` (``engine.layout_state``): a name may not be an ``extra`` key too.
+    """
+    from ..formats.layouts import TITAN_STATES
+
+    if not names:
+        return
+    if not sharded:
+        raise ValueError(
+            "state= is kept in a sharded checkpoint; sharded=False writes one file for every rank: "
+            "save it sharded (nothing was written)"
+        )
+    if layout == "torchtitan" and (odd := [n for n in names if n not in TITAN_STATES]):
+        raise ValueError(
+            f"with layout='torchtitan', state= names torchtitan's own states, {' and '.join(TITAN_STATES)} "
+            f"(engine globals of those names, which its CheckpointManager loads by name); got {odd} "
+            "(nothing was written)"
+        )
+    if layout != "fsdp_nb" and (both := sorted(set(names) & set(extra))):
+        raise ValueError(f"{both} is named in both state= and extra=; layout={layout!r} keeps them side by side")
 
 
 def check_layout(layout: Any, path: str, sharded: bool, extra: dict[str, Any]) -> None:

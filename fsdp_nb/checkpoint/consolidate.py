@@ -23,6 +23,7 @@ from ..formats.checksums import record_writer
 from ..formats.fullfile import full_suffix, read_full, write_full
 from ..formats.info import CheckpointInfo
 from ..formats.inspect import inspect
+from ..formats.layouts import PARTS, choose_part
 from ..formats.metadata import FORMAT, META_FILE
 from ..formats.pickles import full_load_planner
 from ..formats.reader import named_corruption, open_sharded
@@ -33,25 +34,31 @@ __all__ = ["consolidate", "read_sharded"]
 
 
 def read_sharded(path: str, storage_options: dict | None = None,
-                 on_read: Any = None, weights_only: bool = True) -> tuple[dict, dict | None, dict]:
+                 on_read: Any = None, weights_only: bool = True, model: str | None = None,
+                 ) -> tuple[dict, dict | None, dict]:
     """(model state dict, optimizer state dict or None, metadata) of a sharded checkpoint, in
     full; ``on_read(n)`` is told each item's size as it is read. ``weights_only=False``
-    trusts its pickled items (they can run code); else one that could is refused."""
+    trusts its pickled items (they can run code); else one that could is refused.
+    ``model``: of a checkpoint holding several models, the one to read (``choose_part``)."""
     so = options_for(path) if storage_options is None else storage_options
     fs, p = url_to_fs(path, so)
     p = p.rstrip("/")
     marker = read_marker(fs, p)
     if marker is None:
         raise CheckpointError(f"checkpoint {path!r} is incomplete (no completion marker); refusing to read it")
+    try:
+        meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
+    except FileNotFoundError:
+        meta = {}
+    part = choose_part(path, meta.get(PARTS), model)
     _, reader = open_sharded(fs, p, path, marker, so, on_read=on_read, weights_only=weights_only)
     sd: dict[str, Any] = {}
     # the planner rebuilds the whole nested state dict from the metadata, into sd itself
     with named_corruption(path):
         dcp_load_into(sd, reader, full_load_planner(weights_only))
-    try:
-        meta = json.loads(fs.cat_file(posixpath.join(p, META_FILE)))
-    except FileNotFoundError:
-        meta = {}
+    if part is not None:  # one of several: its own keys, and what the metadata says of it
+        sd = sd[part]
+        meta = {k: v for k, v in meta.items() if k != PARTS} | meta[PARTS][part] | {"model": part}
     optim = sd.get("optim")
     if optim is not None:
         optim = _lists(optim)
@@ -67,7 +74,7 @@ def _lists(osd: dict) -> dict:
 
 
 def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options: dict | None = None,
-                progress: bool | None = None, weights_only: bool = True) -> CheckpointInfo:
+                progress: bool | None = None, weights_only: bool = True, model: str | None = None) -> CheckpointInfo:
     """Convert the checkpoint at ``path`` into ``out`` and return ``out``'s CheckpointInfo.
 
     A sharded folder becomes one file (``out`` ends in ``.pt`` or ``.safetensors``);
@@ -84,6 +91,8 @@ def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options
             ``param_groups``, a ``.pt`` file) only weights-only; one that could run code
             raises UnsafeCheckpointError before anything is written. False trusts the
             checkpoint: it can then run arbitrary code.
+        model: of a sharded checkpoint holding several models, the one to write
+            (required there; CheckpointError naming them otherwise).
     """
     import warnings
 
@@ -112,10 +121,12 @@ def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options
     nbytes = inspect(path, storage_options=so_in).total_bytes if may_show(progress) else 0
     with Progress(2 * nbytes, f"consolidate {posixpath.basename(p)}", enabled=progress) as bar:
         if not src_sharded:
+            choose_part(path, None, model)  # a full file holds one model
             return _to_sharded(fs, p, path, ofs, o, out, token, so_out, bar, weights_only)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model_sd, optim_sd, meta = read_sharded(path, so_in, on_read=bar.update, weights_only=weights_only)
+            model_sd, optim_sd, meta = read_sharded(path, so_in, on_read=bar.update, weights_only=weights_only,
+                                                    model=model)
         meta = dict(meta, kind="full", consolidated_from=path, consolidated=time.time())
         ofs.makedirs(posixpath.dirname(o) or ".", exist_ok=True)
         write_full(ofs, o, token, model_sd, optim_sd, meta)

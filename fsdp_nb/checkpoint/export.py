@@ -36,7 +36,7 @@ from ..formats.fullfile import full_suffix
 from ..formats.info import CheckpointInfo
 from ..formats.inspect import inspect, read_dcp_metadata
 from ..formats.keys import MODEL
-from ..formats.layouts import find_layout
+from ..formats.layouts import choose_part, find_layout
 from ..formats.pickles import load_planner, load_pt
 from ..formats.safetensors_layout import PieceReader, read_layout
 from ..formats.safetensors_write import header, raw_bytes
@@ -85,15 +85,17 @@ class _Entry:
         return tensor_bytes(self.shape, self.dtype)
 
 
-def _model_entries(info: CheckpointInfo, cast: str | None) -> list[_Entry]:
+def _model_entries(info: CheckpointInfo, cast: str | None, part: str | None = None) -> list[_Entry]:
+    """The model tensors to export (of model ``part`` of a checkpoint holding several)."""
     out = []
+    prefix = MODEL if part is None else f"{part}.{MODEL}"
     for k, t in info.tensors.items():
-        if not k.startswith(MODEL):
+        if not k.startswith(prefix):
             continue  # optimizer state stays behind
         dt = cast if cast and t.dtype in FLOATING else t.dtype
         if to_safetensors(dt) is None:
             raise CheckpointError(f"tensor {k!r} has dtype {t.dtype}, which safetensors cannot store")
-        out.append(_Entry(k, k[len(MODEL):], tuple(t.shape), dt))
+        out.append(_Entry(k, k[len(prefix):], tuple(t.shape), dt))
     if not out:
         raise CheckpointError(f"checkpoint {info.path!r} holds no model tensors to export")
     return out
@@ -112,7 +114,7 @@ def _plan_files(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
 
 
 def _tensors(path: str, info: CheckpointInfo, entries: list[_Entry], storage_options: dict | None,
-             weights_only: bool = True) -> Iterator[Any]:
+             weights_only: bool = True, part: str | None = None) -> Iterator[Any]:
     """Each entry's tensor, one at a time, in ``entries`` order."""
     fs, p = url_to_fs(path, storage_options)
     p = p.rstrip("/")
@@ -127,11 +129,11 @@ def _tensors(path: str, info: CheckpointInfo, entries: list[_Entry], storage_opt
             for e in entries:
                 yield r.read(ck.model[e.name])
         return
-    yield from _sharded_tensors(fs, p, path, info, entries, storage_options, weights_only)
+    yield from _sharded_tensors(fs, p, path, info, entries, storage_options, weights_only, part)
 
 
 def _sharded_tensors(fs: Any, p: str, url: str, info: CheckpointInfo, entries: list[_Entry],
-                     storage_options: dict | None, weights_only: bool) -> Iterator[Any]:
+                     storage_options: dict | None, weights_only: bool, part: str | None) -> Iterator[Any]:
     import warnings
 
     import torch
@@ -141,7 +143,7 @@ def _sharded_tensors(fs: Any, p: str, url: str, info: CheckpointInfo, entries: l
     from ..formats.reader import named_corruption, open_sharded
 
     layout = find_layout(fs, p, lambda f: read_dcp_metadata(fs, f, url, weights_only=weights_only)
-                         .state_dict_metadata, url)  # whose keys: fsdp_nb's, or another trainer's
+                         .state_dict_metadata, url, part=part)  # whose keys: fsdp_nb's, or another trainer's
     p = layout.folder
     md, reader = open_sharded(fs, p, url, read_marker(fs, p) or {}, storage_options,
                               weights_only=weights_only)
@@ -177,6 +179,7 @@ def export_safetensors(
     storage_options: dict | None = None,
     progress: bool | None = None,
     weights_only: bool = True,
+    model: str | None = None,
 ) -> list[str]:
     """Write the model weights of checkpoint ``path`` to folder ``out_dir`` as safetensors.
 
@@ -199,6 +202,8 @@ def export_safetensors(
         weights_only: False unpickles what the checkpoint pickled as plain ``torch.load``
             does, which can run code: only for checkpoints from someone you trust (else a
             pickle that could run code is refused with ``UnsafeCheckpointError``).
+        model: of a checkpoint holding several models, the one to export (required
+            there; CheckpointError naming them otherwise).
     """
     import torch
 
@@ -219,7 +224,11 @@ def export_safetensors(
     info = inspect(path, storage_options=storage_options, weights_only=weights_only)
     if not info.valid:
         raise CheckpointError(f"checkpoint {path!r} is not valid ({info.problem}); refusing to export it")
-    entries = [e for e in _model_entries(info, cast) if e.name not in info.tied]
+    part = choose_part(path, info.models, model)
+    hf = info.models[part] if part is not None else {"hf_config": info.hf_config,
+                                                    "hf_generation_config": info.hf_generation_config}
+    tied = dict(hf.get("tied") or {}) if part is not None else info.tied
+    entries = [e for e in _model_entries(info, cast, part) if e.name not in tied]
     plan = _plan_files(entries, max_bytes)
     n = len(plan)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -228,7 +237,7 @@ def export_safetensors(
     os.makedirs(tmp)
     total = sum(e.nbytes for e in entries)
     try:
-        tensors = _tensors(path, info, entries, storage_options, weights_only)
+        tensors = _tensors(path, info, entries, storage_options, weights_only, part)
         with Progress(total, f"export {posixpath.basename(out_dir)}", enabled=progress) as bar:
             for name, group in zip(names, plan):
                 with durable(posixpath.join(tmp, name)) as f:
@@ -244,8 +253,8 @@ def export_safetensors(
                  "weight_map": {e.name: name for name, group in zip(names, plan) for e in group}}
         names += _json_files(tmp, {  # what from_pretrained reads beside the weights
             "model.safetensors.index.json": index if n > 1 else None,
-            "config.json": info.hf_config,
-            "generation_config.json": info.hf_generation_config,
+            "config.json": hf.get("hf_config"),
+            "generation_config.json": hf.get("hf_generation_config"),
         })
         replace_folder(tmp, out_dir, token)
     except BaseException:  # remove the unfinished export, then re-raise

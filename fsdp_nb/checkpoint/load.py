@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 from ..display.progress import check_progress, follow, may_show
 from ..formats.storage import options_for, url_to_fs
 from ..wire.checkpoint import LoadSpec
-from .arguments import check_optimizer, model_name, raise_outcomes
+from .arguments import check_state, models_and_optimizers, raise_outcomes
 from .async_saves import wait_pending
 
 if TYPE_CHECKING:
     from ..context import SessionContext
 
-__all__ = ["load"]
+__all__ = ["check_trainer_state", "load"]
 
 
 def load(
@@ -30,7 +30,9 @@ def load(
     path: str,
     model: Any,
     *,
-    optimizer: str | None = None,
+    optimizer: str | list[str | None] | None = None,
+    state: list[str] | tuple[str, ...] | None = None,
+    rng: bool | None = None,
     strict: bool = True,
     verify: bool = True,
     progress: bool | None = None,
@@ -48,19 +50,28 @@ def load(
     ``weights_only=False`` trusts the checkpoint: its pickles are unpickled as plain
     ``torch.load`` does, which can run arbitrary code (only for files from someone you trust).
     ``fill``: the model was just built for this load (``wrap(weights=)``); pieces go
-    straight into it (``LoadSpec.fill``).
+    straight into it (``LoadSpec.fill``). ``state``: engine globals whose saved
+    ``state_dict`` each rank takes back from its own file; ``rng``: put back each rank's
+    random state (``LoadSpec.rng``). Per-rank state from another world size is refused
+    by name (CheckpointError) before anything is loaded.
     """
     from ..engine import checkpoint_load
 
-    name = model_name(model)
-    optim = check_optimizer(optimizer)
+    name, optim, parts = models_and_optimizers(model, optimizer)
+    names = check_state(state)
     for flag, v in (("strict", strict), ("verify", verify), ("weights_only", weights_only)):
         if not isinstance(v, bool):
             raise TypeError(f"{flag} must be True or False, got {v!r}")
+    if rng is not None and not isinstance(rng, bool):
+        raise TypeError(f"rng must be True, False or None, got {rng!r}")
     check_progress(progress)
     url_to_fs(path)
+    if names:
+        check_trainer_state(path, names)
     wait_pending(ctx)
-    spec = LoadSpec(url=path, storage_options=options_for(path), model=name, optimizer=optim, strict=strict,
+    spec = LoadSpec(url=path, storage_options=options_for(path), model=name, optimizer=optim, parts=parts,
+                    state=names, rng=rng,
+                    strict=strict,
                     verify=verify, report_progress=may_show(progress), weights_only=weights_only, fill=fill)
     d = ctx.dispatcher
     pending = d.apply("checkpoint load", checkpoint_load.load, args=(spec,))
@@ -68,3 +79,26 @@ def load(
         outs = d.gather(pending)
     raise_outcomes(outs)
     return outs[0].extra or {}
+
+
+def check_trainer_state(path: str, names: tuple[str, ...]) -> None:
+    """Refuse, before any rank reads, ``state=`` names a checkpoint in another trainer's
+    layout does not keep: there, each is an entry of the trainer's other state (Lightning's
+    ``meta.pt``, torchtitan's ``lr_scheduler`` / ``train_state``), taken by its name.
+    fsdp_nb's own checkpoints are checked by the ranks, which read their own files."""
+    from ..errors import CheckpointError
+    from ..formats.inspect import inspect
+
+    try:
+        info = inspect(path, storage_options=options_for(path))
+    except FileNotFoundError:
+        return  # the ranks say so, as for any load
+    if info.run_state or not info.valid:
+        return
+    missing = [n for n in names if n not in info.extra]
+    if missing:
+        held = ", ".join(map(repr, sorted(info.extra))) or "nothing"
+        raise CheckpointError(
+            f"checkpoint {path!r} ({info.layout}) keeps no {', '.join(map(repr, missing))}: its other state holds "
+            f"{held}; state= takes those by name, each into the engine global of the same name (nothing was loaded)"
+        )

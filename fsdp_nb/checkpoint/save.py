@@ -17,9 +17,16 @@ from ..errors import CheckpointError
 from ..formats.fullfile import full_suffix
 from ..formats.info import CheckpointInfo
 from ..formats.metadata import base_metadata, validate_extra
+from ..formats.run_state import run_meta
 from ..formats.storage import options_for, url_to_fs
 from ..wire.checkpoint import SaveSpec
-from .arguments import check_layout, check_optimizer, model_name, raise_outcomes
+from .arguments import (
+    check_layout,
+    check_shared_state,
+    check_state,
+    models_and_optimizers,
+    raise_outcomes,
+)
 from .async_saves import AsyncCheckpoint, register, wait_pending
 
 if TYPE_CHECKING:
@@ -33,7 +40,8 @@ def save(
     path: str,
     model: Any,
     *,
-    optimizer: str | None = None,
+    optimizer: str | list[str | None] | None = None,
+    state: list[str] | tuple[str, ...] | None = None,
     extra: dict[str, Any] | None = None,
     sharded: bool = True,
     overwrite: bool = False,
@@ -43,6 +51,10 @@ def save(
     layout: str = "fsdp_nb",
 ) -> CheckpointInfo | AsyncCheckpoint:
     """Write a checkpoint of engine module ``model`` (and optimizer) at ``path``, atomically.
+
+    A sharded save in fsdp_nb's layout keeps each rank's random state and the
+    ``state_dict`` of each engine global named in ``state`` in that rank's own file
+    (``fsdp_nb.formats.run_state``).
 
     ``sharded=True``: a folder, one DCP file per rank. ``sharded=False``: one file
     written by rank 0, ``.pt`` or ``.safetensors`` by the path's suffix. An existing
@@ -55,8 +67,8 @@ def save(
     """
     from ..engine import checkpoint_save as cio
 
-    name = model_name(model)
-    optim = check_optimizer(optimizer)
+    name, optim, parts = models_and_optimizers(model, optimizer)
+    names = check_state(state)
     extra = validate_extra(extra)
     for flag, v in (("sharded", sharded), ("overwrite", overwrite), ("async_save", async_save)):
         if not isinstance(v, bool):
@@ -76,11 +88,20 @@ def save(
             f"a sharded checkpoint is a folder, but {path!r} ends in {suffix}; "
             "drop the suffix, or pass sharded=False for one file"
         )
+    check_shared_state(names, layout, sharded, extra)
+    if parts and (not sharded or layout != "fsdp_nb"):
+        raise ValueError(
+            f"several models ({', '.join(n for n, _ in parts)}) are saved in one sharded checkpoint of fsdp_nb's "
+            "layout, each under its own name; save them with sharded=True, layout='fsdp_nb' (nothing was written)"
+        )
+    rng = sharded and layout == "fsdp_nb"
+    meta = {**base_metadata(extra, "sharded" if sharded else "full"), "layout": layout}
+    if rng:
+        meta.update(run_meta(names))
     wait_pending(ctx)
     spec = SaveSpec(
-        url=path, storage_options=options_for(path), model=name, optimizer=optim,
-        sharded=sharded, async_save=async_save, keep_last=keep_last,
-        token=uuid.uuid4().hex[:12], meta={**base_metadata(extra, "sharded" if sharded else "full"), "layout": layout},
+        url=path, storage_options=options_for(path), model=name, optimizer=optim, parts=parts, state=names, rng=rng,
+        sharded=sharded, async_save=async_save, keep_last=keep_last, token=uuid.uuid4().hex[:12], meta=meta,
         check_exists=not overwrite, report_progress=may_show(progress) and not async_save, layout=layout,
     )
     d = ctx.dispatcher

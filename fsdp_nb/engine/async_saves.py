@@ -29,7 +29,7 @@ from ..torch_compat import kept_open_stager
 from ..wire.checkpoint import Outcome, SaveProgress
 
 __all__ = [
-    "async_done", "async_progress", "async_wait", "copied", "drain", "hold_until_staged", "stager", "submit",
+    "async_done", "async_progress", "async_wait", "copied", "drain", "gate", "hold_until_staged", "stager", "submit",
     "wait_staged",
 ]
 
@@ -132,21 +132,33 @@ def stager(cuda: bool) -> Any:
     return _STAGER
 
 
-def hold_until_staged(staging: Future, optim: Any, model: Any = None) -> None:
+def hold_until_staged(staging: Future, saved: list[tuple[Any, Any, bool]]) -> None:
     """Make training wait for ``staging`` (the copy of an async save) before it changes
-    a saved tensor: a pre-hook on ``optim.step``, and on ``model``'s forward when one is
-    given (a model with persistent buffers: a forward may update them, as BatchNorm's
-    running stats do).
+    a saved tensor: for each ``(model, optim, buffers)`` saved, a pre-hook on
+    ``optim.step`` (when there is one), and on ``model``'s forward when it has persistent
+    ``buffers`` (a forward may update them, as BatchNorm's running stats do).
 
     The hooks are added once per object and do nothing once the copy is taken.
     """
     global _STAGING
     _STAGING = staging
+    for model, optim, buffers in saved:
+        gate(model if buffers else None, optim)
+
+
+def gate(model: Any, optim: Any) -> None:
+    """Put the staging gate on ``optim``'s step and ``model``'s forward (either may be
+    None) ahead of any save: an autosave starts inside a forward whose hooks are already
+    chosen. The hooks run eagerly under ``torch.compile`` and wait only while a copy is
+    being taken."""
+    import torch
+
+    wait = torch.compiler.disable(lambda *_: wait_staged())
     if optim is not None and optim not in _GATED:
-        optim.register_step_pre_hook(lambda *_: wait_staged())
+        optim.register_step_pre_hook(wait)
         _GATED.add(optim)
     if model is not None and model not in _GATED:
-        model.register_forward_pre_hook(lambda *_: wait_staged())
+        model.register_forward_pre_hook(wait)
         _GATED.add(model)
 
 

@@ -11,7 +11,7 @@ byte into its model, so a failure leaves every model as it was.
   the slice of every tensor it owns (``safetensors_layout.PieceReader``);
 - a ``.pt`` file: rank 0 reads it and broadcasts.
 
-Collectives run on the checkpoint group (``checkpoint_save.checkpoint_group``).
+Collectives run on the checkpoint group (``checkpoint_group.checkpoint_group``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ..formats.fullfile import full_suffix, read_full
 from ..formats.keys import optim_key
+from ..formats.run_state import RNG
 from ..formats.safetensors_layout import (
     PieceReader,
     Stored,
@@ -32,11 +33,13 @@ from ..formats.safetensors_layout import (
 from ..formats.storage import url_to_fs
 from ..torch_compat import compute_local_shape_and_global_offset, local_tensor
 from ..wire.checkpoint import LoadSpec, Outcome
-from . import progress_feed
-from .checkpoint_save import begin, rank_and_world, state_bytes
+from . import autosave, progress_feed
+from .checkpoint_group import agree, rank_and_world
+from .checkpoint_save import begin, named_objects, state_bytes
 from .dcp_load import load_dcp
 from .hugging_face import tied_parameters
 from .load_checks import agree_problem, apply_read, match, optim_entries, shape_problems, shapes
+from .run_state import read_part, restore, taking_state
 
 __all__ = ["load"]
 
@@ -44,9 +47,17 @@ __all__ = ["load"]
 
 def load(spec: LoadSpec) -> Outcome:
     """Load a checkpoint into the model (and optimizer) on every rank."""
+    with taking_state():
+        return _load(spec)
+
+
+def _load(spec: LoadSpec) -> Outcome:
     got = begin(spec)
-    if isinstance(got, Outcome):
-        return got
+    # a name missing on one rank only (a replaced rank a setup did not give it) must not
+    # leave the others in the next collective: every rank learns it here
+    bad = agree(got if isinstance(got, Outcome) else None)
+    if bad is not None or isinstance(got, Outcome):
+        return bad or Outcome.failed("checkpoint load: the ranks did not agree on its objects")
     model, optim = got
     fs, p = url_to_fs(spec.url, spec.storage_options)
     p = p.rstrip("/")
@@ -58,17 +69,37 @@ def load(spec: LoadSpec) -> Outcome:
     if not exists:
         return Outcome.failed(f"no checkpoint at {spec.url!r}", FileNotFoundError)
     t0 = time.perf_counter()
+    # this rank's own part (random state, named objects) is read and checked with the
+    # rest, before anything changes, and given back once the model and optimizer are
+    problem: str | None = None
+    cls: type[BaseException] = CheckpointError
+    part, rng = None, False
+    try:
+        part, rng = read_part(spec, fs, p, isdir, *rank_and_world())
+    except CheckpointError as exc:
+        problem, cls = str(exc), type(exc)
+    bad = agree_problem(problem, cls)
+    if bad:
+        return bad
     try:
         if isdir and is_safetensors_folder(fs, p):
             out = _load_safetensors(spec, fs, p, model, optim)
         elif isdir:
-            out = load_dcp(spec, fs, p, model, optim)
+            out = _load_parts(spec, fs, p) if spec.parts else load_dcp(spec, fs, p, model, optim)
+        elif spec.parts:
+            return Outcome.failed(f"{spec.url!r} is one file, which holds one model: several load from a sharded "
+                                  "checkpoint saved with them")
         elif full_suffix(p) == ".safetensors":
             out = _load_safetensors(spec, fs, p, model, optim)
         elif full_suffix(p):
             out = _load_full(spec, fs, p, model, optim)
         else:
             return Outcome.failed(f"{spec.url!r} is neither a checkpoint folder nor a .pt / .safetensors file")
+        if out.ok and part is not None:
+            states = part["state"] if part["state"] is not None else (out.extra or {})
+            restore(states, spec.state, part.get(RNG) if rng else None)
+        if out.ok:
+            autosave.loaded(out.extra)
     except BaseException as exc:  # every failure but Ctrl-C becomes the rank's outcome, agreed
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -76,6 +107,20 @@ def load(spec: LoadSpec) -> Outcome:
     finally:
         progress_feed.finish()
     out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _load_parts(spec: LoadSpec, fs: Any, p: str) -> Outcome:
+    """Several models (``spec.parts``) from the DCP folder ``p``, one after another, each
+    from the part of its own name; the first failure ends it (earlier ones stay loaded)."""
+    import dataclasses
+
+    out = Outcome()
+    for name, optim_name in spec.parts:
+        model, optim = named_objects(name, optim_name)
+        out = load_dcp(dataclasses.replace(spec, model=name, optimizer=optim_name, parts=()), fs, p, model, optim)
+        if not out.ok:
+            return out
     return out
 
 

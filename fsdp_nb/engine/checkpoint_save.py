@@ -32,27 +32,31 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
+from ..errors import CheckpointError, UnsafeCheckpointError
 from ..formats.atomic import commit_sharded, retain_last
 from ..formats.checksums import record_writer
 from ..formats.fullfile import write_full
 from ..formats.inspect import inspect
+from ..formats.layouts import PARTS
+from ..formats.run_state import decode, encode, state_file, write
 from ..formats.storage import dcp_writer, sibling, url_to_fs
 from ..torch_compat import tree_leaves
 from ..wire.checkpoint import LoadSpec, Outcome, SaveProgress, SaveSpec
 from . import progress_feed
 from .async_saves import copied, drain, hold_until_staged, stager, submit
 from .call_channel import after_reply
+from .checkpoint_group import agree, checkpoint_group, rank_and_world
 from .hugging_face import hugging_face_meta
+from .layout_state import layout_state, shared_state, side_files
 from .namespace import user_ns
+from .run_state import capture, check_objects, taking_state
 from .wrap import param_sizes
 
 log = logging.getLogger("fsdp_nb")
 
-__all__ = [
-    "agree", "any_rank", "begin", "checkpoint_group", "named_objects", "rank_and_world", "save", "state_bytes",
-]
+__all__ = ["begin", "named_objects", "save", "state_bytes"]
 
-_GROUP: tuple[Any, Any] | None = None
+_FAILED = "!failed"  # the entry a rank's written files carry when it could not write them
 
 
 def named_objects(model_name: str, optim_name: str | None) -> tuple[Any, Any]:
@@ -76,65 +80,54 @@ def named_objects(model_name: str, optim_name: str | None) -> tuple[Any, Any]:
     return model, optim
 
 
-def rank_and_world() -> tuple[int, int]:
-    """(rank, world size), or (0, 1) outside a process group."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def begin(spec: SaveSpec | LoadSpec) -> tuple[Any, Any] | Outcome:
     """The spec's model and optimizer on this rank, once this rank's async saves have
-    finished; or the failure outcome naming what is missing or wrong."""
+    finished; or the failure outcome naming what is missing or wrong (the model, the
+    optimizer, or an engine global named in ``state``)."""
     try:
         objects = named_objects(spec.model, spec.optimizer)
+        for model, optim in spec.parts[1:]:
+            named_objects(model, optim)
+        check_objects(spec.state)
     except (NameError, TypeError) as exc:
         return Outcome.failed(exc)
     drain()
     return objects
 
 
-def any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is true on any rank: one all-reduce on the checkpoint group."""
-    import torch
-    import torch.distributed as dist
-
-    _, ws = rank_and_world()
-    if ws == 1:
-        return flag
-    t = torch.tensor([int(flag)], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=checkpoint_group())
-    return bool(t.item())
-
-
-def agree(mine: Outcome | None) -> Outcome | None:
-    """Every rank learns every rank's outcome so far (None: nothing to report) and
-    returns the same one: the first failure, else the first report, else None. Run
-    before anything is written or changed, so no rank goes on alone into a collective.
-
-    When no rank has anything to report (every call that goes ahead) this is one
-    all-reduce of a flag; the outcomes are gathered only when some rank has one.
-    """
-    import torch.distributed as dist
-
-    if not any_rank(mine is not None):
-        return None
-    _, ws = rank_and_world()
-    parts: list[Any] = [mine]
-    if ws > 1:
-        parts = [None] * ws
-        dist.all_gather_object(parts, mine, group=checkpoint_group())
-    reported = [p for p in parts if p is not None]
-    return next((p for p in reported if not p.ok), reported[0] if reported else None)
+def _own(spec: SaveSpec, taken: dict[str, Any] | None) -> tuple[bytes | None, dict[str, Any]]:
+    """(this rank's own file, ``train/rank{r}.pt``, or None; the named objects' states for
+    another trainer's layout), taken now: an async save keeps the moment it was called.
+    The file is read back weights-only here, so a ``state_dict`` a load would refuse is
+    refused by name before anything is written (UnsafeCheckpointError)."""
+    shared = shared_state(spec)
+    if not _keeps_rank_state(spec):
+        return None, shared
+    part = encode(capture(spec.state, spec.rng, taken))
+    try:
+        decode(part, spec.url, state_file(rank_and_world()[0]))
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(
+            f"an object named in state= gives a state_dict that a load would refuse ({exc}); nothing was "
+            "written: make its state_dict plain values, tensors and containers"
+        ) from None
+    return part, shared
 
 
-def _checked(spec: SaveSpec) -> tuple[Any, Any] | Outcome:
-    """The spec's model and optimizer once every rank found them and rank 0 found no
-    checkpoint in the way (unless overwriting); else the same outcome on every rank."""
+def _checked(spec: SaveSpec, taken: dict[str, Any] | None) -> tuple[Any, Any, bytes | None, dict] | Outcome:
+    """The spec's model and optimizer and this rank's own state (``_own``), once every rank
+    found them and took its state and rank 0 found no checkpoint in the way (unless
+    overwriting); else the same outcome on every rank: a failure on one rank (a loader's
+    ``state_dict`` that raised) never leaves the others in the save's collectives."""
     got = begin(spec)
     mine = got if isinstance(got, Outcome) else None
+    own: tuple[bytes | None, dict] = (None, {})
+    if mine is None:
+        try:
+            own = _own(spec, taken)
+        except Exception as exc:  # noqa: BLE001 - whatever the user's state_dict raised, agreed below
+            mine = Outcome.failed(exc if isinstance(exc, (CheckpointError, TypeError)) else
+                                  f"taking the state to save failed: {type(exc).__name__}: {exc}")
     rank, _ = rank_and_world()
     if mine is None and rank == 0 and spec.check_exists:
         try:
@@ -143,29 +136,15 @@ def _checked(spec: SaveSpec) -> tuple[Any, Any] | Outcome:
                 mine = Outcome(exists=True)
         except Exception as exc:  # noqa: BLE001 - whatever the store raises, the ranks agree on one clear outcome
             mine = Outcome.failed(f"cannot reach {spec.url!r}: {type(exc).__name__}: {exc}", OSError)
-    return agree(mine) or got
+    return agree(mine) or (got if isinstance(got, Outcome) else (*got, *own))
 
 
-def checkpoint_group() -> Any:
-    """A gloo group of all ranks for checkpoint collectives (made once per world).
-
-    Saves run their collectives here, as torchtitan's checkpointer does: DCP's async
-    save refuses a group without a CPU backend (a plain NCCL world), and the
-    background write and commit must not interleave with training collectives on
-    the default group. Also for one rank: that world may be NCCL too.
-    """
-    global _GROUP
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    world = dist.group.WORLD
-    if _GROUP is None or _GROUP[0] is not world:
-        _GROUP = (world, dist.new_group(backend="gloo"))
-    return _GROUP[1]
+def _keeps_rank_state(spec: SaveSpec) -> bool:
+    """Whether each rank writes its own file (fsdp_nb's layout, with state or random state)."""
+    return spec.layout == "fsdp_nb" and bool(spec.state or spec.rng)
 
 
-def _model_meta(model: Any, spec: SaveSpec) -> dict[str, Any]:
+def _model_meta(model: Any, spec: SaveSpec, saved: list[tuple[Any, Any]]) -> dict[str, Any]:
     meta = dict(spec.meta)
     _, ws = rank_and_world()
     mesh: dict[str, Any] = {}
@@ -178,37 +157,42 @@ def _model_meta(model: Any, spec: SaveSpec) -> dict[str, Any]:
                 "device_type": dm.device_type,
             }
             break
-    cls = type(model)
-    meta.update(
-        world_size=ws,
-        mesh=mesh,
-        model=spec.model,
-        optimizer=spec.optimizer,
-        model_class=f"{cls.__module__}.{cls.__qualname__}",
-        param_count=param_sizes(model)[0],
-        **hugging_face_meta(model),
-    )
+    meta.update(world_size=ws, mesh=mesh)
+    if not spec.parts:  # one model: what it is; several: each in meta[PARTS]
+        meta.update(**_part_meta(model, spec.optimizer), **hugging_face_meta(model), model=spec.model)
+    else:
+        meta[PARTS] = {name: {**_part_meta(m, o), **hugging_face_meta(m)} for (name, o), (m, _) in zip(spec.parts, saved)}
     return meta
+
+
+def _part_meta(model: Any, optimizer: str | None) -> dict[str, Any]:
+    """What the metadata says of one saved model: its class, size and optimizer."""
+    cls = type(model)
+    return {"model_class": f"{cls.__module__}.{cls.__qualname__}", "param_count": param_sizes(model)[0],
+            "optimizer": optimizer}
 
 
 # -- save -------------------------------------------------------------------------
 
 
-def save(spec: SaveSpec) -> Outcome:
+def save(spec: SaveSpec, taken: dict[str, Any] | None = None) -> Outcome:
     """Save the model (and optimizer) on every rank; returns timings and, on rank 0, the info.
 
     Names and the target are checked and agreed first, in the same call (an existing
-    target comes back as ``exists`` from every rank, nothing written).
+    target comes back as ``exists`` from every rank, nothing written). ``taken``: states
+    of named objects taken earlier (an autosave's loaders), kept instead of taking them
+    now; an async save given it starts its write at once, not after a call's reply.
     """
-    got = _checked(spec)
+    got = _checked(spec, taken)
     if isinstance(got, Outcome):
         return got
-    model, optim = got
+    model, optim, part, shared = got
     t0 = time.perf_counter()
     try:
-        if spec.sharded:
-            return _save_sharded(spec, model, optim, t0)
-        return _save_full(spec, model, optim, t0)
+        with taking_state():
+            if spec.sharded:
+                return _save_sharded(spec, model, optim, t0, part, shared, taken is not None)
+            return _save_full(spec, model, optim, t0)
     except BaseException as exc:  # CheckpointException derives from BaseException
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -218,7 +202,7 @@ def save(spec: SaveSpec) -> Outcome:
 
 
 def _finish_sharded(spec: SaveSpec, model_meta: dict[str, Any], group: Any,
-                    written: dict[str, dict[str, Any]]) -> Outcome:
+                    written: dict[str, dict[str, Any]], side: dict[str, bytes]) -> Outcome:
     """After this rank's files are written: gather their sizes and checksums (taken as
     they were written, ``written``: nothing is read back), rank 0 commits."""
     import torch.distributed as dist
@@ -228,52 +212,86 @@ def _finish_sharded(spec: SaveSpec, model_meta: dict[str, Any], group: Any,
     tmp = sibling(target, "tmp", spec.token)
     rank, ws = rank_and_world()
     mine = {n: rec for n, rec in written.items()
-            if (n.startswith(f"__{rank}_") and n.endswith(".distcp")) or (rank == 0 and n == ".metadata")}
+            if (n.startswith(f"__{rank}_") and n.endswith(".distcp")) or (rank == 0 and n == ".metadata")
+            or n in (state_file(rank), _FAILED)}
     parts: list[Any] = [None] * ws
     if ws > 1:
         dist.all_gather_object(parts, mine, group=group)
     else:
         parts = [mine]
+    failed = next((part[_FAILED]["error"] for part in parts if _FAILED in part), None)
+    if failed is not None:
+        if rank == 0:
+            _cleanup(fs, tmp)
+        return Outcome.failed(f"saving {spec.url!r} failed: {failed}")
     if rank != 0:
         return Outcome()
     files: dict[str, dict[str, int]] = {}
     for part in parts:
         files.update(part)
-    commit_sharded(fs, tmp, target, model_meta, files, spec.token, _side_files(spec))
+    commit_sharded(fs, tmp, target, model_meta, files, spec.token, side)
     removed = retain_last(fs, target, spec.keep_last) if spec.keep_last else []
     return Outcome(info=inspect(spec.url, storage_options=spec.storage_options), removed=removed)
 
 
-def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
+def _to_write(spec: SaveSpec, saved: list[tuple[Any, Any]], shared: dict[str, Any],
+              ) -> tuple[list[tuple[Any, Any]], dict[str, Any], dict[str, bytes]]:
+    """(each saved model's and optimizer's state dicts, what DCP writes, the side files
+    rank 0 writes) of ``spec``'s models: one in ``spec.layout``, or several, each under
+    its own name (``formats.layouts.PARTS``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=spec.layout == "torchtitan")  # as torchtitan keeps it
+    states = [get_state_dict(m, [o] if o is not None else [], options=flat) for m, o in saved]
+    if spec.parts:
+        sd = {name: {"model": msd, **({"optim": osd} if o is not None else {})}
+              for (name, o), (msd, osd) in zip(spec.parts, states)}
+    else:
+        sd = layout_state(spec, states[0][0], states[0][1] if saved[0][1] is not None else None, shared)
+    return states, sd, side_files(spec, shared) if rank_and_world()[0] == 0 else {}
+
+
+def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float, part: bytes | None, shared: dict[str, Any],
+                  now: bool) -> Outcome:
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
     fs, target = url_to_fs(spec.url, spec.storage_options)
     tmp = sibling(target.rstrip("/"), "tmp", spec.token)
-    flat = StateDictOptions(flatten_optimizer_state_dict=spec.layout == "torchtitan")  # as torchtitan keeps it
-    msd, osd = get_state_dict(model, [optim] if optim is not None else [], options=flat)
-    sd = _layout_state(spec, msd, osd if optim is not None else None)
-    meta = _model_meta(model, spec)
+    saved = [(model, optim)] if not spec.parts else [named_objects(m, o) for m, o in spec.parts]
+    states, sd, side = _to_write(spec, saved, shared)
+    meta = _model_meta(model, spec, saved)
     writer = dcp_writer(fs, tmp, spec.storage_options)
     recorder = record_writer(writer, None if spec.async_save else progress_feed.add)
     written = recorder.records
     rank, _ = rank_and_world()
+
+    def write_part() -> None:
+        # a failure here is one rank's: it travels in the commit's gather, so that every
+        # rank learns it there and none waits for a rank that gave up
+        if part is not None:
+            try:
+                name, record = write(fs, tmp, rank, part)
+                written[name] = record
+            except Exception as exc:  # noqa: BLE001 - reported to every rank by _finish_sharded
+                written[_FAILED] = {"error": f"rank {rank} could not write {state_file(rank)}: {exc}"}
+
     group = checkpoint_group()
     if not spec.async_save:
         progress_feed.start(state_bytes(sd), spec.report_progress)
         try:
             dcp.save(sd, storage_writer=writer, process_group=group)
+            write_part()
         except BaseException:  # remove the unfinished folder, then re-raise
             if rank == 0:
                 _cleanup(fs, tmp)
             raise
-        out = _finish_sharded(spec, meta, group, written)
+        out = _finish_sharded(spec, meta, group, written, side)
         out.seconds = time.perf_counter() - t0
         return out
     progress = SaveProgress(phase="staging", total=state_bytes(sd))
-    cuda = any(p.device.type == "cuda" for p in model.parameters())
+    cuda = any(p.device.type == "cuda" for m, _ in saved for p in m.parameters())
     if cuda:
         torch.cuda.current_stream().synchronize()  # the side stream copies finished values
     device = torch.cuda.current_device() if cuda else None
@@ -283,8 +301,8 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
     # cores against the reply for tens of ms on a busy host. Training waits on
     # ``staged`` before it changes a saved tensor.
     staged: Future = Future()
-    buffers = set(msd) - {n for n, _ in model.named_parameters()}
-    hold_until_staged(staged, optim, model if buffers else None)
+    hold_until_staged(staged, [(m, o, bool(set(msd) - {n for n, _ in m.named_parameters()}))
+                               for (m, o), (msd, _) in zip(saved, states)])
     blocked = time.perf_counter() - t0
 
     def finish() -> Outcome:
@@ -296,6 +314,7 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
                 raise TypeError(f"dcp.async_save returned a {type(resp).__name__}, not its two completions")
             resp.staging_completion.add_done_callback(lambda f: copied(f, staged, progress))
             resp.upload_completion.result()  # after the staging: ``staged`` is set by then
+            write_part()
         except BaseException as exc:  # noqa: BLE001 - handed to the staging future and re-raised from it: training must not wait forever
             if not staged.done():  # async_save itself failed: training must not wait
                 staged.set_exception(exc)
@@ -303,44 +322,15 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
                 _cleanup(fs, tmp)
             return Outcome.failed(f"async save of {spec.url!r} failed: {type(exc).__name__}: {exc}")
         progress.phase = "committing"
-        out = _finish_sharded(spec, meta, group, written)
+        out = _finish_sharded(spec, meta, group, written, side)
         out.seconds = time.perf_counter() - t0
         return out
 
-    after_reply(lambda: submit(spec.token, finish, progress, lambda: recorder.written))
+    def job() -> None:
+        submit(spec.token, finish, progress, lambda: recorder.written)
+
+    job() if now else after_reply(job)
     return Outcome(blocked=blocked, pending=True)
-
-
-def _layout_state(spec: SaveSpec, msd: dict[str, Any], osd: dict[str, Any] | None) -> dict[str, Any]:
-    """What DCP writes for ``spec.layout``: ``{"model", "optim"}`` (fsdp_nb's),
-    ``{"model", "optimizer"}`` (Lightning Fabric's), or torchtitan's model keys at the
-    top beside ``optimizer`` (flat) and each ``extra`` entry as one of its states."""
-    if spec.layout == "lightning":
-        return {"model": msd, **({"optimizer": osd} if osd is not None else {})}
-    if spec.layout != "torchtitan":
-        return {"model": msd, **({"optim": osd} if osd is not None else {})}
-    extra = spec.meta.get("extra", {})
-    clash = sorted({k.split(".", 1)[0] for k in msd} & (set(extra) | {"optimizer"}))
-    if clash:
-        raise ValueError(
-            f"the model's own names start with {', '.join(map(repr, clash))}, which torchtitan's layout "
-            "keeps for the optimizer and the extra states; rename the extra entries"
-        )
-    return {**msd, **extra, **({"optimizer": osd} if osd is not None else {})}
-
-
-def _side_files(spec: SaveSpec) -> dict[str, bytes]:
-    """Lightning's ``meta.pt``: everything ``fabric.load`` returns besides the model and
-    the optimizer (``extra``), as ``torch.save`` writes it."""
-    if spec.layout != "lightning":
-        return {}
-    import io
-
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(dict(spec.meta.get("extra", {})), buf)
-    return {"meta.pt": buf.getvalue()}
 
 
 def state_bytes(sd: Any) -> int:
@@ -381,7 +371,7 @@ def _save_full(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     msd, osd = get_state_dict(model, [optim] if optim is not None else [], options=opts)
-    meta = _model_meta(model, spec)
+    meta = _model_meta(model, spec, [(model, optim)])
     rank, _ = rank_and_world()
     if rank != 0:
         took = time.perf_counter() - t0

@@ -29,7 +29,8 @@ from ..formats.storage import is_temporary
 from ..torch_compat import tree_map_only
 from ..wire.checkpoint import LoadSpec, Outcome
 from . import progress_feed
-from .checkpoint_save import any_rank, checkpoint_group, rank_and_world, state_bytes
+from .checkpoint_group import any_rank, checkpoint_group, rank_and_world
+from .checkpoint_save import state_bytes
 from .hugging_face import tied_parameters
 from .load_checks import agree_problem, apply_read, match, optim_entries, shapes
 
@@ -109,7 +110,7 @@ class _Plan:
         self.msd: dict[str, Any] = get_model_state_dict(model)
         self.layout: Layout = find_layout(
             fs, p, lambda f: read_dcp_metadata(fs, f, url, weights_only=spec.weights_only).state_dict_metadata,
-            url, expected=self.msd)
+            url, expected=self.msd, part=spec.model)
         lay = self.layout
         self.md, self.reader, self.meta = _open_folder(spec, fs, lay.folder)
         self.optim_md, self.optim_reader = self.md, self.reader
@@ -149,8 +150,8 @@ def load_dcp(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -> Outcome
     try:
         plan = _Plan(spec, fs, p, model, optim)
         problem = plan.problem
-        if problem is None and not plan.meta and (side := side_extra(fs, plan.layout, url, spec.weights_only)):
-            plan.meta = {"extra": side}
+        if problem is None and (side := side_extra(fs, plan.layout, url, spec.weights_only)):
+            plan.meta = {**plan.meta, "extra": {**side, **plan.meta.get("extra", {})}}
     except CheckpointError as exc:
         problem, cls = str(exc), type(exc)
     bad = agree_problem(problem, cls)

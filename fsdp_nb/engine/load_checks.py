@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..wire.checkpoint import Outcome
-from .checkpoint_save import agree
+from .checkpoint_group import agree
 from .hugging_face import tied_parameters
 
 __all__ = ["agree_problem", "apply_read", "match", "optim_entries", "shape_problems", "shapes"]

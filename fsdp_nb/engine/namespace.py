@@ -85,6 +85,23 @@ def call(fn: Any, args: Any, kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
+def call_setup(fn: Any) -> list[str]:
+    """Run a shipped function of no arguments whose ``global`` statements bind engine
+    globals (``restart(setup=)``: ``global opt; opt = AdamW(model.parameters())``): a
+    notebook function runs on a copy of the namespace (:func:`_rebind`), so the names it
+    stores as globals are copied back. Returns them."""
+    import dis
+
+    fn = unship(fn)
+    fn()
+    stored = sorted({i.argval for i in dis.get_instructions(fn.__code__) if i.opname == "STORE_GLOBAL"})
+    ns = user_ns()
+    for name in stored:
+        if name in fn.__globals__ and fn.__globals__ is not ns:
+            ns[name] = fn.__globals__[name]
+    return stored
+
+
 def assign(mapping: Any) -> None:
     """Bind names in the engine namespace (``sess.push``)."""
     user_ns().update(unship(mapping))

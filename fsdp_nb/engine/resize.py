@@ -35,7 +35,8 @@ from ..formats.storage import url_to_fs
 from ..torch_compat import local_tensor
 from ..wire.calls import ByValue
 from ..wire.resize import OptimizerRecipe, RankSurvey
-from .checkpoint_save import checkpoint_group, state_bytes
+from .checkpoint_group import checkpoint_group
+from .checkpoint_save import state_bytes
 from .memory_sample import peak_resident, reset_peak_resident
 from .namespace import unship, user_ns
 from .wrap import MODELS, forget_all

@@ -50,7 +50,7 @@ from ..wire.wrap import ShippedWrap, WrapSummary
 from ..wire.wrap_options import WrapOptions
 from .hugging_face import hf_init_weights, initialize_weights, is_hugging_face
 from .namespace import rank_device, unship, user_ns
-from .wrap_policies import policies, root
+from .wrap_policies import compile_units, policies, root
 
 __all__ = [
     "MODELS",
@@ -295,8 +295,8 @@ def forget_all(names: tuple[str, ...]) -> None:
 def shard(model: Any, options: WrapOptions, plan: MeshPlan, mesh: Any,
           ) -> tuple[Any, list[tuple[str, Any]], tuple[str, ...], bool]:
     """Apply ``options`` to a model whose parameters are not allocated yet (meta or fake):
-    bf16-true's cast, tensor parallelism, activation checkpointing, then ``fully_shard``
-    on each unit (innermost first) and the root. Returns the model, its units, the
+    bf16-true's cast, tensor parallelism, activation checkpointing, ``compile``, then
+    ``fully_shard`` on each unit (innermost first) and the root. Returns the model, its units, the
     checkpointed FQNs and whether it is offloaded to the CPU (what ``to_empty`` needs)."""
     import torch
     from torch.distributed.fsdp import fully_shard
@@ -315,6 +315,8 @@ def shard(model: Any, options: WrapOptions, plan: MeshPlan, mesh: Any,
         checkpointed = _checkpoint(model, options.activation_checkpointing)
     kw = policies(options, plan.device_type)
     units = _units(model, options.auto_wrap)
+    if options.compile:  # as torchtitan: each unit its own graph, compiled before it is sharded
+        compile_units([m for _, m in units] or [model])
     for _fqn, m in units:
         fully_shard(m, mesh=fsdp_mesh, **kw)
     fully_shard(model, mesh=fsdp_mesh, **root(kw, options.mixed_precision))
@@ -369,6 +371,10 @@ def build(name: str, kind: str, payload: ByValue, plan: MeshPlan, seed: int, ini
     summary = _summary(model, units, checkpointed, mesh)
     MODELS[name] = Wrapped(model, mesh, options, summary, ShippedWrap(kind=kind, payload=shipped, plan=plan, seed=seed))
     ns[name] = model
+    if options.mixed_precision == "16-mixed":  # fp16 gradients need loss scaling
+        from .grad_scaler import install
+
+        install(device.type)
     for hook in ON_WRAPPED:
         hook()
     return summary

@@ -1,8 +1,8 @@
-"""The FSDP2 policies a wrap applies: mixed precision, CPU offload, resharding.
+"""The FSDP2 policies a wrap applies: mixed precision, CPU offload, resharding, compiling.
 
 ``policies`` turns ``WrapOptions`` into ``fully_shard`` keywords for every unit;
 ``root`` adjusts them for the root module, whose output a "-mixed" model hands back
-in fp32.
+in fp32; ``compile_units`` compiles the units before they are sharded.
 """
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ from typing import Any
 
 from ..wire.wrap_options import WrapOptions
 
-__all__ = ["policies", "root"]
+__all__ = ["compile_units", "policies", "root"]
 
 
 def policies(options: WrapOptions, device_type: str) -> dict[str, Any]:
+    """``fully_shard`` keywords for ``options`` on a ``device_type`` mesh: resharding,
+    mixed precision and CPU offload policies."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -44,3 +46,15 @@ def root(kw: dict[str, Any], mixed_precision: Any) -> dict[str, Any]:
     if mixed_precision not in ("bf16-mixed", "16-mixed"):
         return kw
     return kw | {"mp_policy": dataclasses.replace(kw["mp_policy"], output_dtype=torch.float32)}
+
+
+def compile_units(modules: list[Any]) -> None:
+    """``module.compile()`` on each of ``modules``, in place (``WrapOptions.compile``).
+
+    Each is compiled on its own, before ``fully_shard`` (torchtitan's order): its forward
+    becomes one graph, and FSDP's hooks, which dynamo leaves out of graphs, gather and
+    reduce between the graphs. Compiling is lazy: the first forward traces it; modules
+    of one class reuse one another's graphs where dynamo's guards allow.
+    """
+    for m in modules:
+        m.compile()

@@ -124,12 +124,20 @@ def validate_files(fs: Any, path: str, marker: dict) -> str | None:
     except FileNotFoundError:
         return f"folder {path!r} is missing"
     for name, rec in marker.get("files", {}).items():
-        e = listing.get(name)
+        e = listing.get(name) if "/" not in name else _info(fs, posixpath.join(path, name))
         if e is None:
             return f"file {name!r} is missing"
         if int(e.get("size") or 0) != int(rec["size"]):
             return f"file {name!r} has {e.get('size')} bytes, {rec['size']} were written (truncated or changed)"
     return None
+
+
+def _info(fs: Any, path: str) -> dict | None:
+    """What ``fs`` says of the file at ``path`` (a file in a subfolder, ``train/rank0.pt``), or None."""
+    try:
+        return fs.info(path)
+    except FileNotFoundError:
+        return None
 
 
 def _created(fs: Any, p: str) -> float | None:

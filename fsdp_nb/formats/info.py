@@ -110,6 +110,16 @@ class CheckpointInfo:
     tied: dict[str, str] = field(default_factory=dict)
     """Parameter name -> the one it shares its tensor with (tied embeddings): left out of
     an export, as transformers' ``save_pretrained`` does."""
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Of a checkpoint holding several models (``sess.save(path, [a, b])``): each model's
+    name -> its optimizer, class, size and Hugging Face config; its tensors are named
+    ``<name>.model.<fqn>`` and ``<name>.optim.…``. Empty for one model."""
+    saved_from: tuple[str | None, str | None] = (None, None)
+    """The engine global names of the model and the optimizer fsdp_nb saved it from
+    (what ``restart(restore=)`` loads it back into); ``(None, None)`` when unknown."""
+    run_state: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    """Rank -> what its own file (``train/rank{r}.pt``) keeps: ``"rng"`` (its random
+    state) and each engine global the save's ``state=`` named (``formats.run_state``)."""
 
     @property
     def name(self) -> str:
@@ -152,6 +162,8 @@ class CheckpointInfo:
     def summary(self) -> str:
         """A multi-line text table: header, then one line per tensor."""
         lines = [repr(self)]
+        for rank, names in sorted(self.run_state.items()):
+            lines.append(f"  rank {rank}'s own state: {', '.join(names)}")
         for t in self.tensors.values():
             files = sorted({c.file for c in t.chunks})
             lines.append(

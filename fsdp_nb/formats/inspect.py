@@ -21,10 +21,11 @@ from .dtypes import tensor_bytes
 from .fullfile import full_suffix, read_full_meta
 from .info import CheckpointInfo, ChunkInfo, TensorInfo
 from .keys import MODEL, OPTIM_STATE, nest_keys, optim_key
-from .layouts import Layout, find_layout
+from .layouts import PARTS, Layout, find_layout
 from .metadata import META_FILE
 from .pickles import TRUST_HINT, refuse_code
 from .restricted import RefusedGlobal, load_dcp_metadata, read_capped
+from .run_state import RUN_STATE, rank_of_state_file
 from .safetensors_layout import is_safetensors_folder
 from .side_files import side_extra
 from .storage import is_temporary, url_to_fs
@@ -166,8 +167,9 @@ def _inspect_sharded(fs: Any, p: str, url: str, verify: bool, weights_only: bool
         meta = {}
     # written by dcp.save itself: no fsdp_nb files, and not one of our unfinished saves
     plain = marker is None and not meta and not is_temporary(p)
-    if plain and (extra := side_extra(fs, layout, url, weights_only)) is not None:
-        meta = {"extra": extra}  # another trainer's files beside its shards (Lightning's meta.pt)
+    # another trainer's files beside its shards (Lightning's meta.pt), whoever wrote them
+    if (plain or layout.side_files) and (extra := side_extra(fs, layout, url, weights_only)) is not None:
+        meta = {**meta, "extra": {**extra, **meta.get("extra", {})}}
     problem = _commit_problem(fs, p, url, marker, plain, verify)
     infos: dict[str, TensorInfo] = {}
     try:
@@ -183,12 +185,12 @@ def _inspect_sharded(fs: Any, p: str, url: str, verify: bool, weights_only: bool
                 refuse_code(fs, p, url, md)
             except UnsafeCheckpointError as exc:
                 problem = str(exc)
-        infos = _tensor_infos(md, layout)
+        infos = _tensor_infos(md, layout, bool(meta.get(PARTS)))
         if layout.optim_in_own_folder:
             optim_md = read.get(layout.optim_folder) or read_dcp_metadata(fs, layout.optim_folder, url,
                                                                           weights_only=weights_only)
             infos.update(_tensor_infos(optim_md, layout))
-        if plain and problem is None and layout.extra_roots:
+        if (plain or meta.get("layout") == "torchtitan") and problem is None and layout.extra_roots:
             try:
                 if weights_only:  # every pickled item checked before any is unpickled
                     refuse_code(fs, p, url, md)
@@ -234,10 +236,11 @@ def _with_folder_state(fs: Any, layout: Layout, md: Any, meta: dict, weights_onl
     return {**meta, "extra": {**meta.get("extra", {}), **found}}
 
 
-def _tensor_infos(md: Any, layout: Layout) -> dict[str, TensorInfo]:
+def _tensor_infos(md: Any, layout: Layout, parts: bool = False) -> dict[str, TensorInfo]:
     """Each stored tensor of DCP metadata ``md``, with its chunks, named as fsdp_nb names
     them whatever the layout: ``model.<fqn>``, ``optim.state.<fqn>.<key>``; the rest (a
-    trainer's other tensors) as stored."""
+    trainer's other tensors) as stored, and all of them as stored in a checkpoint of
+    several models (``parts``: ``<name>.model.<fqn>``)."""
     storage = md.storage_data or {}
     by_fqn: dict[str, list[Any]] = {}
     for idx, si in storage.items():
@@ -256,12 +259,16 @@ def _tensor_infos(md: Any, layout: Layout) -> dict[str, TensorInfo]:
             )
             chunks.append(ChunkInfo(tuple(idx.offset or ()), sizes, si.relative_path, si.offset, si.length))
         name = fqn
-        if (param := layout.fqn(fqn)) is not None:
+        if not parts and (param := layout.fqn(fqn)) is not None:
             name = MODEL + param
-        elif (entry := layout.optim_fqn(fqn)) is not None:
+        elif not parts and (entry := layout.optim_fqn(fqn)) is not None:
             name = optim_key(*entry)
         infos[name] = TensorInfo(name, shape, dtype, tensor_bytes(shape, dtype), tuple(chunks))
     return infos
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _with_meta(url, kind, valid, problem, meta, infos, files, source, layout=None) -> CheckpointInfo:
@@ -284,10 +291,14 @@ def _with_meta(url, kind, valid, problem, meta, infos, files, source, layout=Non
         param_count=meta.get("param_count"),
         mesh=meta.get("mesh", {}),
         files=files,
-        has_optimizer=any(k.startswith(OPTIM_STATE) for k in infos) or bool(meta.get("optimizer")),
+        has_optimizer=any(k.startswith(OPTIM_STATE) for k in infos) or bool(meta.get("optimizer"))
+        or any(isinstance(m, dict) and m.get("optimizer") for m in (meta.get(PARTS) or {}).values()),
+        models=dict(meta.get(PARTS) or {}),
         layout=meta.get("layout") or layout or ("fsdp_nb" if source == "fsdp_nb" else source),
         source=source,
         hf_config=meta.get("hf_config"),
         hf_generation_config=meta.get("hf_generation_config"),
         tied=dict(meta.get("tied") or {}),
+        run_state={r: tuple(meta.get(RUN_STATE) or ()) for f in files if (r := rank_of_state_file(f)) is not None},
+        saved_from=(_str_or_none(meta.get("model")), _str_or_none(meta.get("optimizer"))),
     )

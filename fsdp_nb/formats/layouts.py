@@ -35,15 +35,26 @@ from typing import Any
 from ..errors import CheckpointError
 from .metadata import MARKER, META_FILE
 
-__all__ = ["LAYOUTS", "WRITABLE", "Layout", "find_layout", "layout_of_keys"]
+__all__ = [
+    "LAYOUTS", "PARTS", "TITAN_STATES", "WRITABLE", "Layout", "check_part_names", "choose_part", "find_layout", "layout_of_keys",
+    "part_layout",
+]
 
 LAYOUTS = ("fsdp_nb", "lightning_fabric", "lightning_trainer", "torchtitan", "olmo_core", "accelerate", "dcp")
 """Every layout ``find_layout`` names."""
 WRITABLE = ("fsdp_nb", "lightning", "torchtitan")
 """What ``sess.save(layout=)`` writes: fsdp_nb's own, Lightning Fabric's, torchtitan's."""
+PARTS = "models"
+"""The key of ``fsdp_nb.json`` that names the models of a checkpoint holding several
+(``sess.save(path, [student, teacher])``): model -> its optimizer, class and size. Each is
+stored under its own name: ``<name>.model.<fqn>``, ``<name>.optim.…``."""
 
 _OPTIM_ROOT = re.compile(r"^(optim|optimizer|optimizer_\d+)$")
 _TITAN_STATE = ("train_state", "lr_scheduler", "dataloader")
+TITAN_STATES = ("train_state", "lr_scheduler")
+"""The torchtitan states ``sess.save(layout="torchtitan", state=)`` may name (engine globals
+of these names): its ``dataloader`` keeps each rank's loader pickled, which fsdp_nb neither
+writes nor unpickles."""
 _STRUCTURAL = ("state_dict", "model")  # roots a trainer nests the model under
 _OLMO_SHARDS, _OLMO_STATE = "model_and_optim", "train/rank0.pt"
 _ACCELERATE_MODEL, _ACCELERATE_OPTIM = "pytorch_model_fsdp_0", "optimizer_0"
@@ -106,6 +117,49 @@ class Layout:
     def optim_in_own_folder(self) -> bool:
         """Whether the optimizer lives in a folder of its own (Accelerate)."""
         return bool(self.optim_folder) and self.optim_folder != self.folder
+
+
+def check_part_names(names: Iterable[str]) -> None:
+    """ValueError for a model name that a stored key's first part means an optimizer by
+    (``optim``, ``optimizer``, ``optimizer_<i>``), so that several models cannot be saved
+    each under its own name with it."""
+    for n in names:
+        if _OPTIM_ROOT.match(n):
+            raise ValueError(
+                f"several models are stored each under its own name, and {n!r} is what a checkpoint calls an "
+                "optimizer (optim, optimizer, optimizer_<i>); wrap the model under another name"
+            )
+
+
+def choose_part(url: str, parts: Iterable[str] | None, wanted: str | None) -> str | None:
+    """The model an offline reader (consolidate, export) reads of the checkpoint ``url``:
+    ``wanted`` among its ``parts`` (None: it holds one model, and ``wanted`` must be None
+    too); CheckpointError naming the models it holds otherwise."""
+    parts = list(parts or ())
+    if not parts:
+        if wanted is not None:
+            raise CheckpointError(f"checkpoint {url!r} holds one model; model={wanted!r} chooses among several")
+        return None
+    if wanted not in parts:
+        raise CheckpointError(
+            f"checkpoint {url!r} holds several models, {', '.join(map(repr, parts))}: "
+            + ("pass model=<one of them>" if wanted is None else f"none is named {wanted!r}")
+        )
+    return wanted
+
+
+def part_layout(folder: str, part: str, keys: Iterable[str], parts: Iterable[str], url: str) -> Layout:
+    """Where model ``part`` of a checkpoint holding several (``parts``) keeps its weights and
+    optimizer; CheckpointError naming the models it holds when ``part`` is not one."""
+    parts = list(parts)
+    if part not in parts:
+        raise CheckpointError(
+            f"checkpoint {url!r} holds several models, {', '.join(map(repr, parts))}, and none named {part!r}: "
+            "each loads into the model of its own name"
+        )
+    optim = f"{part}.optim"
+    has_optim = any(k.startswith(optim + ".") for k in keys)
+    return Layout("fsdp_nb", folder, model_root=f"{part}.model", optim_root=optim if has_optim else None)
 
 
 def _roots(keys: Iterable[str]) -> set[str]:
@@ -190,7 +244,8 @@ def _unmappable(url: str, keys: Iterable[str], expected: Iterable[str]) -> str:
     )
 
 
-def find_layout(fs: Any, p: str, read_keys: Any, url: str, expected: Iterable[str] | None = None) -> Layout:
+def find_layout(fs: Any, p: str, read_keys: Any, url: str, expected: Iterable[str] | None = None,
+                part: str | None = None) -> Layout:
     """The layout of the sharded checkpoint folder ``p``.
 
     Args:
@@ -200,6 +255,8 @@ def find_layout(fs: Any, p: str, read_keys: Any, url: str, expected: Iterable[st
         url: the checkpoint as the user named it, for errors.
         expected: the model's own parameter and buffer names, when loading into one;
             None offline (inspect, export), where the keys' structure alone decides.
+        part: of a checkpoint holding several models, the one wanted (``part_layout``);
+            None: the layout of the whole (each key at its place).
     """
     name, folder, optim_folder = None, p, ""
     if not fs.exists(posixpath.join(p, ".metadata")):
@@ -209,9 +266,14 @@ def find_layout(fs: Any, p: str, read_keys: Any, url: str, expected: Iterable[st
                 break
     ours = fs.exists(posixpath.join(folder, META_FILE)) or fs.exists(posixpath.join(folder, MARKER))
     keys = list(read_keys(folder))
+    parts = _meta(fs, folder).get(PARTS) if ours else None
+    if parts:
+        if part is not None:
+            return part_layout(folder, part, keys, parts, url)
+        return Layout("fsdp_nb", folder, model_root="")
+    if ours and _written_as(fs, folder) in ("torchtitan", "lightning"):
+        ours = False  # fsdp_nb wrote it in that trainer's keys and files: read by their structure
     side = [] if ours else _side_files(fs, p, name)
-    if ours and _written_as(fs, folder) == "torchtitan":
-        ours = False  # fsdp_nb wrote it in torchtitan's keys: read by their structure
     layout = layout_of_keys(name, folder, keys, ours=ours,
                             side=any(s.endswith(_LIGHTNING_META) for s in side))
     layout = replace(layout, side_files=tuple(side))
@@ -222,14 +284,20 @@ def find_layout(fs: Any, p: str, read_keys: Any, url: str, expected: Iterable[st
     return layout if expected is None else match_names(layout, keys, expected, url)
 
 
-def _written_as(fs: Any, folder: str) -> str | None:
-    """The ``layout`` fsdp_nb's metadata in ``folder`` records it saved with (``sess.save(layout=)``)."""
+def _meta(fs: Any, folder: str) -> dict[str, Any]:
+    """fsdp_nb's metadata in ``folder`` ({} when unreadable)."""
     import json
 
     try:
-        return json.loads(fs.cat_file(posixpath.join(folder, META_FILE))).get("layout")
-    except (OSError, ValueError, AttributeError):
-        return None
+        meta = json.loads(fs.cat_file(posixpath.join(folder, META_FILE)))
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _written_as(fs: Any, folder: str) -> str | None:
+    """The ``layout`` fsdp_nb's metadata in ``folder`` records it saved with (``sess.save(layout=)``)."""
+    return _meta(fs, folder).get("layout")
 
 
 def _side_files(fs: Any, p: str, name: str | None) -> list[str]:

@@ -33,7 +33,7 @@ from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from ..torch_compat import empty_state_dict_planner, set_element
 
 __all__ = [
-    "TRUST_HINT", "full_load_planner", "is_weights_only", "load_item", "load_planner", "load_pt",
+    "TRUST_HINT", "full_load_planner", "is_weights_only", "load_bytes", "load_item", "load_planner", "load_pt",
     "refuse_code",
 ]
 
@@ -100,6 +100,22 @@ def load_pt(fs: Any, path: str, url: str, weights_only: bool = True) -> Any:
         if not (weights_only and _refused(exc)):
             raise
         raise _unsafe(f"checkpoint {url!r}: file {posixpath.basename(path)!r}", exc) from None
+
+
+def load_bytes(data: bytes, what: str, weights_only: bool = True) -> Any:
+    """The object the ``torch.save`` bytes ``data`` hold; :class:`UnsafeCheckpointError`
+    naming ``what`` (``checkpoint '…': file 'train/rank0.pt'``) when the weights-only
+    unpickler refuses it, CorruptCheckpointError when they are damaged."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as exc:
+        if weights_only and _refused(exc):
+            raise _unsafe(what, exc) from None
+        raise CorruptCheckpointError(f"{what} is corrupt ({exc})") from exc
 
 
 def _refused(exc: BaseException) -> bool:

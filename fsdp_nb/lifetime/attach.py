@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fsdp_nb")
 
-__all__ = ["adopt_group", "find", "rebuild_models", "reconnect"]
+__all__ = ["adopt_autosave", "adopt_group", "find", "rebuild_models", "reconnect"]
 
 
 def find(cluster_id: str | None) -> SessionRecord:
@@ -139,3 +139,16 @@ def rebuild_models(ctx: SessionContext) -> None:
             continue
         ctx.wraps[name] = WrapRecord(name, shipped.kind, shipped.payload, options, shipped.plan, shipped.seed)
         ctx.models[name] = ShardedModel(ctx, name, options, summary)
+
+
+def adopt_autosave(ctx: SessionContext) -> None:
+    """Take back the autosave the engines still run (``sess.autosave``), so that this
+    kernel's ``sess.autosave()`` shows it and ``restart(restore="latest")`` finds its
+    checkpoints."""
+    from ..engine import autosave as engine_autosave
+
+    dead = set(ctx.cluster.dead_ranks())
+    live = [r for r in range(ctx.world_size) if r not in dead]
+    if live:
+        d = ctx.plain_dispatcher
+        ctx.autosave = d.gather(d.apply("autosave", engine_autosave.armed_spec, ranks=live[:1]))[0]

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..checkpoint.async_saves import wait_pending
+from ..checkpoint.autosave import stop as stop_autosave
 from ..engine import resize as _er
 from ..engine import wrap as _ew
 from ..errors import ResizeError
@@ -110,6 +111,11 @@ def resize(ctx: SessionContext, n: int, staging: str | None = None, timeout: flo
     if n == ctx.world_size:
         return report
     wait_pending(ctx)
+    if ctx.autosave is not None:  # its hooks are on modules the resize replaces
+        root = ctx.autosave.root
+        stop_autosave(ctx)
+        log.warning("sess.resize(%d) stopped the autosave to %s (its checkpoints keep %d ranks' own state): "
+                    "call sess.autosave(...) again", n, root, report.old)
     clock.mark("checked")
     report.phases = clock.times
     folder = tempfile.mkdtemp(prefix="fsdp_nb-resize-", dir=plan.staging)  # 0700, this user's

@@ -143,6 +143,7 @@ def attach(record: SessionRecord, *, timeout: float, grace: float) -> SessionCon
                pg_timeout=record.pg_timeout, grace=grace, formed=True)
     note = _attach.adopt_group(ctx, timeout)
     _attach.rebuild_models(ctx)
+    _attach.adopt_autosave(ctx)
     ctx.keeper = Keeper(record)
     ctx.keeper.take(ctx)
     cluster.keep_standby(adopt=True)  # the one an earlier kernel launched, if it waits

@@ -236,15 +236,17 @@ def _stream_weights(d: Dispatcher, world_size: int, name: str, state: dict[str, 
 
 
 def check_replayable(
-    ctx: SessionContext, restore: str | None, drop: tuple[str, ...], *, replaying: bool
+    ctx: SessionContext, restore: str | None, drop: tuple[str, ...], *, replaying: bool,
+    target: str | tuple[str, ...] | None = None,
 ) -> None:
     """Refuse, before any work, ``drop`` names that are not wraps and (``replaying``:
     engines are being replaced) a replay that would have to rebuild an instance wrap
     without a checkpoint for it.
 
     fsdp_nb keeps no copy of a notebook instance's weights, so after engines were
-    replaced such a model comes back only as the target of ``restore=`` (the last
-    wrap), or not at all if the user lets it go (``drop=``).
+    replaced such a model comes back only as a target of ``restore=`` (``target``,
+    the model or models the checkpoint was saved from; else the last wrap), or not at all
+    if the user lets it go (``drop=``).
     """
     names = list(ctx.wraps)
     unknown = sorted(set(drop) - set(names))
@@ -255,18 +257,19 @@ def check_replayable(
         )
     if not replaying:
         return
-    target = names[-1] if (restore is not None and names) else None
+    wanted = (target,) if isinstance(target, str) else tuple(target or ())
+    targets = set() if restore is None or not names else ({t for t in wanted if t in names} or {names[-1]})
     lost = [
         n for n, r in ctx.wraps.items()
-        if r.kind == "instance" and n != target and n not in drop
+        if r.kind == "instance" and n not in targets and n not in drop
     ]
     if lost:
         raise ValueError(
             f"sess.restart() must rebuild model(s) {', '.join(map(repr, lost))} on the new "
             "engine(s), but they were wrapped from a notebook instance and fsdp_nb keeps no "
             "copy of its weights (a copy would hold the whole model in the notebook). Pass "
-            "restore='path/to/checkpoint' (loaded into the last wrapped model, "
-            f"{names[-1]!r}), or drop=[...] to let them go and wrap them again. Nothing "
+            "restore='path/to/checkpoint' (loaded into the model it was saved from, else the last "
+            f"wrapped, {names[-1]!r}), or drop=[...] to let them go and wrap them again. Nothing "
             "was changed."
         )
 

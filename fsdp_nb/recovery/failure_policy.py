@@ -133,8 +133,10 @@ class RecoveringPolicy(FailurePolicy):
         err = DeadRankError(
             sorted(set(all_dead) | set(wedged)),
             f"while running {pending.what}. The other ranks were stopped and left the "
-            "process group (their state is kept); sess.restart() replaces the dead "
-            "engine(s) under the same rank(s) and re-forms the group." + why,
+            "process group (their variables are kept); sess.restart() replaces the dead "
+            "engine(s) under the same rank(s), re-forms the group and builds every wrapped "
+            "model again at its initial weights: restore='latest' (with sess.autosave) or "
+            "restore=<checkpoint>, with setup= remaking what cells made, brings the trained run back." + why,
         )
         if others:
             err.add_note("Other ranks failed as a consequence:\n" + "\n".join(map(str, others)))
@@ -200,12 +202,10 @@ class RecoveringPolicy(FailurePolicy):
         wedged = self._unblock(pending, running, interrupt=interrupt, skip=dead)
         if wedged or dead:
             ctx.cluster.kill(wedged)
-            restart(ctx)
+            report = restart(ctx)
             note = (
                 f"fsdp_nb recovered the session ({cause}): rank(s) "
-                f"{', '.join(map(str, sorted(set(wedged) | dead)))} did not return and "
-                "were replaced (their state is lost; recorded wraps were replayed); the "
-                "other ranks kept their state."
+                f"{', '.join(map(str, sorted(set(wedged) | dead)))} did not return: {report.line()}"
             )
         else:
             reform(ctx)

@@ -11,17 +11,23 @@ The failure policy that calls them on errors is ``fsdp_nb.recovery.failure_polic
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..engine import health as _health
+from ..engine import namespace as _ns
 from ..runtime import rendezvous
 from ..runtime.phases import PhaseClock
+from ..runtime.shipping import by_value
+from .restart_report import RestartReport, RestorePlan, restore_plan
 
 if TYPE_CHECKING:
     from ..context import SessionContext
 
-__all__ = ["reform", "restart"]
+__all__ = ["RestartReport", "reform", "restart"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -42,25 +48,38 @@ def reform(ctx: SessionContext) -> None:
     d.gather(d.apply("rebind meshes", _health.rebind_groups, args=(union,)), 120)
 
 
-def restart(ctx: SessionContext, restore: str | None = None, drop: tuple[str, ...] = ()) -> None:
-    """Bring back the same ranks and rebuild the session.
+def restart(ctx: SessionContext, restore: str | None = None, drop: tuple[str, ...] = (),
+            setup: Callable[[], Any] | None = None) -> RestartReport:
+    """Bring back the same ranks and rebuild the session; what was rebuilt, restored and
+    kept (:class:`RestartReport`).
 
     Dead engines are replaced (new engine, same rank), every rank joins a new process
     group, the replaced ranks get the session's imports, classes and functions
-    (``fsdp_nb.runtime.definitions``), and models wrapped with ``sess.wrap`` are wrapped again on every rank
-    (``fsdp_nb.models.wrap.replay_wraps``). On a healthy session this only re-forms the
-    group, keeping every rank's state. ``restore``: a checkpoint loaded into the
-    last wrapped model afterwards (``sess.load``). A model wrapped from a notebook
-    instance can only come back through ``restore`` (no copy of its weights is kept);
-    ``drop`` names wraps to forget instead of replaying them. A replay that cannot be
-    done is refused before anything changes (``fsdp_nb.models.wrap.check_replayable``).
+    (``fsdp_nb.runtime.definitions``), and models wrapped with ``sess.wrap`` are built
+    again on every rank from their class and seed (``fsdp_nb.models.wrap.replay_wraps``):
+    initial weights, not trained ones. The surviving ranks' optimizers are pointed at
+    the rebuilt parameters (``fsdp_nb.engine.repoint``). On a healthy session this only
+    re-forms the group, keeping every rank's state.
+
+    ``setup``: a function run on every rank next, which makes the objects the training
+    cell needs (an optimizer, a scheduler, a loader): a replaced rank has none of what
+    cells made on it. ``restore``: a checkpoint path, or ``"latest"`` (the newest the
+    session's autosave wrote), loaded last into the model it was saved from with its
+    optimizer, each engine global it keeps per rank and each rank's random state, so
+    the training cell goes on from it bit for bit. What ``restore`` needs that a
+    replaced rank will lack is refused before anything changes, as is a replay that
+    cannot be done (``check_replayable``). A model wrapped from a notebook instance can
+    only come back through ``restore``; ``drop`` names wraps to forget instead. An
+    autosave is re-armed on the rebuilt objects, counting on from the restored step.
     The time of each phase is kept in ``sess.restart_phases``. Afterwards, failed or
     not, the session record learns the new engines' pids and a standby engine is
     launched for the next death if this one was used.
     """
     ctx.check_open()
+    if setup is not None and not inspect.isfunction(setup):
+        raise TypeError(f"setup must be a function (def or lambda, run on every rank), got {setup!r}")
     try:
-        _restart(ctx, restore, drop)
+        return _restart(ctx, restore, drop, setup)
     finally:
         if ctx.state != "closed":
             if ctx.keeper is not None:
@@ -68,42 +87,76 @@ def restart(ctx: SessionContext, restore: str | None = None, drop: tuple[str, ..
             ctx.cluster.keep_standby()
 
 
-def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...]) -> None:
+def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
+             setup: Callable[[], Any] | None) -> RestartReport:
     from ..checkpoint.load import load
+    from ..engine import grad_scaler, repoint
     from ..models.wrap import check_replayable, replay_wraps
 
     clock = PhaseClock()
     drop = tuple(drop)
     dead = ctx.cluster.dead_ranks()
-    check_replayable(ctx, restore, drop, replaying=bool(dead))
+    plan = restore_plan(ctx, restore, dead, setup)
+    check_replayable(ctx, restore, drop, replaying=bool(dead),
+                     target=(plan.model, *(m for m, _ in plan.parts)) if plan else None)
     ctx.restart_phases = clock.times  # filled as the phases end, a failed restart's too
     everyone = tuple(range(ctx.world_size))
     ctx.dispatcher.notify("restart", "recovering", everyone,
                            note=f"replacing rank(s) {dead}" if dead else "re-forming the group")
+    d = ctx.plain_dispatcher
+    rebuilt: tuple[str, ...] = ()
+    repointed: tuple[str, ...] = ()
     if dead:
         ctx.cluster.replace(dead)
         clock.mark("engines replaced")
-        ctx.health.install(ctx.plain_dispatcher, dead, nccl=ctx.backend == "nccl")
+        ctx.health.install(d, dead, nccl=ctx.backend == "nccl")
         clock.mark("health hooks")
     reform(ctx)
     clock.mark("group re-formed")
     if dead and len(ctx.definitions):
-        for failure in ctx.definitions.replay(ctx.plain_dispatcher, dead):
+        for failure in ctx.definitions.replay(d, dead):
             log.warning("restart: a definition did not run on the new engine: %s", failure)
         clock.mark("definitions replayed")
     if dead and ctx.wraps:
-        replay_wraps(ctx, drop, ctx.plain_dispatcher)
+        d.gather(d.apply("remember parameters", repoint.remember))
+        d.gather(d.apply("forget the gradient scaler", grad_scaler.forget))  # remade alike on every rank
+        restored = set() if plan is None else {plan.model, *(m for m, _ in plan.parts)}
+        rebuilt = tuple(n for n in replay_wraps(ctx, drop, d) if n not in restored)
+        repointed = tuple(sorted({n for names in d.gather(d.apply("re-point optimizers", repoint.repoint))
+                                  for n in names}))
         clock.mark("wraps replayed")
     ctx.lifecycle.to("ready")
-    if restore is not None:
-        names = list(ctx.wraps)
-        if not names:
-            raise ValueError(
-                f"restart(restore={restore!r}) needs a model to load into, but this session "
-                "has no wrapped model; call sess.wrap(...) then sess.load(path, model)."
-            )
-        load(ctx, restore, names[-1])
+    if setup is not None:
+        d.gather(d.apply(f"setup {getattr(setup, '__qualname__', 'function')}", _ns.call_setup,
+                         args=(by_value(setup),)))
+        clock.mark("setup ran")
+    if plan is not None:
+        if plan.parts:
+            load(ctx, plan.path, [m for m, _ in plan.parts], optimizer=[o for _, o in plan.parts], state=plan.state)
+        else:
+            load(ctx, plan.path, plan.model, optimizer=plan.optimizer, state=plan.state)
         clock.mark("checkpoint loaded")
-    what = f"rank(s) {', '.join(map(str, dead))} replaced" if dead else "group re-formed"
-    ctx.dispatcher.notify("restart", "recovered", everyone,
-                           note=what + (f", {restore} loaded" if restore else ""))
+    autosave = _rearm(ctx, plan, bool(dead) or setup is not None)
+    report = RestartReport(replaced=tuple(dead), rebuilt=rebuilt, restored=plan, repointed=repointed,
+                           setup=setup is not None, autosave=autosave, survivors=tuple(
+                               r for r in everyone if r not in dead))
+    ctx.dispatcher.notify("restart", "recovered", everyone, note=report.line())
+    log.info("restart: %s", report.line())
+    return report
+
+
+def _rearm(ctx: SessionContext, plan: RestorePlan | None, rebuilt: bool) -> str:
+    """Arm the session's autosave again where its hooks were lost or its count must go
+    back to the restored step; what became of it, in words."""
+    from ..checkpoint.autosave import arm, stop
+
+    spec = ctx.autosave
+    if spec is None:
+        return ""
+    if plan is not None:
+        arm(ctx, dataclasses.replace(spec, start_step=plan.step or 0))
+        return f"autosave goes on from step {plan.step or 0}"
+    if rebuilt:
+        stop(ctx)
+        return "autosave stopped (the models were rebuilt from initialisation): call sess.autosave again"
+    return "autosave goes on"

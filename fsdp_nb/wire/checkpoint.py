@@ -34,6 +34,13 @@ class _Target:
     """Engine global name of the optimizer, if saved / loaded."""
     report_progress: bool = False
     """Publish the bytes done as they go (the notebook may draw a bar); else publish nothing."""
+    state: tuple[str, ...] = ()
+    """Engine globals whose ``state_dict`` each rank keeps in its own file (a scheduler,
+    a scaler, a data loader): ``fsdp_nb.formats.run_state``."""
+    parts: tuple[tuple[str, str | None], ...] = ()
+    """Several models in one checkpoint (a teacher and a student; a GAN): each model's
+    engine global name and its optimizer's (or None), ``model`` / ``optimizer`` being the
+    first; each is stored under its own name (``formats.parts``). Empty: one model."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +61,8 @@ class SaveSpec(_Target):
     """Refuse an existing target (``overwrite=False``)."""
     layout: str = "fsdp_nb"
     """Whose keys the folder is written in: ``"fsdp_nb"``, ``"lightning"`` (Fabric's), ``"torchtitan"``."""
+    rng: bool = True
+    """Keep each rank's random state in its file (a sharded save in fsdp_nb's layout)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +81,10 @@ class LoadSpec(_Target):
     weights_only: bool = True
     """Unpickle what the checkpoint pickled (optimizer ``param_groups``, ``.pt`` files)
     only with torch's weights-only unpickler; False trusts it (it can run code)."""
+    rng: bool | None = None
+    """Put back each rank's random state: True requires it (same world size), False
+    leaves the ranks' own, None puts it back for a resume (the load names an optimizer or
+    ``state``) where the checkpoint has it and the world size is the one that wrote it."""
 
 
 @dataclass

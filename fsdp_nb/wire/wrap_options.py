@@ -50,8 +50,11 @@ class WrapOptions:
     mixed_precision: str | MixedPrecisionPolicy = "32-true"
     """``"bf16-mixed"`` / ``"16-mixed"``: compute in bf16 / fp16, keep fp32
     sharded parameters, reduce gradients in fp32 and return the output in fp32 (the loss
-    in fp32, as under autocast); ``"bf16-true"``: parameters
-    themselves bf16; ``"32-true"``: plain fp32; or a ``MixedPrecisionPolicy``."""
+    in fp32, as under autocast). ``"16-mixed"`` also gives every rank a sharded
+    gradient scaler, the engine global ``scaler`` (fp16 gradients underflow without
+    loss scaling): ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``.
+    ``"bf16-true"``: parameters themselves bf16; ``"32-true"``: plain fp32; or a
+    ``MixedPrecisionPolicy``."""
     cpu_offload: bool | CPUOffloadPolicy = False
     """Keep sharded parameters, gradients and optimizer state on the CPU: ``True``
     or a ``CPUOffloadPolicy`` (pinned memory only where there is an accelerator)."""
@@ -71,6 +74,14 @@ class WrapOptions:
     """For class / factory specs: called on every submodule after ``to_empty``
     (``model.apply(init_fn)``) instead of ``reset_parameters``; it must also
     (re)compute buffers that are not in the state dict."""
+    compile: bool = False
+    """Compile each FSDP unit of ``auto_wrap`` with ``torch.compile`` (``module.compile()``)
+    before its ``fully_shard``, as torchtitan does: each block becomes one graph of its
+    own, with FSDP's gathers and reductions between the graphs, so the blocks run fused
+    kernels (blocks of one class reuse one graph where dynamo's guards allow). With no
+    ``auto_wrap`` unit the whole model is compiled. Compilation happens at the first
+    forward (slow once); on CPU inductor needs a C++ compiler (``g++``) on the ranks'
+    ``PATH``."""
 
     def __post_init__(self) -> None:
         """Check every option and normalise class sets, so an invalid ``WrapOptions``
@@ -97,6 +108,8 @@ class WrapOptions:
             raise TypeError(
                 f"cpu_offload must be True, False or a CPUOffloadPolicy, got {self.cpu_offload!r}"
             )
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile must be True or False, got {self.compile!r}")
         for fn_opt in ("parallelize", "init_fn"):
             if getattr(self, fn_opt) is not None and not callable(getattr(self, fn_opt)):
                 raise TypeError(f"{fn_opt} must be a callable, got {getattr(self, fn_opt)!r}")

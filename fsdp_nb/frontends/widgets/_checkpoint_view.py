@@ -99,10 +99,13 @@ def _node_html(name: str, node: Any) -> str:
 
 
 def details_html(info: CheckpointInfo) -> str:
-    """The tensor tree (which rank file holds each chunk), files per rank, ``extra``."""
+    """The tensor tree (which rank file holds each chunk), files per rank with what each
+    rank's own file keeps (its random state, the save's ``state=`` objects), ``extra``."""
     tree = "".join(_node_html(k, v) for k, v in tensor_tree(info).items())
     by_rank = sorted(info.files_by_rank().items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
-    files = html_table(("rank", "files"), [("full file" if r is None else r, ", ".join(f)) for r, f in by_rank])
+    rows = [("full file" if r is None else r, ", ".join(f), ", ".join(info.run_state.get(r, ())) if r is not None
+             else "") for r, f in by_rank]
+    files = html_table(("rank", "files", "its own state (train/rankN.pt)"), rows)
     bad = "" if info.valid else f"<p style='color:#c00'><b>INVALID:</b> {html.escape(str(info.problem))}</p>"
     return (f"<div class='fsdp-nb-ckpt-details'><b>{html.escape(info.path)}</b> "
             f"({html.escape(info.kind)}, world {info.world_size}, {fmt_bytes(info.total_bytes)}){bad}"

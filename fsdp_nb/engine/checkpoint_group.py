@@ -1,0 +1,79 @@
+"""The collectives of checkpoint calls: their own gloo group, and agreeing on an outcome.
+
+A save or load checks everything it can on every rank first; each rank's finding is then
+agreed (:func:`agree`) so that every rank goes on, or every rank stops with the same
+outcome, and none is left alone in a collective. They run on a gloo group of their own
+(:func:`checkpoint_group`), as torchtitan's checkpointer does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..wire.checkpoint import Outcome
+
+__all__ = ["agree", "any_rank", "checkpoint_group", "rank_and_world"]
+
+_GROUP: tuple[Any, Any] | None = None
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size), or (0, 1) outside a process group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank: one all-reduce on the checkpoint group."""
+    import torch
+    import torch.distributed as dist
+
+    _, ws = rank_and_world()
+    if ws == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=checkpoint_group())
+    return bool(t.item())
+
+
+def agree(mine: Outcome | None) -> Outcome | None:
+    """Every rank learns every rank's outcome so far (None: nothing to report) and
+    returns the same one: the first failure, else the first report, else None. Run
+    before anything is written or changed, so no rank goes on alone into a collective.
+
+    When no rank has anything to report (every call that goes ahead) this is one
+    all-reduce of a flag; the outcomes are gathered only when some rank has one.
+    """
+    import torch.distributed as dist
+
+    if not any_rank(mine is not None):
+        return None
+    _, ws = rank_and_world()
+    parts: list[Any] = [mine]
+    if ws > 1:
+        parts = [None] * ws
+        dist.all_gather_object(parts, mine, group=checkpoint_group())
+    reported = [p for p in parts if p is not None]
+    return next((p for p in reported if not p.ok), reported[0] if reported else None)
+
+
+def checkpoint_group() -> Any:
+    """A gloo group of all ranks for checkpoint collectives (made once per world).
+
+    Saves run their collectives here, as torchtitan's checkpointer does: DCP's async
+    save refuses a group without a CPU backend (a plain NCCL world), and the
+    background write and commit must not interleave with training collectives on
+    the default group. Also for one rank: that world may be NCCL too.
+    """
+    global _GROUP
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    if _GROUP is None or _GROUP[0] is not world:
+        _GROUP = (world, dist.new_group(backend="gloo"))
+    return _GROUP[1]

@@ -1,0 +1,56 @@
+"""Optimizers made for a model that ``restart`` built again, pointed at its new parameters.
+
+When engines are replaced, every rank builds each wrapped model anew, so the optimizers
+a surviving rank's cells made still hold the old parameters: ``step()`` would update
+tensors no model uses. :func:`remember` notes, before the rebuild, which model and
+name each parameter had; :func:`repoint` then swaps every engine global optimizer's
+parameters (and the state kept under them) for the rebuilt model's of the same name.
+The state it keeps is from before the restart; ``restart(restore=)`` replaces it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .namespace import user_ns
+from .wrap import MODELS
+
+__all__ = ["remember", "repoint"]
+
+_BEFORE: dict[int, tuple[str, str]] = {}
+"""id(parameter) -> (model, parameter name), of the models about to be rebuilt. The
+optimizers hold those parameters, so the ids stay theirs until :func:`repoint`."""
+
+
+def remember() -> None:
+    """Note which wrapped model and name each of this rank's parameters has."""
+    _BEFORE.clear()
+    for model, wrapped in MODELS.items():
+        for fqn, p in wrapped.module.named_parameters():
+            _BEFORE[id(p)] = (model, fqn)
+
+
+def repoint() -> list[str]:
+    """Point every engine global optimizer that held a remembered parameter at the
+    rebuilt one of the same model and name; the names of those re-pointed."""
+    import torch
+
+    new = {(model, fqn): p for model, w in MODELS.items() for fqn, p in w.module.named_parameters()}
+    done = []
+    for name, obj in list(user_ns().items()):
+        if not isinstance(obj, torch.optim.Optimizer):
+            continue
+        swap: dict[int, Any] = {}
+        for group in obj.param_groups:
+            for i, p in enumerate(group["params"]):
+                key = _BEFORE.get(id(p))
+                if key is not None and key in new:
+                    swap[id(p)] = new[key]
+                    group["params"][i] = new[key]
+        if swap:
+            obj.state.update({swap[id(p)]: s for p, s in list(obj.state.items()) if id(p) in swap})
+            for p in [p for p in list(obj.state) if id(p) in swap]:
+                del obj.state[p]
+            done.append(name)
+    _BEFORE.clear()
+    return sorted(done)

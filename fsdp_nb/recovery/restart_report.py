@@ -1,0 +1,168 @@
+"""What a ``restart`` will restore, checked before it starts, and what it did, in words.
+
+:func:`restore_plan` reads the checkpoint offline (``fsdp_nb.inspect``): the model it
+was saved from, its optimizer and the engine globals each rank kept. Anything a
+replaced rank would lack for that load (its cells' optimizer, scheduler, loader) is
+refused before any engine is touched, naming ``setup=`` as the way to make them.
+:class:`RestartReport` is ``restart``'s result: which ranks were replaced, which models
+were built again from initialisation, what came back from the checkpoint, what the
+surviving ranks kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CheckpointError
+from ..formats.inspect import inspect
+from ..formats.run_state import RNG
+from ..formats.storage import options_for
+
+if TYPE_CHECKING:
+    from ..context import SessionContext
+
+__all__ = ["RestartReport", "RestorePlan", "restore_plan"]
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What ``restart(restore=)`` loads, and into which engine globals."""
+
+    path: str
+    """The checkpoint (``"latest"`` resolved)."""
+    model: str
+    """The wrapped model it is loaded into: the one it was saved from, else the last wrapped."""
+    optimizer: str | None
+    """Its optimizer's engine global, when the checkpoint keeps one."""
+    state: tuple[str, ...]
+    """Engine globals each rank takes back from its own file."""
+    rng: bool
+    """Whether each rank's random state comes back too."""
+    step: int | None
+    """The checkpoint's step (``extra["step"]``, or its name)."""
+    parts: tuple[tuple[str, str | None], ...] = ()
+    """Of a checkpoint holding several models: each wrapped one it loads, with its
+    optimizer (``model`` / ``optimizer`` are the first)."""
+
+    def what(self) -> str:
+        """The loaded parts, in words."""
+        parts = []
+        for model, optimizer in self.parts or ((self.model, self.optimizer),):
+            parts.append(f"model {model!r}")
+            if optimizer:
+                parts.append(f"optimizer {optimizer!r}")
+        parts += [repr(n) for n in self.state]
+        if self.rng:
+            parts.append("each rank's random state")
+        step = f" (step {self.step})" if self.step is not None else ""
+        return f"{', '.join(parts)} from {self.path}{step}"
+
+
+def restore_plan(ctx: SessionContext, restore: str | None, dead: list[int],
+                 setup: Callable[[], Any] | None) -> RestorePlan | None:
+    """The load ``restore`` asks for, checked before anything changes (None: no restore).
+
+    CheckpointError when ``"latest"`` finds nothing or the checkpoint is not valid;
+    ValueError when replaced ranks (``dead``) would lack an engine global the load
+    needs and no ``setup`` makes it.
+    """
+    from ..checkpoint.autosave import latest
+
+    if restore is None:
+        return None
+    if not isinstance(restore, str) or not restore:
+        raise TypeError(f"restore must be a checkpoint path, or 'latest', got {restore!r}")
+    path = latest(ctx) if restore == "latest" else restore
+    info = inspect(path, storage_options=options_for(path))
+    if not info.valid:
+        raise CheckpointError(f"restart(restore={restore!r}): {path} cannot be loaded: {info.problem}")
+    names = list(ctx.wraps)
+    if not names:
+        raise ValueError(
+            f"restart(restore={restore!r}) needs a model to load into, but this session "
+            "has no wrapped model; call sess.wrap(...) then sess.load(path, model)."
+        )
+    saved_model, saved_optim = info.saved_from
+    model = saved_model if saved_model in names else names[-1]
+    parts = tuple((n, m.get("optimizer")) for n, m in info.models.items() if n in names)
+    if info.models and not parts:
+        raise CheckpointError(
+            f"restart(restore={restore!r}): {path} holds models {', '.join(map(repr, info.models))}, and this "
+            f"session wrapped none of them (it wrapped {', '.join(map(repr, names))})"
+        )
+    if parts:
+        (model, saved_optim), parts = parts[0], parts if len(parts) > 1 else ()
+    kept = sorted({n for names_ in info.run_state.values() for n in names_})
+    state = tuple(n for n in kept if n != RNG)
+    optims = [o for _, o in parts] if parts else [saved_optim]
+    needed = [o for o in optims if o] + list(state)
+    if state and info.world_size != ctx.world_size:
+        raise CheckpointError(
+            f"restart(restore={restore!r}): {path} was written by {info.world_size} ranks and this session has "
+            f"{ctx.world_size}; each rank's {', '.join(map(repr, state))} belongs to one of those ranks and cannot "
+            "be resharded: load the model and optimizer with sess.load after the restart. Nothing was changed."
+        )
+    if dead and needed and setup is None:
+        raise ValueError(
+            f"restart(restore={restore!r}) would load {', '.join(map(repr, needed))} on every rank, but rank(s) "
+            f"{', '.join(map(str, dead))} will be new engines, which have none of what cells made there. "
+            "Pass setup=fn, a function that makes them on every rank from the rebuilt model (def fn(): "
+            f"global {needed[0]}; {needed[0]} = ...), and restart loads their saved state into them. "
+            "Nothing was changed."
+        )
+    return RestorePlan(path, model, saved_optim, state, RNG in kept and info.world_size == ctx.world_size,
+                       info.step, parts)
+
+
+@dataclass(frozen=True)
+class RestartReport:
+    """What ``sess.restart()`` did: its repr says it, line by line."""
+
+    replaced: tuple[int, ...]
+    """Ranks whose dead engines were replaced by new ones."""
+    rebuilt: tuple[str, ...]
+    """Models built again from their class and seed on every rank: initial weights, not
+    trained ones (a model restored from the checkpoint is not listed)."""
+    restored: RestorePlan | None
+    """What was loaded from a checkpoint (None: nothing)."""
+    repointed: tuple[str, ...]
+    """Surviving ranks' optimizers pointed at the rebuilt parameters (their state is from
+    before the restart, unless the checkpoint replaced it)."""
+    setup: bool
+    """Whether ``setup`` ran on every rank."""
+    autosave: str
+    """What became of the session's autosave ("" when there is none)."""
+    survivors: tuple[int, ...]
+    """Ranks whose engines lived through it, with every variable their cells made."""
+
+    def lines(self) -> list[str]:
+        """What was replaced, rebuilt, restored and kept, one thing a line."""
+        if not self.replaced:
+            out = ["no engine had died: every rank kept its variables, models and optimizers; "
+                   "the process group was re-formed"]
+        else:
+            ranks = ", ".join(map(str, self.replaced))
+            out = [f"rank(s) {ranks} replaced by new engines: the session's imports, classes and functions "
+                   "were replayed there; any other variable a cell made on them is gone"]
+            if self.survivors:
+                out.append(f"rank(s) {', '.join(map(str, self.survivors))} kept every variable their cells made")
+        if self.rebuilt:
+            out.append(f"rebuilt from initialisation (not the trained weights): {', '.join(self.rebuilt)}")
+        if self.repointed:
+            out.append(f"optimizers pointed at the rebuilt parameters: {', '.join(self.repointed)}")
+        if self.setup:
+            out.append("setup ran on every rank")
+        if self.restored is not None:
+            out.append(f"restored: {self.restored.what()}")
+        if self.autosave:
+            out.append(self.autosave)
+        return out
+
+    def line(self) -> str:
+        """The report in one line (the status feed's note)."""
+        return "; ".join(self.lines())
+
+    def __repr__(self) -> str:
+        return "<restart\n  " + "\n  ".join(self.lines()) + "\n>"
