@@ -697,10 +697,13 @@ def test_restart_drop_lets_instance_wraps_go(fragile):
 
 
 def _make_run():
-    """``restart(setup=)``: what the training cell needs, made on every rank; its globals
-    are the ranks' (``fail_made``)."""
-    global fail_made
-    rs_setup("fail_run")  # noqa: F821 - an engine global (RUN_LOOP), replayed on a new engine
+    """``restart(setup=)``: what the training cell needs, made where it is missing (the new
+    rank); a survivor keeps its objects, its optimizer pointed at the rebuilt model. Its
+    globals are the ranks' (``fail_made``, ``rs_it``)."""
+    global fail_made, rs_it
+    if "rs_opt" not in globals():
+        rs_setup("fail_run")  # noqa: F821 - an engine global (RUN_LOOP), replayed on a new engine
+    rs_it = None  # the next step takes a new iterator over the loader as loaded
     fail_made = rank  # noqa: F821 - an engine global
 
 
@@ -744,6 +747,7 @@ def test_a_killed_engine_costs_only_the_steps_since_the_last_autosave(fragile, t
     assert report.restored.state == ("rs_loader", "rs_sched") and report.restored.rng
     assert "restored: model 'fail_run', optimizer 'rs_opt'" in repr(report)
     assert "autosave goes on from step 6" in repr(report)
+    assert report.repointed == ("rs_opt",)  # rank 0's optimizer steps the rebuilt model
     assert s.pull("fail_made") == [0, 1]
     # the unchanged training cell goes on as if nothing had happened
     assert run_out(s, "rs_out = rs_train('fail_run', 4)") == [r[6:] for r in never_stopped]

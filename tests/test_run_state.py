@@ -240,3 +240,21 @@ def test_an_fp16_run_resumes_bit_for_bit_with_its_scaler(sess, tmp_path):
         assert run_out(sess, "rs_out = scaler.state_dict()") == scale
     finally:
         forget_models(sess, "rs_model", optimizers=("rs_opt", "rs_sched", "rs_loader", "scaler"))
+
+
+def test_a_new_session_resumes_the_run_bit_for_bit(sess, run_model, session_factory, tmp_path):
+    """Saved from one session, resumed in another with engines of its own: the same
+    steps as the run that never stopped."""
+    path = str(tmp_path / "step3")
+    run_out(sess, "rs_out = rs_train('rs_model', 3)")
+    sess.save(path, run_model, optimizer="rs_opt", state=STATE)
+    uninterrupted = run_out(sess, "rs_out = rs_train('rs_model', 4)")
+    other = session_factory(2, private=True)
+    try:
+        other.execute(RUN_LOOP)
+        model = other.wrap(DropNet, name="rs_model")  # another seed: other initial weights
+        other.execute("rs_setup('rs_model'); torch.manual_seed(77)")
+        other.load(path, model, optimizer="rs_opt", state=STATE)
+        assert run_out(other, "rs_out = rs_train('rs_model', 4)") == uninterrupted
+    finally:
+        other.shutdown()
