@@ -83,7 +83,7 @@ def write(fs: Any, folder: str, rank: int, data: bytes) -> tuple[str, dict[str, 
     name = state_file(rank)
     path = posixpath.join(folder, name)
     if is_local(fs):
-        os.makedirs(posixpath.dirname(path), exist_ok=True)
+        os.makedirs(posixpath.dirname(path), mode=0o700, exist_ok=True)  # a rank's own state: this user's
         with open(path, "wb", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
             f.write(data)
             f.flush()

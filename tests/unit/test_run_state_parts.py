@@ -32,6 +32,7 @@ def test_a_rank_file_is_written_private_checked_and_read_weights_only(tmp_path):
     assert name == "train/rank1.pt" and run_state.rank_of_state_file(name) == 1
     assert run_state.rank_of_state_file("__1_0.distcp") is None
     assert (tmp_path / name).stat().st_mode & 0o077 == 0
+    assert (tmp_path / "train").stat().st_mode & 0o077 == 0  # its folder too
     back = run_state.read(FS, str(tmp_path), "ck", 1, record)
     assert back["state"] == part["state"] and torch.equal(back["rng"]["torch"], part["rng"]["torch"])
 
