@@ -145,7 +145,7 @@ def test_fp16_trains_with_the_scaler_a_16_mixed_wrap_gives(sess):
         assert after[("16-mixed", True)] < 0.8
         assert after[("bf16-mixed", False)] < 0.8
         state = run_out(sess, "rs_out = scaler.state_dict()")
-        assert state[0] == state[1] and state[0]["skipped"] >= 0 and state[0]["scale"] > 0
+        assert state[0] == state[1]  # every rank scales alike (found_inf is agreed across ranks)
     finally:
         forget_models(sess, "rs_model", optimizers=("rs_opt", "rs_sched", "rs_loader", "scaler"))
 
