@@ -81,6 +81,9 @@ class SessionContext:
     """Seconds each phase of the last ``restart()`` took (empty before one)."""
     start_phases: dict[str, float] = field(default_factory=dict)
     """Seconds each phase of this session's start took."""
+    merge_output: bool = True
+    """Lines the ranks print alike show once, naming the ranks (``[ranks 0-7] ...``); False
+    shows each rank's own lines (``Session.merge_output``)."""
     layout_view: Callable[[ShardedModel], Any] | None = None
     """Makes a wrapped model's shard layout widget (``ShardedModel.layout()``): put here by
     the ``Session`` façade, since the front ends sit above the models that offer it."""
@@ -132,6 +135,19 @@ class SessionFacts:
     def state(self) -> str:
         """``ready``, ``degraded`` (a rank died: ``restart()``), ``closed``, ``failed`` (or ``starting``)."""
         return self._ctx.state
+
+    @property
+    def merge_output(self) -> bool:
+        """Whether a cell's lines that every shown rank printed alike show once, as
+        ``[ranks 0-7] step 10 loss 2.31`` (the default), or each rank's own, tagged
+        (False; one call: ``output="each"``, ``%%px --output each``)."""
+        return self._ctx.merge_output
+
+    @merge_output.setter
+    def merge_output(self, merge: bool) -> None:
+        if not isinstance(merge, bool):
+            raise TypeError(f"merge_output must be True or False, got {merge!r}")
+        self._ctx.merge_output = merge
 
     @property
     def backend(self) -> str | None:

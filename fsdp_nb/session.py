@@ -256,8 +256,9 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionWidgets)
             code: Python source.
             ranks: run on these ranks only (the others stay idle; code that calls a
                 collective then waits for ranks that never join it).
-            output: whose printed output to show: ``"all"`` (tagged by rank),
-                ``"rankN"``, or None.
+            output: whose printed output to show: ``"all"`` (a line the ranks printed
+                alike once, ``[ranks 0-7] ...``, unless ``merge_output`` is False; the
+                others tagged by rank), ``"each"`` (every rank's own lines), ``"rankN"``.
             timeout: seconds before the code is stopped on every rank (None: no limit).
             hang_after: seconds a collective may wait before the call is explained
                 while it runs (None: the session's ``hang_after``).
@@ -273,6 +274,7 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionWidgets)
         targets = checks.check_ranks(ranks, self.world_size)
         replies = calls.execute(self.dispatcher, code, timeout, ranks=None if ranks is None else targets,
                                 echoed=checks.check_output(output, targets), silent=silent,
+                                merged=self._ctx.merge_output and output != "each",
                                 hang_after=checks.check_hang_after(hang_after))
         if ranks is None:  # on every rank: a rank that joins later is given its definitions
             self._ctx.definitions.note_code(code)

@@ -7,10 +7,9 @@ so fsdp_nb touches them only here, each behind a small function that says what i
 supported and the newest), so a rename fails CI in one place. Nothing here imports torch
 at import time: the notebook side imports this module without paying for torch.
 
-Supported: torch 2.11 (the oldest a GPU image here has) to the newest release, as
-``pyproject.toml`` says; where a torch has a public call for what an older one needs
-private names for (``reset_fsdp_iteration``), the function uses it when it is there.
-"""
+Supported: torch 2.11 (the oldest a GPU image here has) to the newest release, as ``pyproject.toml``
+says; where a torch has a public call for what an older one needs private names for
+(``reset_fsdp_iteration``), the function uses it when it is there."""
 
 from __future__ import annotations
 
@@ -22,24 +21,21 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "DCP_METADATA_GLOBALS", "FLIGHT_RECORDER_ENV", "TORCH_PRELOAD", "activation_checkpoint", "collective_call",
-    "compute_local_shape_and_global_offset", "dcp_load_into", "dcp_metadata_path",
-    "default_group", "empty_state_dict_planner", "fake_process_group", "fake_tensor_mode",
-    "flight_recorder", "fsdp_memory_tracker", "fsdp_roots", "fsspec_reader",
-    "fsspec_writer", "group_backend", "group_sequence_numbers", "kept_open_stager",
-    "local_tensor", "making_group", "mesh_group_names", "narrow_tensor_by_index",
-    "non_persistent_buffers", "parameter_initialiser", "process_groups", "repoint_fsdp_groups", "reset_fsdp_iteration",
-    "resolve_process_group", "set_element", "set_mesh_group_names", "tree_leaves", "tree_map_only",
-    "weights_only_unpickler",
+    "DCP_METADATA_GLOBALS", "FLIGHT_RECORDER_ENV", "PICKLED_TENSOR", "TORCH_PRELOAD", "activation_checkpoint",
+    "collective_call", "compute_local_shape_and_global_offset", "dcp_load_into", "dcp_metadata_path", "default_group",
+    "empty_state_dict_planner", "fake_process_group", "fake_tensor_mode", "flight_recorder", "fsdp_memory_tracker",
+    "fsdp_roots", "fsspec_reader", "fsspec_writer", "group_backend", "group_sequence_numbers", "kept_open_stager",
+    "local_tensor", "making_group", "mesh_group_names", "narrow_tensor_by_index", "non_persistent_buffers",
+    "parameter_initialiser", "process_groups", "repoint_fsdp_groups", "reset_fsdp_iteration", "resolve_process_group",
+    "set_element", "set_mesh_group_names", "tree_leaves", "tree_map_only", "weights_only_unpickler",
 ]
 
 FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
-"""The variable every supported torch reads for the flight recorder's size, NCCL included
-(2.11 warns about ``TORCH_NCCL_TRACE_BUFFER_SIZE``, the name it replaces, never set here)."""
+"""The variable every supported torch reads for the flight recorder's size, NCCL included (2.11 warns
+about ``TORCH_NCCL_TRACE_BUFFER_SIZE``, the name it replaces, never set here)."""
 
 TORCH_PRELOAD = ("torch._dynamo",)
 """What a rank imports up front: else the first ``fully_shard`` imports it (about 1 s)."""
-
 log = logging.getLogger("fsdp_nb")
 
 # -- process groups -------------------------------------------------------------------
@@ -391,6 +387,10 @@ def kept_open_stager(cuda: bool) -> Any:
     if inner is not None:
         inner.close = lambda: None
     return stager
+
+
+PICKLED_TENSOR = frozenset({("torch._utils", "_rebuild_tensor_v2"), ("torch.storage", "_load_from_bytes")})
+"""What ``pickle.dumps`` of a CPU tensor names: its rebuild, its storage as ``torch.save`` bytes."""
 
 
 def weights_only_unpickler() -> type:

@@ -42,7 +42,7 @@ EXPECTED = {
                        "resized 3 -> 2 ranks in", "model 'model' re-sharded with optimizer",
                        "world size 2 same weights: True"],
     "03_large_model": ["full model:", "planned peak", "cheapest change that fits", "what if",
-                       "rank 0: step ok", "rank 1: step ok"],
+                       "rank 0: step ok", "rank 1: step ok", "CountingScaler: scale", "steps skipped 0"],
     "04_failures": ["caught:", "rank 1 found bad data", "interrupted; session state: ready",
                     "rank(s) 1", "all_reduce after recovery: 1.0",
                     # the status widget's log, printed at the end

@@ -378,3 +378,35 @@ def test_ipyparallel_logs_follow_the_fsdp_nb_logger():
         assert ipp_log_level() == logging.DEBUG  # asking fsdp_nb for detail shows ipyparallel's
     finally:
         logger.setLevel(old)
+
+
+def test_lines_printed_alike_show_once_at_eight_ranks_and_each_on_request(session_factory, capsys):
+    """8 CPU engines: a line every rank prints alike shows once, naming the ranks; lines
+    that differ keep their tags, in order; ``output="each"`` and ``merge_output=False``
+    show every rank's own."""
+    s = session_factory(8, private=True)
+    try:
+        s.execute("for i in range(3):\n"
+                  "    print(f'step {i} loss 2.31')\n"
+                  "    print('even' if rank % 2 == 0 else 'odd')\n"
+                  "print(f'rank {rank} done')")
+        lines = capsys.readouterr().out.splitlines()
+        steps = [f"[ranks 0-7] step {i} loss 2.31" for i in range(3)]
+        assert [ln for ln in lines if "step" in ln] == steps
+        assert lines.count("[ranks 0,2,4,6] even") == lines.count("[ranks 1,3,5,7] odd") == 3
+        assert all(lines.index(steps[i]) < lines.index(steps[i + 1]) for i in range(2))
+        assert sorted(ln for ln in lines if "done" in ln) == [f"[rank {r}] rank {r} done" for r in range(8)]
+        s.execute("print('hello')", output="each")
+        assert sorted(capsys.readouterr().out.splitlines()) == [f"[rank {r}] hello" for r in range(8)]
+        s.merge_output = False
+        s.execute("print('hello')")
+        assert len(capsys.readouterr().out.splitlines()) == 8
+        s.merge_output = True
+        s.execute("if rank == 0:\n    print('only rank 0')")
+        assert capsys.readouterr().out == "[rank 0] only rank 0\n"
+        with pytest.raises(TypeError, match="merge_output must be True or False"):
+            s.merge_output = "yes"
+        with pytest.raises(ValueError, match=r"allowed: 'all', 'each', 'rank0'"):
+            s.execute("pass", output="every")
+    finally:
+        s.shutdown()

@@ -366,6 +366,74 @@ def test_a_save_in_torchtitans_layout_is_what_its_checkpointer_resumes(sess, tmp
         sess.execute("del out_t, out_t_opt, lr_scheduler, b")
 
 
+_TITAN_LOADER = """
+import os, pickle, torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+
+class TitanLoader(StatefulDataLoader):
+    \"\"\"torchtitan's ParallelAwareDataloader, its state protocol as torchtitan/components/dataloader.py
+    has it: each data-parallel rank's state pickled under its own key, and the world size.\"\"\"
+
+    def state_dict(self):
+        return {f"dp_rank_{rank}": pickle.dumps(super().state_dict()), "world_size": world_size}
+
+    def load_state_dict(self, sd):
+        assert sd["world_size"] == world_size, "dataloader resharding is not supported yet"
+        super().load_state_dict(pickle.loads(sd[f"dp_rank_{rank}"]))
+
+
+def tl_make(cls=StatefulDataLoader):
+    # a shuffled loader per rank: its state holds the sampler's generator, a tensor
+    return cls(list(range(64)), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(11 + rank))
+"""
+
+
+def test_torchtitans_dataloader_state_goes_both_ways_each_rank_its_own(sess, tmp_path):
+    """torchtitan's loader (its state protocol, as its CheckpointManager saves it with
+    ``dcp.save``) resumes into a session's ``StatefulDataLoader`` named ``dataloader``,
+    each rank its own position; and a session's save in torchtitan's layout resumes
+    torchtitan's. A pickle in that state that could run code is refused, nothing loaded."""
+    import fsdp_nb
+
+    _wrap_trained(sess, "ttl")
+    sess.execute(_TITAN_LOADER)
+    theirs, ours, evil = (tmp_path / "checkpoint" / f"step-{n}" for n in (3, 4, 5))
+    try:
+        # torchtitan wrote it: three batches read on each rank, the model's keys at the top
+        sess.execute("tl = tl_make(TitanLoader); tl_it = iter(tl); [next(tl_it) for _ in range(3)]\n"
+                     f"dcp.save({{**get_model_state_dict(ttl), 'dataloader': tl}}, checkpoint_id={str(theirs)!r})")
+        info = fsdp_nb.inspect(str(theirs))
+        assert info.layout == "torchtitan" and sorted(info.extra["dataloader"]) == ["dp_rank_0", "dp_rank_1",
+                                                                                   "world_size"]
+        sess.execute("dataloader = tl_make(); dl_it = None")
+        sess.load(str(theirs), "ttl", state=["dataloader"])
+        sess.execute("dl_it = iter(dataloader); got, want = next(dl_it), next(tl_it)")
+        got, want = sess.pull("got"), sess.pull("want")
+        assert [g.tolist() for g in got] == [w.tolist() for w in want]
+        assert got[0].tolist() != got[1].tolist()  # each rank took its own position
+        # and back: the session writes torchtitan's form, torchtitan's loader resumes from it
+        sess.save(str(ours), "ttl", layout="torchtitan", state=["dataloader"])
+        sess.execute(f"tl2 = tl_make(TitanLoader); dcp.load({{'dataloader': tl2}}, checkpoint_id={str(ours)!r})\n"
+                     "got, want = next(iter(tl2)), next(dl_it)")
+        got, want = sess.pull("got"), sess.pull("want")
+        assert [g.tolist() for g in got] == [w.tolist() for w in want]
+        # a loader entry whose pickle runs code is refused before any rank loads anything
+        marker = tmp_path / "ran"
+        sess.execute("class Evil:\n    def __reduce__(self):\n"
+                     f"        return (os.system, ('touch {marker}',))\n"
+                     "bad = {f'dp_rank_{rank}': pickle.dumps(Evil()), 'world_size': world_size}\n"
+                     f"dcp.save({{**get_model_state_dict(ttl), 'dataloader': bad}}, checkpoint_id={str(evil)!r})")
+        with pytest.raises(fsdp_nb.UnsafeCheckpointError, match=r"'dataloader\.dp_rank_0' names posix\.system"):
+            sess.load(str(evil), "ttl", state=["dataloader"])
+        assert not marker.exists()
+    finally:
+        sess.execute("for n in ('ttl', 'ttl_opt', 'b', 'tl', 'tl_it', 'tl2', 'dataloader', 'dl_it', 'got', 'want', 'bad'):\n"
+                     "    globals().pop(n, None)")
+
+
 def test_a_torchtitan_layout_save_is_refused_before_any_work_when_torchtitan_could_not_resume_it(sess, tmp_path):
     with pytest.raises(ValueError, match="step-<N>"):
         sess.save(str(tmp_path / "latest"), "anything", layout="torchtitan")
@@ -375,7 +443,7 @@ def test_a_torchtitan_layout_save_is_refused_before_any_work_when_torchtitan_cou
         sess.save(str(tmp_path / "x"), "anything", layout="megatron")
     with pytest.raises(ValueError, match="sharded folder"):
         sess.save(str(tmp_path / "x.pt"), "anything", layout="lightning", sharded=False)
-    with pytest.raises(ValueError, match=r"torchtitan's own states, train_state and lr_scheduler.*\['sched'\]"):
+    with pytest.raises(ValueError, match=r"torchtitan's own states, train_state, lr_scheduler, dataloader.*\['sched'\]"):
         sess.save(str(tmp_path / "step-1"), "anything", layout="torchtitan", state=["sched"])
     assert not any(tmp_path.iterdir())
 

@@ -114,8 +114,8 @@ def check_shared_state(names: tuple[str, ...], layout: str, sharded: bool, extra
 
     fsdp_nb's layout keeps them per rank in a sharded folder; a full file has no place
     for them. Lightning's keeps rank 0's ``state_dict()`` of each in ``meta.pt`` beside
-    ``extra``, torchtitan's as its own states, which are ``train_state`` and
-    ``lr_scheduler`` (``engine.layout_state``): a name may not be an ``extra`` key too.
+    ``extra``, torchtitan's as its own states, which are ``train_state``, ``lr_scheduler``
+    and ``dataloader`` (``engine.layout_state``): a name may not be an ``extra`` key too.
     """
     from ..formats.layouts import TITAN_STATES
 
@@ -128,7 +128,7 @@ def check_shared_state(names: tuple[str, ...], layout: str, sharded: bool, extra
         )
     if layout == "torchtitan" and (odd := [n for n in names if n not in TITAN_STATES]):
         raise ValueError(
-            f"with layout='torchtitan', state= names torchtitan's own states, {' and '.join(TITAN_STATES)} "
+            f"with layout='torchtitan', state= names torchtitan's own states, {', '.join(TITAN_STATES)} "
             f"(engine globals of those names, which its CheckpointManager loads by name); got {odd} "
             "(nothing was written)"
         )

@@ -67,7 +67,7 @@ def load(
     check_progress(progress)
     url_to_fs(path)
     if names:
-        check_trainer_state(path, names)
+        check_trainer_state(path, names, ctx.world_size, weights_only)
     wait_pending(ctx)
     spec = LoadSpec(url=path, storage_options=options_for(path), model=name, optimizer=optim, parts=parts,
                     state=names, rng=rng,
@@ -81,13 +81,24 @@ def load(
     return outs[0].extra or {}
 
 
-def check_trainer_state(path: str, names: tuple[str, ...]) -> None:
+def check_trainer_state(path: str, names: tuple[str, ...], world_size: int, weights_only: bool = True) -> None:
     """Refuse, before any rank reads, ``state=`` names a checkpoint in another trainer's
     layout does not keep: there, each is an entry of the trainer's other state (Lightning's
-    ``meta.pt``, torchtitan's ``lr_scheduler`` / ``train_state``), taken by its name.
-    fsdp_nb's own checkpoints are checked by the ranks, which read their own files."""
+    ``meta.pt``, torchtitan's ``lr_scheduler`` / ``train_state`` / ``dataloader``), taken
+    by its name. torchtitan's ``dataloader`` is each rank's own: every rank's entry is
+    read now (``formats.titan_loader``), so another world size or a pickle that could
+    run code is refused before any work. fsdp_nb's own checkpoints are checked by the
+    ranks, which read their own files.
+
+    Args:
+        path: the checkpoint.
+        names: the engine globals ``state=`` names.
+        world_size: this session's.
+        weights_only: read torchtitan's loader pickles with the restricted unpickler.
+    """
     from ..errors import CheckpointError
     from ..formats.inspect import inspect
+    from ..formats.titan_loader import decode, is_encoded
 
     try:
         info = inspect(path, storage_options=options_for(path))
@@ -102,3 +113,7 @@ def check_trainer_state(path: str, names: tuple[str, ...]) -> None:
             f"checkpoint {path!r} ({info.layout}) keeps no {', '.join(map(repr, missing))}: its other state holds "
             f"{held}; state= takes those by name, each into the engine global of the same name (nothing was loaded)"
         )
+    for n in names:
+        if is_encoded(info.extra[n]):
+            for rank in range(world_size):
+                decode(info.extra[n], rank, world_size, path, weights_only)

@@ -38,6 +38,7 @@ from .checkpoint_group import agree, rank_and_world
 from .checkpoint_save import begin, named_objects, state_bytes
 from .dcp_load import load_dcp
 from .hugging_face import tied_parameters
+from .layout_state import trainer_states
 from .load_checks import agree_problem, apply_read, match, optim_entries, shape_problems, shapes
 from .run_state import read_part, restore, taking_state
 
@@ -96,7 +97,8 @@ def _load(spec: LoadSpec) -> Outcome:
         else:
             return Outcome.failed(f"{spec.url!r} is neither a checkpoint folder nor a .pt / .safetensors file")
         if out.ok and part is not None:
-            states = part["state"] if part["state"] is not None else (out.extra or {})
+            states = part["state"] if part["state"] is not None else trainer_states(out.extra or {}, spec.url,
+                                                                                     spec.weights_only)
             restore(states, spec.state, part.get(RNG) if rng else None)
         if out.ok:
             autosave.loaded(out.extra)

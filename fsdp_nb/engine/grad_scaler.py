@@ -62,6 +62,17 @@ class CountingScaler(ShardedGradScaler):
             self.skipped += 1
         return out
 
+    def unscale_(self, optimizer: Any) -> None:
+        """``ShardedGradScaler.unscale_`` (which ``step`` calls too), without the warning
+        torch gives when it divides FSDP2's DTensor gradients by its one-element inverse
+        scale ("Found a non-scalar tensor with numel=1"): torch's own scaler does that,
+        not the user's loop, and it is harmless (the inverse scale is replicated)."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning)
+            super().unscale_(optimizer)
+
     def state_dict(self) -> dict[str, Any]:
         """torch's state (scale, growth tracker, factors) and ``skipped``."""
         return {**super().state_dict(), "skipped": self.skipped}

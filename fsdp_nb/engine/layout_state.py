@@ -11,9 +11,10 @@ Its other state is the trainer's, one copy for the run (rank 0's), not one per r
   named in ``state=`` (an engine global named ``lr_scheduler`` or ``train_state``) go
   there; its ``CheckpointManager`` loads them into its own objects of those names.
 
-A loader's position differs by rank, which neither layout keeps from fsdp_nb (torchtitan
-pickles each data-parallel rank's loader, which fsdp_nb neither writes nor unpickles):
-an iterable named in ``state=`` is refused for them.
+A loader's position differs by rank. torchtitan keeps each data-parallel rank's loader
+under ``dataloader``, pickled (``formats.titan_loader``): an engine global of that name
+goes there, each rank's own. Lightning keeps no loader: an iterable named in ``state=``
+is refused for it, as is any other iterable for torchtitan.
 """
 
 from __future__ import annotations
@@ -21,27 +22,37 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from ..formats.titan_loader import LOADER, decode, encode, is_encoded
 from ..wire.checkpoint import SaveSpec
+from .checkpoint_group import rank_and_world
 from .namespace import user_ns
 from .run_state import per_rank
 
-__all__ = ["layout_state", "shared_state", "side_files"]
+__all__ = ["layout_state", "shared_state", "side_files", "trainer_states"]
 
 
 def shared_state(spec: SaveSpec) -> dict[str, Any]:
     """Name -> ``state_dict()`` of each object named in ``spec.state``, taken now, when
-    ``spec.layout`` is another trainer's (fsdp_nb's own keeps them per rank instead);
-    TypeError for an iterable (a loader: its position is a rank's own)."""
+    ``spec.layout`` is another trainer's (fsdp_nb's own keeps them per rank instead).
+    torchtitan's ``dataloader`` is this rank's, in torchtitan's form, checked to read back
+    weights-only. TypeError for any other iterable (a loader: its position is a rank's own,
+    which the layout does not keep)."""
     if spec.layout == "fsdp_nb" or not spec.state:
         return {}
     ns = user_ns()
-    loaders = [n for n in spec.state if per_rank(ns[n])]
+    titan_loader = spec.layout == "torchtitan" and LOADER in spec.state
+    loaders = [n for n in spec.state if per_rank(ns[n]) and not (titan_loader and n == LOADER)]
     if loaders:
         raise TypeError(
             f"{', '.join(map(repr, loaders))} is iterable (a loader or sampler): its position is each rank's "
             f"own, which layout={spec.layout!r} does not keep; save it in fsdp_nb's layout"
         )
-    return {n: copy.deepcopy(ns[n].state_dict()) for n in spec.state}
+    out = {n: copy.deepcopy(ns[n].state_dict()) for n in spec.state}
+    if titan_loader:
+        rank, ws = rank_and_world()
+        out[LOADER] = encode(out[LOADER], rank, ws)
+        decode(out[LOADER], rank, ws, spec.url)  # what a load would refuse is refused now, by name
+    return out
 
 
 def layout_state(spec: SaveSpec, msd: dict[str, Any], osd: dict[str, Any] | None,
@@ -77,3 +88,14 @@ def side_files(spec: SaveSpec, shared: dict[str, Any]) -> dict[str, bytes]:
     buf = io.BytesIO()
     torch.save({**spec.meta.get("extra", {}), **shared}, buf)
     return {"meta.pt": buf.getvalue()}
+
+
+def trainer_states(extra: dict[str, Any], url: str, weights_only: bool) -> dict[str, Any]:
+    """The named objects' states from a trainer's other state ``extra``, as this rank
+    takes them: torchtitan's ``dataloader`` becomes this rank's own loader state (read
+    with the restricted unpickler unless ``weights_only`` is False); the rest as saved.
+    ``url`` names the checkpoint in errors."""
+    entry = extra.get(LOADER)
+    if not is_encoded(entry):
+        return extra
+    return {**extra, LOADER: decode(entry, *rank_and_world(), url, weights_only)}

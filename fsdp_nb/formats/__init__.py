@@ -6,6 +6,7 @@ The folder commit (``atomic``), per-item checksums (``checksums``), DCP reading
 (``dcp_reader``, ``reader``, ``item_tensor``), full files (``fullfile``), safetensors
 (``safetensors_layout``, ``safetensors_write``), checkpoint metadata (``metadata``,
 ``info``, ``inspect``, ``listing``, ``keys``), the unpicklers that cannot run code
-(``pickles``, ``restricted``), storage and disk I/O (``storage``, ``direct_io``,
+(``pickles``, ``restricted``), each rank's own state (``run_state``, torchtitan's loader
+in ``titan_loader``), storage and disk I/O (``storage``, ``direct_io``,
 ``writeback``, ``helper_threads``) and dtype names (``dtypes``).
 """

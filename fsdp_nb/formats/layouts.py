@@ -50,11 +50,10 @@ PARTS = "models"
 stored under its own name: ``<name>.model.<fqn>``, ``<name>.optim.…``."""
 
 _OPTIM_ROOT = re.compile(r"^(optim|optimizer|optimizer_\d+)$")
-_TITAN_STATE = ("train_state", "lr_scheduler", "dataloader")
-TITAN_STATES = ("train_state", "lr_scheduler")
-"""The torchtitan states ``sess.save(layout="torchtitan", state=)`` may name (engine globals
-of these names): its ``dataloader`` keeps each rank's loader pickled, which fsdp_nb neither
-writes nor unpickles."""
+TITAN_STATES = ("train_state", "lr_scheduler", "dataloader")
+"""torchtitan's own states, top-level in its step folder: what ``sess.save(layout="torchtitan",
+state=)`` may name (engine globals of these names). ``dataloader`` is each rank's loader,
+pickled (``formats.titan_loader``)."""
 _STRUCTURAL = ("state_dict", "model")  # roots a trainer nests the model under
 _OLMO_SHARDS, _OLMO_STATE = "model_and_optim", "train/rank0.pt"
 _ACCELERATE_MODEL, _ACCELERATE_OPTIM = "pytorch_model_fsdp_0", "optimizer_0"
@@ -195,7 +194,7 @@ def layout_of_keys(name: str | None, folder: str, keys: Iterable[str], *, ours: 
     keys = list(keys)
     roots = _roots(keys)
     optim, flat = _optim_root(keys, "optim" if ours or name == "olmo_core" else None)
-    model_roots = {r for r in roots if not _OPTIM_ROOT.match(r) and r not in _TITAN_STATE}
+    model_roots = {r for r in roots if not _OPTIM_ROOT.match(r) and r not in TITAN_STATES}
     if name in ("olmo_core", "accelerate"):
         return Layout(name, folder, optim_root=optim, flat_optim=flat)
     if "state_dict" in model_roots and model_roots <= {"state_dict"}:
@@ -204,7 +203,7 @@ def layout_of_keys(name: str | None, folder: str, keys: Iterable[str], *, ours: 
         return Layout("fsdp_nb", folder, optim_root=optim, flat_optim=flat)
     if model_roots == {"model"}:
         return Layout("lightning_fabric" if side else "dcp", folder, optim_root=optim, flat_optim=flat)
-    extra = tuple(r for r in _TITAN_STATE if r in roots)
+    extra = tuple(r for r in TITAN_STATES if r in roots)
     titan = bool(extra) or optim == "optimizer"
     return Layout("torchtitan" if titan else "dcp", folder, "", optim_root=optim, flat_optim=flat,
                   extra_roots=extra)
@@ -217,7 +216,7 @@ def match_names(layout: Layout, keys: Iterable[str], expected: Iterable[str], ur
     counts: Counter[str] = Counter()
     for k in keys:
         root = k.split(".", 1)[0]
-        if root in _TITAN_STATE or _OPTIM_ROOT.match(root):
+        if root in TITAN_STATES or _OPTIM_ROOT.match(root):
             continue
         parts = k.split(".")
         for i in range(len(parts)):

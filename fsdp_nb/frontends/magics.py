@@ -114,7 +114,8 @@ class PxMagics(Magics):
         """Run the cell on every rank in rank order.
 
         ``%%px --ranks 0,2`` runs it on some ranks only, ``--output rank0`` shows one
-        rank's output, ``--timeout S`` bounds it, ``--hang-after S`` explains a collective
+        rank's output, ``--output each`` every rank's own lines (by default a line the
+        ranks print alike shows once, ``[ranks 0-7] ...``), ``--timeout S`` bounds it, ``--hang-after S`` explains a collective
         that has waited S seconds.
         """
         args = parse_px(line)
@@ -143,7 +144,8 @@ class PxArgs:
     ranks: list[int] | None = None
     """``--ranks 0,2``: the ranks to run on (None: every rank)."""
     output: str = "all"
-    """``--output rank0``: whose output to show (``all``: every rank's)."""
+    """``--output rank0``: whose output to show (``all``: every rank's, a line printed alike
+    once; ``each``: every rank's own lines)."""
     timeout: float | None = None
     """``--timeout S``: seconds before the cell is stopped on every rank."""
     hang_after: float | None = None
@@ -151,7 +153,7 @@ class PxArgs:
     and who is missing (default: the session's ``hang_after``)."""
 
 
-_PX_USAGE = "%%px [--ranks 0,2] [--output all|rankN] [--timeout SECONDS] [--hang-after SECONDS]"
+_PX_USAGE = "%%px [--ranks 0,2] [--output all|each|rankN] [--timeout SECONDS] [--hang-after SECONDS]"
 
 
 def parse_px(line: str) -> PxArgs:

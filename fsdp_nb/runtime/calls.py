@@ -28,9 +28,10 @@ def run(d: Dispatcher, fn: Callable[..., Any], args: tuple, kwargs: dict[str, An
 
 
 def execute(d: Dispatcher, code: str, timeout: float | None, *, ranks: Sequence[int] | None,
-            echoed: Any, silent: bool, hang_after: float | None = None) -> list[Any]:
-    """``code`` on ``ranks`` (None: every rank); each rank's ExecuteReply, in rank order."""
-    return d.gather(d.execute(code, ranks=ranks, echoed=echoed, silent=silent), timeout, hang_after)
+            echoed: Any, silent: bool, hang_after: float | None = None, merged: bool = True) -> list[Any]:
+    """``code`` on ``ranks`` (None: every rank); each rank's ExecuteReply, in rank order.
+    ``merged``: lines the ranks print alike show once."""
+    return d.gather(d.execute(code, ranks=ranks, echoed=echoed, silent=silent, merged=merged), timeout, hang_after)
 
 
 def push(d: Dispatcher, mapping: Mapping[str, Any]) -> None:

@@ -173,10 +173,11 @@ class Dispatcher:
 
     def execute(
         self, code: str, *, ranks: Sequence[int] | None = None, echoed: Sequence[int] | None = None,
-        silent: bool = False,
+        silent: bool = False, merged: bool = True,
     ) -> Pending:
         """Run ``code`` in every rank's namespace (or ``ranks``'), as ``%%px`` does;
-        ``echoed``: the ranks whose output is streamed (None: all). ``silent``: no
+        ``echoed``: the ranks whose output is streamed (None: all); ``merged``: lines
+        the ranks print alike show once (``Pending.merged``). ``silent``: no
         ``Out`` value, history or execution count (as ipyparallel's ``view.execute``
         sends it: fewer messages); printed output and errors come back either way."""
         ranks = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
@@ -185,7 +186,8 @@ class Dispatcher:
             ar = self.cluster.ranks_view(ranks).execute(code, block=False, silent=silent)
             results = per_rank(ranks, ar)
         shown = None if echoed is None else tuple(echoed)
-        return Pending("execute", dict(results), interrupted=ctrl_c.hit, echoed=shown, waiter=self._client_wait)
+        return Pending("execute", dict(results), interrupted=ctrl_c.hit, echoed=shown, merged=merged,
+                       waiter=self._client_wait)
 
     @contextmanager
     def _sending(self, what: str, ranks: Sequence[int]) -> Iterator[None]:

@@ -65,6 +65,8 @@ class Pending:
     """Ctrl-C came while the call was being sent: ``gather`` raises it at its first check."""
     echoed: tuple[int, ...] | None = None
     """Ranks whose output is streamed to the notebook (None: every rank)."""
+    merged: bool = True
+    """Lines the ranks print alike are shown once, naming the ranks (False: each rank's own)."""
     waiter: Callable[[list[Any], float], Any] = field(kw_only=True)
     """Waits up to some seconds for some of ``results``: ``client.wait``, or the direct
     call channel's."""

@@ -9,6 +9,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
+from .output_lines import LineMerger
+
 if TYPE_CHECKING:
     from .results import Pending
 
@@ -61,21 +63,33 @@ class Echo:
 
     Whole lines only (a partial line waits for its newline or the end), and at most
     ``OUTPUT_LIMIT`` characters per rank and stream, so a chatty rank cannot flood
-    the notebook.
+    the notebook. With ``pending.merged`` and more than one rank shown, lines the ranks
+    print alike show once, naming the ranks (``output_lines``).
     """
 
     def __init__(self, pending: Pending):
         self.pending = pending
         self.offsets: dict[tuple[int, str], int] = {}
         self.shown: dict[tuple[int, str], int] = {}
+        merged = pending.merged and (pending.echoed is None or len(pending.echoed) > 1) and len(pending.results) > 1
+        self.mergers = {name: LineMerger(_writer(name)) for name in _STREAMS} if merged else None
 
     def flush(self, final: bool = False) -> None:
+        self._read(final)
+        if self.mergers is not None:
+            shown = self.pending.echoed
+            running = [r for r, ar in self.pending.results.items()
+                       if (shown is None or r in shown) and not ar.wait_for_output(0)]
+            for merger in self.mergers.values():
+                merger.emit(running, final)
+
+    def _read(self, final: bool) -> None:
         echoed = self.pending.echoed
         for r in sorted(self.pending.results):
             if echoed is not None and r not in echoed:
                 continue
             md = self.pending.results[r].metadata
-            for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+            for name in _STREAMS:
                 text = md.get(name)
                 text = text if isinstance(text, str) else "".join(text or [])
                 key = (r, name)
@@ -91,8 +105,24 @@ class Echo:
                 if len(chunk) > room:
                     chunk = chunk[:room] + f"\n... [rank {r} {name} cut at {OUTPUT_LIMIT} characters]\n"
                 self.shown[key] = self.shown.get(key, 0) + len(chunk)
-                stream.write(tag(r, chunk))
-                stream.flush()
+                if self.mergers is not None:
+                    self.mergers[name].add(r, chunk.splitlines())
+                else:
+                    _writer(name)(tag(r, chunk))
+
+
+_STREAMS = ("stdout", "stderr")
+
+
+def _writer(name: str) -> Any:
+    """Writes to ``sys.<name>`` as it is when written (a kernel or a test may swap it)."""
+
+    def write(text: str) -> None:
+        stream = getattr(sys, name)
+        stream.write(text)
+        stream.flush()
+
+    return write
 
 
 def tag(rank: int, text: str) -> str:

@@ -279,3 +279,18 @@ def test_every_public_name_of_torch_compat_is_called_here():
     used = {n.attr for n in ast.walk(tree)
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "tc"}
     assert sorted(set(tc.__all__) - used) == []
+
+
+def test_a_pickled_tensor_names_only_what_the_loader_unpickler_allows():
+    """``pickle.dumps`` of a tensor (in torchtitan's loader state) names these globals on
+    this torch; the loader's restricted unpickler resolves only them (and containers)."""
+    import pickle
+    import pickletools
+
+    names, strings = set(), []
+    for op, arg, _ in pickletools.genops(pickle.dumps(torch.arange(4, dtype=torch.uint8))):
+        if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
+            strings.append(arg)
+        elif op.name == "STACK_GLOBAL":
+            names.add(tuple(strings[-2:]))
+    assert {n for n in names if n[0].startswith("torch")} == set(tc.PICKLED_TENSOR)
