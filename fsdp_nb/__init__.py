@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # what type checkers and editors see of the lazy names below
     from .models.memory_report import MemoryPlan
     from .models.session_planning import plan
     from .models.sharded_model import ShardedModel
+    from .profiling.step_profile import StepProfile
     from .recovery.restart_report import RestartReport
     from .runtime.rendezvous import RankInfo
     from .session import Session
@@ -55,6 +56,7 @@ _LAZY = {
     "plan": "models.session_planning",
     "AsyncCheckpoint": "checkpoint.async_saves",
     "Autosaving": "checkpoint.autosave",
+    "StepProfile": "profiling.step_profile",
     "RestartReport": "recovery.restart_report",
     "CheckpointInfo": "formats.info",
     "inspect": "formats.inspect",
@@ -103,6 +105,7 @@ __all__ = [
     "SessionClosedError",
     "SessionContext",
     "ShardedModel",
+    "StepProfile",
     "UnsafeCheckpointError",
     "WrapOptions",
     "__version__",

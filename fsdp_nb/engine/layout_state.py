@@ -96,6 +96,6 @@ def trainer_states(extra: dict[str, Any], url: str, weights_only: bool) -> dict[
     with the restricted unpickler unless ``weights_only`` is False); the rest as saved.
     ``url`` names the checkpoint in errors."""
     entry = extra.get(LOADER)
-    if not is_encoded(entry):
+    if entry is None or not is_encoded(entry):
         return extra
     return {**extra, LOADER: decode(entry, *rank_and_world(), url, weights_only)}
