@@ -25,6 +25,7 @@ OUT = HERE / "out"
 BENCHES = {
     # name: (script, full args, quick args)
     "session": ("session.py", [], ["--sizes", "2", "--repeats", "50"]),
+    "session_cost": ("session_cost.py", [], ["--rounds", "1", "--steps", "40"]),
     "wrap_memory": ("wrap_memory.py", [], ["--dim", "2048", "--layers", "8", "--skip-naive"]),
     "checkpoint_io": ("checkpoint_io.py", [], ["--mb", "64", "--ranks", "2"]),
     "autosave": ("autosave.py", [], ["--rounds", "1", "--steps", "10", "--every", "5"]),

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # what type checkers and editors see of the lazy names below
     from .models.memory_report import MemoryPlan
     from .models.session_planning import plan
     from .models.sharded_model import ShardedModel
-    from .profiling.step_profile import StepProfile
+    from .models.step_profile import StepProfile
     from .recovery.restart_report import RestartReport
     from .runtime.rendezvous import RankInfo
     from .session import Session
@@ -56,7 +56,7 @@ _LAZY = {
     "plan": "models.session_planning",
     "AsyncCheckpoint": "checkpoint.async_saves",
     "Autosaving": "checkpoint.autosave",
-    "StepProfile": "profiling.step_profile",
+    "StepProfile": "models.step_profile",
     "RestartReport": "recovery.restart_report",
     "CheckpointInfo": "formats.info",
     "inspect": "formats.inspect",

@@ -24,7 +24,7 @@ from .frontends.widgets.session_widgets import SessionWidgets, layout_view
 from .lifetime import start_stop
 from .lifetime.keepalive import check_keep_alive
 from .models.session_planning import SessionPlanning
-from .profiling import SessionProfiling
+from .models.step_profile import SessionProfiling
 from .runtime import calls, checks
 from .runtime.phases import phase_table
 

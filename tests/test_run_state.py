@@ -144,8 +144,14 @@ def test_fp16_trains_with_the_scaler_a_16_mixed_wrap_gives(sess):
         assert after[("16-mixed", False)] == pytest.approx(1.0, abs=1e-3)
         assert after[("16-mixed", True)] < 0.8
         assert after[("bf16-mixed", False)] < 0.8
+        before = run_out(sess, "rs_out = scaler.state_dict()")
+        # rank 1 alone overflows (an inf loss): every rank skips that step and halves its
+        # scale, since found_inf is agreed across ranks
+        run_out(sess, "rs_it = None; rs_scale = float('inf') if rank == 1 else 1.0\nrs_out = rs_train('rs_model', 1, True)")
         state = run_out(sess, "rs_out = scaler.state_dict()")
-        assert state[0] == state[1]  # every rank scales alike (found_inf is agreed across ranks)
+        assert state[0] == state[1]
+        assert [s["skipped"] for s in state] == [before[0]["skipped"] + 1] * 2
+        assert state[0]["scale"] == before[0]["scale"] / 2
     finally:
         forget_models(sess, "rs_model", optimizers=("rs_opt", "rs_sched", "rs_loader", "scaler"))
 

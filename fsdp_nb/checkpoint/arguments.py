@@ -13,7 +13,7 @@ from ..errors import CheckpointError
 from ..wire.checkpoint import Outcome
 
 __all__ = [
-    "check_layout", "check_optimizer", "check_shared_state", "check_state", "model_name", "models_and_optimizers",
+    "check_layout", "check_optimizer", "check_shared_state", "check_state", "check_titan_loader", "model_name", "models_and_optimizers",
     "raise_outcomes",
 ]
 
@@ -134,6 +134,28 @@ def check_shared_state(names: tuple[str, ...], layout: str, sharded: bool, extra
         )
     if layout != "fsdp_nb" and (both := sorted(set(names) & set(extra))):
         raise ValueError(f"{both} is named in both state= and extra=; layout={layout!r} keeps them side by side")
+
+
+def check_titan_loader(names: tuple[str, ...], layout: str, model: Any) -> None:
+    """Refuse torchtitan's ``dataloader`` for a model with more than one mesh dimension,
+    before any work: torchtitan keys each loader by its data-parallel rank, and ranks of
+    one tensor-parallel group share one; fsdp_nb writes one per rank (its rank and world
+    size), which is torchtitan's key only where every rank is its own data-parallel rank.
+
+    Args:
+        names: the engine globals ``state=`` names.
+        layout: the save's layout.
+        model: the ``ShardedModel`` saved (None: not known here).
+    """
+    from ..formats.titan_loader import LOADER
+
+    dims = getattr(getattr(model, "summary", None), "mesh_dims", ()) or ()
+    if layout == "torchtitan" and LOADER in names and len(dims) > 1:
+        raise ValueError(
+            f"torchtitan keeps its 'dataloader' per data-parallel rank, and this model's mesh is {dims}: ranks "
+            "of one tensor- or context-parallel group share a data-parallel rank, which fsdp_nb does not write "
+            "yet; leave 'dataloader' out of state= (nothing was saved or loaded)"
+        )
 
 
 def check_layout(layout: Any, path: str, sharded: bool, extra: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..display.progress import check_progress, follow, may_show
 from ..formats.storage import options_for, url_to_fs
 from ..wire.checkpoint import LoadSpec
-from .arguments import check_state, models_and_optimizers, raise_outcomes
+from .arguments import check_state, check_titan_loader, models_and_optimizers, raise_outcomes
 from .async_saves import wait_pending
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ def load(
     check_progress(progress)
     url_to_fs(path)
     if names:
-        check_trainer_state(path, names, ctx.world_size, weights_only)
+        check_trainer_state(path, names, ctx.world_size, weights_only, ctx.models.get(name))
     wait_pending(ctx)
     spec = LoadSpec(url=path, storage_options=options_for(path), model=name, optimizer=optim, parts=parts,
                     state=names, rng=rng,
@@ -81,7 +81,8 @@ def load(
     return outs[0].extra or {}
 
 
-def check_trainer_state(path: str, names: tuple[str, ...], world_size: int, weights_only: bool = True) -> None:
+def check_trainer_state(path: str, names: tuple[str, ...], world_size: int, weights_only: bool = True,
+                        model: Any = None) -> None:
     """Refuse, before any rank reads, ``state=`` names a checkpoint in another trainer's
     layout does not keep: there, each is an entry of the trainer's other state (Lightning's
     ``meta.pt``, torchtitan's ``lr_scheduler`` / ``train_state`` / ``dataloader``), taken
@@ -95,6 +96,8 @@ def check_trainer_state(path: str, names: tuple[str, ...], world_size: int, weig
         names: the engine globals ``state=`` names.
         world_size: this session's.
         weights_only: read torchtitan's loader pickles with the restricted unpickler.
+        model: the ``ShardedModel`` loaded into (None: not known): torchtitan's loader
+            is refused for one with more than one mesh dimension (``check_titan_loader``).
     """
     from ..errors import CheckpointError
     from ..formats.inspect import inspect
@@ -115,5 +118,6 @@ def check_trainer_state(path: str, names: tuple[str, ...], world_size: int, weig
         )
     for n in names:
         if is_encoded(info.extra[n]):
+            check_titan_loader(names, "torchtitan", model)
             for rank in range(world_size):
                 decode(info.extra[n], rank, world_size, path, weights_only)

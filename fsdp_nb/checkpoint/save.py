@@ -24,6 +24,7 @@ from .arguments import (
     check_layout,
     check_shared_state,
     check_state,
+    check_titan_loader,
     models_and_optimizers,
     raise_outcomes,
 )
@@ -89,6 +90,7 @@ def save(
             "drop the suffix, or pass sharded=False for one file"
         )
     check_shared_state(names, layout, sharded, extra)
+    check_titan_loader(names, layout, ctx.models.get(name))
     if parts and (not sharded or layout != "fsdp_nb"):
         raise ValueError(
             f"several models ({', '.join(n for n, _ in parts)}) are saved in one sharded checkpoint of fsdp_nb's "

@@ -73,6 +73,7 @@ def arm(spec: AutosaveSpec) -> Outcome:
     (replacing an earlier autosave). Every rank checks the names, then the ranks agree:
     all arm, or none does and each keeps what it had (the same failed outcome on each)."""
     global _ARMED
+    async_saves.drain()  # an earlier autosave's collectives end before the agreement's
     mine = None
     try:
         model, optim = named_objects(spec.model, spec.optimizer)
@@ -117,6 +118,9 @@ def disarm() -> int | None:
         return None
     for h in armed.handles:
         h.remove()
+    if armed.due:  # step N ran, and the forward that would have saved it never came
+        log.warning("autosave stopped with the save of step %d due and not written (it is written at the next "
+                    "forward); the last one written is %s", armed.step, armed.saved or "none")
     return armed.step
 
 

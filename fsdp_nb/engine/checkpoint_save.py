@@ -83,7 +83,10 @@ def named_objects(model_name: str, optim_name: str | None) -> tuple[Any, Any]:
 def begin(spec: SaveSpec | LoadSpec) -> tuple[Any, Any] | Outcome:
     """The spec's model and optimizer on this rank, once this rank's async saves have
     finished; or the failure outcome naming what is missing or wrong (the model, the
-    optimizer, or an engine global named in ``state``)."""
+    optimizer, or an engine global named in ``state``). The saves finish first, on every
+    rank, failing or not: a background save's collectives on the checkpoint group must
+    not meet the ones that follow (gloo pairs them by call order)."""
+    drain()
     try:
         objects = named_objects(spec.model, spec.optimizer)
         for model, optim in spec.parts[1:]:
@@ -91,7 +94,6 @@ def begin(spec: SaveSpec | LoadSpec) -> tuple[Any, Any] | Outcome:
         check_objects(spec.state)
     except (NameError, TypeError) as exc:
         return Outcome.failed(exc)
-    drain()
     return objects
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
+import re
 from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError
@@ -26,6 +27,7 @@ from ..formats.pickles import load_planner, refuse_code
 from ..formats.reader import named_corruption, open_sharded
 from ..formats.side_files import side_extra
 from ..formats.storage import is_temporary
+from ..formats.titan_loader import LOADER
 from ..torch_compat import tree_map_only
 from ..wire.checkpoint import LoadSpec, Outcome
 from . import progress_feed
@@ -130,7 +132,10 @@ class _Plan:
             if hasattr(v, "shape")}
         self.problem, self.usable = match(url, spec.strict, shapes(self.msd, lay.model_key), found, tied,
                                           exp_o, found_o if has_optim else None, "it was saved without optimizer=")
-        self.extra_keys = [k for k in self.md.state_dict_metadata if k.split(".", 1)[0] in lay.extra_roots]
+        # torchtitan's loader keeps one entry per rank: each rank reads its own alone
+        others = re.compile(rf"^{LOADER}\.dp_rank_(?!{rank_and_world()[0]}$)\d+$")
+        self.extra_keys = [k for k in self.md.state_dict_metadata
+                           if k.split(".", 1)[0] in lay.extra_roots and not others.match(k)]
 
     def extra(self) -> dict[str, Any]:
         """The trainer's other state: its side files, then the DCP keys it keeps it under

@@ -5,7 +5,8 @@ a surviving rank's cells made still hold the old parameters: ``step()`` would up
 tensors no model uses. :func:`remember` notes, before the rebuild, which model and
 name each parameter had; :func:`repoint` then swaps every engine global optimizer's
 parameters (and the state kept under them) for the rebuilt model's of the same name.
-The state it keeps is from before the restart; ``restart(restore=)`` replaces it.
+The state it keeps is from before the restart, and ``restart(restore=)`` replaces it; a
+model rebuilt from initialisation with nothing restored loses its parameters' state.
 """
 
 from __future__ import annotations
@@ -30,9 +31,15 @@ def remember() -> None:
             _BEFORE[id(p)] = (model, fqn)
 
 
-def repoint() -> list[str]:
+def repoint(fresh: tuple[str, ...] = ()) -> list[str]:
     """Point every engine global optimizer that held a remembered parameter at the
-    rebuilt one of the same model and name; the names of those re-pointed."""
+    rebuilt one of the same model and name; the names of those re-pointed.
+
+    Args:
+        fresh: models rebuilt from initialisation, with nothing restored into them: the
+            optimizer state of their parameters is dropped, as a replaced rank has none
+            (trained moments applied to initial weights would differ from rank to rank).
+    """
     import torch
 
     new = {(model, fqn): p for model, w in MODELS.items() for fqn, p in w.module.named_parameters()}
@@ -48,7 +55,8 @@ def repoint() -> list[str]:
                     swap[id(p)] = new[key]
                     group["params"][i] = new[key]
         if swap:
-            obj.state.update({swap[id(p)]: s for p, s in list(obj.state.items()) if id(p) in swap})
+            kept = {id(p) for p in obj.state if id(p) in swap and _BEFORE[id(p)][0] not in fresh}
+            obj.state.update({swap[id(p)]: s for p, s in list(obj.state.items()) if id(p) in kept})
             for p in [p for p in list(obj.state) if id(p) in swap]:
                 del obj.state[p]
             done.append(name)

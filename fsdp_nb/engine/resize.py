@@ -35,6 +35,7 @@ from ..formats.storage import url_to_fs
 from ..torch_compat import local_tensor
 from ..wire.calls import ByValue
 from ..wire.resize import OptimizerRecipe, RankSurvey
+from .async_saves import drain
 from .checkpoint_group import checkpoint_group
 from .checkpoint_save import state_bytes
 from .memory_sample import peak_resident, reset_peak_resident
@@ -186,10 +187,12 @@ def _state(model: Any, optims: list[Any]) -> dict[str, Any]:
 def stage(folder: str, optimizers: dict[str, tuple[str, ...]]) -> int:
     """Write each wrapped model (``optimizers``' keys) with its optimizers into
     ``folder/<model>``, then drop the models and detach the optimizers; bytes written by
-    this rank. Every rank of the old world calls it together."""
+    this rank. Every rank of the old world calls it together, once its own async saves
+    (an autosave's) have finished, so their collectives end before these begin."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
+    drain()
     ns = user_ns()
     written = 0
     for name, onames in optimizers.items():

@@ -74,9 +74,13 @@ def check_objects(names: Iterable[str]) -> None:
 
 
 def per_rank(obj: Any) -> bool:
-    """Whether ``obj`` is a loader or sampler (iterable): its position is its rank's own,
-    and the loop moves it before the next forward."""
-    return hasattr(obj, "__iter__")
+    """Whether ``obj`` is a data loader or sampler (iterable): its position is its rank's
+    own, and the loop moves it before the next forward. A module (an EMA kept in an
+    ``nn.ModuleList``) or a plain container is iterable too, and is not one: its state is
+    taken with the model's, after the loop's own updates."""
+    import torch
+
+    return hasattr(obj, "__iter__") and not isinstance(obj, torch.nn.Module | dict | list | tuple | set)
 
 
 def rng_state() -> dict[str, Any]:

@@ -101,7 +101,13 @@ def _storage(data: bytes) -> Any:
     read by torch's weights-only unpickler."""
     import torch
 
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    if not isinstance(data, bytes):
+        raise _Refused(f"gives a tensor's storage a {type(data).__name__}, not its bytes")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise _Refused(f"holds a tensor storage that torch's weights-only unpickler refuses ({first})") from None
 
 
 class _LoaderUnpickler(pickle.Unpickler):
@@ -113,6 +119,7 @@ class _LoaderUnpickler(pickle.Unpickler):
             return _storage if module == "torch.storage" else super().find_class(module, name)
         if (module, name) == ("collections", "OrderedDict"):
             return super().find_class(module, name)
-        if module == "builtins" and name in {"set", "frozenset", "tuple", "list", "dict", "bytes", "bytearray"}:
+        # not bytes or bytearray: called with a number, they allocate that many bytes
+        if module == "builtins" and name in {"set", "frozenset", "tuple", "list", "dict"}:
             return super().find_class(module, name)
         raise _Refused(f"names {module}.{name}, which is neither a plain container nor a tensor")

@@ -122,8 +122,8 @@ def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
         d.gather(d.apply("forget the gradient scaler", grad_scaler.forget))  # remade alike on every rank
         restored = set() if plan is None else {plan.model, *(m for m, _ in plan.parts)}
         rebuilt = tuple(n for n in replay_wraps(ctx, drop, d) if n not in restored)
-        repointed = tuple(sorted({n for names in d.gather(d.apply("re-point optimizers", repoint.repoint))
-                                  for n in names}))
+        repointed = tuple(sorted({n for names in d.gather(d.apply("re-point optimizers", repoint.repoint,
+                                                                  args=(rebuilt,))) for n in names}))
         clock.mark("wraps replayed")
     ctx.lifecycle.to("ready")
     if setup is not None:
@@ -132,9 +132,10 @@ def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
         clock.mark("setup ran")
     if plan is not None:
         if plan.parts:
-            load(ctx, plan.path, [m for m, _ in plan.parts], optimizer=[o for _, o in plan.parts], state=plan.state)
+            load(ctx, plan.path, [m for m, _ in plan.parts], optimizer=[o for _, o in plan.parts], state=plan.state,
+                 rng=plan.rng or None)
         else:
-            load(ctx, plan.path, plan.model, optimizer=plan.optimizer, state=plan.state)
+            load(ctx, plan.path, plan.model, optimizer=plan.optimizer, state=plan.state, rng=plan.rng or None)
         clock.mark("checkpoint loaded")
     autosave = _rearm(ctx, plan, bool(dead) or setup is not None)
     report = RestartReport(replaced=tuple(dead), rebuilt=rebuilt, restored=plan, repointed=repointed,

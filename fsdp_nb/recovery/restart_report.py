@@ -128,8 +128,9 @@ class RestartReport:
     restored: RestorePlan | None
     """What was loaded from a checkpoint (None: nothing)."""
     repointed: tuple[str, ...]
-    """Surviving ranks' optimizers pointed at the rebuilt parameters (their state is from
-    before the restart, unless the checkpoint replaced it)."""
+    """Surviving ranks' optimizers pointed at the rebuilt parameters: their state is from
+    before the restart, unless the checkpoint replaced it; for a model in ``rebuilt`` it
+    was dropped (its parameters are initial again)."""
     setup: bool
     """Whether ``setup`` ran on every rank."""
     autosave: str

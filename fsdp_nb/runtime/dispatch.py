@@ -234,6 +234,15 @@ class Dispatcher:
     def _gather(self, pending: Pending, timeout: float | None, ctrl_c: CtrlC,
                 watching: Watching | None = None) -> list[Any]:
         echo = Echo(pending) if self.echo else None
+        try:
+            return self._poll(pending, timeout, ctrl_c, watching, echo)
+        except BaseException:
+            if echo:  # the lines held back to merge are the last before a failure: show them
+                echo.flush(final=True)
+            raise
+
+    def _poll(self, pending: Pending, timeout: float | None, ctrl_c: CtrlC, watching: Watching | None,
+              echo: Echo | None) -> list[Any]:
         first_failure_at: float | None = None
         next_liveness = time.monotonic() + self.liveness_every
         shown: list[int] | None = None

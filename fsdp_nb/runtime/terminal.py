@@ -75,11 +75,13 @@ class Echo:
         self.mergers = {name: LineMerger(_writer(name)) for name in _STREAMS} if merged else None
 
     def flush(self, final: bool = False) -> None:
+        # which ranks may still print is taken before their output is read: one that ends
+        # in between counts as running, so its last lines are waited for, not split off
+        shown = self.pending.echoed
+        running = [r for r, ar in self.pending.results.items()
+                   if (shown is None or r in shown) and not ar.wait_for_output(0)] if self.mergers else []
         self._read(final)
         if self.mergers is not None:
-            shown = self.pending.echoed
-            running = [r for r, ar in self.pending.results.items()
-                       if (shown is None or r in shown) and not ar.wait_for_output(0)]
             for merger in self.mergers.values():
                 merger.emit(running, final)
 

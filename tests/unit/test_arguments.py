@@ -53,7 +53,8 @@ def test_ranks_and_output_of_a_call():
     with pytest.raises(TypeError):
         checks.check_ranks("01", 3)
     assert checks.check_output("all", [0, 1]) is None and checks.check_output("rank1", [0, 1]) == (1,)
-    with pytest.raises(ValueError, match="allowed: 'all', 'rank0'"):
+    assert checks.check_output("each", [0, 1]) is None
+    with pytest.raises(ValueError, match="allowed: 'all', 'each', 'rank0'"):
         checks.check_output("rank1", [0])
 
 

@@ -63,3 +63,35 @@ def test_a_pickle_that_could_run_code_is_refused_unless_trusted(monkeypatch):
     assert torch.equal(decode(storage, 0, 1, "ck"), torch.arange(3))
     decode(entry, 0, 1, "ck", weights_only=False)  # trusted: plain pickle, as torchtitan reads it
     assert ran == ["true"]
+
+
+def test_a_storage_or_a_builtin_that_could_do_harm_is_refused():
+    import io
+
+    class _Storage:  # a "storage" whose torch.save bytes hold a global weights-only refuses
+        def __reduce__(self):
+            buf = io.BytesIO()
+            torch.save({"hook": print}, buf)
+            return (torch.storage._load_from_bytes, (buf.getvalue(),))
+
+    class _Huge:  # bytearray(n) allocates n bytes
+        def __reduce__(self):
+            return (bytearray, (1 << 40,))
+
+    for obj, said in ((_Storage(), "storage that torch's weights-only unpickler refuses"),
+                      (_Huge(), "names builtins.bytearray")):
+        entry = {"dp_rank_0": pickle.dumps({"state": obj}), "world_size": 1}
+        with pytest.raises(UnsafeCheckpointError, match=said):
+            decode(entry, 0, 1, "ck")
+
+
+def test_torchtitans_loader_is_refused_for_a_model_whose_mesh_has_more_than_one_dimension():
+    from types import SimpleNamespace
+
+    from fsdp_nb.checkpoint.arguments import check_titan_loader
+
+    tp = SimpleNamespace(summary=SimpleNamespace(mesh_dims=("dp", "tp")))
+    with pytest.raises(ValueError, match=r"per data-parallel rank, and this model's mesh is \('dp', 'tp'\)"):
+        check_titan_loader(("dataloader",), "torchtitan", tp)
+    check_titan_loader(("dataloader",), "fsdp_nb", tp)  # fsdp_nb's own layout keeps each rank's
+    check_titan_loader(("dataloader",), "torchtitan", SimpleNamespace(summary=SimpleNamespace(mesh_dims=("dp",))))
