@@ -55,6 +55,9 @@ class _Armed:
     """Seconds training waited in this rank's autosave hooks (the save's call and the
     staging copy the next step waits for are what ``waited`` adds)."""
     waited_before: float = 0.0
+    branch: int = 0
+    """Loads since arming: a save after one gets a temporary folder of its own, never the one
+    an abandoned save of the same step number left (every rank loads alike, so they agree)."""
 
 
 _ARMED: _Armed | None = None
@@ -105,6 +108,7 @@ def loaded(extra: dict[str, Any] | None) -> None:
     if a is None:
         return
     a.due, a.early = False, {}
+    a.branch += 1
     step = (extra or {}).get("step")
     if isinstance(step, int) and not isinstance(step, bool):
         a.step = step
@@ -182,7 +186,7 @@ def _save(armed: _Armed) -> None:
     save_spec = SaveSpec(
         url=url, storage_options=spec.storage_options, model=spec.model, optimizer=spec.optimizer,
         state=spec.state, rng=True, sharded=True, async_save=True, keep_last=spec.keep_last,
-        token=f"{spec.run}s{armed.step}", meta=meta, check_exists=False, layout="fsdp_nb",
+        token=f"{spec.run}b{armed.branch}s{armed.step}", meta=meta, check_exists=False, layout="fsdp_nb",
     )
     out = save(save_spec, taken=armed.early)
     armed.early = {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -155,7 +156,9 @@ def _rearm(ctx: SessionContext, plan: RestorePlan | None, rebuilt: bool) -> str:
     if spec is None:
         return ""
     if plan is not None:
-        arm(ctx, dataclasses.replace(spec, start_step=plan.step or 0))
+        # a run token of its own: its saves never reuse a temporary folder the run before
+        # the restart may have left half written under the same step number
+        arm(ctx, dataclasses.replace(spec, start_step=plan.step or 0, run=uuid.uuid4().hex[:8]))
         return f"autosave goes on from step {plan.step or 0}"
     if rebuilt:
         stop(ctx)

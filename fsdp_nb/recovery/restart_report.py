@@ -33,7 +33,8 @@ class RestorePlan:
     path: str
     """The checkpoint (``"latest"`` resolved)."""
     model: str
-    """The wrapped model it is loaded into: the one it was saved from, else the last wrapped."""
+    """The wrapped model it is loaded into: the one it was saved from, else the only one
+    wrapped, else (a checkpoint that does not say) the last wrapped."""
     optimizer: str | None
     """Its optimizer's engine global, when the checkpoint keeps one."""
     state: tuple[str, ...]
@@ -85,6 +86,12 @@ def restore_plan(ctx: SessionContext, restore: str | None, dead: list[int],
             "has no wrapped model; call sess.wrap(...) then sess.load(path, model)."
         )
     saved_model, saved_optim = info.saved_from
+    if saved_model and saved_model not in names and len(names) > 1 and not info.models:
+        raise CheckpointError(
+            f"restart(restore={restore!r}): {path} was saved from model {saved_model!r}, which this session "
+            f"has not wrapped; it wrapped {', '.join(map(repr, names))}: restart without restore=, then "
+            "sess.load(path, model) into the one it belongs to"
+        )
     model = saved_model if saved_model in names else names[-1]
     parts = tuple((n, m.get("optimizer")) for n, m in info.models.items() if n in names)
     if info.models and not parts:
