@@ -13,6 +13,10 @@ work threads, which torchrun has too), and every thread the session adds (the ha
 watch, the engine's message threads). A thread the session adds that takes a share of
 the step is where the session costs.
 
+Each round also runs the session's loop again with the step view on (``sess.steps()``:
+its hooks and its sampling thread), beside the round with it off: its cost as a speed
+ratio (on / off), and the sampling thread's share of the wall time.
+
 Prints a table and writes benchmarks/out/session_cost.json.
 Run: PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/session_cost.py [--rounds 3 --steps 150]
 """
@@ -55,14 +59,21 @@ def counted_train(steps):
 """
 
 
+def _stop_view() -> None:
+    from fsdp_nb.engine import step_timing
+
+    step_timing.stop()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=150)
     a = p.parse_args()
 
-    import fsdp_nb
     from session import torchrun
+
+    import fsdp_nb
 
     sess = fsdp_nb.Session(2, backend="gloo", activate=False)
     res: dict = {"rounds": a.rounds, "steps": a.steps, "size": SIZE, "session": [], "torchrun": [], "threads": []}
@@ -70,17 +81,27 @@ def main() -> None:
         sess.execute((HERE / "_train_loop.py").read_text())
         sess.execute(COUNT.format(size=", ".join(SIZE)))
         sess.execute("counted_train(5)")
+        res["view_on"] = []
         for _ in range(a.rounds):
             res["torchrun"].append(torchrun(2, "train", [str(a.steps), *SIZE])["tokens_per_s"])
             sess.execute(f"bench_out = counted_train({a.steps})")
             got = sess.pull("bench_out")
             res["session"].append(statistics.mean(out[1] for out, _ in got))
             res["threads"].append([{**use, "wall_s": out[0]} for out, use in got])
+            sess.steps(window=20)  # the step view on: its hooks and its sampling thread
+            sess.execute(f"bench_out = counted_train({a.steps})")
+            got = sess.pull("bench_out")
+            res["view_on"].append(statistics.mean(out[1] for out, _ in got))
+            res["threads"][-1] = [{**old, "step sampler (view on)": use.get("fsdp_nb-step-sampler", 0.0)}
+                                  for old, (_, use) in zip(res["threads"][-1], got)]
+            sess.run(_stop_view)
     finally:
         sess.shutdown()
     res["ratio"] = statistics.median(res["session"]) / statistics.median(res["torchrun"])
+    res["view_ratio"] = statistics.median(res["view_on"]) / statistics.median(res["session"])
     print(f"tokens/s per rank, session {[round(x) for x in res['session']]} vs torchrun "
           f"{[round(x) for x in res['torchrun']]}: session / torchrun = {res['ratio']:.3f}")
+    print(f"with sess.steps() on {[round(x) for x in res['view_on']]}: view on / off = {res['view_ratio']:.3f}")
     kinds = sorted({k for rnd in res["threads"] for rank in rnd for k in rank if k != "wall_s"})
     print(f"{'thread':<28}" + "".join(f"  round {i} (share of wall)" for i in range(a.rounds)))
     for kind in kinds:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # what type checkers and editors see of the lazy names below
     from .models.session_planning import plan
     from .models.sharded_model import ShardedModel
     from .models.step_profile import StepProfile
+    from .models.steps_view import StepsView
     from .recovery.restart_report import RestartReport
     from .runtime.rendezvous import RankInfo
     from .session import Session
@@ -57,6 +58,7 @@ _LAZY = {
     "AsyncCheckpoint": "checkpoint.async_saves",
     "Autosaving": "checkpoint.autosave",
     "StepProfile": "models.step_profile",
+    "StepsView": "models.steps_view",
     "RestartReport": "recovery.restart_report",
     "CheckpointInfo": "formats.info",
     "inspect": "formats.inspect",
@@ -106,6 +108,7 @@ __all__ = [
     "SessionContext",
     "ShardedModel",
     "StepProfile",
+    "StepsView",
     "UnsafeCheckpointError",
     "WrapOptions",
     "__version__",

@@ -70,6 +70,8 @@ class SessionContext:
     """Async saves still being written; the next save, load or shutdown waits for them."""
     autosave: AutosaveSpec | None = None
     """The ranks' autosave (``sess.autosave``), re-armed by ``restart``; None when off."""
+    last_autosave: AutosaveSpec | None = None
+    """The last autosave armed, kept after it stops: where ``restore="latest"`` looks."""
     keeper: Keeper | None = None
     """The session record and watchdog (None for a connected session not kept alive)."""
     last_memory: dict[int, MemorySample] = field(default_factory=dict)

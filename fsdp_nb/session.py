@@ -25,6 +25,7 @@ from .lifetime import start_stop
 from .lifetime.keepalive import check_keep_alive
 from .models.session_planning import SessionPlanning
 from .models.step_profile import SessionProfiling
+from .models.steps_view import SessionSteps
 from .runtime import calls, checks
 from .runtime.phases import phase_table
 
@@ -44,7 +45,7 @@ _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
 """Every open session of this kernel: shut down at exit, found again by ``attach``."""
 
 
-class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfiling, SessionWidgets):
+class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfiling, SessionSteps, SessionWidgets):
     """An ipyparallel cluster whose engines are the ranks of one process group.
 
     ``Session(n)`` starts the engines and forms the group; ``Session.connect`` takes a
@@ -238,7 +239,8 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfilin
         """
         if not callable(fn):
             raise TypeError(f"run() needs a callable, got {type(fn).__name__}")
-        return calls.run(self.dispatcher, fn, args, kwargs, timeout, checks.check_hang_after(hang_after))
+        return calls.run(self.dispatcher, fn, args, kwargs, timeout, checks.check_hang_after(hang_after),
+                         self._ctx.merge_output)
 
     def execute(
         self,

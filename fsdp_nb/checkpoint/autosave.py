@@ -97,7 +97,7 @@ def arm(ctx: SessionContext, spec: AutosaveSpec) -> None:
 
     d = ctx.dispatcher
     raise_outcomes(d.gather(d.apply("arm autosave", engine_autosave.arm, args=(spec,))))
-    ctx.autosave = spec
+    ctx.autosave = ctx.last_autosave = spec
 
 
 def stop(ctx: SessionContext) -> None:
@@ -122,12 +122,13 @@ def describe(ctx: SessionContext) -> Autosaving | None:
 
 
 def latest(ctx: SessionContext) -> str:
-    """The newest valid checkpoint under the autosave's root (``restart(restore="latest")``);
+    """The newest valid checkpoint under the autosave's root (``restart(restore="latest")``),
+    the running one's or the last one's (a restart that rebuilt the models stops it);
     CheckpointError saying why there is none."""
-    spec = ctx.autosave
+    spec = ctx.autosave or ctx.last_autosave  # a stopped autosave's checkpoints are still there
     if spec is None:
         raise CheckpointError(
-            "restore='latest' means the newest checkpoint sess.autosave(...) wrote, but this session has no "
+            "restore='latest' means the newest checkpoint sess.autosave(...) wrote, but this session has had no "
             "autosave; pass the path of a checkpoint instead"
         )
     found = [i for i in list_checkpoints(spec.root, storage_options=spec.storage_options) if i.valid]

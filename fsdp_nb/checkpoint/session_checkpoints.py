@@ -56,9 +56,10 @@ class SessionCheckpoints:
                 object). In fsdp_nb's layout each rank's copy goes in its own file
                 (``train/rank{r}.pt``) with the rank's random state, which a sharded save
                 there always keeps. ``layout="lightning"`` keeps rank 0's under each name
-                in ``meta.pt``, ``"torchtitan"`` as its ``lr_scheduler`` / ``train_state``
-                (engine globals of those names); both refuse a loader (its position is a
-                rank's own), and a full file (``sharded=False``) refuses ``state``.
+                in ``meta.pt`` and refuses a loader (its position is a rank's own);
+                ``"torchtitan"`` keeps engine globals named as its states: ``lr_scheduler``,
+                ``train_state`` (rank 0's) and ``dataloader`` (each rank's own). A full file
+                (``sharded=False``) refuses ``state``.
             extra: small values to keep with it (a step, a config); ``load`` returns them.
             sharded: one file per rank (a DCP folder, reshardable); False: one full file
                 (``.pt`` or ``.safetensors`` by ``path``'s suffix).

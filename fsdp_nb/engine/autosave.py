@@ -24,16 +24,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import UnsafeCheckpointError
 from ..formats.metadata import base_metadata
-from ..formats.run_state import RNG, run_meta
+from ..formats.run_state import RNG, decode, encode, run_meta, state_file
 from ..wire.autosave import AutosaveSpec, AutosaveState
 from ..wire.checkpoint import Outcome, SaveSpec
 from . import async_saves
 from .async_saves import async_wait
-from .checkpoint_group import agree
+from .checkpoint_group import agree, rank_and_world
 from .checkpoint_save import named_objects, save
 from .namespace import user_ns
-from .run_state import check_objects, per_rank, rng_state, training_step
+from .run_state import capture, check_objects, per_rank, rng_state, training_step
 
 __all__ = ["arm", "armed_spec", "disarm", "status"]
 
@@ -81,7 +82,9 @@ def arm(spec: AutosaveSpec) -> Outcome:
     try:
         model, optim = named_objects(spec.model, spec.optimizer)
         check_objects(spec.state)
-    except (NameError, TypeError) as exc:
+        # a state_dict a load would refuse would fail every save: refused now, by name
+        decode(encode(capture(spec.state, True, None)), spec.root, state_file(rank_and_world()[0]))
+    except (NameError, TypeError, UnsafeCheckpointError) as exc:
         mine = Outcome.failed(exc)
     bad = agree(mine)
     if bad is not None:

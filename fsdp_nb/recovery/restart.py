@@ -162,5 +162,6 @@ def _rearm(ctx: SessionContext, plan: RestorePlan | None, rebuilt: bool) -> str:
         return f"autosave goes on from step {plan.step or 0}"
     if rebuilt:
         stop(ctx)
-        return "autosave stopped (the models were rebuilt from initialisation): call sess.autosave again"
+        return ("autosave stopped (the models were rebuilt from initialisation): call sess.autosave again, into a "
+                "new folder (restore='latest' still finds its last checkpoint)")
     return "autosave goes on"

@@ -20,11 +20,14 @@ __all__ = ["all_reduce_check", "execute", "pull", "push", "run"]
 
 
 def run(d: Dispatcher, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
-        timeout: float | None, hang_after: float | None = None) -> list[Any]:
-    """``fn(*args, **kwargs)`` on every rank, shipped by value; results in rank order."""
+        timeout: float | None, hang_after: float | None = None, merged: bool = True) -> list[Any]:
+    """``fn(*args, **kwargs)`` on every rank, shipped by value; results in rank order.
+    ``merged``: lines the ranks print alike show once."""
     what = f"run({getattr(fn, '__qualname__', type(fn).__name__)})"
     payload = (by_value(fn), by_value(args), by_value(kwargs))
-    return d.gather(d.apply(what, _ns.call, args=payload, fast=True), timeout, hang_after)
+    pending = d.apply(what, _ns.call, args=payload, fast=True)
+    pending.merged = merged
+    return d.gather(pending, timeout, hang_after)
 
 
 def execute(d: Dispatcher, code: str, timeout: float | None, *, ranks: Sequence[int] | None,

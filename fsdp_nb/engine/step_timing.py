@@ -1,0 +1,175 @@
+"""Where each optimizer step's time goes on this rank, measured while it trains (``sess.steps()``).
+
+Call order, on every rank:
+
+1. ``start(window)`` (the first ``sess.steps()``): a global optimizer post-step hook, a
+   forward pre-hook on every wrapped model (and each one wrapped later), and a sampling
+   thread.
+2. Each optimizer step (the post-step hook) closes a step: its time from the step
+   before's end (or the cell's start: an IPython ``pre_execute`` hook); ``other`` from there to the first forward of a wrapped model; and the
+   rest, from that forward to the step's end, split by the sampler's counts into compute
+   and collective.
+3. ``window()`` (the notebook reads the view): the last ``window`` steps.
+4. ``stop()``: hooks and thread gone.
+
+The sampler looks at the training thread's innermost Python frame every ``INTERVAL``
+seconds (``sys._current_frames``): in ``torch/distributed`` (FSDP's all-gathers and
+reduce-scatters and their waits, any ``dist`` call) it counts a collective; in a data
+loader (``torch/utils/data``, ``torchdata``) it counts other; anywhere else inside the
+model part, compute. On a CPU rank a collective blocks the thread, so this is where its
+time goes. On a GPU the host runs ahead of the device, so these host clocks do not say
+where the device's time went; the view says so (``device``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..wire.step_times import RankSteps
+from .checkpoint_group import rank_and_world
+from .wrap import MODELS, ON_WRAPPED
+
+__all__ = ["INTERVAL", "start", "stop", "window"]
+
+log = logging.getLogger("fsdp_nb")
+
+INTERVAL = 0.002
+"""Seconds between two looks at the training thread."""
+_COLLECTIVE = ("/torch/distributed/",)
+_DATA = ("/torch/utils/data/", "/torchdata/")
+
+
+@dataclass
+class _Timing:
+    keep: int
+    steps: collections.deque = field(default_factory=collections.deque)
+    last_end: float = field(default_factory=time.perf_counter)
+    first_forward: float | None = None
+    thread: int | None = None
+    counts: list[int] = field(default_factory=lambda: [0, 0, 0])  # compute, collective, other
+    count: int = 0
+    hooks: list[Any] = field(default_factory=list)
+    hooked: set[int] = field(default_factory=set)
+    sampler: threading.Thread | None = None
+    running: bool = True
+
+
+_TIMING: _Timing | None = None
+
+
+def start(keep: int) -> None:
+    """Measure this rank's steps from now on, keeping the last ``keep`` (idempotent: a
+    second call only changes ``keep``)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    global _TIMING
+    if _TIMING is not None:
+        _TIMING.keep = keep
+        return
+    t = _Timing(keep=keep)
+    t.hooks.append(register_optimizer_step_post_hook(lambda *_: _stepped(t)))
+    _TIMING = t
+    _hook_models()
+    ON_WRAPPED.append(_hook_models)
+    try:
+        from IPython import get_ipython
+
+        ip = get_ipython()
+    except ImportError:  # pragma: no cover - engines always have IPython
+        ip = None
+    if ip is not None:  # a cell's first step starts with the cell, not at the last step of the cell before
+        ip.events.register("pre_execute", lambda: _cell_started(t))
+        cb = ip.events.callbacks["pre_execute"][-1]
+        t.hooks.append(_Unregister(lambda: ip.events.unregister("pre_execute", cb)))
+    t.sampler = threading.Thread(target=_sample, args=(t,), name="fsdp_nb-step-sampler", daemon=True)
+    t.sampler.start()
+
+
+class _Unregister:
+    """A callable undo, held with the torch hook handles (``remove()``)."""
+
+    def __init__(self, undo: Any) -> None:
+        self.remove = undo
+
+
+def _cell_started(t: _Timing) -> None:
+    t.last_end, t.first_forward = time.perf_counter(), None
+
+
+def _hook_models() -> None:
+    t = _TIMING
+    if t is None:
+        return
+    for w in MODELS.values():
+        if id(w.module) not in t.hooked:
+            t.hooked.add(id(w.module))
+            t.hooks.append(w.module.register_forward_pre_hook(lambda *_: _forward(t), prepend=True))
+
+
+def _forward(t: _Timing) -> None:
+    if t.first_forward is None:
+        t.first_forward = time.perf_counter()
+        t.thread = threading.get_ident()
+        t.counts = [0, 0, 0]
+
+
+def _stepped(t: _Timing) -> None:
+    now = time.perf_counter()
+    seconds = now - t.last_end
+    start_model = t.first_forward if t.first_forward is not None else now
+    other = start_model - t.last_end
+    model = now - start_model
+    comp, coll, oth = t.counts
+    seen = comp + coll + oth
+    coll_s = model * coll / seen if seen else 0.0
+    oth_s = model * oth / seen if seen else 0.0
+    t.steps.append((t.count, seconds, model - coll_s - oth_s, coll_s, other + oth_s))
+    while len(t.steps) > t.keep:
+        t.steps.popleft()
+    t.count += 1
+    t.last_end, t.first_forward = now, None
+
+
+def _sample(t: _Timing) -> None:
+    """The sampling thread: where the training thread is, while a step's model part runs."""
+    while t.running:
+        time.sleep(INTERVAL)
+        if t.first_forward is None or t.thread is None:
+            continue
+        frame = sys._current_frames().get(t.thread)
+        if frame is None:
+            continue
+        name = frame.f_code.co_filename.replace("\\", "/")
+        kind = 1 if any(p in name for p in _COLLECTIVE) else 2 if any(p in name for p in _DATA) else 0
+        t.counts[kind] += 1
+
+
+def window() -> RankSteps:
+    """This rank's last steps (none when ``start`` was not called)."""
+    import torch
+
+    t = _TIMING
+    rows = list(t.steps) if t is not None else []
+    cols = list(zip(*rows)) if rows else [(), (), (), (), ()]
+    return RankSteps(rank=rank_and_world()[0], index=list(cols[0]), seconds=list(cols[1]), compute=list(cols[2]),
+                     collective=list(cols[3]), other=list(cols[4]),
+                     device="cuda" if torch.cuda.is_initialized() else "cpu")
+
+
+def stop() -> None:
+    """Stop measuring on this rank."""
+    global _TIMING
+    t, _TIMING = _TIMING, None
+    if t is None:
+        return
+    t.running = False
+    for h in t.hooks:
+        h.remove()
+    if _hook_models in ON_WRAPPED:
+        ON_WRAPPED.remove(_hook_models)

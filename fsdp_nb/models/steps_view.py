@@ -1,0 +1,205 @@
+"""``sess.steps()``: where each rank's recent optimizer steps' time went, and which rank
+holds the others back.
+
+Every rank measures its own steps (``engine.step_timing``); the view reads the last
+``window`` of them from every rank and splits each rank's mean step into:
+
+- **compute**: in a wrapped model's forward and backward, and the optimizer step;
+- **communication**: in collectives, as long as the rank that waited least was in them
+  (the transfer itself, which no rank escapes);
+- **waiting**: the rest of its time in collectives: for the other ranks to arrive;
+- **other**: data loading, Python between the steps, the host.
+
+The parts add up to the step. A **straggler** is a rank whose own work per step
+(the step less its waiting) is more than ``SLOWER`` above the median rank's; the view
+names it, the part that grew most against the median of that part, and the step from
+which it stayed slow. On a GPU rank the host's clocks do not say where the device's time
+went, so there the view gives the step times alone (``sess.profile`` splits a GPU step).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..display.tables import html_table, text_table
+from ..engine import step_timing as _est
+from ..wire.step_times import RankSteps
+
+if TYPE_CHECKING:
+    from ..context import SessionContext
+
+__all__ = ["SLOWER", "RankParts", "SessionSteps", "StepsView", "Straggler"]
+
+SLOWER = 0.10
+"""A rank whose own work per step is this much above the median rank's is a straggler."""
+_PARTS = ("compute", "communication", "waiting", "other")
+_SAYS = {"compute": "compute", "communication": "communication", "waiting": "waiting",
+         "other": "other (data loading, Python, the host)"}
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """One rank's mean step over the window, in seconds: the parts add up to ``step``."""
+
+    step: float
+    """The step: from the end of the optimizer step before to the end of its own."""
+    compute: float
+    """Forward, backward and the optimizer step."""
+    communication: float
+    """In collectives, as long as the rank that waited least (the transfer)."""
+    waiting: float
+    """In collectives beyond that: waiting for the other ranks to arrive."""
+    other: float
+    """Data loading, Python, the host."""
+    steps: int
+    """Steps in the window."""
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank that holds the others back."""
+
+    rank: int
+    """The rank."""
+    slower: float
+    """Its own work per step over the median rank's, less one (0.21: 21% more)."""
+    part: str
+    """The part that grew most: ``compute``, ``communication`` or ``other``."""
+    since: int
+    """The first step (its number on that rank) from which it stayed slow."""
+
+    def __str__(self) -> str:
+        return (f"rank {self.rank}: {self.slower:.0%} more work per step than the median rank, "
+                f"in {_SAYS[self.part]}, since step {self.since}")
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+class StepsView:
+    """The ranks' recent steps, read from the ranks at each ``refresh()`` (and when shown)."""
+
+    def __init__(self, ctx: SessionContext, window: int) -> None:
+        self._ctx, self.window = ctx, window
+        self.ranks: dict[int, RankParts] = {}
+        """Rank -> its mean step over the window, split into parts."""
+        self.stragglers: list[Straggler] = []
+        """The ranks that hold the others back, slowest first."""
+        self.device = "cpu"
+        """``cpu``, or ``cuda`` (the parts are not split there: ``sess.profile``)."""
+
+    def refresh(self) -> StepsView:
+        """Read every rank's last ``window`` steps and split them; returns the view."""
+        d = self._ctx.dispatcher
+        self.apply(d.gather(d.apply("steps: read", _est.window)))
+        return self
+
+    def apply(self, got: list[RankSteps]) -> None:
+        """Split the ranks' measured steps (``RankSteps``, one per rank) into the view."""
+        self.device = "cuda" if any(g.device == "cuda" for g in got) else "cpu"
+        coll = {g.rank: _mean(g.collective) for g in got}
+        comm = min(coll.values(), default=0.0)
+        self.ranks = {g.rank: RankParts(step=_mean(g.seconds), compute=_mean(g.compute), communication=comm,
+                                        waiting=coll[g.rank] - comm, other=_mean(g.other), steps=len(g.seconds))
+                      for g in got if g.seconds}
+        self.stragglers = _stragglers({g.rank: g for g in got if g.seconds}, self.ranks)
+
+    def to_text(self) -> str:
+        """The view as a text table, with its stragglers under it."""
+        if not self.ranks:
+            return "no optimizer step measured yet: run a training cell, then refresh()"
+        header = ("rank", "steps", "step ms", *(f"{p} ms" for p in _PARTS))
+        rows = [(r, p.steps, f"{p.step * 1e3:.1f}", *(f"{getattr(p, k) * 1e3:.1f}" for k in _PARTS))
+                for r, p in sorted(self.ranks.items())]
+        lines = [text_table(header, rows)]
+        lines += [f"straggler: {s}" for s in self.stragglers] or ["no straggler"]
+        if self.device == "cuda":
+            lines.append("GPU ranks: these are host clocks, not the device's; sess.profile splits a GPU step")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        self.refresh()
+        if not self.ranks:
+            return f"<div class='fsdp-nb-steps'>{self.to_text()}</div>"
+        header = ("rank", "steps", "step ms", *(f"{p} ms" for p in _PARTS))
+        rows = [(r, p.steps, f"{p.step * 1e3:.1f}", *(f"{getattr(p, k) * 1e3:.1f}" for k in _PARTS))
+                for r, p in sorted(self.ranks.items())]
+        said = "<br>".join(f"<b>straggler</b>: {s}" for s in self.stragglers) or "no straggler"
+        return (f"<div class='fsdp-nb-steps'><b>Steps</b> <small>mean over the last {self.window} per rank</small>"
+                + html_table(header, rows, cls="fsdp-nb-table") + f"<small>{said}</small></div>")
+
+    def __repr__(self) -> str:
+        return self.to_text()
+
+
+def _own_work(g: RankSteps, i: int) -> float:
+    return g.compute[i] + g.other[i] + g.collective[i]
+
+
+def _stragglers(got: dict[int, RankSteps], parts: dict[int, RankParts]) -> list[Straggler]:
+    """The ranks whose own work per step (step less waiting) is over ``SLOWER`` above the
+    median rank's, slowest first."""
+    if len(parts) < 2:
+        return []
+    work = {r: p.step - p.waiting for r, p in parts.items()}
+    median = statistics.median(work.values())
+    out = []
+    for r, w in work.items():
+        if median <= 0 or w / median - 1 <= SLOWER:
+            continue
+        excess = {k: getattr(parts[r], k) - statistics.median(getattr(p, k) for p in parts.values())
+                  for k in ("compute", "communication", "other")}
+        part = max(excess, key=lambda k: excess[k])
+        out.append(Straggler(rank=r, slower=w / median - 1, part=part, since=_since(got, r)))
+    return sorted(out, key=lambda s: -s.slower)
+
+
+def _since(got: dict[int, RankSteps], r: int) -> int:
+    """The step from which rank ``r`` stayed slow: the oldest of its newest steps, each with
+    its own work over ``SLOWER`` above that step's median rank's (the window's first when
+    none of the newest is)."""
+    g = got[r]
+    n = min(len(x.seconds) for x in got.values())
+    offset = len(g.seconds) - n
+    since = g.index[offset]
+    for i in range(n - 1, -1, -1):
+        median = statistics.median(_own_work(got[q], len(got[q].seconds) - n + i)
+                                   - _waiting_at(got, q, len(got[q].seconds) - n + i, n) for q in got)
+        if _own_work(g, offset + i) - _waiting_at(got, r, offset + i, n) <= median * (1 + SLOWER):
+            break
+        since = g.index[offset + i]
+    return since
+
+
+def _waiting_at(got: dict[int, RankSteps], r: int, i: int, n: int) -> float:
+    """Rank ``r``'s waiting in its ``i``-th kept step: its collective time beyond the least
+    of the ranks' in the same step (the ranks' last ``n`` steps lined up from the newest)."""
+    back = len(got[r].seconds) - i
+    return got[r].collective[i] - min(g.collective[len(g.seconds) - back] for g in got.values()
+                                      if len(g.seconds) >= back and back <= n)
+
+
+class SessionSteps:
+    """The ``Session`` façade's step view."""
+
+    _ctx: SessionContext
+
+    def steps(self, window: int = 20) -> StepsView:
+        """Where each rank's recent optimizer steps' time goes, and which rank is slow.
+
+        The first call starts the measurement on every rank (a hook at each optimizer step
+        and each wrapped model's forward, and a thread that looks where the training thread
+        is every 2 ms); the view reads the ranks when refreshed or shown. Call it before a
+        training cell, then show the view (or ``view.refresh()``) after it.
+
+        Args:
+            window: the last this many steps make each rank's means (1 to 1000).
+        """
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 1000:
+            raise ValueError(f"window must be an int from 1 to 1000 (steps), got {window!r}")
+        d = self._ctx.dispatcher
+        d.gather(d.apply("steps: start", _est.start, args=(window,)))
+        return StepsView(self._ctx, window)

@@ -1,0 +1,94 @@
+"""``sess.steps()`` on real gloo ranks: each rank's steps split into compute,
+communication, waiting and other, adding up to the step it measured, and the rank that
+holds the others back named with the part that grew."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import forget_models
+from torch import nn
+
+LOOP = """
+import time
+sv_opt = torch.optim.AdamW(sv_net.parameters(), lr=1e-3)
+sv_x = torch.randn(128, 256)
+
+def sv_loop(n, sleep_rank=None, heavy_rank=None):
+    sv_net.extra = 8 if rank == heavy_rank else 0
+    t0 = time.perf_counter()
+    for _ in range(n):
+        if rank == sleep_rank:
+            time.sleep(0.03)  # a slow data step
+        sv_net(sv_x).sum().backward()
+        sv_opt.step()
+        sv_opt.zero_grad()
+    return (time.perf_counter() - t0) / n
+"""
+
+
+class Heavy(nn.Module):
+    """Four FSDP units; ``extra`` adds compute (no collective) after each."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+        self.extra = 0
+
+    def forward(self, x):
+        import torch
+
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+            for _ in range(self.extra):
+                x = x + 1e-3 * torch.tanh(x @ torch.ones(256, 256) / 256)
+        return x
+
+
+def _stop():
+    from fsdp_nb.engine import step_timing
+
+    step_timing.stop()
+
+
+@pytest.fixture
+def stepped(sess):
+    sess.wrap(Heavy, name="sv_net", auto_wrap={nn.Linear})
+    sess.execute(LOOP)
+    try:
+        yield sess
+    finally:
+        sess.run(_stop)
+        forget_models(sess, "sv_net", optimizers=("sv_opt", "sv_x", "sv_loop"))
+
+
+def test_the_parts_add_up_to_the_step_each_rank_measured(stepped):
+    view = stepped.steps(window=12)
+    assert "no optimizer step measured yet" in view.refresh().to_text()
+    stepped.execute("sv_wall = sv_loop(12)")
+    walls = stepped.pull("sv_wall")
+    view.refresh()
+    assert sorted(view.ranks) == [0, 1] and view.device == "cpu"
+    for r, p in view.ranks.items():
+        assert p.steps == 12
+        assert p.compute + p.communication + p.waiting + p.other == pytest.approx(p.step, rel=1e-9)
+        assert p.step == pytest.approx(walls[r], rel=0.05)  # the loop's own clock, same steps
+        assert p.compute > 0 and p.communication > 0
+
+
+def test_a_rank_slow_in_its_data_step_is_named_with_other_and_the_others_wait(stepped):
+    view = stepped.steps(window=10)
+    stepped.execute("sv_loop(10, sleep_rank=1)")
+    view.refresh()
+    assert [(s.rank, s.part) for s in view.stragglers] == [(1, "other")]
+    assert view.ranks[1].other - view.ranks[0].other > 0.02 and view.ranks[0].waiting > view.ranks[1].waiting
+    assert "straggler: rank 1:" in view.to_text() and "in other (data loading" in view.to_text()
+
+
+def test_a_rank_given_more_compute_is_named_with_compute(stepped):
+    view = stepped.steps(window=10)
+    stepped.execute("sv_loop(10, heavy_rank=1)")
+    view.refresh()
+    assert [(s.rank, s.part) for s in view.stragglers] == [(1, "compute")]
+    assert view.ranks[1].compute > view.ranks[0].compute and view.ranks[0].waiting > view.ranks[1].waiting
+    with pytest.raises(ValueError, match="window must be an int from 1 to 1000"):
+        stepped.steps(window=0)
