@@ -50,7 +50,8 @@ nitpick_ignore_regex = [
     # the session's internals (its context's parts) and the mixins the façade is made of
     ("py:class", r"fsdp_nb\.(runtime|lifetime)\..*"),
     ("py:class", r"fsdp_nb\.(context\.SessionFacts|checkpoint\.session_checkpoints\.SessionCheckpoints|"
-                 r"models\.session_planning\.SessionPlanning|frontends\.widgets\.session_widgets\.SessionWidgets)"),
+                 r"models\.session_planning\.SessionPlanning|frontends\.widgets\.session_widgets\.SessionWidgets|"
+                 r"models\.step_profile\.SessionProfiling|models\.steps_view\.SessionSteps)"),
 ]
 
 myst_enable_extensions = ["colon_fence", "deflist"]

@@ -46,7 +46,8 @@ class Autosaving:
     keep_last: int | None
     """How many checkpoints are kept under ``root`` (None: all)."""
     ranks: tuple[AutosaveState | None, ...] = ()
-    """Each rank's step count and last save when asked (``sess.autosave()``)."""
+    """Each rank's step count and last save when asked (``sess.autosave()``), by rank;
+    None for a rank whose engine is dead."""
 
     def __repr__(self) -> str:
         kept = f", keeping the last {self.keep_last}" if self.keep_last else ""
@@ -117,7 +118,10 @@ def describe(ctx: SessionContext) -> Autosaving | None:
     if spec is None:
         return None
     d = ctx.dispatcher
-    ranks = tuple(d.gather(d.apply("autosave status", engine_autosave.status)))
+    dead = set(ctx.cluster.dead_ranks())  # a degraded session: what the live ranks say
+    live = [r for r in range(ctx.world_size) if r not in dead]
+    said = dict(zip(live, d.gather(d.apply("autosave status", engine_autosave.status, ranks=live))))
+    ranks = tuple(said.get(r) for r in range(ctx.world_size))
     return Autosaving(spec.root, spec.every, spec.model, spec.optimizer, spec.state, spec.keep_last, ranks)
 
 

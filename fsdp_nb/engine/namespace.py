@@ -86,19 +86,21 @@ def call(fn: Any, args: Any, kwargs: Any) -> Any:
 
 
 def call_setup(fn: Any) -> list[str]:
-    """Run a shipped function of no arguments whose ``global`` statements bind engine
-    globals (``restart(setup=)``: ``global opt; opt = AdamW(model.parameters())``): a
-    notebook function runs on a copy of the namespace (:func:`_rebind`), so the names it
-    stores as globals are copied back. Returns them."""
-    import dis
-
+    """Run a shipped function of no arguments that binds engine globals
+    (``restart(setup=)``: ``global opt; opt = AdamW(model.parameters())``): a notebook
+    function runs on a copy of the namespace (:func:`_rebind`), so every global it bound
+    or rebound (by ``global`` in it or in a function it calls from its module, or through
+    ``globals()[name] = ...``) is copied back. Returns their names."""
     fn = unship(fn)
+    g = fn.__globals__
+    before = dict(g)  # holds the old objects, so an id is never reused in between
     fn()
-    stored = sorted({i.argval for i in dis.get_instructions(fn.__code__) if i.opname == "STORE_GLOBAL"})
+    missing = object()
+    stored = sorted(k for k, v in g.items() if before.get(k, missing) is not v)
     ns = user_ns()
-    for name in stored:
-        if name in fn.__globals__ and fn.__globals__ is not ns:
-            ns[name] = fn.__globals__[name]
+    if g is not ns:
+        for name in stored:
+            ns[name] = g[name]
     return stored
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..formats.metadata import META_FILE
 from ..formats.run_state import RNG, RUN_STATE, read, state_file
 from ..wire.checkpoint import LoadSpec
@@ -226,4 +226,7 @@ def read_part(spec: LoadSpec, fs: Any, p: str, isdir: bool, rank: int, ws: int,
         return None, False
     name = state_file(rank)
     record = (marker or {}).get("files", {}).get(name) if spec.verify else None
+    if spec.verify and marker is not None and record is None:  # every file a save wrote is listed
+        raise CorruptCheckpointError(f"checkpoint {url!r}: its completion marker lists no {name!r}, which "
+                                     "its metadata says each rank wrote; load it with verify=False to read it unchecked")
     return read(fs, p, url, rank, record, spec.weights_only), restore_rng

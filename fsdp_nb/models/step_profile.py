@@ -38,6 +38,12 @@ class StepProfile:
 
     Reading ``trace``, ``parts`` or showing it before every rank has run its N steps
     raises RuntimeError naming how far each rank is; read it again after the training cell.
+    ``sess.profile`` makes it.
+
+    Args:
+        ctx: the session context whose ranks profile.
+        spec: what every rank was asked to profile.
+        path: where to write the merged trace (None: a new private temporary folder).
     """
 
     def __init__(self, ctx: SessionContext, spec: ProfileSpec, path: str | None) -> None:

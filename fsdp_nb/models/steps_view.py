@@ -80,7 +80,13 @@ def _mean(xs: list[float]) -> float:
 
 
 class StepsView:
-    """The ranks' recent steps, read from the ranks at each ``refresh()`` (and when shown)."""
+    """The ranks' recent steps, read from the ranks at each ``refresh()`` (and when shown).
+    ``sess.steps`` makes it.
+
+    Args:
+        ctx: the session context whose ranks measure.
+        window: the last this many steps make each rank's means.
+    """
 
     def __init__(self, ctx: SessionContext, window: int) -> None:
         self._ctx, self.window = ctx, window
@@ -98,7 +104,11 @@ class StepsView:
         return self
 
     def apply(self, got: list[RankSteps]) -> None:
-        """Split the ranks' measured steps (``RankSteps``, one per rank) into the view."""
+        """Split the ranks' measured steps into the view.
+
+        Args:
+            got: each rank's last steps (``RankSteps``), as the ranks measured them.
+        """
         self.device = "cuda" if any(g.device == "cuda" for g in got) else "cpu"
         coll = {g.rank: _mean(g.collective) for g in got}
         comm = min(coll.values(), default=0.0)

@@ -135,7 +135,7 @@ def test_latest_needs_an_autosave_and_a_report_says_what_came_back():
     from fsdp_nb.recovery.restart_report import RestartReport, RestorePlan
     from fsdp_nb.wire.autosave import AutosaveState
 
-    with pytest.raises(CheckpointError, match="this session has no autosave; pass the path"):
+    with pytest.raises(CheckpointError, match="this session has had no autosave; pass the path"):
         latest(fake_context())
     plan = RestorePlan("ck/step-8", "model", "opt", ("loader",), True, 8)
     report = RestartReport(replaced=(1,), rebuilt=("teacher",), restored=plan, repointed=("opt",), setup=True,
@@ -182,3 +182,45 @@ def test_several_models_and_their_optimizers_are_checked_before_any_rank_is_aske
         choose_part("ck", ["s", "t"], None)
     with pytest.raises(CheckpointError, match="holds one model; model='s' chooses among several"):
         choose_part("ck", None, "s")
+
+
+def test_a_rank_file_its_completion_marker_does_not_list_is_refused_when_verifying(tmp_path):
+    import dataclasses
+
+    from fsdp_nb.formats.metadata import MARKER
+
+    p = _folder(tmp_path, 2, ["rng", "sched"])
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "rank0.pt").write_bytes(run_state.encode({"rng": None, "state": {"sched": {}}}))
+    (tmp_path / MARKER).write_text(json.dumps({"files": {"__0_0.distcp": {"size": 1}}}))
+    verified = dataclasses.replace(_spec(("sched",)), verify=True)
+    with pytest.raises(CorruptCheckpointError, match=r"completion marker lists no 'train/rank0.pt'"):
+        engine_state.read_part(verified, FS, p, True, 0, 2)
+    part, _ = engine_state.read_part(_spec(("sched",)), FS, p, True, 0, 2)  # unverified: read as it is
+    assert part is not None and part["state"] == {"sched": {}}
+
+
+def test_a_setup_function_gives_back_every_global_it_binds_however_it_binds_it(monkeypatch):
+    """``restart(setup=)``: a notebook function runs on a copy of the ranks' namespace; the
+    globals it binds by ``global``, from a function it defines, or through ``globals()``
+    all reach the namespace (here this process's, which stands for a rank's)."""
+    from fsdp_nb.engine import namespace
+    from fsdp_nb.runtime.shipping import by_value
+
+    ns: dict = {"kept": 1}
+    monkeypatch.setattr(namespace, "user_ns", lambda: ns)
+    code = (
+        "def setup():\n"
+        "    global opt\n"
+        "    opt = 'adamw'\n"
+        "    def inner():\n"
+        "        global sched\n"
+        "        sched = 'cosine'\n"
+        "    inner()\n"
+        "    globals()['loader'] = 'stateful'\n"
+    )
+    scope: dict = {"__name__": "__main__"}  # a notebook cell's function: shipped by value
+    exec(code, scope)
+    shipped = by_value(scope["setup"])
+    assert namespace.call_setup(shipped) == ["loader", "opt", "sched"]
+    assert ns == {"kept": 1, "opt": "adamw", "sched": "cosine", "loader": "stateful"}
