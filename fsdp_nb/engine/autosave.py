@@ -82,8 +82,11 @@ def arm(spec: AutosaveSpec) -> Outcome:
     try:
         model, optim = named_objects(spec.model, spec.optimizer)
         check_objects(spec.state)
-        # a state_dict a load would refuse would fail every save: refused now, by name
-        decode(encode(capture(spec.state, True, None)), spec.root, state_file(rank_and_world()[0]))
+        # a state_dict a load would refuse would fail every save: refused now, by name. Not a
+        # loader's: a StatefulDataLoader's state_dict() can start an iterator, which moves it
+        ns = user_ns()
+        plain = [n for n in spec.state if not per_rank(ns[n])]
+        decode(encode(capture(plain, False, None)), spec.root, state_file(rank_and_world()[0]))
     except (NameError, TypeError, UnsafeCheckpointError) as exc:
         mine = Outcome.failed(exc)
     bad = agree(mine)
