@@ -55,7 +55,7 @@ EXPECTED = {
     "05_workflow": ["no kernel attached, keep_alive", "attached: 2 ranks, models ['model']",
                     "same weights: True", "[rank 1] step 2 on rank 1", "reloaded on ranks [0, 1]",
                     "straggler: rank 1:", "in other (data loading",
-                    "[rank 1] version 2, edited", "(Pdb rank 1) p scaled\ntensor([nan, nan, nan, nan])",
+                    "[ranks 0-1] version 2, edited", "(Pdb rank 1) p scaled\ntensor([nan, nan, nan, nan])",
                     "[rank 1] rank 1 batch sum: 0.0", "sessions left: []"],
     "06_huggingface": ["'config.json'", "auto_wrap=ClassNames(names=('LlamaDecoderLayer',))",
                        "[rank 0] step 4: loss", "'config.json', 'generation_config.json', 'model.safetensors'",

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..wire.step_times import RankSteps
 from .checkpoint_group import rank_and_world
+from .run_state import training_step
 from .wrap import MODELS, ON_WRAPPED
 
 __all__ = ["INTERVAL", "start", "stop", "window"]
@@ -120,6 +121,8 @@ def _forward(t: _Timing) -> None:
 
 
 def _stepped(t: _Timing) -> None:
+    if not training_step():  # a save's or load's own step (an optimizer without state)
+        return
     now = time.perf_counter()
     seconds = now - t.last_end
     start_model = t.first_forward if t.first_forward is not None else now
