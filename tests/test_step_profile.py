@@ -46,6 +46,8 @@ def test_a_profile_merges_every_ranks_steps_into_one_private_trace_split_into_pa
         with pytest.raises(ValueError, match="steps must be an int from 1 to 100"):
             sess.profile(steps=0)
         before = _rank_traces()
+        (tmp_path / "steps.json").write_text("left world-readable")  # a file already there, 0644
+        os.chmod(tmp_path / "steps.json", 0o644)
         prof = sess.profile(steps=3, path=str(tmp_path / "steps.json"))
         with pytest.raises(RuntimeError, match=r"3 optimizer steps have not all run \(rank 0: 0, rank 1: 0\)"):
             _ = prof.trace

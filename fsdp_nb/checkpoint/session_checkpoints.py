@@ -148,7 +148,8 @@ class SessionCheckpoints:
         (``save``'s ``state``), taken at the iteration boundary: the first forward after
         every ``every``-th ``optimizer.step()``, when the scheduler and scaler have
         stepped (a loader's position is taken right after the step, before the loop
-        draws the next batch). Training waits only while the ranks copy their shards.
+        draws the next batch). Training waits while the ranks copy their shards, and
+        first for the previous autosave's write when it has not finished.
         A dead engine then costs the steps since the last committed save (``every``, or
         up to twice that when it died while the last save was being written):
         ``restart(restore="latest", setup=...)``. One model (with its optimizer) per

@@ -10,7 +10,8 @@ parameters are still sharded): the iteration boundary, where the scheduler has s
 and the scaler has updated. A run resumed from it goes on bit for bit.
 
 Each save is an async save of ``checkpoint_save`` (``<root>/step-<N>``, ``keep_last``):
-training waits only for the copy. A failed save is logged on the rank and kept for
+training waits for the copy, and first for the previous save's write when it has not
+finished (``begin`` drains it). A failed save is logged on the rank and kept for
 :func:`status`; training goes on.
 """
 

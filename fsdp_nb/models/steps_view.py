@@ -19,6 +19,7 @@ went, so there the view gives the step times alone (``sess.profile`` splits a GP
 
 from __future__ import annotations
 
+import html
 import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -117,29 +118,33 @@ class StepsView:
                       for g in got if g.seconds}
         self.stragglers = _stragglers({g.rank: g for g in got if g.seconds}, self.ranks)
 
+    def _table(self) -> tuple[tuple[str, ...], list[tuple]]:
+        """The per-rank table's header and rows (milliseconds)."""
+        header = ("rank", "steps", "step ms", *(f"{p} ms" for p in _PARTS))
+        rows = [(r, p.steps, f"{p.step * 1e3:.1f}", *(f"{getattr(p, k) * 1e3:.1f}" for k in _PARTS))
+                for r, p in sorted(self.ranks.items())]
+        return header, rows
+
+    def _notes(self) -> list[str]:
+        """The lines under the table: the stragglers, and what a GPU rank's figures are."""
+        lines = [f"straggler: {s}" for s in self.stragglers] or ["no straggler"]
+        if self.device == "cuda":
+            lines.append("GPU ranks: these are host clocks, not the device's; sess.profile splits a GPU step")
+        return lines
+
     def to_text(self) -> str:
         """The view as a text table, with its stragglers under it."""
         if not self.ranks:
             return "no optimizer step measured yet: run a training cell, then refresh()"
-        header = ("rank", "steps", "step ms", *(f"{p} ms" for p in _PARTS))
-        rows = [(r, p.steps, f"{p.step * 1e3:.1f}", *(f"{getattr(p, k) * 1e3:.1f}" for k in _PARTS))
-                for r, p in sorted(self.ranks.items())]
-        lines = [text_table(header, rows)]
-        lines += [f"straggler: {s}" for s in self.stragglers] or ["no straggler"]
-        if self.device == "cuda":
-            lines.append("GPU ranks: these are host clocks, not the device's; sess.profile splits a GPU step")
-        return "\n".join(lines)
+        return "\n".join([text_table(*self._table()), *self._notes()])
 
     def _repr_html_(self) -> str:
         self.refresh()
         if not self.ranks:
-            return f"<div class='fsdp-nb-steps'>{self.to_text()}</div>"
-        header = ("rank", "steps", "step ms", *(f"{p} ms" for p in _PARTS))
-        rows = [(r, p.steps, f"{p.step * 1e3:.1f}", *(f"{getattr(p, k) * 1e3:.1f}" for k in _PARTS))
-                for r, p in sorted(self.ranks.items())]
-        said = "<br>".join(f"<b>straggler</b>: {s}" for s in self.stragglers) or "no straggler"
+            return f"<div class='fsdp-nb-steps'>{html.escape(self.to_text())}</div>"
+        notes = "<br>".join(html.escape(line) for line in self._notes())
         return (f"<div class='fsdp-nb-steps'><b>Steps</b> <small>mean over the last {self.window} per rank</small>"
-                + html_table(header, rows, cls="fsdp-nb-table") + f"<small>{said}</small></div>")
+                + html_table(*self._table(), cls="fsdp-nb-table") + f"<small>{notes}</small></div>")
 
     def __repr__(self) -> str:
         return self.to_text()
