@@ -51,7 +51,7 @@ nitpick_ignore_regex = [
     ("py:class", r"fsdp_nb\.(runtime|lifetime)\..*"),
     ("py:class", r"fsdp_nb\.(context\.SessionFacts|checkpoint\.session_checkpoints\.SessionCheckpoints|"
                  r"models\.session_planning\.SessionPlanning|frontends\.widgets\.session_widgets\.SessionWidgets|"
-                 r"models\.step_profile\.SessionProfiling|models\.steps_view\.SessionSteps)"),
+                 r"models\.step_profile\.SessionProfiling)"),
 ]
 
 myst_enable_extensions = ["colon_fence", "deflist"]

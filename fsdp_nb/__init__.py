@@ -29,9 +29,11 @@ if TYPE_CHECKING:  # what type checkers and editors see of the lazy names below
     from .checkpoint.consolidate import consolidate
     from .checkpoint.export import export_safetensors
     from .context import SessionContext
+    from .engine.logged import log
     from .formats.info import CheckpointInfo
     from .formats.inspect import inspect
     from .formats.listing import list_checkpoints
+    from .frontends.widgets.steps import StepsWidget
     from .lifetime.keepalive import sessions
     from .lifetime.resize import ResizeReport
     from .models.memory_report import MemoryPlan
@@ -59,6 +61,8 @@ _LAZY = {
     "Autosaving": "checkpoint.autosave",
     "StepProfile": "models.step_profile",
     "StepsView": "models.steps_view",
+    "StepsWidget": "frontends.widgets.steps",
+    "log": "engine.logged",
     "RestartReport": "recovery.restart_report",
     "CheckpointInfo": "formats.info",
     "inspect": "formats.inspect",
@@ -109,6 +113,7 @@ __all__ = [
     "ShardedModel",
     "StepProfile",
     "StepsView",
+    "StepsWidget",
     "UnsafeCheckpointError",
     "WrapOptions",
     "__version__",
@@ -117,6 +122,7 @@ __all__ = [
     "inspect",
     "list_checkpoints",
     "load_ipython_extension",
+    "log",
     "plan",
     "sessions",
 ]

@@ -25,7 +25,6 @@ from .lifetime import start_stop
 from .lifetime.keepalive import check_keep_alive
 from .models.session_planning import SessionPlanning
 from .models.step_profile import SessionProfiling
-from .models.steps_view import SessionSteps
 from .runtime import calls, checks
 from .runtime.phases import phase_table
 
@@ -45,7 +44,7 @@ _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
 """Every open session of this kernel: shut down at exit, found again by ``attach``."""
 
 
-class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfiling, SessionSteps, SessionWidgets):
+class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfiling, SessionWidgets):
     """An ipyparallel cluster whose engines are the ranks of one process group.
 
     ``Session(n)`` starts the engines and forms the group; ``Session.connect`` takes a

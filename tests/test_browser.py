@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import TABLE_CODE  # noqa: E402
+from helpers import FEED64_CODE, TABLE_CODE  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,9 +33,13 @@ CELLS = [
     "import tempfile, time\nimport fsdp_nb\n" + TABLE_CODE,
     "sess = fsdp_nb.Session(2, backend='gloo')\nsess",
     "mem = sess.memory(interval=0.25)\nmem",
+    "steps = sess.steps(window=5, interval=0.25)\nsteps",
     "from fsdp_nb.frontends.widgets.layout import layout_widget\nlayout_widget(hand_table())",
     "root = tempfile.mkdtemp(dir='.')  # in the notebook's temporary folder\nsess.checkpoints(root)",
     "sess.execute('import time as _t; _t.sleep(2)')  # a busy cell: memory keeps streaming",
+    "sess.execute('import time as _t, torch, fsdp_nb\\n_o = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))])\\n'\n"
+    "             'for _i in range(12):\\n    _t.sleep(0.05); _o.step(); fsdp_nb.log(loss=1.0 / (1 + _i))')",
+    FEED64_CODE + "\nfor _view in feed64():\n    display(HTML(_view.to_html()))",
     "print('renders', mem.renders)\nsess.shutdown()  # ends the samplers and the feed too\n"
     "print('SHUTDOWN' + '-DONE', 'feed running:', mem.feed.running)",
 ]
@@ -183,6 +187,16 @@ def _check(page, shot: str) -> None:
         # samples streamed into the page: bars with their history lines, for both ranks
         assert page.locator(".fsdp-nb-memory-widget polyline").count() == 2
         assert page.locator(".jp-OutputArea .widget-html").count() >= 3
+        # the step view was fed while the training cell ran: both ranks, the loss curve
+        steps = page.locator(".fsdp-nb-steps-widget")
+        assert "loss: " in steps.inner_text() and steps.locator("polyline").count() == 1
+        assert steps.locator("tr").count() == 3  # a header and 2 ranks
+        # 64 ranks: a strip of 64 cells for each view, a few lines high, not 64 rows
+        for strip in (".fsdp-nb-memory-strip", ".fsdp-nb-steps-strip", ".fsdp-nb-status-strip"):
+            assert page.locator(f"{strip} .fsdp-nb-strip-cell").count() == 64, strip
+            box = page.locator(strip).bounding_box()
+            assert box is not None and box["height"] < 60 and box["width"] < 700, (strip, box)
+        assert "straggler: rank 37" in page.locator(".fsdp-nb-steps:has(.fsdp-nb-steps-strip)").inner_text()
     except Exception:
         page.screenshot(path=shot.replace(".png", "_failure.png"), full_page=True)
         raise

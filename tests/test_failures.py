@@ -81,7 +81,9 @@ def _assert_recovered(s, before):
     # no rank names a collective the failure cut short (left "in flight" in the old
     # groups' flight-recorder status) as where it waits now
     # (polled: a rank's recorder may mark its last collective completed just after it returns)
-    assert wait_until(lambda: s.run(lambda: hang_watch.WATCH.collective(now=True)) == [None] * s.world_size, 5)
+    seen = []
+    assert wait_until(lambda: seen.append(s.run(lambda: hang_watch.WATCH.collective(now=True))) or
+                      seen[-1] == [None] * s.world_size, 5), seen[-1]
 
 
 @pytest.fixture

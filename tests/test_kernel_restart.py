@@ -69,11 +69,11 @@ def _processes(k: Kernel) -> list[int]:
     return [*engines, controller, standby]
 
 
-def test_kept_alive_session_survives_a_kernel_restart_and_attach_gets_it_back(kernel):
+def test_kept_alive_session_survives_a_kernel_restart_and_attach_gets_it_back(kernel, tmp_path):
     k = kernel
     k.run(_SETUP.format(keep=True), timeout=START_S)
     k.run("%%px\nopt = torch.optim.AdamW(model.parameters(), lr=0.01)\nsteps = 0\nnote = f'rank {rank}'")
-    k.run("import tempfile\nauto = tempfile.mkdtemp()\nsess.autosave(auto, every=1, model='model', optimizer='opt')")
+    k.run(f"auto = {str(tmp_path)!r}\nsess.autosave(auto, every=1, model='model', optimizer='opt')")
     k.run(_STEP)
     before = k.value(_WEIGHTS)
     pids = _processes(k)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import stat
 import tempfile
 
@@ -78,6 +79,9 @@ def test_a_profile_merges_every_ranks_steps_into_one_private_trace_split_into_pa
         assert _rank_traces() == before
         again = sess.profile(steps=1)  # a second profile, in a fresh private folder of its own
         sess.execute("prof_steps(1)")
-        assert stat.S_IMODE(os.stat(os.path.dirname(again.trace)).st_mode) == 0o700
+        try:
+            assert stat.S_IMODE(os.stat(os.path.dirname(again.trace)).st_mode) == 0o700
+        finally:
+            shutil.rmtree(os.path.dirname(again.trace))
     finally:
         forget_models(sess, "prof_net", optimizers=("prof_opt", "prof_x", "prof_steps"))

@@ -8,6 +8,8 @@ import pytest
 from helpers import forget_models
 from torch import nn
 
+from fsdp_nb.runtime.cluster import wait_until
+
 LOOP = """
 import time
 sv_opt = torch.optim.AdamW(sv_net.parameters(), lr=1e-3)
@@ -50,14 +52,33 @@ def _stop():
     step_timing.stop()
 
 
+class _Views:
+    """``sess.steps`` that closes every view it made (their feeds) at the test's end."""
+
+    def __init__(self, sess):
+        self.sess, self.made = sess, []
+
+    def __getattr__(self, name):
+        return getattr(self.sess, name)
+
+    def steps(self, *args, **kwargs):
+        view = self.sess.steps(*args, **kwargs)
+        self.made.append(view)
+        return view
+
+
 @pytest.fixture
 def stepped(sess):
     sess.wrap(Heavy, name="sv_net", auto_wrap={nn.Linear})
     sess.execute(LOOP)
+    views = _Views(sess)
     try:
-        yield sess
+        yield views
     finally:
+        for v in views.made:
+            v.close()
         sess.run(_stop)
+        sess.execute("from fsdp_nb.engine import logged as _lg; _lg.clear()")
         forget_models(sess, "sv_net", optimizers=("sv_opt", "sv_x", "sv_loop"))
 
 
@@ -73,6 +94,33 @@ def test_the_parts_add_up_to_the_step_each_rank_measured(stepped):
         assert p.compute + p.communication + p.waiting + p.other == pytest.approx(p.step, rel=1e-9)
         assert p.step == pytest.approx(walls[r], rel=0.05)  # the loop's own clock, same steps
         assert p.compute > 0 and p.communication > 0
+
+
+def test_the_view_is_fed_while_a_cell_trains_with_throughput_and_logged_curves(stepped, tmp_path):
+    """Nothing in the loop but ``fsdp_nb.log``: the widget moves on while the cell still
+    runs (the cell waits for a file the test writes only once the widget showed 4 steps)."""
+    view = stepped.steps(window=4, interval=0.2)
+    release = tmp_path / "release"
+    d = stepped.dispatcher
+    pending = d.execute(
+        "import os as _os, fsdp_nb\nsv_n = 0\n"
+        f"while not _os.path.exists({str(release)!r}):\n"
+        "    sv_loop(1)\n    fsdp_nb.log(loss=torch.tensor(float(sv_n)), lr=1e-3 * rank)\n    sv_n += 1")
+    try:
+        assert wait_until(lambda: all(p.steps == 4 for p in view.ranks.values()) and len(view.ranks) == 2, 60)
+        assert wait_until(lambda: len(view.curves.get("loss", ())) >= 4, 30)
+        assert view.renders >= 1 and "loss: " in view.to_text()
+    finally:
+        release.touch()
+        d.gather(pending)
+    n = stepped.pull("sv_n")
+    loss = view.curves["loss"]
+    assert loss == sorted(loss) and loss[-1] <= n[0] - 1  # the ranks' mean, in order, as they logged it
+    assert view.curves["lr"][-1] == pytest.approx(0.5e-3)  # the mean of rank 0's 0 and rank 1's 1e-3
+    # 128 samples (sv_x's leading dimension) a step on each rank
+    assert view.rates.samples_per_s == pytest.approx(
+        sum(128 / p.step for p in view.ranks.values()), rel=0.25) and view.rates.mfu is None
+    assert "samples/s" in view.to_text()
 
 
 def test_a_rank_slow_in_its_data_step_is_named_with_other_and_the_others_wait(stepped):

@@ -344,7 +344,7 @@ def test_dashboard_status_busy_idle(sess, browser_model, tmp_path):
     sess.save(str(tmp_path / "ck" / "step1"), browser_model, extra={"step": 1})
     db = dashboard(sess.context, models=[hand_table()], root=str(tmp_path / "ck"), interval=0.5)
     try:
-        assert db.tabs.titles == ("Status", "Memory", "Layout: model", "Checkpoints")
+        assert db.tabs.titles == ("Status", "Memory", "Steps", "Layout: model", "Checkpoints")
         assert [e.name for e in db.checkpoints.entries] == ["step1"]
         assert db.refresh_status().ranks[0].state == "idle"
         sess.run(lambda: 1)  # the status tab is the live widget: it saw the call
@@ -353,7 +353,13 @@ def test_dashboard_status_busy_idle(sess, browser_model, tmp_path):
         assert "backend gloo, 2 ranks" in text and "blocks.0.lin.weight" in text
     finally:
         db.close()
-    assert not db.memory.feed.running
+    assert not db.memory.feed.running and not db.steps.feed.running
+    # without models=, a layout tab for every wrapped model
+    every = dashboard(sess.context, memory=False, steps=False)
+    try:
+        assert every.tabs.titles == ("Status", *(f"Layout: {m.name}" for m in sess.models.values())) and sess.models
+    finally:
+        every.close()
 
 
 # -- layer 2: a notebook executed headless with a real kernel ------------------------

@@ -1,11 +1,15 @@
-"""The memory side channel, engine side: a sampler thread publishing over its own socket.
+"""The side channel, engine side: a sampler thread publishing a rank's readings (its
+memory, or its recent steps for ``sess.steps()``) over its own socket.
 
 A request sent through the engines' task queue waits behind the cell that is running
 (2.6 s measured), so live memory cannot be polled that way while ``%%px`` trains.
 Instead ``start`` (called once through the task queue) binds a zmq XPUB socket on the
 address the notebook gives (loopback when the notebook is on this host) and starts a
 daemon thread that publishes one JSON sample per interval (a
-:class:`~fsdp_nb.wire.memory_sample.MemorySample`, read by ``memory_sample.read``). The thread stops when its
+:class:`~fsdp_nb.wire.memory_sample.MemorySample`, read by ``memory_sample.read``; or,
+for the step view, a :class:`~fsdp_nb.wire.step_times.RankSteps`, read by
+``step_timing.live`` and sent only when a step ended or a scalar was logged since the
+last one). The thread stops when its
 last subscriber goes away (XPUB sees the unsubscribe when the notebook closes its SUB
 socket or dies), or when nobody subscribed within ``wait_subscriber`` seconds: it
 never outlives its widget.
@@ -25,13 +29,16 @@ import time
 from typing import Any
 
 from ..wire.decode import encode
-from . import memory_kinds, memory_sample
+from . import logged, memory_kinds, memory_sample, step_timing
 from .signing import Link, Refused, engine_key, new_nonce
 
-__all__ = ["MAX_SUBSCRIPTION_BYTES", "dropped", "running", "start"]
+__all__ = ["MAX_SUBSCRIPTION_BYTES", "PUBLISHES", "dropped", "running", "start"]
 
 MAX_SUBSCRIPTION_BYTES = 1024
 """The largest subscription message the sampler takes (a signed one is under 200 bytes)."""
+
+PUBLISHES = ("memory", "steps")
+"""What a sampler can publish: ``memory`` (a ``MemorySample``) or ``steps`` (a ``RankSteps``)."""
 
 _LOCK = threading.Lock()
 _SAMPLERS: dict[str, _Sampler] = {}
@@ -40,15 +47,18 @@ _SAMPLERS: dict[str, _Sampler] = {}
 class _Sampler(threading.Thread):
     """One publishing thread (daemon): owns its zmq context and XPUB socket."""
 
-    def __init__(self, token: str, rank: int, addr: str, interval: float, wait_subscriber: float, key: bytes):
-        super().__init__(name=f"fsdp_nb-memory-sampler-{token[:8]}", daemon=True)
-        self.token, self.rank, self.addr = token, rank, addr
+    def __init__(self, token: str, rank: int, addr: str, interval: float, wait_subscriber: float, key: bytes,
+                 reading: str = "memory"):
+        super().__init__(name=f"fsdp_nb-{reading}-sampler-{token[:8]}", daemon=True)
+        self.token, self.rank, self.addr, self.reading = token, rank, addr, reading
         self.interval, self.wait_subscriber = interval, wait_subscriber
         self.nonce = new_nonce()
         self.link = Link(key, "memory", self.nonce, "server")
         self.endpoint: str | None = None
         self.error: BaseException | None = None
         self.samples_sent = 0
+        self._sent: tuple[int, int] | None = None
+        """The step view's (steps, logged calls) when it last sent: it sends news only."""
         self._bound = threading.Event()
 
     def run(self) -> None:
@@ -96,9 +106,7 @@ class _Sampler(threading.Thread):
                     continue
                 if not ever and time.monotonic() - started > self.wait_subscriber:
                     return  # nobody came
-                if ever:
-                    # the main thread's last reading by kind: this thread touches no tensor
-                    s = memory_sample.read(self.rank, memory_kinds.READINGS.kept(), seq=self.samples_sent, process=proc)
+                if ever and (s := self._read(proc)) is not None:
                     signed = self.link.pack(encode(s))
                     for topic in topics:
                         sock.send_multipart([topic, signed])
@@ -112,6 +120,17 @@ class _Sampler(threading.Thread):
             with _LOCK:
                 if _SAMPLERS.get(self.token) is self:
                     del _SAMPLERS[self.token]
+
+    def _read(self, proc: Any) -> Any:
+        """This interval's reading; None when the step view has nothing new to send."""
+        if self.reading == "memory":
+            # the main thread's last reading by kind: this thread touches no tensor
+            return memory_sample.read(self.rank, memory_kinds.READINGS.kept(), seq=self.samples_sent, process=proc)
+        news = (step_timing.count(), logged.count())
+        if news == self._sent:
+            return None
+        self._sent = news
+        return step_timing.live(self.rank, seq=self.samples_sent)
 
     def _subscribe(self, sock: Any, topic: bytes) -> bool:
         """Apply the subscription just received if its topic is this sampler's token,
@@ -129,7 +148,7 @@ class _Sampler(threading.Thread):
 
 
 def start(token: str, rank: int, addr: str, interval: float = 1.0, wait_subscriber: float = 60.0,
-          key: bytes | None = None) -> tuple[str, bytes]:
+          key: bytes | None = None, reading: str = "memory") -> tuple[str, bytes]:
     """Start (or find) the sampler ``token`` on this engine.
 
     Args:
@@ -140,19 +159,23 @@ def start(token: str, rank: int, addr: str, interval: float = 1.0, wait_subscrib
         interval: seconds between samples.
         wait_subscriber: seconds to wait for the first subscriber before giving up.
         key: the cluster's key; default this engine's (``signing.engine_key``).
+        reading: what it publishes, one of ``PUBLISHES``.
 
     Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``).
     Idempotent per token.
     """
     if not (isinstance(interval, (int, float)) and interval > 0):
         raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+    if reading not in PUBLISHES:
+        raise ValueError(f"reading must be one of {PUBLISHES}, got {reading!r}")
     key = engine_key() if key is None else key
-    memory_kinds.READINGS.install()  # on the main thread (a task): the readings the samples carry
+    if reading == "memory":
+        memory_kinds.READINGS.install()  # on the main thread (a task): the readings the samples carry
     with _LOCK:
         s = _SAMPLERS.get(token)
         if s is not None and s.is_alive() and s.endpoint:
             return s.endpoint, s.nonce
-        s = _Sampler(token, rank, addr, float(interval), float(wait_subscriber), key)
+        s = _Sampler(token, rank, addr, float(interval), float(wait_subscriber), key, reading)
         _SAMPLERS[token] = s
     s.start()
     s._bound.wait(10)

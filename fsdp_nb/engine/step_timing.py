@@ -9,8 +9,14 @@ Call order, on every rank:
    before's end (or the cell's start: an IPython ``pre_execute`` hook); ``other`` from there to the first forward of a wrapped model; and the
    rest, from that forward to the step's end, split by the sampler's counts into compute
    and collective.
-3. ``window()`` (the notebook reads the view): the last ``window`` steps.
+3. ``window()`` (the notebook reads the view), or ``live(rank, seq)`` (the side
+   channel's sampler thread, once a second while a cell trains): the last ``window``
+   steps, with what ``fsdp_nb.log`` kept (``engine.logged``).
 4. ``stop()``: hooks and thread gone.
+
+The first wrapped model a step calls counts that step's batch: the leading dimension of
+its first tensor argument is its samples, and an integer tensor of two or more
+dimensions (token ids) counts its first two as tokens.
 
 The sampler looks at the training thread's innermost Python frame every ``INTERVAL``
 seconds (``sys._current_frames``): in ``torch/distributed`` (FSDP's all-gathers and
@@ -32,11 +38,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..wire.step_times import RankSteps
+from . import logged
 from .checkpoint_group import rank_and_world
 from .run_state import training_step
 from .wrap import MODELS, ON_WRAPPED
 
-__all__ = ["INTERVAL", "start", "stop", "window"]
+__all__ = ["INTERVAL", "count", "live", "start", "stop", "window"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -52,6 +59,10 @@ class _Timing:
     steps: collections.deque = field(default_factory=collections.deque)
     last_end: float = field(default_factory=time.perf_counter)
     first_forward: float | None = None
+    batch_model: int | None = None
+    samples: int = 0
+    tokens: int = 0
+    parameters: dict[int, int] = field(default_factory=dict)
     thread: int | None = None
     counts: list[int] = field(default_factory=lambda: [0, 0, 0])  # compute, collective, other
     count: int = 0
@@ -110,14 +121,23 @@ def _hook_models() -> None:
     for w in MODELS.values():
         if id(w.module) not in t.hooked:
             t.hooked.add(id(w.module))
-            t.hooks.append(w.module.register_forward_pre_hook(lambda *_: _forward(t), prepend=True))
+            t.parameters[id(w.module)] = sum(p.numel() for p in w.module.parameters())  # global numel
+            t.hooks.append(w.module.register_forward_pre_hook(
+                lambda m, args, kwargs: _forward(t, m, args, kwargs), prepend=True, with_kwargs=True))
 
 
-def _forward(t: _Timing) -> None:
+def _forward(t: _Timing, module: Any, args: tuple, kwargs: dict) -> None:
     if t.first_forward is None:
         t.first_forward = time.perf_counter()
         t.thread = threading.get_ident()
         t.counts = [0, 0, 0]
+        t.batch_model, t.samples, t.tokens = id(module), 0, 0
+    if id(module) == t.batch_model:  # each forward of the step's first model (micro-batches too)
+        x = next((a for a in (*args, *kwargs.values()) if hasattr(a, "shape") and hasattr(a, "is_floating_point")), None)
+        if x is not None and x.dim() >= 1:
+            t.samples += int(x.shape[0])
+            if x.dim() >= 2 and not x.is_floating_point() and not x.is_complex():
+                t.tokens += int(x.shape[0]) * int(x.shape[1])
 
 
 def _stepped(t: _Timing) -> None:
@@ -132,11 +152,11 @@ def _stepped(t: _Timing) -> None:
     seen = comp + coll + oth
     coll_s = model * coll / seen if seen else 0.0
     oth_s = model * oth / seen if seen else 0.0
-    t.steps.append((t.count, seconds, model - coll_s - oth_s, coll_s, other + oth_s))
+    t.steps.append((t.count, seconds, model - coll_s - oth_s, coll_s, other + oth_s, t.samples, t.tokens))
     while len(t.steps) > t.keep:
         t.steps.popleft()
     t.count += 1
-    t.last_end, t.first_forward = now, None
+    t.last_end, t.first_forward, t.samples, t.tokens = now, None, 0, 0
 
 
 def _sample(t: _Timing) -> None:
@@ -153,16 +173,34 @@ def _sample(t: _Timing) -> None:
         t.counts[kind] += 1
 
 
+def count() -> int:
+    """Steps measured on this rank since ``start`` (0 when not measuring)."""
+    t = _TIMING
+    return t.count if t is not None else 0
+
+
 def window() -> RankSteps:
     """This rank's last steps (none when ``start`` was not called)."""
+    return live(rank_and_world()[0])
+
+
+def live(rank: int, seq: int = 0, process: Any = None) -> RankSteps:
+    """This rank's last steps and its logged scalars, as the side channel's sampler thread
+    publishes them (its signature: ``rank``, the sample's ``seq``; ``process`` unused).
+
+    Reads only what the hooks wrote: a copy of the kept steps, and the logged values."""
     import torch
 
     t = _TIMING
     rows = list(t.steps) if t is not None else []
-    cols = list(zip(*rows)) if rows else [(), (), (), (), ()]
-    return RankSteps(rank=rank_and_world()[0], index=list(cols[0]), seconds=list(cols[1]), compute=list(cols[2]),
-                     collective=list(cols[3]), other=list(cols[4]),
-                     device="cuda" if torch.cuda.is_initialized() else "cpu")
+    cols = list(zip(*rows)) if rows else [()] * 7
+    on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return RankSteps(rank=rank, index=list(cols[0]), seconds=list(cols[1]), compute=list(cols[2]),
+                     collective=list(cols[3]), other=list(cols[4]), samples=list(cols[5]), tokens=list(cols[6]),
+                     parameters=t.parameters.get(t.batch_model or 0, 0) if t is not None else 0,
+                     device="cuda" if on_cuda else "cpu",
+                     device_name=torch.cuda.get_device_name() if on_cuda else "cpu",
+                     logged=logged.latest(), seq=seq)
 
 
 def stop() -> None:

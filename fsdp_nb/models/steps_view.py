@@ -15,6 +15,10 @@ The parts add up to the step. A **straggler** is a rank whose own work per step
 names it, the part that grew most against the median of that part, and the step from
 which it stayed slow. On a GPU rank the host's clocks do not say where the device's time
 went, so there the view gives the step times alone (``sess.profile`` splits a GPU step).
+
+It also gives the throughput, the model FLOPs utilisation on a known GPU and the curves
+of what the ranks log (``models.step_rates``). Above ``display.rank_strip.COMPACT``
+ranks it draws a strip, a cell per rank, in place of the table.
 """
 
 from __future__ import annotations
@@ -24,14 +28,17 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..display.rank_strip import COMPACT, StripCell, html_strip, levels, shade, text_strip
+from ..display.sparkline import sparkline_svg
 from ..display.tables import html_table, text_table
 from ..engine import step_timing as _est
 from ..wire.step_times import RankSteps
+from .step_rates import StepRates, curves, step_rates
 
 if TYPE_CHECKING:
     from ..context import SessionContext
 
-__all__ = ["SLOWER", "RankParts", "SessionSteps", "StepsView", "Straggler"]
+__all__ = ["SLOWER", "RankParts", "StepsView", "Straggler", "check_window", "start_measuring"]
 
 SLOWER = 0.10
 """A rank whose own work per step is this much above the median rank's is a straggler."""
@@ -97,6 +104,12 @@ class StepsView:
         """The ranks that hold the others back, slowest first."""
         self.device = "cpu"
         """``cpu``, or ``cuda`` (the parts are not split there: ``sess.profile``)."""
+        self.rates = StepRates(samples_per_s=None, tokens_per_s=None, mfu=None, peak=None)
+        """Throughput over the window, all ranks together, and MFU on a known GPU."""
+        self.curves: dict[str, list[float]] = {}
+        """What the ranks log with ``fsdp_nb.log``: each name's mean over the ranks, oldest first."""
+        self.updated = 0
+        """How many times the ranks' steps were applied (each refresh, each live update)."""
 
     def refresh(self) -> StepsView:
         """Read every rank's last ``window`` steps and split them; returns the view."""
@@ -117,6 +130,8 @@ class StepsView:
                                         waiting=coll[g.rank] - comm, other=_mean(g.other), steps=len(g.seconds))
                       for g in got if g.seconds}
         self.stragglers = _stragglers({g.rank: g for g in got if g.seconds}, self.ranks)
+        self.rates, self.curves = step_rates(got), curves(got)
+        self.updated += 1
 
     def _table(self) -> tuple[tuple[str, ...], list[tuple]]:
         """The per-rank table's header and rows (milliseconds)."""
@@ -126,25 +141,57 @@ class StepsView:
         return header, rows
 
     def _notes(self) -> list[str]:
-        """The lines under the table: the stragglers, and what a GPU rank's figures are."""
-        lines = [f"straggler: {s}" for s in self.stragglers] or ["no straggler"]
+        """The lines under the table: throughput, the stragglers, what a GPU rank's figures are."""
+        lines = [f"throughput: {self.rates}"]
+        lines += [f"straggler: {s}" for s in self.stragglers] or ["no straggler"]
         if self.device == "cuda":
             lines.append("GPU ranks: these are host clocks, not the device's; sess.profile splits a GPU step")
         return lines
 
+    def _cells(self) -> list[StripCell]:
+        """A strip cell per rank: its own work per step (step less waiting), lowest to highest."""
+        ranks = sorted(self.ranks)
+        lv = levels([self.ranks[r].step - self.ranks[r].waiting for r in ranks])
+        return [StripCell(rank=r, level=lv[i], colour=shade(lv[i]),
+                          title=f"rank {r}: step {p.step * 1e3:.1f} ms = " + ", ".join(
+                              f"{k} {getattr(p, k) * 1e3:.1f}" for k in _PARTS))
+                for i, (r, p) in enumerate((r, self.ranks[r]) for r in ranks)]
+
+    def _summary(self) -> str:
+        """One line for a strip: the median rank's step and the slowest rank's."""
+        steps = {r: p.step for r, p in self.ranks.items()}
+        slow = max(steps, key=lambda r: steps[r])
+        return (f"{len(steps)} ranks: median step {statistics.median(steps.values()) * 1e3:.1f} ms, "
+                f"slowest rank {slow} at {steps[slow] * 1e3:.1f} ms (darker: more own work per step)")
+
+    def _curve_lines(self) -> list[str]:
+        return [f"{name}: {vals[-1]:.4g} (last of {len(vals)})" for name, vals in self.curves.items() if vals]
+
     def to_text(self) -> str:
-        """The view as a text table, with its stragglers under it."""
+        """The view as a text table (a strip above ``COMPACT`` ranks), with throughput,
+        stragglers and the last value of each logged curve under it."""
         if not self.ranks:
             return "no optimizer step measured yet: run a training cell, then refresh()"
-        return "\n".join([text_table(*self._table()), *self._notes()])
+        body = (text_table(*self._table()) if len(self.ranks) <= COMPACT
+                else f"{self._summary()}\n{text_strip(self._cells())}")
+        return "\n".join([body, *self._notes(), *self._curve_lines()])
 
-    def _repr_html_(self) -> str:
-        self.refresh()
+    def to_html(self) -> str:
+        """The view as HTML, from what was last applied (no read of the ranks)."""
         if not self.ranks:
             return f"<div class='fsdp-nb-steps'>{html.escape(self.to_text())}</div>"
         notes = "<br>".join(html.escape(line) for line in self._notes())
+        body = (html_table(*self._table(), cls="fsdp-nb-table") if len(self.ranks) <= COMPACT
+                else f"<br><small>{html.escape(self._summary())}</small>" + html_strip(self._cells(), cls="fsdp-nb-steps-strip"))
+        plots = "".join(f"<div class='fsdp-nb-curve'><small>{html.escape(line)}</small><br>"
+                        f"{sparkline_svg(vals, fmt=lambda v: f'{v:.4g}')}</div>"
+                        for line, vals in zip(self._curve_lines(), (v for v in self.curves.values() if v), strict=True))
         return (f"<div class='fsdp-nb-steps'><b>Steps</b> <small>mean over the last {self.window} per rank</small>"
-                + html_table(*self._table(), cls="fsdp-nb-table") + f"<small>{notes}</small></div>")
+                + body + f"<small>{notes}</small>{plots}</div>")
+
+    def _repr_html_(self) -> str:
+        self.refresh()
+        return self.to_html()
 
     def __repr__(self) -> str:
         return self.to_text()
@@ -197,24 +244,14 @@ def _waiting_at(got: dict[int, RankSteps], r: int, i: int, n: int) -> float:
                                       if len(g.seconds) >= back and back <= n)
 
 
-class SessionSteps:
-    """The ``Session`` façade's step view."""
+def check_window(window: object) -> int:
+    """``window`` if it is an int from 1 to 1000, else a ``ValueError`` saying so."""
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 1000:
+        raise ValueError(f"window must be an int from 1 to 1000 (steps), got {window!r}")
+    return window
 
-    _ctx: SessionContext
 
-    def steps(self, window: int = 20) -> StepsView:
-        """Where each rank's recent optimizer steps' time goes, and which rank is slow.
-
-        The first call starts the measurement on every rank (a hook at each optimizer step
-        and each wrapped model's forward, and a thread that looks where the training thread
-        is every 2 ms); the view reads the ranks when refreshed or shown. Call it before a
-        training cell, then show the view (or ``view.refresh()``) after it.
-
-        Args:
-            window: the last this many steps make each rank's means (1 to 1000).
-        """
-        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 1000:
-            raise ValueError(f"window must be an int from 1 to 1000 (steps), got {window!r}")
-        d = self._ctx.dispatcher
-        d.gather(d.apply("steps: start", _est.start, args=(window,)))
-        return StepsView(self._ctx, window)
+def start_measuring(ctx: SessionContext, window: int) -> None:
+    """Start (or keep) the measurement on every rank, keeping the last ``window`` steps."""
+    d = ctx.dispatcher
+    d.gather(d.apply("steps: start", _est.start, args=(window,)))

@@ -18,7 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from ..display.rank_strip import COMPACT, StripCell, html_strip, text_strip
 from ..display.tables import text_table
+from ..runtime.output_lines import rank_label
 
 if TYPE_CHECKING:
     from ..context import SessionContext
@@ -30,6 +32,8 @@ log = logging.getLogger("fsdp_nb")
 
 _COLOURS = {"busy": "#b58900", "idle": "#2aa198", "dead": "#dc322f", "failed": "#dc322f",
             "interrupted": "#cb4b16", "recovering": "#6c71c4", "recovered": "#859900"}
+_MARKS = {"busy": "b", "idle": ".", "dead": "x", "failed": "F", "interrupted": "i", "recovering": "r",
+          "recovered": "R"}
 _EVENTS_KEPT = 20
 
 
@@ -107,18 +111,45 @@ class SessionStatus:
         return [(r.rank, r.engine_id, r.host, r.pid, r.device, r.state, r.queued, r.activity)
                 for r in self.ranks]
 
+    def _cells(self) -> list[StripCell]:
+        return [StripCell(rank=r.rank, level=None, colour=_COLOURS.get(r.state, "#dddddd"), mark=_MARKS.get(r.state, "?"),
+                          title=f"rank {r.rank}: {r.state} (engine {r.engine_id}, {r.host}, pid {r.pid}) {r.activity}")
+                for r in self.ranks]
+
+    def _counts(self) -> str:
+        states = [r.state for r in self.ranks]
+        return ", ".join(f"{states.count(k)} {k} ({_MARKS.get(k, '?')})" for k in dict.fromkeys(states))
+
+    @property
+    def compact(self) -> bool:
+        """More ranks than ``COMPACT``: a strip, and rows only for ranks neither busy nor idle."""
+        return len(self.ranks) > COMPACT
+
+    def _shown(self) -> list[RankStatus]:
+        return [r for r in self.ranks if not self.compact or r.state not in ("busy", "idle")]
+
     def to_text(self) -> str:
-        """A plain-text table, then each busy rank's stack."""
-        lines = [f"session {self.state}, backend {self.backend}, {len(self.ranks)} ranks",
-                 text_table(self.HEADER, self.rows())]
-        lines += [f"--- rank {r.rank} at {r.where}\n{r.stack.rstrip()}" for r in self.ranks if r.stack]
+        """A plain-text table (above ``COMPACT`` ranks a strip, and rows only for the ranks
+        neither busy nor idle), then each busy rank's stack."""
+        lines = [f"session {self.state}, backend {self.backend}, {len(self.ranks)} ranks"]
+        if self.compact:
+            lines += [self._counts(), text_strip(self._cells())]
+        shown = self._shown()
+        if shown:
+            lines.append(text_table(self.HEADER, [row for row, r in zip(self.rows(), self.ranks, strict=True) if r in shown]))
+        stacks: dict[Any, list[RankStatus]] = {}  # at many ranks, ranks stopped in one place show one stack
+        for r in self.ranks:
+            if r.stack:
+                stacks.setdefault(r.where if self.compact else r.rank, []).append(r)
+        lines += [f"--- {rank_label(x.rank for x in rs)} at {rs[0].where}\n{rs[0].stack.rstrip()}"  # type: ignore[union-attr]
+                  for rs in stacks.values()]
         lines += list(self.events)
         return "\n".join(lines)
 
     def to_html(self) -> str:
         """An HTML table, states in colour, each busy rank's stack folded under "where"."""
         rows = []
-        for r in self.ranks:
+        for r in self._shown():
             stack = (
                 f"<details><summary>{html.escape(r.where or 'stack')}</summary>"
                 f"<pre>{html.escape(r.stack)}</pre></details>" if r.stack else ""
@@ -135,8 +166,10 @@ class SessionStatus:
         return (
             f"<div class='fsdp-nb-status'><b>Session</b> <code>{html.escape(self.state)}</code>, "
             f"backend <code>{html.escape(self.backend)}</code>, {len(self.ranks)} ranks "
-            f"<small>(at {when})</small><table><thead><tr>{head}</tr></thead>"
-            f"<tbody>{''.join(rows)}</tbody></table>"
+            f"<small>(at {when})</small>"
+            + (f"<br><small>{html.escape(self._counts())}</small>" + html_strip(self._cells(), cls="fsdp-nb-status-strip")
+               if self.compact else "")
+            + (f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>" if rows else "")
             + (f"<ul class='fsdp-nb-status-events'>{log_html}</ul>" if log_html else "") + "</div>"
         )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["RankSteps"]
 
@@ -25,3 +25,17 @@ class RankSteps:
     """The rest: data loading, Python between the steps, the host."""
     device: str
     """``"cpu"`` (host clocks are the truth) or ``"cuda"`` (host clocks are not: see the view)."""
+    samples: list[int] = field(default_factory=list)
+    """Each step's samples: the leading dimension of the batch its first wrapped model took
+    (summed over micro-batches; 0 where no tensor showed it)."""
+    tokens: list[int] = field(default_factory=list)
+    """Each step's tokens: a batch of token ids' first two dimensions (0 where the batch is
+    not integer ids)."""
+    parameters: int = 0
+    """Parameters of the model that took the batch (all of them, not this rank's shard)."""
+    device_name: str = "cpu"
+    """The GPU's name (``torch.cuda.get_device_name()``), or ``"cpu"``."""
+    logged: dict[str, list[float]] = field(default_factory=dict)
+    """What ``fsdp_nb.log`` kept on this rank: each name's newest values, oldest first."""
+    seq: int = 0
+    """Which of its sampler's messages this is (0: read through the task queue)."""

@@ -1,6 +1,7 @@
-"""The memory side channel, notebook side: one SUB socket and a thread per feed.
+"""The side channel, notebook side: one SUB socket per rank and a thread per feed.
 
-``MemoryFeed.start`` asks every rank (once, through the task queue) to start a sampler
+``MemoryFeed`` receives each rank's memory, ``StepsFeed`` its recent steps (``sess.steps()``).
+``start`` asks every rank (once, through the task queue) to start a sampler
 thread publishing over its own XPUB socket (``fsdp_nb.engine.memory_sampler``), then
 subscribes to each with the feed's token signed with the cluster's key (the only
 subscription a sampler applies) and drops any sample not signed by that sampler. A
@@ -13,6 +14,7 @@ a closed session ends the receiver too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -26,20 +28,32 @@ from ...engine.signing import Link, Refused
 from ...errors import WireError
 from ...wire.decode import loads
 from ...wire.memory_sample import MemorySample
+from ...wire.step_times import RankSteps
 
 if TYPE_CHECKING:
     from ...context import SessionContext
 
 log = logging.getLogger("fsdp_nb")
 
-__all__ = ["MemoryFeed"]
+__all__ = ["MemoryFeed", "SampleFeed", "StepsFeed"]
 
 
-Listener = Callable[["MemoryFeed"], None]
+Listener = Callable[["SampleFeed"], None]
 
 
-class MemoryFeed:
-    """Samples from every rank of a session, kept as latest + short history."""
+class SampleFeed:
+    """Samples from every rank of a session, kept as latest + short history.
+
+    Args:
+        ctx: the session context whose ranks publish.
+        interval: seconds between two samples of a rank.
+        history: samples kept per rank.
+    """
+
+    reading = "memory"
+    """What the ranks' samplers publish (``engine.memory_sampler.PUBLISHES``)."""
+    sample: type = MemorySample
+    """The wire type of one sample."""
 
     def __init__(self, ctx: SessionContext, *, interval: float = 1.0, history: int = 120):
         if not (isinstance(interval, (int, float)) and not isinstance(interval, bool)
@@ -50,13 +64,13 @@ class MemoryFeed:
         self.ctx = ctx
         self.interval = float(interval)
         self.world_size = ctx.world_size
-        self.history: list[deque[MemorySample]] = [deque(maxlen=history)
+        self.history: list[deque[Any]] = [deque(maxlen=history)
                                                    for _ in range(self.world_size)]
         self.token = uuid.uuid4().hex
         self.endpoints: list[str] = []
         self.updates = 0
         self.malformed = 0
-        """Signed samples that did not decode as a ``MemorySample`` (a version skew: logged once)."""
+        """Signed samples that did not decode as ``sample`` (a version skew: logged once)."""
         self._listeners: list[Listener] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -66,12 +80,12 @@ class MemoryFeed:
 
     # -- data -------------------------------------------------------------------
 
-    def latest(self) -> list[MemorySample | None]:
+    def latest(self) -> list[Any]:
         """The newest sample of each rank (None before its first one)."""
         with self._lock:
             return [h[-1] if h else None for h in self.history]
 
-    def samples(self, rank: int) -> list[MemorySample]:
+    def samples(self, rank: int) -> list[Any]:
         """Rank ``rank``'s kept history, oldest first."""
         with self._lock:
             return list(self.history[rank])
@@ -90,7 +104,7 @@ class MemoryFeed:
 
     # -- lifecycle ----------------------------------------------------------------
 
-    def start(self) -> MemoryFeed:
+    def start(self) -> SampleFeed:
         """Start one sampler per rank (through the task queue, once) and subscribe."""
         import zmq
 
@@ -100,7 +114,8 @@ class MemoryFeed:
         cluster = self.ctx.cluster
         ranks = self.ctx.ranks
         args = [(self.token, r.rank, cluster.listen_address(r.rank), self.interval) for r in ranks]
-        started = d.gather(d.apply("start memory sampler", _ms.start, args))
+        started = d.gather(d.apply(f"start {self.reading} sampler",
+                                     functools.partial(_ms.start, reading=self.reading), args))
         self.endpoints = [ep for ep, _ in started]
         key = cluster.key
         self._zmq = zmq.Context()
@@ -114,7 +129,7 @@ class MemoryFeed:
             subs.append((sub, link, rank))
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, args=(subs,), daemon=True,
-                                        name=f"fsdp_nb-memory-feed-{self.token[:8]}")
+                                        name=f"fsdp_nb-{self.reading}-feed-{self.token[:8]}")
         self._thread.start()
         self.ctx.lifecycle.on_close(self.close)
         if self._follow not in self.ctx.recovering.observers:
@@ -170,7 +185,7 @@ class MemoryFeed:
                             try:
                                 fn(self)
                             except Exception as exc:  # noqa: BLE001 - a broken view must not kill the feed
-                                log.warning("a memory view failed to render a sample: %s", exc)
+                                log.warning("a %s view failed to render a sample: %s", self.reading, exc)
         finally:
             for sub, _, _ in subs:
                 sub.close(0)
@@ -184,24 +199,47 @@ class MemoryFeed:
                 raise Refused(f"{len(frames)} frames where a sample has 2")
             raw = link.unpack(frames[1])
         except Refused as why:
-            link.refused(why, f"a memory sample from rank {rank}")
+            link.refused(why, f"a {self.reading} sample from rank {rank}")
             return False
         try:
-            s = dataclasses.replace(loads(MemorySample, raw), received=time.time())
+            s = loads(self.sample, raw)
         except WireError as why:  # signed by the sampler, so not an outsider: another version of fsdp_nb
             if not self.malformed:
-                log.warning("fsdp_nb: rank %d sends memory samples this notebook cannot read: %s", rank, why)
+                log.warning("fsdp_nb: rank %d sends %s samples this notebook cannot read: %s", rank, self.reading, why)
             self.malformed += 1
             return False
         if s.rank != rank:
             return False
+        s = self._kept(s)
         with self._lock:
             self.history[s.rank].append(s)
-        self.ctx.last_memory[s.rank] = s  # for a death's report
         return True
+
+    def _kept(self, s: Any) -> Any:
+        """A sample just received, as the feed keeps it."""
+        return s
 
     def __del__(self) -> None:
         try:
             self._stop.set()
         except Exception as exc:  # noqa: BLE001 - interpreter teardown: nothing left to tell
             log.debug("closing the memory feed: %s", exc)
+
+
+class MemoryFeed(SampleFeed):
+    """Each rank's memory (``MemorySample``), kept as latest + short history."""
+
+    reading = "memory"
+    sample = MemorySample
+
+    def _kept(self, s: Any) -> Any:
+        s = dataclasses.replace(s, received=time.time())
+        self.ctx.last_memory[s.rank] = s  # for a death's report
+        return s
+
+
+class StepsFeed(SampleFeed):
+    """Each rank's recent steps and logged scalars (``RankSteps``), as they end."""
+
+    reading = "steps"
+    sample = RankSteps

@@ -5,38 +5,14 @@ from __future__ import annotations
 import base64
 import html
 import io
-from collections.abc import Sequence
 from typing import Any
 
+from ...display.sparkline import sparkline_svg
 from ...display.tables import fmt_bytes, html_table, text_table
 
 __all__ = [
     "StaticForm", "fmt_bytes", "html_table", "png_of", "sparkline_svg", "text_table",
 ]
-
-
-def sparkline_svg(values: Sequence[float], *, width: int = 160, height: int = 28,
-                  color: str = "#1f77b4") -> str:
-    """An inline SVG line of ``values`` between their min and max (flat: mid-height).
-
-    The tooltip gives the range, so a small change still reads as one.
-    """
-    if not values:
-        return f"<svg width='{width}' height='{height}'></svg>"
-    lo, hi = min(values), max(values)
-    span = hi - lo
-    n = len(values)
-
-    def y(v: float) -> float:
-        frac = 0.5 if span <= 0 else (v - lo) / span
-        return height - 2 - frac * (height - 4)
-
-    pts = " ".join(
-        f"{(i / max(n - 1, 1)) * (width - 2) + 1:.1f},{y(v):.1f}" for i, v in enumerate(values)
-    )
-    return (f"<svg width='{width}' height='{height}' style='background:#f6f6f6'>"
-            f"<title>{fmt_bytes(lo)} .. {fmt_bytes(hi)} over {n} samples</title>"
-            f"<polyline fill='none' stroke='{color}' stroke-width='1.5' points='{pts}'/></svg>")
 
 
 def png_of(fig: Any) -> bytes:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as W
 
+from ...display.rank_strip import COMPACT, StripCell, html_strip, shade, text_strip
 from ...models.memory_report import CATEGORY_COLOURS
 from ...wire.memory_sample import MemorySample
 from ._feed import MemoryFeed
@@ -73,13 +74,36 @@ class MemorySnapshot:
 
     HEADER = ("rank", "device", "used", "budget", "%", "peak", "reserved")
 
+    def _cells(self) -> list[StripCell]:
+        """A strip cell per rank: what it uses of its budget (darker: fuller)."""
+        out = []
+        for r, s in enumerate(self.latest):
+            frac = s.used / s.budget if s is not None and s.budget else None
+            title = (f"rank {r}: waiting for the first sample" if s is None else
+                     f"rank {r} ({s.device}): {fmt_bytes(s.used)}" + (f" of {fmt_bytes(s.budget)} ({frac:.0%})" if frac is not None else "")
+                     + f", peak {fmt_bytes(s.peak)}")
+            out.append(StripCell(rank=r, level=frac, colour=shade(frac), title=title))
+        return out
+
+    def _summary(self) -> str:
+        """One line for a strip: the fullest ranks."""
+        full = sorted(((s.used / s.budget, r) for r, s in enumerate(self.latest) if s is not None and s.budget),
+                      reverse=True)
+        most = ", ".join(f"rank {r} {f:.0%}" for f, r in full[:3])
+        return f"{self.world_size} ranks; fullest: {most or 'no sample yet'} (darker: fuller)"
+
     def to_text(self) -> str:
         kind = "CUDA allocated" if any(s and s.on_device for s in self.latest) else "process RSS"
+        if self.world_size > COMPACT:
+            return f"fsdp_nb memory ({kind} of each rank's budget)\n{self._summary()}\n{text_strip(self._cells())}"
         head = self.header()
         rows = [r if len(r) == len(head) else (*r, *([""] * (len(head) - len(r)))) for r in self.rows()]
         return f"fsdp_nb memory ({kind})\n" + text_table(head, rows)
 
     def to_html(self) -> str:
+        if self.world_size > COMPACT:
+            return (f"<div class='fsdp-nb-memory'><b>Memory per rank</b><br><small>{html.escape(self._summary())}"
+                    f"</small>{html_strip(self._cells(), cls='fsdp-nb-memory-strip')}</div>")
         rows = []
         for r, s in enumerate(self.latest):
             if s is None:

@@ -1,4 +1,4 @@
-"""``sess.memory()``, ``status_widget()``, ``checkpoints()``, ``dashboard()``: the
+"""``sess.memory()``, ``steps()``, ``status_widget()``, ``checkpoints()``, ``dashboard()``: the
 façade's widget methods, each handing the session context to its widget.
 
 Mixed into :class:`fsdp_nb.Session`. Each widget module is imported when first asked
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .dashboard import Dashboard
     from .memory import MemoryWidget
     from .status import StatusWidget
+    from .steps import StepsWidget
 
 __all__ = ["SessionWidgets", "layout_view"]
 
@@ -44,6 +45,25 @@ class SessionWidgets:
 
         return memory_widget(self._ctx, interval=interval, history=history)
 
+    def steps(self, window: int = 20, *, interval: float = 1.0) -> StepsWidget:
+        """Where each rank's recent optimizer steps' time goes, and which rank is slow, live.
+
+        The first call starts the measurement on every rank: a hook at each optimizer step
+        and each wrapped model's forward, and a thread that looks every 2 ms at where the
+        training thread is. The widget is then fed while a cell trains, with no code in the
+        loop: each rank sends its last steps, and what ``fsdp_nb.log`` kept, once per
+        ``interval`` when a step ended. ``view.refresh()`` reads the ranks through the
+        task queue after a cell.
+
+        Args:
+            window: the last this many steps make each rank's means (1 to 1000).
+            interval: seconds between two updates while steps end.
+        """
+
+        from .steps import steps_widget
+
+        return steps_widget(self._ctx, window=window, interval=interval)
+
     def status_widget(self) -> StatusWidget:
         """Per-rank status that follows the session live: busy, failed, dead, recovering,
         recovered, with a log of failures and recoveries (``status()`` is a snapshot)."""
@@ -72,8 +92,8 @@ class SessionWidgets:
         Args:
             **kwargs: ``models=`` (default: every wrapped model), ``root=`` (a checkpoint
                 folder: adds the browser, with ``checkpoints``' keyword arguments),
-                ``memory=False`` leaves out the memory tab, ``interval=`` its seconds
-                between samples.
+                ``memory=False`` leaves out the memory tab, ``steps=False`` the step
+                view's, ``interval=`` their seconds between samples.
         """
 
         from .dashboard import dashboard

@@ -1,0 +1,83 @@
+"""Scalars a rank logs while it trains (``fsdp_nb.log(loss=..., lr=...)``), for the step
+view's live curves.
+
+``log`` keeps each name's last ``KEEP`` values in this rank's memory: a dict lookup and
+a deque append, cheap enough for every step. A tensor is kept as it is (detached), and
+read as a number only when the step view's sampler thread publishes the curves
+(``latest``), so logging a loss does not make a GPU rank wait for its kernels.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+__all__ = ["KEEP", "clear", "count", "latest", "log"]
+
+KEEP = 200
+"""Values kept per name on each rank (the newest)."""
+
+_LOCK = threading.Lock()
+_VALUES: dict[str, collections.deque[Any]] = {}
+_COUNT = 0
+
+
+def log(**scalars: Any) -> None:
+    """Log scalars on this rank, for the live curves of ``sess.steps()``.
+
+    Call it in the training loop, e.g. ``fsdp_nb.log(loss=loss, lr=sched.get_last_lr()[0])``.
+    Each name gets a curve: the mean over the ranks that log it, newest values lined up.
+
+    Args:
+        **scalars: name = a number (``int``, ``float``) or a one-element tensor.
+
+    Raises:
+        TypeError: a value that is not a number or a one-element tensor (nothing is logged).
+    """
+    kept = {}
+    for name, value in scalars.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            kept[name] = float(value)
+            continue
+        numel = getattr(value, "numel", None)
+        if callable(numel) and callable(getattr(value, "detach", None)) and numel() == 1:
+            kept[name] = value.detach()
+            continue
+        raise TypeError(f"fsdp_nb.log: {name}= must be a number or a one-element tensor, "
+                        f"got {type(value).__name__}" + (f" of {numel()} elements" if callable(numel) else ""))
+    global _COUNT
+    with _LOCK:
+        _COUNT += 1
+        for name, value in kept.items():
+            q = _VALUES.get(name)
+            if q is None:
+                q = _VALUES[name] = collections.deque(maxlen=KEEP)
+            q.append(value)
+
+
+def latest() -> dict[str, list[float]]:
+    """Each logged name's kept values, oldest first, as numbers (a tensor is read once, the
+    first time it is asked for, and kept as its number; one that is not finite stays
+    ``nan`` or ``inf``, as the loop logged it)."""
+    with _LOCK:
+        kept = {name: list(q) for name, q in _VALUES.items()}
+    read = {id(v): float(v.float().item()) for vs in kept.values() for v in vs if not isinstance(v, float)}
+    if read:
+        with _LOCK:  # keep the numbers: the tensors are not read again
+            for q in _VALUES.values():
+                for i, v in enumerate(q):
+                    if id(v) in read and not isinstance(v, float):
+                        q[i] = read[id(v)]
+    return {name: [v if isinstance(v, float) else read[id(v)] for v in vs] for name, vs in kept.items()}
+
+
+def count() -> int:
+    """How many calls of ``log`` kept something (the side channel sends news only)."""
+    return _COUNT
+
+
+def clear() -> None:
+    """Forget every logged value on this rank."""
+    with _LOCK:
+        _VALUES.clear()
