@@ -14,8 +14,9 @@ watch, the engine's message threads). A thread the session adds that takes a sha
 the step is where the session costs.
 
 Each round also runs the session's loop again with the step view on (``sess.steps()``:
-its hooks and its sampling thread), beside the round with it off: its cost as a speed
-ratio (on / off), and the sampling thread's share of the wall time.
+its hooks, its sampling thread, and the live feed that sends each rank's last steps to
+the notebook once a second), beside the round with it off: its cost as a speed ratio
+(on / off), and the sampling and feed threads' shares of the wall time.
 
 Prints a table and writes benchmarks/out/session_cost.json.
 Run: PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/session_cost.py [--rounds 3 --steps 150]
@@ -88,12 +89,16 @@ def main() -> None:
             got = sess.pull("bench_out")
             res["session"].append(statistics.mean(out[1] for out, _ in got))
             res["threads"].append([{**use, "wall_s": out[0]} for out, use in got])
-            sess.steps(window=20)  # the step view on: its hooks and its sampling thread
+            view = sess.steps(window=20)  # the step view on: hooks, sampling thread, live feed
             sess.execute(f"bench_out = counted_train({a.steps})")
             got = sess.pull("bench_out")
             res["view_on"].append(statistics.mean(out[1] for out, _ in got))
-            res["threads"][-1] = [{**old, "step sampler (view on)": use.get("fsdp_nb-step-sampler", 0.0)}
+            res["view_updates"] = res.get("view_updates", 0) + view.view.updated
+            res["threads"][-1] = [{**old, "step sampler (view on)": use.get("fsdp_nb-step-sampler", 0.0),
+                                   "step feed (view on)": sum(v for k, v in use.items()
+                                                              if k.startswith("fsdp_nb-steps-sampler"))}
                                   for old, (_, use) in zip(res["threads"][-1], got)]
+            view.close()
             sess.run(_stop_view)
     finally:
         sess.shutdown()
@@ -101,7 +106,8 @@ def main() -> None:
     res["view_ratio"] = statistics.median(res["view_on"]) / statistics.median(res["session"])
     print(f"tokens/s per rank, session {[round(x) for x in res['session']]} vs torchrun "
           f"{[round(x) for x in res['torchrun']]}: session / torchrun = {res['ratio']:.3f}")
-    print(f"with sess.steps() on {[round(x) for x in res['view_on']]}: view on / off = {res['view_ratio']:.3f}")
+    print(f"with sess.steps() on {[round(x) for x in res['view_on']]}: view on / off = {res['view_ratio']:.3f} "
+          f"(the live view redrew {res.get('view_updates', 0)} times)")
     kinds = sorted({k for rnd in res["threads"] for rank in rnd for k in rank if k != "wall_s"})
     print(f"{'thread':<28}" + "".join(f"  round {i} (share of wall)" for i in range(a.rounds)))
     for kind in kinds:

@@ -44,14 +44,14 @@ nitpick_ignore_regex = [
     ("py:class", r"nn\.Module|torch\.nn\.Module|Tensor|Module"),
     # fsdp_nb's own parts that are not public, named unqualified in type hints
     ("py:class", r"CallChannel|CheckpointBrowser|ClassNames|Dashboard|Definitions|Dispatcher|EngineCluster|"
-                 r"Keeper|Lifecycle|MemorySample|MemoryWidget|RankHealth|SessionStatus|StatusWidget|WrapRecord|WrapSummary"),
+                 r"Keeper|Lifecycle|MemorySample|MemoryWidget|RankHealth|SessionStatus|StatusWidget|StepsFeed|WrapRecord|WrapSummary"),
     ("py:class", r"MixedPrecisionPolicy|CPUOffloadPolicy"),  # torch's, named unqualified in WrapOptions
     ("py:class", r"(ipp|W|np|dist|dcp)\..*"),
     # the session's internals (its context's parts) and the mixins the façade is made of
     ("py:class", r"fsdp_nb\.(runtime|lifetime)\..*"),
     ("py:class", r"fsdp_nb\.(context\.SessionFacts|checkpoint\.session_checkpoints\.SessionCheckpoints|"
                  r"models\.session_planning\.SessionPlanning|frontends\.widgets\.session_widgets\.SessionWidgets|"
-                 r"models\.step_profile\.SessionProfiling)"),
+                 r"models\.step_profile\.SessionProfiling|frontends\.widgets\._render\.StaticForm)"),
 ]
 
 myst_enable_extensions = ["colon_fence", "deflist"]

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # what type checkers and editors see of the lazy names below
     from .formats.info import CheckpointInfo
     from .formats.inspect import inspect
     from .formats.listing import list_checkpoints
+    from .formats.storage import set_storage_options
     from .frontends.widgets.steps import StepsWidget
     from .lifetime.keepalive import sessions
     from .lifetime.resize import ResizeReport
@@ -67,6 +68,7 @@ _LAZY = {
     "CheckpointInfo": "formats.info",
     "inspect": "formats.inspect",
     "list_checkpoints": "formats.listing",
+    "set_storage_options": "formats.storage",
     "consolidate": "checkpoint.consolidate",
     "export_safetensors": "checkpoint.export",
     "sessions": "lifetime.keepalive",
@@ -125,4 +127,5 @@ __all__ = [
     "log",
     "plan",
     "sessions",
+    "set_storage_options",
 ]

@@ -126,7 +126,7 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfilin
         pg_timeout: float = 1800.0,
         activate: bool = True,
         grace: float = 3.0,
-        keep_alive: bool = False,
+        keep_alive: bool | float = False,
     ) -> Session:
         """Attach to a running ipyparallel cluster and form the process group on its engines.
 
@@ -143,7 +143,8 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfilin
             pg_timeout: seconds a collective may wait before torch.distributed gives up.
             activate: make ``%%px`` run on these ranks.
             grace: as ``Session``'s.
-            keep_alive: a later kernel can ``Session.attach()`` to the group and models.
+            keep_alive: ``True`` (or seconds of idleness allowed): a later kernel can
+                ``Session.attach()`` to the group and models.
         """
         checks.check_n_backend(n, backend)
         checks.check_grace(grace)
@@ -236,20 +237,14 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfilin
                 while it runs (None: the session's ``hang_after``).
             **kwargs: its keyword arguments (shipped by value).
         """
+        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
         if not callable(fn):
             raise TypeError(f"run() needs a callable, got {type(fn).__name__}")
         return calls.run(self.dispatcher, fn, args, kwargs, timeout, checks.check_hang_after(hang_after),
                          self._ctx.merge_output)
 
-    def execute(
-        self,
-        code: str,
-        *,
-        ranks: Sequence[int] | None = None,
-        output: str | None = "all",
-        timeout: float | None = None,
-        hang_after: float | None = None,
-    ) -> None:
+    def execute(self, code: str, *, ranks: Sequence[int] | None = None, output: str | None = "all",
+                timeout: float | None = None, hang_after: float | None = None) -> None:
         """Run ``code`` on every rank (as ``%%px`` does); raise the failing ranks' errors.
 
         Use ``pull`` or ``run`` to get values back.
@@ -260,17 +255,20 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfilin
                 collective then waits for ranks that never join it).
             output: whose printed output to show: ``"all"`` (a line the ranks printed
                 alike once, ``[ranks 0-7] ...``, unless ``merge_output`` is False; the
-                others tagged by rank), ``"each"`` (every rank's own lines), ``"rankN"``.
+                others tagged by rank), ``"each"`` (every rank's own lines), ``"rankN"``,
+                or ``"none"`` (None too: nothing shown; a failing rank's error still raises).
             timeout: seconds before the code is stopped on every rank (None: no limit).
             hang_after: seconds a collective may wait before the call is explained
                 while it runs (None: the session's ``hang_after``).
         """
+        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
         self._execute(code, timeout, ranks=ranks, output=output, silent=True, hang_after=hang_after)
 
     def _execute(self, code: str, timeout: float | None, *, ranks: Sequence[int] | None = None,
                  output: str | None = "all", silent: bool = False, hang_after: float | None = None) -> list[Any]:
         """``execute`` returning each rank's ExecuteReply (its ``Out`` value, unless
         ``silent``), for ``%%px``."""
+        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
         if not isinstance(code, str):
             raise TypeError(f"execute() needs source code as str, got {type(code).__name__}")
         targets = checks.check_ranks(ranks, self.world_size)
@@ -305,6 +303,7 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfilin
 
     def all_reduce_check(self) -> float:
         """Run one collective (sum of ranks) on every rank; return its result."""
+        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
         return calls.all_reduce_check(self.dispatcher)
 
     # -- models -------------------------------------------------------------------

@@ -167,10 +167,54 @@ def test_a_tutorial_shows_what_it_must(built, path):
                       for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     missing = [text for text in EXPECTED[path.stem] if text not in shown]
     assert not missing, f"{path.name} did not show {missing}"
+    assert [line for line in _unclean(nb) if WARNING.search(line)] == []  # as built (the stored run, or the build's)
     page = (built.html / "tutorials" / f"{path.stem}.html").read_text()
     if "application/vnd.jupyter.widget-view+json" in json.dumps(nbformat.writes(nb)):
         assert 'type="application/vnd.jupyter.widget-state+json"' in page  # drawn without a kernel
         assert "_static/widgets/embed.js" in page
+
+
+WARNING = re.compile(r"\b\w*Warning: ")
+"""A warning as Python prints one (``UserWarning: ...``)."""
+
+
+def _unclean(nb: nbformat.NotebookNode) -> list[str]:
+    """The output lines of ``nb`` that show a warning (unless its cell is tagged
+    ``explains-warning``: the page says why it is there) or a path of the machine that ran
+    it (``stored_runs.machine_paths``: the repository, site-packages, the home folder)."""
+    paths = [p for p in _stored_runs().machine_paths(REPO) if p != "/"]
+    bad = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        explained = "explains-warning" in cell.get("metadata", {}).get("tags", [])
+        for out in cell.get("outputs", []):
+            texts = [out.get("text", ""), out.get("evalue", ""), *out.get("traceback", []),
+                     *(v for k, v in out.get("data", {}).items() if k.startswith("text/") and isinstance(v, str))]
+            for line in "\n".join(texts).splitlines():
+                if (WARNING.search(line) and not explained) or any(p in line for p in paths):
+                    bad.append(f"cell {i}: {line[:160]}")
+    return bad
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_a_stored_tutorial_ran_this_code_and_shows_no_warning_and_no_machine_path(path):
+    """What a code host shows: the outputs of a run of the tutorial's current code and
+    package, with no warning the reader did not cause and no path of the machine."""
+    assert _stored_runs().is_fresh(path, REPO), f"{path.name}: run python docs/_ext/stored_runs.py"
+    assert _unclean(nbformat.read(path, as_version=4)) == []
+
+
+def test_a_rank_error_in_a_tutorial_shows_the_users_frames_not_fsdp_nbs():
+    """IPython leaves out the frames fsdp_nb marks ``__tracebackhide__`` (the magic, the
+    session, the dispatcher, the failure policy): a failing cell's traceback is the cell
+    and each rank's own error."""
+    errors = [out for path in NOTEBOOKS for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"
+              for out in c.get("outputs", []) if out.get("output_type") == "error" and out.get("ename") == "RankError"]
+    assert errors, "no tutorial shows a RankError"
+    frames = [line for out in errors for line in out["traceback"]
+              if re.search(r"fsdp_nb/(runtime|recovery|frontends|session)", re.sub(r"\x1b\[[0-9;]*m", "", line))]
+    assert frames == []
 
 
 def test_the_build_left_no_temporary_files_and_no_session(built):
@@ -270,10 +314,19 @@ RUNNABLE = [p for p in HOW_TO if _blocks(p)]
 
 @pytest.mark.parametrize("page", RUNNABLE, ids=[p.stem for p in RUNNABLE])
 def test_a_how_to_pages_code_runs_in_a_kernel(page, tmp_path):
+    _run_blocks(page, tmp_path)
+
+
+def _run_blocks(page: Path, tmp_path: Path, cwd: Path | None = None) -> None:
+    """Run ``page``'s ```python blocks in order in one kernel (working in ``cwd``, by default
+    the kernels' temporary folder): each must succeed, no session may be left running,
+    and no file in the temporary folder."""
     from jupyter_client.manager import start_new_kernel
 
     env = _env(tmp_path)
-    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(tmp_path / "tmp"))
+    if cwd is not None:
+        cwd.mkdir()
+    km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(cwd or tmp_path / "tmp"))
     try:
         for i, code in enumerate(_blocks(page)):
             errors: list[str] = []
@@ -390,20 +443,56 @@ def test_a_tutorials_stored_run_stands_only_for_the_code_it_ran(tmp_path):
 
 
 def test_the_readme_is_a_front_page():
+    """What fsdp_nb is and for whom first, then the two commands, then its maturity; the
+    table of what ran where is the GPU guide's."""
     readme = (REPO / "README.md").read_text()
     lines = readme.splitlines()
-    assert len(lines) <= 150
-    assert lines[3].startswith("pip install torch==2.13.0 -e . && fsdp-nb demo")
-    assert lines[4].startswith('pip install torch==2.13.0 -e ".[test]"') and "python -m pytest" in lines[4]
+    assert len(lines) <= 160
+    first = next(i for i, line in enumerate(lines) if line.startswith("```bash"))
+    assert lines[2].startswith("**Interactive PyTorch FSDP2") and "is for people who train" in " ".join(lines[2:first])
+    assert lines[first + 1].startswith("pip install torch==2.13.0 -e . && fsdp-nb demo")
+    assert lines[first + 2].startswith('pip install torch==2.13.0 -e ".[test]"') and "python -m pytest" in lines[first + 2]
+    assert lines[first + 5].startswith("**Maturity.** Version 0.1.0") and "never run" in readme[:readme.index("## A taste")]
+    assert _ran_where(readme) == _ran_where((DOCS / "how-to" / "gpus.md").read_text()) != []
     assert 'pip install torch==2.13.0 -e ".[docs]" && python -m sphinx -W docs docs/_build/html' in readme
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
     assert links and [t for t in links if not t.startswith("http") and not (REPO / t).exists()] == []
+
+
+def _ran_where(text: str) -> list[str]:
+    """The rows of a page's table of what has run where."""
+    table = text.split("<!-- what-ran-where", 1)[-1] if "<!-- what-ran-where" in text else ""
+    return [line for line in table.splitlines()[1:] if line.startswith("|")][:40] if table else []
+
+
+def test_the_readmes_taste_runs_as_written(tmp_path):
+    """The README's ```python blocks in a kernel, in a folder of their own (the taste saves
+    ``ckpt/`` there), leaving no session and no temporary file."""
+    _run_blocks(REPO / "README.md", tmp_path, cwd=tmp_path / "work")
 
 
 def _pages() -> dict[str, str]:
     pages = {"README.md": (REPO / "README.md").read_text()}
     pages.update({str(p.relative_to(REPO)): p.read_text() for p in DOCS.rglob("*.md") if "_build" not in p.parts})
     return pages
+
+
+def test_the_tutorials_install_line_brings_every_module_they_import():
+    """``pip install -e ".[notebook]"`` (the tutorials page's line, and binder's) installs
+    every library a tutorial imports: the package's dependencies and its notebook extra."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = [*project["dependencies"], *project["optional-dependencies"]["notebook"]]
+    installed = {re.split(r"[<>=!;\[ ]", d, maxsplit=1)[0].lower().replace("-", "_") for d in wanted}
+    local = {"fsdp_nb", "mymodel"}  # the package itself, and the module tutorial 05 writes
+    imported = {m for path in NOTEBOOKS for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"
+                for m in re.findall(r"^\s*(?:from|import)\s+(\w+)", c.source, flags=re.M)}
+    assert sorted(imported - set(sys.stdlib_module_names) - installed - local) == []
+    assert '-e ".[notebook]"' in (DOCS / "tutorials" / "index.md").read_text()
+    assert '-e ".[notebook]"' in (REPO / "binder" / "postBuild").read_text()
 
 
 def test_every_file_the_pages_name_exists():

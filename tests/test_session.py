@@ -316,7 +316,7 @@ def test_connect_to_running_cluster_leaves_its_engines(tmp_path, monkeypatch):
         # it back (here the kernel is a process that exits without shutting down)
         script = (
             "import os, torch, fsdp_nb\n"
-            f"s = fsdp_nb.Session.connect({str(url_file)!r}, n=2, backend='gloo', keep_alive=True)\n"
+            f"s = fsdp_nb.Session.connect({str(url_file)!r}, n=2, backend='gloo', keep_alive=3600)\n"
             "s.wrap(torch.nn.Linear(2, 2), name='kept')\n"
             "s.execute('left_here = rank + 5')\n"
             "os._exit(0)\n"
@@ -325,6 +325,7 @@ def test_connect_to_running_cluster_leaves_its_engines(tmp_path, monkeypatch):
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
         (found,) = fsdp_nb.sessions()
         assert not found.attached and found.world_size == 2
+        assert found.keep_alive == 3600.0  # the seconds given, not True
         # meanwhile the ranks left their group (as after a failed collective): attach
         # sees it and forms the group again, keeping the engines' variables and models
         from fsdp_nb.engine.process_group import destroy
@@ -410,7 +411,11 @@ def test_lines_printed_alike_show_once_at_eight_ranks_and_each_on_request(sessio
         assert capsys.readouterr().out == "[rank 0] only rank 0\n"
         with pytest.raises(TypeError, match="merge_output must be True or False"):
             s.merge_output = "yes"
-        with pytest.raises(ValueError, match=r"allowed: 'all', 'each', 'rank0'"):
+        s.execute("print('quiet')", output="none")
+        assert capsys.readouterr().out == ""
+        with pytest.raises(RankError, match="loud"):  # nothing shown, but a failure still raises
+            s.execute("print('x')\nif rank == 3:\n    raise ValueError('loud')", output=None)
+        with pytest.raises(ValueError, match=r"allowed: 'all', 'each', 'none', 'rank0'"):
             s.execute("pass", output="every")
     finally:
         s.shutdown()

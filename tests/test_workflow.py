@@ -43,8 +43,8 @@ def test_execute_on_some_ranks_leaves_the_others_alone(sess, capsys):
         ({"ranks": []}, ValueError, r"non-empty list of distinct ranks"),
         ({"ranks": [1, 1]}, ValueError, r"distinct ranks"),
         ({"ranks": "0"}, TypeError, r"ranks must be a list of ints"),
-        ({"output": "rank5"}, ValueError, r"allowed: 'all', 'each', 'rank0', 'rank1'"),
-        ({"ranks": [1], "output": "rank0"}, ValueError, r"allowed: 'all', 'each', 'rank1'$"),
+        ({"output": "rank5"}, ValueError, r"allowed: 'all', 'each', 'none', 'rank0', 'rank1'"),
+        ({"ranks": [1], "output": "rank0"}, ValueError, r"allowed: 'all', 'each', 'none', 'rank1'$"),
         ({"output": "loud"}, ValueError, r"output='loud'"),
     ],
 )

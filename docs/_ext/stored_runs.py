@@ -24,8 +24,9 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["KEY", "is_fresh", "package_key", "ran_with", "refresh"]
+__all__ = ["KEY", "is_fresh", "machine_paths", "package_key", "ran_with", "refresh", "scrub"]
 
 KEY = "ran_with"
 """Where in a notebook's ``metadata["fsdp_nb"]`` its run's key is kept."""
@@ -92,8 +93,47 @@ def refresh(notebook: Path, repo: Path, timeout: int = 600) -> None:
                            resources={"metadata": {"path": str(base / "cwd")}}).execute(env=env)
         finally:
             _stop_left_sessions(base / "ipython")
+    scrub(nb, repo)
     nb.metadata.setdefault("fsdp_nb", {})[KEY] = ran_with(notebook, repo)
     nbformat.write(nb, notebook)
+
+
+def machine_paths(repo: Path) -> dict[str, str]:
+    """The paths of the machine that ran a tutorial, each with what a stored output shows
+    instead: the package's own files relative to the repository, the libraries' as
+    ``<site-packages>/``, and the home folder as ``~``."""
+    import site
+    import sysconfig
+
+    libs = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()}
+    out = {str(repo) + "/": "", **{lib.rstrip("/") + "/": "<site-packages>/" for lib in libs}}
+    home = str(Path.home())
+    if home not in ("/", ""):
+        out[home + "/"] = "~/"
+    return out
+
+
+def scrub(nb: Any, repo: Path) -> None:
+    """Take the machine's paths out of ``nb``'s outputs (``machine_paths``): a stored run
+    reads the same on a code host whoever made it."""
+    paths = sorted(machine_paths(repo).items(), key=lambda kv: -len(kv[0]))  # the longest first
+
+    def clean(text: str) -> str:
+        for path, shown in paths:
+            text = text.replace(path, shown)
+        return text
+
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if "text" in out:
+                out["text"] = clean(out["text"])
+            if "traceback" in out:
+                out["traceback"] = [clean(line) for line in out["traceback"]]
+            if "evalue" in out:
+                out["evalue"] = clean(out["evalue"])
+            for kind, value in out.get("data", {}).items():
+                if kind.startswith("text/") and isinstance(value, str):
+                    out["data"][kind] = clean(value)
 
 
 def main() -> None:

@@ -84,7 +84,7 @@ def consolidate(path: str, out: str, *, overwrite: bool = False, storage_options
         path: the checkpoint (local path or fsspec URL).
         out: where to write the other form.
         overwrite: replace what is at ``out`` (else FileExistsError).
-        storage_options: fsspec options for both (default: ``set_storage_options``').
+        storage_options: fsspec options for both (default: those of :func:`fsdp_nb.set_storage_options`).
         progress: a bar of the bytes read and written (default: in a notebook, above a
             few hundred MB).
         weights_only: unpickle the checkpoint's pickled items (optimizer

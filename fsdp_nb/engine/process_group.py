@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -144,6 +145,7 @@ def init(
     ns = user_ns()
     ns.setdefault("torch", torch)
     ns.setdefault("dist", dist)
+    ns.setdefault("fsdp_nb", sys.modules["fsdp_nb"])  # fsdp_nb.log(...) in a %%px loop, no import needed
     ns["rank"], ns["world_size"], ns["device"] = dist.get_rank(), dist.get_world_size(), device
     return device
 

@@ -48,7 +48,8 @@ __all__ = [
     "leave", "memory_peak", "recipe", "recipes", "restore", "stage", "state_size", "survey", "watch_memory",
 ]
 
-OWN_NAMES = frozenset({"In", "Out", "exit", "quit", "get_ipython", "rank", "world_size", "device", "torch", "dist"})
+OWN_NAMES = frozenset({"In", "Out", "exit", "quit", "get_ipython", "rank", "world_size", "device", "torch", "dist",
+                       "fsdp_nb"})
 """Engine globals IPython and fsdp_nb bind themselves: never reported as a user's variables."""
 
 _DETACHED: dict[str, Any] = {}

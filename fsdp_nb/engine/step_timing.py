@@ -3,8 +3,10 @@
 Call order, on every rank:
 
 1. ``start(window)`` (the first ``sess.steps()``): a global optimizer post-step hook, a
-   forward pre-hook on every wrapped model (and each one wrapped later), and a sampling
-   thread.
+   forward pre-hook on every wrapped model (and each one wrapped later), a one-shot
+   global forward pre-hook that finds a step's first forward of any module (a model the
+   loop built itself, not through ``sess.wrap``; it removes itself at once and is armed
+   again when the step ends), and a sampling thread.
 2. Each optimizer step (the post-step hook) closes a step: its time from the step
    before's end (or the cell's start: an IPython ``pre_execute`` hook); ``other`` from there to the first forward of a wrapped model; and the
    rest, from that forward to the step's end, split by the sampler's counts into compute
@@ -47,8 +49,9 @@ __all__ = ["INTERVAL", "count", "live", "start", "stop", "window"]
 
 log = logging.getLogger("fsdp_nb")
 
-INTERVAL = 0.002
-"""Seconds between two looks at the training thread."""
+INTERVAL = 0.005
+"""Seconds between two looks at the training thread while a step's model part runs (the
+thread sleeps on an event between steps and cells, so an idle rank pays nothing)."""
 _COLLECTIVE = ("/torch/distributed/",)
 _DATA = ("/torch/utils/data/", "/torchdata/")
 
@@ -69,6 +72,8 @@ class _Timing:
     hooks: list[Any] = field(default_factory=list)
     hooked: set[int] = field(default_factory=set)
     sampler: threading.Thread | None = None
+    active: threading.Event = field(default_factory=threading.Event)
+    once: Any = None
     running: bool = True
 
 
@@ -87,6 +92,7 @@ def start(keep: int) -> None:
     t = _Timing(keep=keep)
     t.hooks.append(register_optimizer_step_post_hook(lambda *_: _stepped(t)))
     _TIMING = t
+    _arm(t)
     _hook_models()
     ON_WRAPPED.append(_hook_models)
     try:
@@ -112,6 +118,24 @@ class _Unregister:
 
 def _cell_started(t: _Timing) -> None:
     t.last_end, t.first_forward = time.perf_counter(), None
+    t.active.clear()
+    _arm(t)
+
+
+def _arm(t: _Timing) -> None:
+    """Arm the one-shot global forward pre-hook: the step's first forward of any module."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    if t.once is None and t.running:
+        t.once = register_module_forward_pre_hook(lambda m, args: _first(t, m, args))
+
+
+def _first(t: _Timing, module: Any, args: tuple) -> None:
+    once, t.once = t.once, None
+    if once is not None:
+        once.remove()  # one call a step: every other module's forward runs without it
+    if t.first_forward is None and id(module) not in t.hooked:  # a wrapped model's own hook counts it
+        _forward(t, module, args, {})
 
 
 def _hook_models() -> None:
@@ -132,6 +156,7 @@ def _forward(t: _Timing, module: Any, args: tuple, kwargs: dict) -> None:
         t.thread = threading.get_ident()
         t.counts = [0, 0, 0]
         t.batch_model, t.samples, t.tokens = id(module), 0, 0
+        t.active.set()
     if id(module) == t.batch_model:  # each forward of the step's first model (micro-batches too)
         x = next((a for a in (*args, *kwargs.values()) if hasattr(a, "shape") and hasattr(a, "is_floating_point")), None)
         if x is not None and x.dim() >= 1:
@@ -157,11 +182,15 @@ def _stepped(t: _Timing) -> None:
         t.steps.popleft()
     t.count += 1
     t.last_end, t.first_forward, t.samples, t.tokens = now, None, 0, 0
+    t.active.clear()
+    _arm(t)
 
 
 def _sample(t: _Timing) -> None:
     """The sampling thread: where the training thread is, while a step's model part runs."""
     while t.running:
+        if not t.active.wait(0.5):  # between steps: asleep until a forward starts one
+            continue
         time.sleep(INTERVAL)
         if t.first_forward is None or t.thread is None:
             continue
@@ -210,7 +239,8 @@ def stop() -> None:
     if t is None:
         return
     t.running = False
-    for h in t.hooks:
+    t.active.set()  # the sampler sees it stopped now
+    for h in [*t.hooks, *([t.once] if t.once is not None else [])]:
         h.remove()
     if _hook_models in ON_WRAPPED:
         ON_WRAPPED.remove(_hook_models)

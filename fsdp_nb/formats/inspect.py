@@ -113,7 +113,7 @@ def inspect(path: str, *, verify: bool = False, storage_options: dict | None = N
         path: a local path or fsspec URL.
         verify: also read every file, check the checksums taken as it was written, and
             check that no pickled item could run code when loaded.
-        storage_options: fsspec options (default: ``set_storage_options``').
+        storage_options: fsspec options (default: those of :func:`fsdp_nb.set_storage_options`).
         weights_only: unpickle ``.metadata`` and ``.pt`` files only with the restricted
             and weights-only unpicklers; False trusts them (they can run code).
     """

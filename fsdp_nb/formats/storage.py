@@ -29,10 +29,18 @@ _OPTIONS: dict[str, dict[str, Any]] = {}
 
 
 def set_storage_options(protocol: str, **options: Any) -> None:
-    """Options for every filesystem of ``protocol`` (e.g. ``"s3", endpoint_url=..., key=...``).
+    """Options for every filesystem of ``protocol``: the default ``storage_options`` of
+    saves, loads, ``inspect``, ``consolidate`` and the checkpoint browser.
 
-    They are sent to the engines with each save and load (values must be picklable).
-    Calling it again replaces that protocol's options; no options clears them.
+    ``fsdp_nb.set_storage_options("s3", endpoint_url="http://127.0.0.1:9000", key=..., secret=...)``
+    points every ``s3://`` checkpoint at that endpoint. They are sent to the engines with
+    each save and load (values must be picklable), over fsspec's own configuration for
+    the protocol (``FSSPEC_S3_*`` variables). Calling it again replaces that protocol's
+    options; no options clears them. A call's own ``storage_options=`` wins over both.
+
+    Args:
+        protocol: the URL scheme, such as ``"s3"``, ``"gs"`` or ``"memory"``.
+        **options: the fsspec filesystem's keyword arguments.
     """
     if not isinstance(protocol, str) or not protocol:
         raise ValueError(f"protocol must be a non-empty str such as 's3', got {protocol!r}")

@@ -111,13 +111,16 @@ class PxMagics(Magics):
 
     @cell_magic
     def px(self, line: str, cell: str) -> None:
-        """Run the cell on every rank in rank order.
+        """Run the cell on every rank at once (the ranks run in parallel; their output and
+        results come back in rank order).
 
         ``%%px --ranks 0,2`` runs it on some ranks only, ``--output rank0`` shows one
         rank's output, ``--output each`` every rank's own lines (by default a line the
-        ranks print alike shows once, ``[ranks 0-7] ...``), ``--timeout S`` bounds it, ``--hang-after S`` explains a collective
-        that has waited S seconds.
+        ranks print alike shows once, ``[ranks 0-7] ...``), ``--output none`` none,
+        ``--timeout S`` bounds it, ``--hang-after S`` explains a collective that has
+        waited S seconds.
         """
+        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
         args = parse_px(line)
         _show_results(
             self._session()._execute(cell, args.timeout, ranks=args.ranks, output=args.output,
@@ -128,6 +131,7 @@ class PxMagics(Magics):
     @line_magic("px")  # type: ignore[arg-type]  # IPython 9.x stubs reject a method here; it runs
     def px_line(self, line: str) -> None:
         """Run one line on every rank."""
+        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
         _show_results(self._session()._execute(line, None))
 
     @line_magic
@@ -145,7 +149,7 @@ class PxArgs:
     """``--ranks 0,2``: the ranks to run on (None: every rank)."""
     output: str = "all"
     """``--output rank0``: whose output to show (``all``: every rank's, a line printed alike
-    once; ``each``: every rank's own lines)."""
+    once; ``each``: every rank's own lines; ``none``: no rank's)."""
     timeout: float | None = None
     """``--timeout S``: seconds before the cell is stopped on every rank."""
     hang_after: float | None = None
@@ -153,7 +157,7 @@ class PxArgs:
     and who is missing (default: the session's ``hang_after``)."""
 
 
-_PX_USAGE = "%%px [--ranks 0,2] [--output all|each|rankN] [--timeout SECONDS] [--hang-after SECONDS]"
+_PX_USAGE = "%%px [--ranks 0,2] [--output all|each|rankN|none] [--timeout SECONDS] [--hang-after SECONDS]"
 
 
 def parse_px(line: str) -> PxArgs:

@@ -31,8 +31,9 @@ from .record import SessionRecord
 __all__ = ["HANG_AFTER", "attach", "connect", "form", "start", "stop"]
 
 HANG_AFTER = 30.0
-"""Seconds a call runs before the hang watch first asks the ranks where they are (the
-default of ``Session(hang_after=)``)."""
+"""Seconds a rank may wait in one collective before the running cell explains the hang
+(the default of ``Session(hang_after=)``). The watch asks the ranks where they are from
+the call's start, every 0.2 s; this is how long a wait must last to be shown."""
 
 log = logging.getLogger("fsdp_nb")
 
@@ -131,7 +132,7 @@ def connect(
         cluster.engine_ids = cluster.engine_ids[:n]
     ctx = form(cluster, backend=backend, launcher="connected", threads=None, pg_timeout=pg_timeout, grace=grace)
     if keep_alive:
-        keep(ctx, True, {"url_file": url_file, "profile": profile, "cluster_id": cluster_id})
+        keep(ctx, keep_alive, {"url_file": url_file, "profile": profile, "cluster_id": cluster_id})
     return ctx
 
 

@@ -101,12 +101,14 @@ def check_ranks(ranks: Sequence[int] | None, world_size: int) -> list[int]:
 
 
 def check_output(output: str | None, ranks: Sequence[int]) -> tuple[int, ...] | None:
-    """``output=`` of a call: ``"all"`` (None too) and ``"each"`` stream every rank's
-    output (``"each"`` unmerged), ``"rank<k>"`` only rank k's (one of ``ranks``). Returns
-    the echoed ranks (None: all)."""
-    if output is None or output in ("all", "each"):
+    """``output=`` of a call: ``"all"`` and ``"each"`` stream every rank's output
+    (``"each"`` unmerged), ``"rank<k>"`` only rank k's (one of ``ranks``), ``"none"``
+    (None too) no rank's: errors still raise. Returns the echoed ranks (None: all)."""
+    if output in ("all", "each"):
         return None
-    allowed = ", ".join(["'all'", "'each'", *(f"'rank{r}'" for r in ranks)])
+    if output is None or output == "none":
+        return ()
+    allowed = ", ".join(["'all'", "'each'", "'none'", *(f"'rank{r}'" for r in ranks)])
     if isinstance(output, str) and output.startswith("rank") and output[4:].isdigit():
         rank = int(output[4:])
         if rank in ranks:

@@ -54,7 +54,8 @@ def test_ranks_and_output_of_a_call():
         checks.check_ranks("01", 3)
     assert checks.check_output("all", [0, 1]) is None and checks.check_output("rank1", [0, 1]) == (1,)
     assert checks.check_output("each", [0, 1]) is None
-    with pytest.raises(ValueError, match="allowed: 'all', 'each', 'rank0'"):
+    assert checks.check_output("none", [0, 1]) == () and checks.check_output(None, [0, 1]) == ()  # nothing shown
+    with pytest.raises(ValueError, match="allowed: 'all', 'each', 'none', 'rank0'"):
         checks.check_output("rank1", [0])
 
 

@@ -38,7 +38,8 @@ log = logging.getLogger("fsdp_nb")
 __all__ = ["MemoryFeed", "SampleFeed", "StepsFeed"]
 
 
-Listener = Callable[["SampleFeed"], None]
+Listener = Callable[[Any], None]
+"""Called with the feed (a ``SampleFeed`` subclass) once per interval with news."""
 
 
 class SampleFeed:
@@ -202,7 +203,7 @@ class SampleFeed:
             link.refused(why, f"a {self.reading} sample from rank {rank}")
             return False
         try:
-            s = loads(self.sample, raw)
+            s: Any = loads(self.sample, raw)
         except WireError as why:  # signed by the sampler, so not an outsider: another version of fsdp_nb
             if not self.malformed:
                 log.warning("fsdp_nb: rank %d sends %s samples this notebook cannot read: %s", rank, self.reading, why)
@@ -233,9 +234,9 @@ class MemoryFeed(SampleFeed):
     sample = MemorySample
 
     def _kept(self, s: Any) -> Any:
-        s = dataclasses.replace(s, received=time.time())
-        self.ctx.last_memory[s.rank] = s  # for a death's report
-        return s
+        got: MemorySample = dataclasses.replace(s, received=time.time())
+        self.ctx.last_memory[got.rank] = got  # for a death's report
+        return got
 
 
 class StepsFeed(SampleFeed):

@@ -46,7 +46,7 @@ class CheckpointBrowser(StaticForm, W.VBox):
         self.ctx, self.root, self.model, self.optimizer = ctx, root.rstrip("/"), model, optimizer
         self.extra = extra
         self.storage_options = storage_options
-        """fsspec options for ``root``; None takes fsdp_nb's (``set_storage_options``)."""
+        """fsspec options for ``root``; None takes those of :func:`fsdp_nb.set_storage_options`."""
         self.entries: list[CheckpointInfo] = []
         """What ``fsdp_nb.inspect`` says of each checkpoint under ``root``, by step and time."""
         self.save_handle: Any = None

@@ -35,6 +35,7 @@ class StepsWidget(StaticForm, W.VBox):
     Args:
         view: the step view it shows and moves on.
         feed: the ranks' step samples (started).
+        **kwargs: ``ipywidgets.VBox``'s (``layout=`` and the like).
     """
 
     def __init__(self, view: StepsView, feed: StepsFeed, **kwargs: Any):
@@ -119,5 +120,6 @@ def steps_widget(ctx: SessionContext, *, window: int = 20, interval: float = 1.0
     check_window(window)
     start_measuring(ctx, window)
     view = StepsView(ctx, window)
-    feed = StepsFeed(ctx, interval=interval, history=2).start()
+    feed = StepsFeed(ctx, interval=interval, history=2)
+    feed.start()
     return StepsWidget(view, feed)
