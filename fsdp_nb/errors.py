@@ -9,9 +9,11 @@ arguments stay ``TypeError`` / ``ValueError``, as Python's own calls raise them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "CheckpointError",
+    "hide_frame",
     "CorruptCheckpointError",
     "DeadRankError",
     "FsdpNbError",
@@ -157,3 +159,16 @@ class WireError(FsdpNbError, ValueError):
     should fill: a field missing, one nobody knows, or a value of the wrong type. The
     notebook and the engines then run different versions of fsdp_nb; the message names
     the type and the field (``fsdp_nb.wire.decode``)."""
+
+
+def hide_frame(excinfo: Any = None) -> bool:
+    """The ``__tracebackhide__`` of fsdp_nb's own frames between a call and its ranks (the
+    magic, the session, the dispatcher, the failure policy): IPython leaves them out of
+    every traceback it shows (any true value), so a rank's error reads as the cell and
+    the rank's own frames; pytest calls it and leaves them out only of an fsdp_nb error's
+    traceback, so a bug of fsdp_nb's shows in full there.
+
+    Args:
+        excinfo: pytest's ``ExceptionInfo`` (None when called otherwise).
+    """
+    return excinfo is None or bool(excinfo.errisinstance(FsdpNbError))

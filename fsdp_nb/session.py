@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .checkpoint.session_checkpoints import SessionCheckpoints
 from .context import SessionContext, SessionFacts
+from .errors import hide_frame
 from .frontends import magics
 from .frontends.session_view import session_html, session_text
 from .frontends.widgets.session_widgets import SessionWidgets, layout_view
@@ -237,7 +238,7 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfilin
                 while it runs (None: the session's ``hang_after``).
             **kwargs: its keyword arguments (shipped by value).
         """
-        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+        __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         if not callable(fn):
             raise TypeError(f"run() needs a callable, got {type(fn).__name__}")
         return calls.run(self.dispatcher, fn, args, kwargs, timeout, checks.check_hang_after(hang_after),
@@ -261,14 +262,14 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfilin
             hang_after: seconds a collective may wait before the call is explained
                 while it runs (None: the session's ``hang_after``).
         """
-        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+        __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         self._execute(code, timeout, ranks=ranks, output=output, silent=True, hang_after=hang_after)
 
     def _execute(self, code: str, timeout: float | None, *, ranks: Sequence[int] | None = None,
                  output: str | None = "all", silent: bool = False, hang_after: float | None = None) -> list[Any]:
         """``execute`` returning each rank's ExecuteReply (its ``Out`` value, unless
         ``silent``), for ``%%px``."""
-        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+        __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         if not isinstance(code, str):
             raise TypeError(f"execute() needs source code as str, got {type(code).__name__}")
         targets = checks.check_ranks(ranks, self.world_size)
@@ -303,7 +304,7 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfilin
 
     def all_reduce_check(self) -> float:
         """Run one collective (sum of ranks) on every rank; return its result."""
-        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+        __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         return calls.all_reduce_check(self.dispatcher)
 
     # -- models -------------------------------------------------------------------

@@ -22,12 +22,37 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import FEED64_CODE, TABLE_CODE  # noqa: E402
+from helpers import TABLE_CODE  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.browser
+
+FEED64_CODE = '''
+from IPython.display import HTML, display
+from fsdp_nb.frontends.widgets.memory import MemorySnapshot
+from fsdp_nb.models.steps_view import StepsView
+from fsdp_nb.recovery.status import RankStatus, SessionStatus
+from fsdp_nb.wire.memory_sample import MemorySample
+from fsdp_nb.wire.step_times import RankSteps
+
+def feed64(n=64):
+    """What 64 ranks would send the memory, step and status views (rank 37 slow, 12 dead)."""
+    gib = 1 << 30
+    mem = MemorySnapshot(latest=tuple(MemorySample(rank=r, t=0.0, device=f"cuda:{r % 8}", resident=gib,
+                                                   resident_peak=gib, budget=80 * gib,
+                                                   device_allocated=(40 + r % 8) * gib, device_peak=60 * gib)
+                                      for r in range(n)), history=tuple(() for _ in range(n)))
+    steps = StepsView(ctx=None, window=5)
+    steps.apply([RankSteps(rank=r, index=list(range(5)), seconds=[0.05 + 0.02 * (r == 37)] * 5, compute=[0.03] * 5,
+                           collective=[0.02] * 5, other=[0.02 * (r == 37)] * 5, device="cpu") for r in range(n)])
+    status = SessionStatus(state="degraded", backend="nccl", ranks=tuple(
+        RankStatus(rank=r, engine_id=r, host=f"node{r // 8}", pid=1000 + r, device=f"cuda:{r % 8}",
+                   state="dead" if r == 12 else "busy") for r in range(n)))
+    return mem, steps, status
+'''
+"""A cell's code: ``feed64()`` builds the three views from what 64 ranks would send."""
 
 CELLS = [
     "import tempfile, time\nimport fsdp_nb\n" + TABLE_CODE,

@@ -395,19 +395,36 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 
 def test_every_performance_figure_is_in_its_results_entry():
+    """Each row's figures are in the RESULTS entry it names; a speed ratio the page worked
+    out from a time ratio (their time over ours) is the quotient of two of its row's own
+    figures (their time and ours, or 1 and a time ratio the entry recorded)."""
     results = (REPO / "benchmarks" / "RESULTS.md").read_text()
     sections = dict(re.findall(r"^## (\d{4}-\d\d-\d\d \([\w-]+\)).*?\n(.*?)(?=^## |\Z)", results, flags=re.S | re.M))
-    rows = [r for r in (DOCS / "explanation" / "performance.md").read_text().splitlines()
+    lines = (DOCS / "explanation" / "performance.md").read_text().splitlines()
+    header = next(r for r in lines if r.startswith("| figure"))
+    names = [c.strip() for c in header.strip().strip("|").split("|")]
+    speed_col = next(n for n in names if n.startswith("speed"))
+    rows = [dict(zip(names, (c.strip() for c in r.strip().strip("|").split("|")))) for r in lines
             if r.startswith("| ") and not r.startswith("| figure") and not r.startswith("|---")]
     assert len(rows) >= 15
+    number = r"\d+(?:\.\d+)?"
     for row in rows:
-        figure, value, entry, machine, command = (c.strip() for c in row.strip().strip("|").split("|"))
-        assert entry in sections, f"no RESULTS entry {entry!r} for {figure!r}"
-        body = sections[entry].replace("×", "x")
-        for number in re.findall(r"\d+(?:\.\d+)?", value):
-            assert number in body, f"{figure}: {number} is not in the RESULTS entry {entry}"
-        assert machine and command.startswith("`benchmarks/"), row
-        assert command.strip("`").split()[0] in body, (command, entry)
+        figure, value, speed = row["figure"], row["value"], row[speed_col]
+        entry = re.match(r"\d{4}-\d\d-\d\d \([\w-]+\)", row["entry"])
+        assert entry and entry[0] in sections, f"no RESULTS entry {row['entry']!r} for {figure!r}"
+        body = sections[entry[0]].replace("×", "x")
+        shown = " ".join([value, *re.findall(r"\(.*?\)", speed)])  # the figures a speed is worked out from
+        for n in re.findall(number, shown):
+            assert n in body, f"{figure}: {n} is not in the RESULTS entry {entry[0]}"
+        mine = [float(n) for n in re.findall(number, shown)]
+        worked_out = [b / a for a in mine for b in mine if a]
+        for n in re.findall(number, re.sub(r"\(.*?\)", "", speed)):
+            places = len(n.partition(".")[2])
+            assert n in body or any(f"{x:.{places}f}" == n for x in worked_out), \
+                f"{figure}: speed {n} is neither in the RESULTS entry {entry[0]} nor worked out from it"
+        command = row["command"]
+        assert row["machine"] and command.startswith("`benchmarks/"), row
+        assert command.strip("`").split()[0] in body, (command, entry[0])
 
 
 def test_a_tutorials_stored_run_stands_only_for_the_code_it_ran(tmp_path):

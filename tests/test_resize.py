@@ -131,6 +131,7 @@ def test_resize_2_3_1_2_keeps_models_and_trains_like_a_fresh_session(session_fac
     assert before[1]["state"], "the optimizer has state to carry"
     left = _ours_in_shm()
     widget = s.memory(interval=0.2)
+    steps = s.steps(window=5, interval=0.2)
 
     report = s.resize(3)
     assert s.world_size == 3 and s.pull("world_size") == [3, 3, 3]
@@ -151,6 +152,10 @@ def test_resize_2_3_1_2_keeps_models_and_trains_like_a_fresh_session(session_fac
     # an open memory widget follows the new world: samples from all three ranks
     assert wait_until(lambda: all(widget.feed.latest()), 30) and len(widget.feed.latest()) == 3
     widget.close()
+    # and the step view measures on the rank that joined (one step of a throwaway optimizer)
+    s.execute("_o = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1); _o.step(); del _o")
+    assert wait_until(lambda: sorted(steps.ranks) == [0, 1, 2], 30), steps.ranks
+    steps.stop()
 
     retired = [psutil.Process(r.pid) for r in s.ranks[1:]]
     s.resize(1)

@@ -172,6 +172,6 @@ def test_resharding_after_forward_moves_communication_as_fsdp2_says(sess):
                          "    sv_wide(sv_wx).sum().backward(); sv_wopt.step(); sv_wopt.zero_grad()")
             comm[sharding] = view.refresh().ranks[0].communication
         finally:
-            sess.run(_stop)
+            view.stop()  # the feed, and the measurement on every rank
             forget_models(sess, "sv_wide", optimizers=("sv_wopt", "sv_wx"))
     assert comm["full"] > comm["grad_op"] * 1.1, comm

@@ -2,9 +2,10 @@
 view's live curves.
 
 ``log`` keeps each name's last ``KEEP`` values in this rank's memory: a dict lookup and
-a deque append, cheap enough for every step. A tensor is kept as it is (detached), and
-read as a number only when the step view's sampler thread publishes the curves
-(``latest``), so logging a loss does not make a GPU rank wait for its kernels.
+a deque append, cheap enough for every step. A CPU tensor is read at once. A GPU tensor
+is copied (one element, on its stream) and read as a number only when the step view's
+sampler thread publishes the curves (``latest``), so logging a loss does not make a GPU
+rank wait for its kernels. A DTensor gives this rank's local value.
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ def log(**scalars: Any) -> None:
             continue
         numel = getattr(value, "numel", None)
         if callable(numel) and callable(getattr(value, "detach", None)) and numel() == 1:
-            kept[name] = value.detach()
+            local = value.to_local() if callable(getattr(value, "to_local", None)) else value  # a DTensor: this rank's
+            # a CPU value is read now; a GPU one is copied (a value changed in place later stays as
+            # logged, and no base tensor is kept alive) and read when the view's sampler sends it
+            kept[name] = float(local.detach().float()) if local.device.type == "cpu" else local.detach().clone()
             continue
         raise TypeError(f"fsdp_nb.log: {name}= must be a number or a one-element tensor, "
                         f"got {type(value).__name__}" + (f" of {numel()} elements" if callable(numel) else ""))

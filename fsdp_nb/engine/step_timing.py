@@ -36,6 +36,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,18 +63,24 @@ class _Timing:
     steps: collections.deque = field(default_factory=collections.deque)
     last_end: float = field(default_factory=time.perf_counter)
     first_forward: float | None = None
-    batch_model: int | None = None
+    batch_model: Any = None
+    """A weak reference to the model whose batches this step counts (None: none yet)."""
     samples: int = 0
     tokens: int = 0
-    parameters: dict[int, int] = field(default_factory=dict)
+    forwarded: bool = False
+    """A forward ran since the last optimizer step (a second optimizer's step joins the step)."""
+    last_forwarded: bool = False
+    parameters: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     thread: int | None = None
     counts: list[int] = field(default_factory=lambda: [0, 0, 0])  # compute, collective, other
     count: int = 0
     hooks: list[Any] = field(default_factory=list)
-    hooked: set[int] = field(default_factory=set)
+    hooked: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     sampler: threading.Thread | None = None
     active: threading.Event = field(default_factory=threading.Event)
     once: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    device_name: str = "cpu"
     running: bool = True
 
 
@@ -82,18 +89,22 @@ _TIMING: _Timing | None = None
 
 def start(keep: int) -> None:
     """Measure this rank's steps from now on, keeping the last ``keep`` (idempotent: a
-    second call only changes ``keep``)."""
+    second call keeps the larger of the two).
+
+    Args:
+        keep: how many of the newest steps to keep (each view reads its own last window).
+    """
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     global _TIMING
     if _TIMING is not None:
-        _TIMING.keep = keep
+        _TIMING.keep = max(_TIMING.keep, keep)  # each view takes its own last window of them
         return
     t = _Timing(keep=keep)
     t.hooks.append(register_optimizer_step_post_hook(lambda *_: _stepped(t)))
     _TIMING = t
-    _arm(t)
     _hook_models()
+    _arm(t)
     ON_WRAPPED.append(_hook_models)
     try:
         from IPython import get_ipython
@@ -102,9 +113,9 @@ def start(keep: int) -> None:
     except ImportError:  # pragma: no cover - engines always have IPython
         ip = None
     if ip is not None:  # a cell's first step starts with the cell, not at the last step of the cell before
-        ip.events.register("pre_execute", lambda: _cell_started(t))
-        cb = ip.events.callbacks["pre_execute"][-1]
-        t.hooks.append(_Unregister(lambda: ip.events.unregister("pre_execute", cb)))
+        for event, fn in (("pre_execute", lambda: _cell_started(t)), ("post_execute", lambda: _cell_ended(t))):
+            ip.events.register(event, fn)
+            t.hooks.append(_Unregister(lambda event=event, fn=fn: ip.events.unregister(event, fn)))
     t.sampler = threading.Thread(target=_sample, args=(t,), name="fsdp_nb-step-sampler", daemon=True)
     t.sampler.start()
 
@@ -117,24 +128,39 @@ class _Unregister:
 
 
 def _cell_started(t: _Timing) -> None:
-    t.last_end, t.first_forward = time.perf_counter(), None
+    t.last_end, t.first_forward, t.forwarded = time.perf_counter(), None, False
     t.active.clear()
     _arm(t)
 
 
+def _cell_ended(t: _Timing) -> None:
+    """A forward with no optimizer step after it (an eval cell) ends with its cell: the
+    sampler goes back to sleep."""
+    t.first_forward = None
+    t.active.clear()
+
+
 def _arm(t: _Timing) -> None:
-    """Arm the one-shot global forward pre-hook: the step's first forward of any module."""
+    """Arm the one-shot global forward pre-hook that finds the step's first forward of a
+    model the loop built itself; only while no model is wrapped (a wrapped model's own
+    hook finds it, and no other module can take its place)."""
     from torch.nn.modules.module import register_module_forward_pre_hook
 
-    if t.once is None and t.running:
-        t.once = register_module_forward_pre_hook(lambda m, args: _first(t, m, args))
+    with t.lock:
+        if t.once is None and t.running and not len(t.hooked):
+            t.once = register_module_forward_pre_hook(lambda m, args: _first(t, m, args))
 
 
 def _first(t: _Timing, module: Any, args: tuple) -> None:
-    once, t.once = t.once, None
+    import torch
+
+    if not torch.is_grad_enabled():  # an eval forward does not start a training step: stay armed
+        return
+    with t.lock:
+        once, t.once = t.once, None
     if once is not None:
         once.remove()  # one call a step: every other module's forward runs without it
-    if t.first_forward is None and id(module) not in t.hooked:  # a wrapped model's own hook counts it
+    if t.first_forward is None and module not in t.hooked:  # a wrapped model's own hook counts it
         _forward(t, module, args, {})
 
 
@@ -143,21 +169,30 @@ def _hook_models() -> None:
     if t is None:
         return
     for w in MODELS.values():
-        if id(w.module) not in t.hooked:
-            t.hooked.add(id(w.module))
-            t.parameters[id(w.module)] = sum(p.numel() for p in w.module.parameters())  # global numel
+        if w.module not in t.hooked:
+            t.hooked.add(w.module)
             t.hooks.append(w.module.register_forward_pre_hook(
                 lambda m, args, kwargs: _forward(t, m, args, kwargs), prepend=True, with_kwargs=True))
 
 
 def _forward(t: _Timing, module: Any, args: tuple, kwargs: dict) -> None:
+    import torch
+
+    if not torch.is_grad_enabled():  # an eval forward is not part of a training step
+        return
+    batch = t.batch_model() if t.batch_model is not None else None
     if t.first_forward is None:
         t.first_forward = time.perf_counter()
         t.thread = threading.get_ident()
         t.counts = [0, 0, 0]
-        t.batch_model, t.samples, t.tokens = id(module), 0, 0
         t.active.set()
-    if id(module) == t.batch_model:  # each forward of the step's first model (micro-batches too)
+        batch = None
+    if batch is None or (module in t.hooked and batch not in t.hooked):  # a wrapped model takes over
+        t.batch_model, t.samples, t.tokens, batch = weakref.ref(module), 0, 0, module
+        if module not in t.parameters:
+            t.parameters[module] = sum(p.numel() for p in module.parameters())  # global numel (DTensor)
+    t.forwarded = True
+    if module is batch:  # each forward of the step's model (micro-batches too)
         x = next((a for a in (*args, *kwargs.values()) if hasattr(a, "shape") and hasattr(a, "is_floating_point")), None)
         if x is not None and x.dim() >= 1:
             t.samples += int(x.shape[0])
@@ -169,6 +204,11 @@ def _stepped(t: _Timing) -> None:
     if not training_step():  # a save's or load's own step (an optimizer without state)
         return
     now = time.perf_counter()
+    if not t.forwarded and t.last_forwarded and t.steps:  # a second optimizer's step: the same iteration
+        i, seconds, comp, coll, oth, samples, tokens = t.steps[-1]
+        t.steps[-1] = (i, seconds + now - t.last_end, comp + now - t.last_end, coll, oth, samples, tokens)
+        t.last_end = now
+        return
     seconds = now - t.last_end
     start_model = t.first_forward if t.first_forward is not None else now
     other = start_model - t.last_end
@@ -181,9 +221,21 @@ def _stepped(t: _Timing) -> None:
     while len(t.steps) > t.keep:
         t.steps.popleft()
     t.count += 1
+    if t.device_name == "cpu":
+        t.device_name = _device_name()
     t.last_end, t.first_forward, t.samples, t.tokens = now, None, 0, 0
+    t.last_forwarded, t.forwarded = t.forwarded, False
     t.active.clear()
     _arm(t)
+
+
+def _device_name() -> str:
+    """This rank's GPU's name, read on the training thread (its current device), or ``cpu``."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    return "cpu"
 
 
 def _sample(t: _Timing) -> None:
@@ -213,23 +265,24 @@ def window() -> RankSteps:
     return live(rank_and_world()[0])
 
 
-def live(rank: int, seq: int = 0, process: Any = None) -> RankSteps:
+def live(rank: int, seq: int = 0) -> RankSteps:
     """This rank's last steps and its logged scalars, as the side channel's sampler thread
-    publishes them (its signature: ``rank``, the sample's ``seq``; ``process`` unused).
+    publishes them (``seq``: which of its messages). Reads only what the hooks wrote: a
+    copy of the kept steps, and the logged values.
 
-    Reads only what the hooks wrote: a copy of the kept steps, and the logged values."""
-    import torch
-
+    Args:
+        rank: this rank, written in the message.
+        seq: the message's number within its sampler (0: read through the task queue).
+    """
     t = _TIMING
     rows = list(t.steps) if t is not None else []
     cols = list(zip(*rows)) if rows else [()] * 7
-    on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    model = t.batch_model() if t is not None and t.batch_model is not None else None
+    name = t.device_name if t is not None else "cpu"
     return RankSteps(rank=rank, index=list(cols[0]), seconds=list(cols[1]), compute=list(cols[2]),
                      collective=list(cols[3]), other=list(cols[4]), samples=list(cols[5]), tokens=list(cols[6]),
-                     parameters=t.parameters.get(t.batch_model or 0, 0) if t is not None else 0,
-                     device="cuda" if on_cuda else "cpu",
-                     device_name=torch.cuda.get_device_name() if on_cuda else "cpu",
-                     logged=logged.latest(), seq=seq)
+                     parameters=t.parameters.get(model, 0) if t is not None and model is not None else 0,
+                     device="cpu" if name == "cpu" else "cuda", device_name=name, logged=logged.latest(), seq=seq)
 
 
 def stop() -> None:
@@ -240,7 +293,9 @@ def stop() -> None:
         return
     t.running = False
     t.active.set()  # the sampler sees it stopped now
-    for h in [*t.hooks, *([t.once] if t.once is not None else [])]:
+    with t.lock:
+        once, t.once = t.once, None
+    for h in [*t.hooks, *([once] if once is not None else [])]:
         h.remove()
     if _hook_models in ON_WRAPPED:
         ON_WRAPPED.remove(_hook_models)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
+from ..errors import hide_frame
 from ..runtime.checks import check_hang_after
 
 
@@ -120,7 +121,7 @@ class PxMagics(Magics):
         ``--timeout S`` bounds it, ``--hang-after S`` explains a collective that has
         waited S seconds.
         """
-        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+        __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         args = parse_px(line)
         _show_results(
             self._session()._execute(cell, args.timeout, ranks=args.ranks, output=args.output,
@@ -131,7 +132,7 @@ class PxMagics(Magics):
     @line_magic("px")  # type: ignore[arg-type]  # IPython 9.x stubs reject a method here; it runs
     def px_line(self, line: str) -> None:
         """Run one line on every rank."""
-        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+        __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         _show_results(self._session()._execute(line, None))
 
     @line_magic

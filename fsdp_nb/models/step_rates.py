@@ -6,8 +6,10 @@ FLOPs utilisation and the curves of what the ranks logged (``fsdp_nb.log``).
   one group share a batch, and the sum counts it once per rank).
 - **MFU** (model FLOPs utilisation) is ``6 × parameters × tokens per second``, the
   forward and backward of a dense model with no attention term, over the peak dense
-  bf16 FLOPs of the ranks' GPUs (``PEAK_FLOPS``). It is given only on GPU ranks whose
-  device is in the table and whose batch shows tokens.
+  bf16 FLOPs of the ranks' GPUs (``PEAK_FLOPS``). The parameters are all of the model's,
+  embeddings included (torchtitan leaves those out), and under tensor parallelism the
+  sum of tokens counts a shared batch once per rank, so MFU reads higher by that degree.
+  It is given only on GPU ranks whose device is in the table and whose batch shows tokens.
 - A **curve** is a logged name's mean over the ranks that log it, their newest values
   lined up.
 """
@@ -15,6 +17,7 @@ FLOPs utilisation and the curves of what the ranks logged (``fsdp_nb.log``).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,14 +26,21 @@ from ..wire.step_times import RankSteps
 __all__ = ["PEAK_FLOPS", "StepRates", "curves", "peak_flops", "step_rates"]
 
 PEAK_FLOPS = (("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
-              ("A100", 312e12), ("B200", 2250e12), ("L40S", 362e12), ("A10G", 125e12), ("L4", 121e12))
-"""(part of ``torch.cuda.get_device_name()``, dense bf16 FLOPs per second), first match
-wins: NVIDIA's data sheets, without sparsity."""
+              ("A100", 312e12), ("B200", 2250e12), ("L40S", 362e12), ("L40", 181e12), ("A10G", 125e12),
+              ("L4", 121e12))
+"""(words of ``torch.cuda.get_device_name()``, dense bf16 FLOPs per second), the first
+whose words all appear as whole words in the name wins ("L4" is not "L40"): NVIDIA's
+data sheets, without sparsity."""
 
 
 def peak_flops(device_name: str) -> float | None:
-    """The device's peak dense bf16 FLOPs per second, or None when it is not in ``PEAK_FLOPS``."""
-    return next((f for part, f in PEAK_FLOPS if part in device_name), None)
+    """The device's peak dense bf16 FLOPs per second, or None when it is not in ``PEAK_FLOPS``.
+
+    Args:
+        device_name: what ``torch.cuda.get_device_name()`` says, e.g. ``"NVIDIA H100 80GB HBM3"``.
+    """
+    words = set(re.split(r"[\s-]+", device_name))
+    return next((f for part, f in PEAK_FLOPS if set(part.split()) <= words), None)
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,8 @@ def step_rates(got: Sequence[RankSteps]) -> StepRates:
     Args:
         got: each rank's last steps, as it measured them.
     """
-    per_rank = [(sum(g.samples), sum(g.tokens), sum(g.seconds), g) for g in got if g.seconds and g.samples]
+    got = [g for g in got if g.seconds]  # a rank that has not sent a step yet counts for nothing
+    per_rank = [(sum(g.samples), sum(g.tokens), sum(g.seconds), g) for g in got if g.samples]
     samples = sum(s / t for s, _, t, _ in per_rank if t > 0 and s) or None
     tokens = sum(k / t for _, k, t, _ in per_rank if t > 0 and k) or None
     peaks = {peak_flops(g.device_name) if g.device == "cuda" else None for g in got}
@@ -75,7 +86,11 @@ def step_rates(got: Sequence[RankSteps]) -> StepRates:
 
 def curves(got: Sequence[RankSteps]) -> dict[str, list[float]]:
     """Each logged name's mean over the ranks that log it, oldest first (their newest values
-    lined up; values that are not finite are left out of a point's mean)."""
+    lined up; values that are not finite are left out of a point's mean).
+
+    Args:
+        got: each rank's last message, with what ``fsdp_nb.log`` kept there.
+    """
     names = sorted({n for g in got for n in g.logged})
     out = {}
     for name in names:

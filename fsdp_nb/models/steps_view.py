@@ -14,7 +14,8 @@ The parts add up to the step. A **straggler** is a rank whose own work per step
 (the step less its waiting) is more than ``SLOWER`` above the median rank's; the view
 names it, the part that grew most against the median of that part, and the step from
 which it stayed slow. On a GPU rank the host's clocks do not say where the device's time
-went, so there the view gives the step times alone (``sess.profile`` splits a GPU step).
+went: there the step times hold, but the split is the host's and the view says so
+(``sess.profile`` splits a GPU step).
 
 It also gives the throughput, the model FLOPs utilisation on a known GPU and the curves
 of what the ranks log (``models.step_rates``). Above ``display.rank_strip.COMPACT``
@@ -23,6 +24,7 @@ ranks it draws a strip, a cell per rank, in place of the table.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import statistics
 from dataclasses import dataclass
@@ -38,7 +40,7 @@ from .step_rates import StepRates, curves, step_rates
 if TYPE_CHECKING:
     from ..context import SessionContext
 
-__all__ = ["SLOWER", "RankParts", "StepsView", "Straggler", "check_window", "start_measuring"]
+__all__ = ["SLOWER", "RankParts", "StepsView", "Straggler", "check_window", "start_measuring", "stop_measuring"]
 
 SLOWER = 0.10
 """A rank whose own work per step is this much above the median rank's is a straggler."""
@@ -103,7 +105,7 @@ class StepsView:
         self.stragglers: list[Straggler] = []
         """The ranks that hold the others back, slowest first."""
         self.device = "cpu"
-        """``cpu``, or ``cuda`` (the parts are not split there: ``sess.profile``)."""
+        """``cpu``, or ``cuda`` (there the parts are the host's clocks, not the device's: ``sess.profile``)."""
         self.rates = StepRates(samples_per_s=None, tokens_per_s=None, mfu=None, peak=None)
         """Throughput over the window, all ranks together, and MFU on a known GPU."""
         self.curves: dict[str, list[float]] = {}
@@ -123,14 +125,17 @@ class StepsView:
         Args:
             got: each rank's last steps (``RankSteps``), as the ranks measured them.
         """
-        self.device = "cuda" if any(g.device == "cuda" for g in got) else "cpu"
+        every = got
+        got = [_last(g, self.window) for g in got if g.seconds]  # ranks with steps; each view its own window
         coll = {g.rank: _mean(g.collective) for g in got}
         comm = min(coll.values(), default=0.0)
-        self.ranks = {g.rank: RankParts(step=_mean(g.seconds), compute=_mean(g.compute), communication=comm,
-                                        waiting=coll[g.rank] - comm, other=_mean(g.other), steps=len(g.seconds))
-                      for g in got if g.seconds}
-        self.stragglers = _stragglers({g.rank: g for g in got if g.seconds}, self.ranks)
-        self.rates, self.curves = step_rates(got), curves(got)
+        ranks = {g.rank: RankParts(step=_mean(g.seconds), compute=_mean(g.compute), communication=comm,
+                                   waiting=coll[g.rank] - comm, other=_mean(g.other), steps=len(g.seconds))
+                 for g in got}
+        stragglers = _stragglers({g.rank: g for g in got}, ranks)
+        # built first, then set together: the live feed's thread and refresh() may both apply
+        self.device = "cuda" if any(g.device == "cuda" for g in got) else "cpu"
+        self.ranks, self.stragglers, self.rates, self.curves = ranks, stragglers, step_rates(got), curves(every)
         self.updated += 1
 
     def _table(self) -> tuple[tuple[str, ...], list[tuple]]:
@@ -197,6 +202,13 @@ class StepsView:
         return self.to_text()
 
 
+def _last(g: RankSteps, n: int) -> RankSteps:
+    """``g`` with only its last ``n`` steps."""
+    return dataclasses.replace(g, index=g.index[-n:], seconds=g.seconds[-n:], compute=g.compute[-n:],
+                               collective=g.collective[-n:], other=g.other[-n:], samples=g.samples[-n:],
+                               tokens=g.tokens[-n:])
+
+
 def _own_work(g: RankSteps, i: int) -> float:
     return g.compute[i] + g.other[i] + g.collective[i]
 
@@ -245,13 +257,32 @@ def _waiting_at(got: dict[int, RankSteps], r: int, i: int, n: int) -> float:
 
 
 def check_window(window: object) -> int:
-    """``window`` if it is an int from 1 to 1000, else a ``ValueError`` saying so."""
+    """``window`` if it is an int from 1 to 1000, else a ``ValueError`` saying so.
+
+    Args:
+        window: what the caller passed as ``window=``.
+    """
     if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 1000:
         raise ValueError(f"window must be an int from 1 to 1000 (steps), got {window!r}")
     return window
 
 
 def start_measuring(ctx: SessionContext, window: int) -> None:
-    """Start (or keep) the measurement on every rank, keeping the last ``window`` steps."""
+    """Start (or keep) the measurement on every rank, keeping at least the last ``window`` steps.
+
+    Args:
+        ctx: the session context whose ranks measure.
+        window: the steps each rank keeps (the largest any view asked for).
+    """
     d = ctx.dispatcher
     d.gather(d.apply("steps: start", _est.start, args=(window,)))
+
+
+def stop_measuring(ctx: SessionContext) -> None:
+    """Stop the measurement on every rank: hooks and sampling thread gone.
+
+    Args:
+        ctx: the session context whose ranks measure.
+    """
+    d = ctx.dispatcher
+    d.gather(d.apply("steps: stop", _est.stop))

@@ -36,7 +36,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..engine import health as _health
-from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError
+from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError, hide_frame
 from ..runtime.dispatch import FailurePolicy, Pending
 from ..runtime.hang_report import HangReport, fold_stacks, out_of_step
 from .engine_deaths import explain_deaths, kernel_oom_kills
@@ -79,7 +79,7 @@ class RecoveringPolicy(FailurePolicy):
     def on_partial_failure(
         self, pending: Pending, failures: list[RankFailure], running: list[int]
     ) -> None:
-        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+        __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         first = {f.rank for f in failures}
         summary = self.summarize(failures)  # before recovery: what the failed ranks hold now
         report = self._explain(running)
@@ -99,7 +99,7 @@ class RecoveringPolicy(FailurePolicy):
         """Every rank returned, but a failure may have left a group out of step (a rank
         issued a collective the others never joined): then the group is re-formed, or
         its next collective would be paired with that one."""
-        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+        __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         try:
             lines = out_of_step(self.ctx.health.watch.states(list(range(self.ctx.world_size))))
         except Exception as exc:  # noqa: BLE001 - the failure itself must still reach the user
@@ -111,7 +111,7 @@ class RecoveringPolicy(FailurePolicy):
         return ["The failure left the group out of step: " + "; ".join(lines) + ".\n" + note]
 
     def on_interrupt(self, pending: Pending, running: list[int]) -> None:
-        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+        __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         if not running:
             return
         report = self._explain(running)
@@ -120,7 +120,7 @@ class RecoveringPolicy(FailurePolicy):
         print(f"fsdp_nb: interrupted {pending.what}{':' if lines else ''}{lines}\n{note}", flush=True)
 
     def on_dead(self, pending: Pending, dead: list[int]) -> None:
-        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+        __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         ctx = self.ctx
         all_dead = sorted(set(dead) | set(ctx.cluster.dead_ranks()))
         why = "".join(f"\n{line}" for line in explain_deaths(ctx, all_dead, self.oom_kills))  # before replacements
@@ -147,7 +147,7 @@ class RecoveringPolicy(FailurePolicy):
         raise err
 
     def on_timeout(self, pending: Pending, running: list[int], timeout: float) -> None:
-        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+        __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         report = self._explain(running)
         found = self.ctx.health.stacks([r for r in running if r not in report.stalled])
         note = self._recover(pending, running, interrupt=True, cause="timeout")
@@ -202,7 +202,7 @@ class RecoveringPolicy(FailurePolicy):
     def _recover_or_raise(
         self, pending: Pending, running: list[int], *, interrupt: bool, cause: str
     ) -> str:
-        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+        __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         ctx = self.ctx
         dead = set(ctx.cluster.dead_ranks())
         wedged = self._unblock(pending, running, interrupt=interrupt, skip=dead)

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..engine import namespace as _ns
 from ..engine import process_group as _pg
+from ..errors import hide_frame
 from .dispatch import Dispatcher
 from .shipping import by_value
 
@@ -23,7 +24,7 @@ def run(d: Dispatcher, fn: Callable[..., Any], args: tuple, kwargs: dict[str, An
         timeout: float | None, hang_after: float | None = None, merged: bool = True) -> list[Any]:
     """``fn(*args, **kwargs)`` on every rank, shipped by value; results in rank order.
     ``merged``: lines the ranks print alike show once."""
-    __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+    __tracebackhide__ = hide_frame  # left out of a rank error's traceback
     what = f"run({getattr(fn, '__qualname__', type(fn).__name__)})"
     payload = (by_value(fn), by_value(args), by_value(kwargs))
     pending = d.apply(what, _ns.call, args=payload, fast=True)
@@ -35,23 +36,23 @@ def execute(d: Dispatcher, code: str, timeout: float | None, *, ranks: Sequence[
             echoed: Any, silent: bool, hang_after: float | None = None, merged: bool = True) -> list[Any]:
     """``code`` on ``ranks`` (None: every rank); each rank's ExecuteReply, in rank order.
     ``merged``: lines the ranks print alike show once."""
-    __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+    __tracebackhide__ = hide_frame  # left out of a rank error's traceback
     return d.gather(d.execute(code, ranks=ranks, echoed=echoed, silent=silent, merged=merged), timeout, hang_after)
 
 
 def push(d: Dispatcher, mapping: Mapping[str, Any]) -> None:
     """Bind ``mapping``'s names on every rank."""
-    __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+    __tracebackhide__ = hide_frame  # left out of a rank error's traceback
     d.gather(d.apply("push", _ns.assign, args=(by_value(dict(mapping)),), fast=True))
 
 
 def pull(d: Dispatcher, name: str) -> list[Any]:
     """Engine global ``name`` on every rank, in rank order."""
-    __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+    __tracebackhide__ = hide_frame  # left out of a rank error's traceback
     return d.gather(d.apply(f"pull({name!r})", _ns.get, args=(name,), fast=True))
 
 
 def all_reduce_check(d: Dispatcher) -> float:
     """One collective (the sum of the ranks) on every rank; its result."""
-    __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+    __tracebackhide__ = hide_frame  # left out of a rank error's traceback
     return d.gather(d.apply("all_reduce", _pg.all_reduce_rank, fast=True))[0]

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError
+from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError, hide_frame
 from .call_channel import CallChannel
 from .cluster import EngineCluster
 from .hang_report import HangReport
@@ -212,7 +212,7 @@ class Dispatcher:
 
         ``hang_after``: seconds after which the hang watch explains a collective that
         waits (default: the session's ``hang_after``)."""
-        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+        __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         hang_after = self.hang_after if hang_after is None else hang_after
         watching = None if self.watch is None or hang_after is None else Watching(
             self.watch, pending.what, pending.started, hang_after, self.notify, self.hang_view)
@@ -234,7 +234,7 @@ class Dispatcher:
 
     def _gather(self, pending: Pending, timeout: float | None, ctrl_c: CtrlC,
                 watching: Watching | None = None) -> list[Any]:
-        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+        __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         echo = Echo(pending) if self.echo else None
         try:
             return self._poll(pending, timeout, ctrl_c, watching, echo)
@@ -245,7 +245,7 @@ class Dispatcher:
 
     def _poll(self, pending: Pending, timeout: float | None, ctrl_c: CtrlC, watching: Watching | None,
               echo: Echo | None) -> list[Any]:
-        __tracebackhide__ = True  # IPython leaves this frame out of a rank error's traceback
+        __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         first_failure_at: float | None = None
         next_liveness = time.monotonic() + self.liveness_every
         shown: list[int] | None = None

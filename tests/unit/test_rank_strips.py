@@ -75,14 +75,17 @@ def test_throughput_and_mfu_from_the_ranks_batches():
     cpu = step_rates([_steps(r, samples=8) for r in range(2)])  # 8 samples a 20 ms step, on each rank
     assert cpu.samples_per_s == pytest.approx(2 * 8 / 0.02) and cpu.tokens_per_s is None and cpu.mfu is None
     assert "800.0 samples/s" in str(cpu)
-    gpu = [_steps(r, samples=4, tokens=4 * 2048, parameters=1_000_000_000, device="cuda",
+    gpu = [_steps(r, samples=4, tokens=4 * 2048, parameters=100_000_000, device="cuda",
                   device_name="NVIDIA H100 80GB HBM3") for r in range(8)]
     rates = step_rates(gpu)
-    tokens = 8 * 4 * 2048 / 0.02
-    assert rates.tokens_per_s == pytest.approx(tokens)
-    assert rates.mfu == pytest.approx(6 * 1e9 * tokens / (989e12 * 8)) and "MFU" in str(rates)
+    assert rates.tokens_per_s == pytest.approx(3_276_800)  # 8 ranks x 8192 tokens a 20 ms step
+    # 6 x 1e8 parameters x 3,276,800 tokens/s = 1.966e15 FLOP/s, over 8 x 989e12
+    assert rates.mfu == pytest.approx(0.24849, rel=1e-4) and "MFU 24.8%" in str(rates)
+    gpu.append(_steps(8, n=0, device="cuda", device_name="NVIDIA H100 80GB HBM3"))  # a rank with no step yet
+    assert step_rates(gpu).mfu == pytest.approx(0.24849, rel=1e-4)
     assert peak_flops("NVIDIA H100 PCIe") == 756e12 and peak_flops("NVIDIA H200") == 989e12
     assert peak_flops("Tesla K80") is None
+    assert peak_flops("NVIDIA L40") == 181e12 and peak_flops("NVIDIA L4") == 121e12  # whole words: L4 is not L40
     assert step_rates([_steps(0, samples=0)]).samples_per_s is None
 
 
@@ -114,3 +117,13 @@ def test_log_keeps_numbers_and_one_element_tensors_and_refuses_the_rest():
     assert len(logged.latest()["lr"]) == logged.KEEP and logged.latest()["lr"][-1] == logged.KEEP + 4
     logged.clear()
     assert logged.latest() == {}
+
+
+def test_a_view_takes_its_own_window_of_what_a_rank_keeps():
+    """A rank keeps the largest window any view asked for; a view of 5 reads the last 5."""
+    got = [RankSteps(rank=r, index=list(range(20)), seconds=[1.0] * 15 + [0.1] * 5, compute=[0.5] * 15 + [0.05] * 5,
+                     collective=[0.25] * 15 + [0.025] * 5, other=[0.25] * 15 + [0.025] * 5, device="cpu")
+           for r in range(2)]
+    view = StepsView(ctx=None, window=5)  # type: ignore[arg-type]
+    view.apply(got)
+    assert view.ranks[0].steps == 5 and view.ranks[0].step == pytest.approx(0.1)

@@ -240,7 +240,32 @@ class MemoryFeed(SampleFeed):
 
 
 class StepsFeed(SampleFeed):
-    """Each rank's recent steps and logged scalars (``RankSteps``), as they end."""
+    """Each rank's recent steps and logged scalars (``RankSteps``), as they end.
+
+    Args:
+        ctx: the session context whose ranks publish.
+        interval: seconds between two messages of a rank while its steps end.
+        window: the steps each rank keeps (a rank that joins later is started with it).
+    """
 
     reading = "steps"
     sample = RankSteps
+
+    def __init__(self, ctx: SessionContext, *, interval: float = 1.0, window: int = 20):
+        super().__init__(ctx, interval=interval, history=2)
+        self.window = window
+
+    def _follow(self, event: Any) -> None:
+        """After ``sess.resize`` or ``sess.restart``: measure on the ranks that joined, and
+        forget what replaced ranks sent before (their steps are gone with them)."""
+        if event.what not in ("resize", "restart") or event.phase != "recovered" or not self.running:
+            return
+        from ...models.steps_view import start_measuring
+
+        start_measuring(self.ctx, self.window)
+        self.close()
+        with self._lock:
+            self.world_size = self.ctx.world_size
+            self.history = [deque(maxlen=2) for _ in range(self.world_size)]
+            self.token = uuid.uuid4().hex
+        self.start()

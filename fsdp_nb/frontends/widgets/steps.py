@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as W
 
 from ...models.step_rates import StepRates
-from ...models.steps_view import RankParts, StepsView, Straggler, check_window, start_measuring
+from ...models.steps_view import (
+    RankParts,
+    StepsView,
+    Straggler,
+    check_window,
+    start_measuring,
+    stop_measuring,
+)
 from ._feed import SampleFeed, StepsFeed
 from ._render import StaticForm
 
@@ -35,11 +42,12 @@ class StepsWidget(StaticForm, W.VBox):
     Args:
         view: the step view it shows and moves on.
         feed: the ranks' step samples (started).
+        ctx: the session context whose ranks measure.
         **kwargs: ``ipywidgets.VBox``'s (``layout=`` and the like).
     """
 
-    def __init__(self, view: StepsView, feed: StepsFeed, **kwargs: Any):
-        self.view, self.feed = view, feed
+    def __init__(self, view: StepsView, feed: StepsFeed, ctx: SessionContext, **kwargs: Any):
+        self.view, self.feed, self._ctx = view, feed, ctx
         self.html = W.HTML(view.to_html())
         self.html.add_class("fsdp-nb-steps-view")
         self.renders = 0
@@ -97,16 +105,25 @@ class StepsWidget(StaticForm, W.VBox):
         return self
 
     def to_text(self) -> str:
+        """The view as text (``StepsView.to_text``)."""
         return self.view.to_text()
 
     def to_html(self) -> str:
+        """The view as HTML (``StepsView.to_html``)."""
         return self.view.to_html()
 
     def close(self) -> None:
-        """Stop the feed and close the widget; the ranks keep measuring (cheaply)."""
+        """Stop the feed and close the widget; the ranks keep measuring (cheaply: ``stop``
+        ends that too)."""
         self.feed.remove_listener(self._on_samples)
         self.feed.close()
         super().close()
+
+    def stop(self) -> None:
+        """Stop measuring on every rank (its hooks and thread go) and close the widget; a
+        later ``sess.steps()`` starts again from no steps."""
+        self.close()
+        stop_measuring(self._ctx)
 
 
 def steps_widget(ctx: SessionContext, *, window: int = 20, interval: float = 1.0) -> StepsWidget:
@@ -120,6 +137,6 @@ def steps_widget(ctx: SessionContext, *, window: int = 20, interval: float = 1.0
     check_window(window)
     start_measuring(ctx, window)
     view = StepsView(ctx, window)
-    feed = StepsFeed(ctx, interval=interval, history=2)
+    feed = StepsFeed(ctx, interval=interval, window=window)
     feed.start()
-    return StepsWidget(view, feed)
+    return StepsWidget(view, feed, ctx)
