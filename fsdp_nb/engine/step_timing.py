@@ -44,6 +44,7 @@ from ..wire.step_times import RankSteps
 from . import logged
 from .checkpoint_group import rank_and_world
 from .run_state import training_step
+from .step_events import DeviceSteps
 from .wrap import MODELS, ON_WRAPPED
 
 __all__ = ["INTERVAL", "count", "live", "start", "stop", "window"]
@@ -81,6 +82,8 @@ class _Timing:
     once: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     device_name: str = "cpu"
+    device: DeviceSteps = field(default_factory=lambda: DeviceSteps(0))
+    """CUDA events at each step's first forward and end (nothing on a CPU rank)."""
     running: bool = True
 
 
@@ -98,9 +101,9 @@ def start(keep: int) -> None:
 
     global _TIMING
     if _TIMING is not None:
-        _TIMING.keep = max(_TIMING.keep, keep)  # each view takes its own last window of them
+        _TIMING.keep = _TIMING.device.keep = max(_TIMING.keep, keep)  # each view takes its own window
         return
-    t = _Timing(keep=keep)
+    t = _Timing(keep=keep, device=DeviceSteps(keep))
     t.hooks.append(register_optimizer_step_post_hook(lambda *_: _stepped(t)))
     _TIMING = t
     _hook_models()
@@ -186,6 +189,7 @@ def _forward(t: _Timing, module: Any, args: tuple, kwargs: dict) -> None:
         t.thread = threading.get_ident()
         t.counts = [0, 0, 0]
         t.active.set()
+        t.device.forward()
         batch = None
     if batch is None or (module in t.hooked and batch not in t.hooked):  # a wrapped model takes over
         t.batch_model, t.samples, t.tokens, batch = weakref.ref(module), 0, 0, module
@@ -208,6 +212,7 @@ def _stepped(t: _Timing) -> None:
         i, seconds, comp, coll, oth, samples, tokens = t.steps[-1]
         t.steps[-1] = (i, seconds + now - t.last_end, comp + now - t.last_end, coll, oth, samples, tokens)
         t.last_end = now
+        t.device.joined()
         return
     seconds = now - t.last_end
     start_model = t.first_forward if t.first_forward is not None else now
@@ -220,6 +225,7 @@ def _stepped(t: _Timing) -> None:
     t.steps.append((t.count, seconds, model - coll_s - oth_s, coll_s, other + oth_s, t.samples, t.tokens))
     while len(t.steps) > t.keep:
         t.steps.popleft()
+    t.device.stepped(t.count)
     t.count += 1
     if t.device_name == "cpu":
         t.device_name = _device_name()
@@ -279,10 +285,14 @@ def live(rank: int, seq: int = 0) -> RankSteps:
     cols = list(zip(*rows)) if rows else [()] * 7
     model = t.batch_model() if t is not None and t.batch_model is not None else None
     name = t.device_name if t is not None else "cpu"
+    dev = list(zip(*t.device.read())) if t is not None else []
+    dev = dev or [()] * 4
     return RankSteps(rank=rank, index=list(cols[0]), seconds=list(cols[1]), compute=list(cols[2]),
                      collective=list(cols[3]), other=list(cols[4]), samples=list(cols[5]), tokens=list(cols[6]),
                      parameters=t.parameters.get(model, 0) if t is not None and model is not None else 0,
-                     device="cpu" if name == "cpu" else "cuda", device_name=name, logged=logged.latest(), seq=seq)
+                     device="cpu" if name == "cpu" else "cuda", device_name=name, logged=logged.latest(), seq=seq,
+                     device_index=list(dev[0]), device_seconds=list(dev[1]), device_other=list(dev[2]),
+                     device_model=list(dev[3]))
 
 
 def stop() -> None:

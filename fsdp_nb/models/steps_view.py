@@ -14,8 +14,9 @@ The parts add up to the step. A **straggler** is a rank whose own work per step
 (the step less its waiting) is more than ``SLOWER`` above the median rank's; the view
 names it, the part that grew most against the median of that part, and the step from
 which it stayed slow. On a GPU rank the host's clocks do not say where the device's time
-went: there the step times hold, but the split is the host's and the view says so
-(``sess.profile`` splits a GPU step).
+went: there the view reads the device's own times from CUDA events (the step, the
+device idle before its first forward, and the model part, unsplit; ``sess.profile``
+splits a GPU step).
 
 It also gives the throughput, the model FLOPs utilisation on a known GPU and the curves
 of what the ranks log (``models.step_rates``). Above ``display.rank_strip.COMPACT``
@@ -105,7 +106,8 @@ class StepsView:
         self.stragglers: list[Straggler] = []
         """The ranks that hold the others back, slowest first."""
         self.device = "cpu"
-        """``cpu``, or ``cuda`` (there the parts are the host's clocks, not the device's: ``sess.profile``)."""
+        """``cpu``, or ``cuda`` (there the times come from CUDA events and the model part is
+        not split: ``sess.profile`` splits it)."""
         self.rates = StepRates(samples_per_s=None, tokens_per_s=None, mfu=None, peak=None)
         """Throughput over the window, all ranks together, and MFU on a known GPU."""
         self.curves: dict[str, list[float]] = {}
@@ -126,6 +128,7 @@ class StepsView:
             got: each rank's last steps (``RankSteps``), as the ranks measured them.
         """
         every = got
+        got = [_on_device(g) for g in got]  # a GPU rank: its steps as the device ran them (CUDA events)
         got = [_last(g, self.window) for g in got if g.seconds]  # ranks with steps; each view its own window
         coll = {g.rank: _mean(g.collective) for g in got}
         comm = min(coll.values(), default=0.0)
@@ -139,9 +142,12 @@ class StepsView:
         self.updated += 1
 
     def _table(self) -> tuple[tuple[str, ...], list[tuple]]:
-        """The per-rank table's header and rows (milliseconds)."""
-        header = ("rank", "steps", "step ms", *(f"{p} ms" for p in _PARTS))
-        rows = [(r, p.steps, f"{p.step * 1e3:.1f}", *(f"{getattr(p, k) * 1e3:.1f}" for k in _PARTS))
+        """The per-rank table's header and rows (milliseconds); on GPU ranks the model part
+        is not split (``engine.step_events``)."""
+        parts = ("compute", "other") if self.device == "cuda" else _PARTS
+        header = ("rank", "steps", "step ms", *(f"{'model' if p == 'compute' and self.device == 'cuda' else p} ms"
+                                                   for p in parts))
+        rows = [(r, p.steps, f"{p.step * 1e3:.1f}", *(f"{getattr(p, k) * 1e3:.1f}" for k in parts))
                 for r, p in sorted(self.ranks.items())]
         return header, rows
 
@@ -150,7 +156,8 @@ class StepsView:
         lines = [f"throughput: {self.rates}"]
         lines += [f"straggler: {s}" for s in self.stragglers] or ["no straggler"]
         if self.device == "cuda":
-            lines.append("GPU ranks: these are host clocks, not the device's; sess.profile splits a GPU step")
+            lines.append("GPU ranks: times from CUDA events; model = forward, backward, optimizer step and the "
+                         "collectives FSDP2 overlaps with them (sess.profile splits it)")
         return lines
 
     def _cells(self) -> list[StripCell]:
@@ -200,6 +207,20 @@ class StepsView:
 
     def __repr__(self) -> str:
         return self.to_text()
+
+
+def _on_device(g: RankSteps) -> RankSteps:
+    """A GPU rank's steps as its device ran them: step, the model part (as compute) and the
+    device idle before it (as other), from CUDA events; its batches matched by step
+    number. A CPU rank's as they are."""
+    if g.device != "cuda":
+        return g
+    batch = {i: (s, k) for i, s, k in zip(g.index, g.samples, g.tokens, strict=False)}
+    n = len(g.device_index)
+    return dataclasses.replace(g, index=list(g.device_index), seconds=list(g.device_seconds),
+                               compute=list(g.device_model), collective=[0.0] * n, other=list(g.device_other),
+                               samples=[batch.get(i, (0, 0))[0] for i in g.device_index],
+                               tokens=[batch.get(i, (0, 0))[1] for i in g.device_index])
 
 
 def _last(g: RankSteps, n: int) -> RankSteps:

@@ -39,3 +39,12 @@ class RankSteps:
     """What ``fsdp_nb.log`` kept on this rank: each name's newest values, oldest first."""
     seq: int = 0
     """Which of its sampler's messages this is (0: read through the task queue)."""
+    device_index: list[int] = field(default_factory=list)
+    """On a GPU rank, the steps the device has passed (their numbers), oldest first; their
+    times below come from CUDA events (``engine.step_events``). Empty on a CPU rank."""
+    device_seconds: list[float] = field(default_factory=list)
+    """Each of those steps on the device: from the step before's end to its own."""
+    device_other: list[float] = field(default_factory=list)
+    """Its device idle before its first forward (the host loading data, Python)."""
+    device_model: list[float] = field(default_factory=list)
+    """Its forward, backward, optimizer step and the collectives FSDP2 overlaps with them."""

@@ -64,3 +64,60 @@ def test_steps_with_no_model_are_each_a_step(timing):
     for _ in range(3):
         opt.step()
     assert len(timing.window().seconds) == 3 and timing.count() == 3
+
+
+class FakeEvent:
+    """A CUDA timing event as the device would leave it: recorded at device time ``at``
+    (seconds), passed once ``done``."""
+
+    def __init__(self, at, done=True):
+        self.at, self.done = at, done
+
+    def query(self):
+        return self.done
+
+    def elapsed_time(self, end):  # milliseconds, as torch.cuda.Event's
+        assert self.done and end.done, "elapsed_time of an event the device has not passed"
+        return (end.at - self.at) * 1e3
+
+
+def test_a_gpu_ranks_steps_are_read_from_its_events_never_waiting_for_the_device():
+    from fsdp_nb.engine.step_events import DeviceSteps
+
+    clock = iter([0.0, 0.02, 0.10, 0.13, 0.21, 0.24, 0.30])  # end 0; then (forward, end) per step
+    made = []
+
+    def event():
+        made.append(FakeEvent(next(clock)))
+        return made[-1]
+
+    dev = DeviceSteps(keep=5, event=event)
+    dev.stepped(0)  # a step measured before: only its end counts
+    for i in (1, 2, 3):
+        dev.forward()
+        dev.stepped(i)
+    made[-1].done = False  # the device has not reached step 3's end yet: it is left out, not waited for
+    got = dev.read()
+    assert [g[0] for g in got] == [1, 2]
+    assert got[0][1:] == pytest.approx((0.10, 0.02, 0.08)) and got[1][1:] == pytest.approx((0.11, 0.03, 0.08))
+    assert DeviceSteps(keep=5, event=lambda: None).read() == []  # a CPU rank records nothing
+
+
+def test_the_view_of_gpu_ranks_uses_the_devices_times_and_leaves_the_model_part_whole():
+    from fsdp_nb.models.steps_view import StepsView
+    from fsdp_nb.wire.step_times import RankSteps
+
+    def rank(r, model):  # host clocks say 1 ms steps (launches); the device says otherwise
+        return RankSteps(rank=r, index=[0, 1, 2], seconds=[0.001] * 3, compute=[0.001] * 3, collective=[0.0] * 3,
+                         other=[0.0] * 3, device="cuda", device_name="NVIDIA H100 80GB HBM3", samples=[4] * 3,
+                         tokens=[4096] * 3, parameters=10**8, device_index=[1, 2], device_seconds=[model + 0.01] * 2,
+                         device_other=[0.01] * 2, device_model=[model] * 2)
+
+    view = StepsView(ctx=None, window=5)  # type: ignore[arg-type]
+    view.apply([rank(0, 0.05), rank(1, 0.08)])
+    assert view.device == "cuda" and view.ranks[1].step == pytest.approx(0.09) and view.ranks[1].steps == 2
+    assert view.ranks[1].compute == pytest.approx(0.08) and view.ranks[1].other == pytest.approx(0.01)
+    assert [(s.rank, s.part) for s in view.stragglers] == [(1, "compute")]
+    text = view.to_text()
+    assert "model ms" in text and "communication ms" not in text and "CUDA events" in text
+    assert view.rates.tokens_per_s == pytest.approx(4096 / 0.06 + 4096 / 0.09) and view.rates.mfu is not None
