@@ -238,6 +238,26 @@ def test_memory_feed_has_cuda_fields(gsess: fsdp_nb.Session):
         assert s.device_allocated > 0 and s.budget > s.device_reserved > 0 and s.device_peak >= s.device_allocated
 
 
+def test_the_step_view_reads_the_devices_own_times(gsess: fsdp_nb.Session):
+    """On CUDA the view's steps come from CUDA events (a step, the idle before it, the
+    model part), the device's name gives MFU; on CPU from host clocks, split in four."""
+    gsess.wrap(Net, name="gsteps", auto_wrap={Block})
+    x, y = _batch()
+    view = gsess.steps(window=4)
+    try:
+        gsess.run(_train_on_ranks, "gsteps", x, y)
+        view.refresh()
+        assert view.device == _device(gsess) and sorted(view.ranks) == list(range(gsess.world_size))
+        for p in view.ranks.values():
+            assert p.step > 0 and p.compute > 0
+            assert p.compute + p.communication + p.waiting + p.other == pytest.approx(p.step, rel=1e-6)
+        assert view.rates.samples_per_s is not None
+        if _device(gsess) == "cuda":
+            assert "model ms" in view.to_text() and "CUDA events" in view.to_text()
+    finally:
+        view.stop()
+
+
 def test_error_cell_then_usable(gsess: fsdp_nb.Session):
     with pytest.raises(RankError, match="gpu boom"):
         gsess.execute("t = torch.ones(1, device=device)\nraise ValueError('gpu boom')")
