@@ -164,9 +164,10 @@ class WireError(FsdpNbError, ValueError):
 def hide_frame(excinfo: Any = None) -> bool:
     """The ``__tracebackhide__`` of fsdp_nb's own frames between a call and its ranks (the
     magic, the session, the dispatcher, the failure policy): IPython leaves them out of
-    every traceback it shows (any true value), so a rank's error reads as the cell and
-    the rank's own frames; pytest calls it and leaves them out only of an fsdp_nb error's
-    traceback, so a bug of fsdp_nb's shows in full there.
+    every traceback it shows (any true value) but the innermost, the line that raised,
+    so a rank's error reads as the cell, that line and the ranks' own frames; pytest
+    calls it and leaves them out only of an fsdp_nb error's traceback, so a bug of
+    fsdp_nb's shows in full there.
 
     Args:
         excinfo: pytest's ``ExceptionInfo`` (None when called otherwise).
