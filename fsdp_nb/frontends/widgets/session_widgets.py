@@ -49,7 +49,7 @@ class SessionWidgets:
         """Where each rank's recent optimizer steps' time goes, and which rank is slow, live.
 
         The first call starts the measurement on every rank: a hook at each optimizer step
-        and each wrapped model's forward, and a thread that looks every 5 ms at where the
+        and each wrapped model's forward, and a thread that looks every 10 ms at where the
         training thread is. The widget is then fed while a cell trains, with no code in the
         loop: each rank sends its last steps, and what ``fsdp_nb.log`` kept, once per
         ``interval`` when a step ended. ``view.refresh()`` reads the ranks through the
