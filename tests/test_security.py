@@ -292,6 +292,32 @@ def test_a_subscriber_without_the_key_gets_no_memory_samples(sess, monkeypatch):
         w.close()
 
 
+def test_a_subscriber_without_the_key_gets_no_step_times(sess):
+    """The step view's samples go over the same signed side channel: subscriptions for
+    everything, for a random topic, and the view's token signed with another key get
+    nothing, while the notebook's own view is fed."""
+    view = sess.steps(window=5, interval=0.1)
+    spies = []
+    try:
+        for ep in view.feed.endpoints:
+            for topic in (b"", os.urandom(56), Link(os.urandom(32), "memory", new_nonce(), "client").pack(
+                    view.feed.token.encode())):
+                spy = _outsider(zmq.SUB, ep)
+                spy.setsockopt(zmq.SUBSCRIBE, topic)
+                spies.append(spy)
+        _until(lambda: sum(sess.run(ms.dropped)) >= 2 * len(view.feed.endpoints),
+               "the samplers refusing the outsiders' signed-looking subscriptions")
+        sess.execute("_o = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)\n"
+                     "for _ in range(5):\n    _o.step()\ndel _o")
+        _until(lambda: len(view.ranks) == 2 and all(p.steps == 5 for p in view.ranks.values()),
+               "the notebook's view fed with every rank's 5 steps")
+        assert all(_nothing_came(spy) for spy in spies)
+    finally:
+        for spy in spies:
+            spy.close()
+        view.stop()
+
+
 def _seqs(w) -> list[int]:
     """Each rank's newest memory sample's number (-1 before the first)."""
     return [-1 if x is None else x.seq for x in w.feed.latest()]
