@@ -253,6 +253,19 @@ def test_an_outsider_can_neither_ask_where_a_rank_is_nor_close_its_connections(s
         s.close()
 
 
+def _spies(endpoint: str, token: str, *replayed: bytes) -> list[zmq.Socket]:
+    """Outsiders subscribed to a side-channel sampler: to everything, to a random topic, to
+    the feed's token signed with another key, and to each of ``replayed`` (a subscription
+    captured on its way)."""
+    spies = []
+    for topic in (b"", os.urandom(56), *replayed,
+                  Link(os.urandom(32), "memory", new_nonce(), "client").pack(token.encode())):
+        spy = _outsider(zmq.SUB, endpoint)
+        spy.setsockopt(zmq.SUBSCRIBE, topic)
+        spies.append(spy)
+    return spies
+
+
 def test_a_subscriber_without_the_key_gets_no_memory_samples(sess, monkeypatch):
     """Subscriptions for everything, for random topics, signed with another key, and the
     notebook's own subscription captured and replayed: none gets a sample."""
@@ -273,13 +286,7 @@ def test_a_subscriber_without_the_key_gets_no_memory_samples(sess, monkeypatch):
         # a subscription is captured on its way, so it reaches the sampler first: wait for
         # the notebook's own to be applied (its first samples) before the spies replay it
         _until(lambda: min(_seqs(w)) >= 0, "the first sample of every rank")
-        spies = []
-        for ep, mine in zip(w.feed.endpoints, captured):
-            for topic in (b"", os.urandom(56), mine, Link(os.urandom(32), "memory", new_nonce(), "client").pack(
-                    w.feed.token.encode())):
-                s = _outsider(zmq.SUB, ep)
-                s.setsockopt(zmq.SUBSCRIBE, topic)
-                spies.append(s)
+        spies = [spy for ep, mine in zip(w.feed.endpoints, captured) for spy in _spies(ep, w.feed.token, mine)]
         _until(lambda: sum(sess.run(ms.dropped)) >= 4 * len(w.feed.endpoints),
                "the samplers refusing every outsider's subscription")
         start = _seqs(w)
@@ -299,12 +306,7 @@ def test_a_subscriber_without_the_key_gets_no_step_times(sess):
     view = sess.steps(window=5, interval=0.1)
     spies = []
     try:
-        for ep in view.feed.endpoints:
-            for topic in (b"", os.urandom(56), Link(os.urandom(32), "memory", new_nonce(), "client").pack(
-                    view.feed.token.encode())):
-                spy = _outsider(zmq.SUB, ep)
-                spy.setsockopt(zmq.SUBSCRIBE, topic)
-                spies.append(spy)
+        spies = [spy for ep in view.feed.endpoints for spy in _spies(ep, view.feed.token)]
         _until(lambda: sum(sess.run(ms.dropped)) >= 2 * len(view.feed.endpoints),
                "the samplers refusing the outsiders' signed-looking subscriptions")
         sess.execute("_o = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)\n"

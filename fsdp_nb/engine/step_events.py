@@ -30,7 +30,7 @@ def cuda_event() -> Any:
     not use CUDA (it never initialises CUDA itself)."""
     import torch
 
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if not (torch.cuda.is_initialized() and torch.cuda.is_available()):  # the flag first: every step asks
         return None
     event = torch.cuda.Event(enable_timing=True)
     event.record()

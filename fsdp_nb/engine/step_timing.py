@@ -242,7 +242,7 @@ def _device_name() -> str:
     """This rank's GPU's name, read on the training thread (its current device), or ``cpu``."""
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized() and torch.cuda.is_available():  # the flag first: a CPU rank asks every step
         return torch.cuda.get_device_name(torch.cuda.current_device())
     return "cpu"
 

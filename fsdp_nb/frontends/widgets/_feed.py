@@ -137,11 +137,16 @@ class SampleFeed:
             self.ctx.recovering.observers.append(self._follow)
         return self
 
+    follows: tuple[str, ...] = ("resize",)
+    """The recoveries after which the feed subscribes again to the (new) ranks."""
+
     def _follow(self, event: Any) -> None:
-        """After ``sess.resize``, sample the new world's ranks (new samplers, a new topic:
-        the old ones end as they see their subscriber go)."""
-        if event.what != "resize" or event.phase != "recovered" or not self.running:
+        """After a recovery in ``follows``, sample the new world's ranks (new samplers, a new
+        topic: the old ones end as they see their subscriber go; what replaced ranks sent
+        is forgotten)."""
+        if event.what not in self.follows or event.phase != "recovered" or not self.running:
             return
+        self._rejoined()
         self.close()
         with self._lock:
             self.world_size = self.ctx.world_size
@@ -149,6 +154,9 @@ class SampleFeed:
             self.history = [deque(maxlen=keep) for _ in range(self.world_size)]
             self.token = uuid.uuid4().hex
         self.start()
+
+    def _rejoined(self) -> None:
+        """What the ranks need before the feed subscribes again after a recovery (nothing here)."""
 
     def close(self) -> None:
         """Stop receiving; the engines' samplers end when they see the unsubscribe."""
@@ -255,17 +263,10 @@ class StepsFeed(SampleFeed):
         super().__init__(ctx, interval=interval, history=2)
         self.window = window
 
-    def _follow(self, event: Any) -> None:
-        """After ``sess.resize`` or ``sess.restart``: measure on the ranks that joined, and
-        forget what replaced ranks sent before (their steps are gone with them)."""
-        if event.what not in ("resize", "restart") or event.phase != "recovered" or not self.running:
-            return
+    follows = ("resize", "restart")
+
+    def _rejoined(self) -> None:
+        """Measure on the ranks that joined (a replaced rank's steps are gone with it)."""
         from ...models.steps_view import start_measuring
 
         start_measuring(self.ctx, self.window)
-        self.close()
-        with self._lock:
-            self.world_size = self.ctx.world_size
-            self.history = [deque(maxlen=2) for _ in range(self.world_size)]
-            self.token = uuid.uuid4().hex
-        self.start()
