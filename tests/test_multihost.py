@@ -16,13 +16,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import fsdp_nb
 from fsdp_nb.runtime.launch_settings import split_cluster_kwargs
-from fsdp_nb.runtime.rendezvous import local_ranks, rank_env, rank_order
+from fsdp_nb.runtime.rendezvous import local_ranks, rank_env, rank_order, reachable_probes
 from fsdp_nb.wire.probe import EngineProbe
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -80,6 +81,25 @@ def _probe(host: str, launcher_rank: int | None = None, pid: int = 1) -> EngineP
     )
 
 
+def test_a_rank_that_reached_the_controller_over_loopback_gets_a_routable_address():
+    """Rank 0 on the controller's host registered over 127.0.0.1 (``controller_ip="*"``
+    resolving to 127.0.1.1): it is asked for its route to a rank of another host."""
+    asked = []
+
+    def route(rank: int, target: str) -> tuple[str, str]:
+        asked.append((rank, target))
+        return "10.0.0.9", "eth1"
+
+    probes = [replace(_probe("a"), addr="127.0.1.1", ifname="lo"), _probe("a"),
+              replace(_probe("b"), addr="10.0.0.2")]
+    fixed = reachable_probes(probes, route)
+    assert asked == [(0, "10.0.0.2")]  # toward the other host's rank, never its own host's
+    assert (fixed[0].addr, fixed[0].ifname) == ("10.0.0.9", "eth1") and fixed[1:] == probes[1:]
+    asked.clear()  # every host on loopback (one network namespace): nothing to ask, nothing changed
+    same_net = [replace(p, addr="127.0.0.1") for p in probes]
+    assert reachable_probes(same_net, route) == same_net and asked == []
+
+
 def test_rank_order_prefers_distinct_launcher_ranks():
     ids = [0, 1, 2, 3]
     probes = [_probe("a", 2), _probe("b", 0), _probe("a", 3), _probe("b", 1)]
@@ -130,6 +150,19 @@ def test_launcher_settings_become_config():
                                         "queue": "gpu", "timelimit": "1:00:00"})
     c = kw["config"].SlurmEngineSetLauncher
     assert c.queue == "gpu" and c.timelimit == "1:00:00" and "srun" in c.batch_template
+    assert "submit_command" not in c  # no options: ipyparallel's own sbatch
+
+
+def test_slurm_options_reach_sbatch_whatever_the_script():
+    """ipyparallel's default script never says ``{options}``: they go on sbatch's command line."""
+    c = split_cluster_kwargs("slurm", {"options": "--gpus-per-task=1 --comment='a b'"})["config"]
+    assert c.SlurmEngineSetLauncher.submit_command == ["sbatch", "--gpus-per-task=1", "--comment=a b"]
+    c = split_cluster_kwargs("slurm", {"options": "--exclusive", "submit_command": ["/opt/sbatch"],
+                                       "batch_template": "#!/bin/sh\nsrun {program_and_args}\n"})["config"]
+    assert c.SlurmEngineSetLauncher.submit_command == ["/opt/sbatch", "--exclusive"]
+    c = split_cluster_kwargs("slurm", {"options": "--exclusive",
+                                       "batch_template": "#!/bin/sh\n#SBATCH {options}\nsrun {program_and_args}\n"})
+    assert "submit_command" not in c["config"].SlurmEngineSetLauncher  # the template places them
 
 
 def test_unknown_launcher_setting_fails_before_start():
@@ -251,6 +284,28 @@ def test_netns_hybrid_shards_within_host_replicates_across(netns_session):
 
 
 @pytest.mark.root
+def test_netns_session_saves_and_loads_across_hosts(netns_session, tmp_path):
+    """``sess.save`` / ``sess.load`` (sharded, then full) with ranks on two hosts: each host's
+    ranks write their own shards; the model and its optimizer come back bit for bit."""
+    import torch
+
+    sess, _, _ = netns_session
+    sess.wrap(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)), name="mh_saved")
+    step = "mh_saved(torch.randn(4, 8)).sum().backward(); mh_saved_opt.step(); mh_saved_opt.zero_grad()"
+    sess.execute(f"mh_saved_opt = torch.optim.AdamW(mh_saved.parameters(), lr=0.01)\n{step}", timeout=120)
+    before = sess.run(full_state("mh_saved", "mh_saved_opt"))[0]
+    for sharded in (True, False):
+        path = str(tmp_path / ("sharded" if sharded else "full.pt"))
+        sess.save(path, "mh_saved", optimizer="mh_saved_opt", sharded=sharded)
+        sess.execute(step, timeout=60)  # weights and optimizer state move on
+        sess.load(path, "mh_saved", optimizer="mh_saved_opt")
+        assert_same(sess.run(full_state("mh_saved", "mh_saved_opt"))[0], before, f"sharded={sharded}")
+    assert sorted(p.name for p in (tmp_path / "sharded").glob("*.distcp")) == [
+        f"__{r}_0.distcp" for r in range(4)
+    ]
+
+
+@pytest.mark.root
 def test_netns_resize_across_hosts(netns_session):
     """4 ranks on two hosts -> 2 (rank 0's host keeps them; the other's engines stay with their
     launcher, out of the group) -> 4 again (the spare engines come back), staged in a
@@ -308,6 +363,33 @@ def test_mpi_launcher_ranks_and_training():
         sess.shutdown()
 
 
+@pytest.mark.root
+def test_netns_a_rank_that_reached_the_controller_over_loopback_still_joins():
+    """An engine on the controller's own host registered over 127.0.0.1 (as with
+    ``controller_ip="*"`` and a host name that resolves to 127.0.1.1): its address and
+    gloo interface become those toward the other host's rank, and the group forms."""
+    if _netns_missing:
+        pytest.skip(f"namespace hosts: {_netns_missing}")
+    import socket
+
+    with netns_hosts.NetnsHosts(n_hosts=1) as hosts:
+        client_file, engine_file = hosts.start_controller()
+        hosts.start_engine(hosts.hosts[0], engine_file)
+        hosts._spawn([sys.executable, "-m", "ipyparallel.engine", f"--file={engine_file}",
+                      "--location=127.0.0.1", "--log-level=WARN"], "engine-loopback.log")
+        try:
+            sess = fsdp_nb.Session.connect(str(client_file), n=2, backend="gloo", timeout=120, activate=False)
+        except Exception as exc:
+            raise RuntimeError(f"{exc}\n{hosts.logs()}") from exc
+        try:
+            here = next(r for r in sess.ranks if r.host == socket.gethostname())
+            assert here.addr == hosts.bridge_addr, sess.ranks
+            assert env_of(sess, "GLOO_SOCKET_IFNAME")[here.rank]["GLOO_SOCKET_IFNAME"] == hosts.bridge
+            assert sess.all_reduce_check() == 1.0
+        finally:
+            sess.shutdown()
+
+
 # -- Slurm -------------------------------------------------------------------------
 
 _slurm_missing = slurm_local.missing_requirements()
@@ -321,15 +403,17 @@ def test_slurm_launcher_ranks_and_training(monkeypatch, tmp_path):
         monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
         try:
             sess = fsdp_nb.Session(
-                2, backend="gloo", launcher="slurm", timelimit="10", timeout=120, activate=False
+                2, backend="gloo", launcher="slurm", timelimit="10", timeout=120, activate=False,
+                options="--job-name=fsdp-nb-options",  # the default script has no {options}
             )
         except Exception as exc:
             raise RuntimeError(f"{exc}\n{slurm.logs()}") from exc
         try:
             assert len(slurm.queue()) == 1, "the engines should run as one Slurm job"
-            envs = env_of(sess, "SLURM_PROCID", "RANK", "SLURM_JOB_ID")
+            envs = env_of(sess, "SLURM_PROCID", "RANK", "SLURM_JOB_ID", "SLURM_JOB_NAME")
             assert [e["SLURM_PROCID"] for e in envs] == [e["RANK"] for e in envs] == ["0", "1"]
             assert envs[0]["SLURM_JOB_ID"] == slurm.queue()[0]
+            assert {e["SLURM_JOB_NAME"] for e in envs} == {"fsdp-nb-options"}  # options= reached sbatch
             train_and_check(sess)
             assert list(tmp_path.iterdir()) == []
         finally:

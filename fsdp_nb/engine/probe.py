@@ -102,6 +102,12 @@ def route_address(target: str | None) -> str:
         return "127.0.0.1"
 
 
+def route_to(target: str) -> tuple[str, str | None]:
+    """This host's address toward ``target`` (another rank's), and its interface."""
+    addr = route_address(target)
+    return addr, interface_of(addr)
+
+
 def interface_of(addr: str) -> str | None:
     """The network interface holding ``addr``, or None."""
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shlex
 import sys
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
@@ -23,8 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HEARTBEAT_MISSES", "HEARTBEAT_MS", "batch_file_in_profile", "boot_with_torch",
-    "engine_launcher_class", "ipp_log_level", "launcher_names", "quick_heartbeat",
-    "split_cluster_kwargs",
+    "engine_launcher_class", "ipp_log_level", "launcher_names", "options_on_command_line",
+    "quick_heartbeat", "split_cluster_kwargs",
 ]
 
 _RESERVED = {"n", "engines", "engine_launcher_class"}
@@ -53,6 +54,10 @@ def split_cluster_kwargs(launcher: str, kwargs: dict[str, Any]) -> dict[str, Any
     config traits (``c.MPIEngineSetLauncher.mpi_args``): those are moved into a
     traitlets ``Config`` under the launcher's class name. Anything else is a
     ``ValueError`` naming what each side accepts, raised before anything starts.
+
+    Slurm's ``options`` (``"--gpus-per-task=1 --nodes=2"``) reach ``sbatch``'s command
+    line (``options_on_command_line``): ipyparallel puts them only where a template says
+    ``{options}``, which its default script does not.
     """
     from traitlets.config import Config
 
@@ -84,8 +89,25 @@ def split_cluster_kwargs(launcher: str, kwargs: dict[str, Any]) -> dict[str, Any
             f"Cluster settings: {', '.join(cluster_side)}; {cls.__name__} settings: "
             f"{', '.join(sorted(launcher_traits))}"
         )
+    options_on_command_line(cls, config)
     out["config"] = config
     return out
+
+
+def options_on_command_line(cls: type[LoggingConfigurable], config: Any) -> None:
+    """Append a Slurm launcher's ``options`` to its ``sbatch`` command in ``config``.
+
+    Options given on ``sbatch``'s command line override the script's ``#SBATCH``
+    lines, so they act on ipyparallel's default script and on a user's template alike.
+    A template that places ``{options}`` itself is left as it is, as is a launcher with
+    no ``options`` setting.
+    """
+    section = config[cls.__name__]
+    options = section.get("options") if "options" in cls.class_traits(config=True) else None
+    if not options or "{options}" in str(section.get("batch_template") or ""):
+        return
+    submit: list[str] = list(section.get("submit_command") or ["sbatch"])
+    section["submit_command"] = [*submit, *shlex.split(options)]
 
 
 def batch_file_in_profile(cluster: ipp.Cluster, launcher: str) -> None:

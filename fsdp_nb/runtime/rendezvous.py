@@ -7,7 +7,9 @@ port on its host, then call ``init_process_group`` on every engine at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ipaddress
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from ..engine import probe as _probe
 from ..engine import process_group as _pg
@@ -24,6 +26,7 @@ __all__ = [
     "local_ranks",
     "rank_env",
     "rank_order",
+    "reachable_probes",
 ]
 
 
@@ -163,6 +166,36 @@ def rank_env(
     return env
 
 
+def reachable_probes(
+    probes: list[EngineProbe], route: Callable[[int, str], tuple[str, str | None]]
+) -> list[EngineProbe]:
+    """``probes`` of ranks on several hosts, each with an address the other hosts reach.
+
+    A rank on the controller's own host may have reached the controller over loopback
+    (a controller on 127.0.0.1, or ``controller_ip="*"`` with a host name that resolves
+    to 127.0.1.1 there): that address, as ``MASTER_ADDR`` or gloo's interface, is no
+    use to the other hosts. Such a rank is asked (``route(rank, target)`` returns its
+    address toward ``target`` and that address's interface) for its route to a rank of
+    another host that has a routable address. Where no rank has one, the probes stay as
+    they are (hosts that share one network namespace reach each other over loopback).
+    """
+    def loopback(addr: str) -> bool:
+        try:
+            return ipaddress.ip_address(addr).is_loopback
+        except ValueError:
+            return False
+
+    out = list(probes)
+    for r, p in enumerate(probes):
+        if not loopback(p.addr):
+            continue
+        peer = next((q for q in probes if q.host != p.host and not loopback(q.addr)), None)
+        if peer is not None:
+            addr, ifname = route(r, peer.addr)
+            out[r] = replace(p, addr=addr, ifname=ifname)
+    return out
+
+
 def controller_ip(cluster: EngineCluster) -> str | None:
     """The controller's address as the notebook's client reached it.
 
@@ -204,6 +237,10 @@ def join_group(
     hosts = [p.host for p in probes]
     cluster.set_rank_order(engine_ids, [p.pid for p in probes], hosts, [p.started for p in probes])
     multi_host = len(set(hosts)) > 1
+    if multi_host:
+        probes = reachable_probes(probes, lambda r, target: dispatcher.gather(
+            dispatcher.apply("route to another host", _probe.route_to, ranks=[r], args=(target,)), timeout
+        )[0])
     locals_ = local_ranks(hosts)
     master_addr = probes[0].addr if multi_host else _probe.LOOPBACK
     (port,) = dispatcher.gather(
