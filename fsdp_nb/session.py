@@ -70,7 +70,8 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfilin
         standby: keep one engine started and imported but unregistered, to take a dead
             rank's place at once (local launcher; ``fsdp_nb.runtime.standby``).
         **cluster_kwargs: passed on to ``ipyparallel.Cluster`` (``controller_ip``,
-            ``queue``, ``engine_timeout``, ...) or its launchers.
+            ``queue``, ``engine_timeout``, ...) or its launchers; Slurm's ``options``
+            go on ``sbatch``'s command line.
     """
 
     def __init__(
