@@ -176,6 +176,13 @@ class NetnsHosts:
         p = self._spawn(argv, f"engine-{host.name}-{len(self.procs)}.log", env)
         return p.pid
 
+    def start_engine_here(self, engine_file: Path, location: str) -> int:
+        """One ``ipengine`` in the root namespace (the controller's host) that reaches the
+        controller at ``location``; its pid."""
+        argv = [sys.executable, "-m", "ipyparallel.engine", f"--file={engine_file}",
+                f"--location={location}", "--log-level=WARN"]
+        return self._spawn(argv, f"engine-here-{len(self.procs)}.log").pid
+
     def log(self, name: str) -> str:
         assert self.workdir is not None
         try:

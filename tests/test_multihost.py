@@ -18,12 +18,19 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import fsdp_nb
-from fsdp_nb.runtime.launch_settings import split_cluster_kwargs
-from fsdp_nb.runtime.rendezvous import local_ranks, rank_env, rank_order, reachable_probes
+from fsdp_nb.runtime.launch_settings import prepare_batch_job, split_cluster_kwargs
+from fsdp_nb.runtime.rendezvous import (
+    local_ranks,
+    loopback_routes,
+    rank_env,
+    rank_order,
+    with_routes,
+)
 from fsdp_nb.wire.probe import EngineProbe
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -82,22 +89,18 @@ def _probe(host: str, launcher_rank: int | None = None, pid: int = 1) -> EngineP
 
 
 def test_a_rank_that_reached_the_controller_over_loopback_gets_a_routable_address():
-    """Rank 0 on the controller's host registered over 127.0.0.1 (``controller_ip="*"``
-    resolving to 127.0.1.1): it is asked for its route to a rank of another host."""
-    asked = []
-
-    def route(rank: int, target: str) -> tuple[str, str]:
-        asked.append((rank, target))
-        return "10.0.0.9", "eth1"
-
-    probes = [replace(_probe("a"), addr="127.0.1.1", ifname="lo"), _probe("a"),
-              replace(_probe("b"), addr="10.0.0.2")]
-    fixed = reachable_probes(probes, route)
-    assert asked == [(0, "10.0.0.2")]  # toward the other host's rank, never its own host's
+    """Rank 0 on the controller's host registered over 127.0.0.1 (a controller on ``*``):
+    it is asked for its route to a rank of another host, never one of its own host."""
+    probes = [replace(_probe("a"), addr="127.0.0.1", ifname="lo"), _probe("a"),
+              replace(_probe("b"), addr="10.0.0.2"), replace(_probe("b"), addr="node-b")]
+    assert loopback_routes(probes) == {0: "10.0.0.2"}
+    fixed = with_routes(probes, {0: ("10.0.0.9", "eth1")})
     assert (fixed[0].addr, fixed[0].ifname) == ("10.0.0.9", "eth1") and fixed[1:] == probes[1:]
-    asked.clear()  # every host on loopback (one network namespace): nothing to ask, nothing changed
-    same_net = [replace(p, addr="127.0.0.1") for p in probes]
-    assert reachable_probes(same_net, route) == same_net and asked == []
+    with pytest.raises(RuntimeError, match="rank 0 on a reached the controller over loopback and has no route"):
+        with_routes(probes, {0: ("127.0.0.1", "lo")})
+    # every host on loopback (one network namespace), or one host: nothing to ask
+    assert loopback_routes([replace(p, addr="127.0.0.1") for p in probes]) == {}
+    assert loopback_routes([replace(probes[0], host="b"), *probes[2:]]) == {}
 
 
 def test_rank_order_prefers_distinct_launcher_ranks():
@@ -150,19 +153,46 @@ def test_launcher_settings_become_config():
                                         "queue": "gpu", "timelimit": "1:00:00"})
     c = kw["config"].SlurmEngineSetLauncher
     assert c.queue == "gpu" and c.timelimit == "1:00:00" and "srun" in c.batch_template
-    assert "submit_command" not in c  # no options: ipyparallel's own sbatch
 
 
-def test_slurm_options_reach_sbatch_whatever_the_script():
-    """ipyparallel's default script never says ``{options}``: they go on sbatch's command line."""
-    c = split_cluster_kwargs("slurm", {"options": "--gpus-per-task=1 --comment='a b'"})["config"]
-    assert c.SlurmEngineSetLauncher.submit_command == ["sbatch", "--gpus-per-task=1", "--comment=a b"]
-    c = split_cluster_kwargs("slurm", {"options": "--exclusive", "submit_command": ["/opt/sbatch"],
-                                       "batch_template": "#!/bin/sh\nsrun {program_and_args}\n"})["config"]
-    assert c.SlurmEngineSetLauncher.submit_command == ["/opt/sbatch", "--exclusive"]
-    c = split_cluster_kwargs("slurm", {"options": "--exclusive",
-                                       "batch_template": "#!/bin/sh\n#SBATCH {options}\nsrun {program_and_args}\n"})
-    assert "submit_command" not in c["config"].SlurmEngineSetLauncher  # the template places them
+def _slurm_job(profile: Path, **settings) -> Any:
+    """The Slurm engine launcher's config once fsdp_nb settled the job (nothing starts)."""
+    import ipyparallel as ipp
+
+    kw = split_cluster_kwargs("slurm", settings)
+    cluster = ipp.Cluster(n=2, engines="slurm", profile_dir=str(profile), **kw)
+    prepare_batch_job(cluster, "slurm")
+    return cluster.config.SlurmEngineSetLauncher
+
+
+def test_slurm_options_reach_sbatch_whatever_the_script(tmp_path):
+    """ipyparallel's default script never says ``{options}``: they go on sbatch's command
+    line, after a submit command of the user's or the profile's; a template that places
+    ``{options}`` itself (given, or in a file) keeps them there only."""
+    from traitlets.config import Config
+
+    profile = tmp_path / "profile"
+    job = _slurm_job(profile, options="--gpus-per-task=1 --comment='a b'")
+    assert job.submit_command == ["sbatch", "--gpus-per-task=1", "--comment=a b"]
+    assert job.batch_file_name.startswith(str(profile / "log"))  # not in the notebook's folder
+    job = _slurm_job(profile, options="--exclusive", submit_command=["/opt/sbatch"],
+                     batch_template="#!/bin/sh\nsrun {program_and_args}\n")
+    assert job.submit_command == ["/opt/sbatch", "--exclusive"]
+    placed = "#!/bin/sh\n#SBATCH {options}\nsrun {program_and_args}\n"
+    assert "submit_command" not in _slurm_job(profile, options="--exclusive", batch_template=placed)
+    (tmp_path / "job.sh").write_text(placed)
+    assert "submit_command" not in _slurm_job(profile, options="--exclusive",
+                                              batch_template_file=str(tmp_path / "job.sh"))
+    mine = Config({"SlurmEngineSetLauncher": {"options": "--exclusive"}})
+    for _ in range(2):  # the same config twice (a cell run again): never edited, never piled up
+        assert _slurm_job(profile, config=mine).submit_command == ["sbatch", "--exclusive"]
+    assert "submit_command" not in mine.SlurmEngineSetLauncher
+    (profile / "ipcluster_config.py").write_text(
+        "c.SlurmEngineSetLauncher.options = '--exclusive'\n"
+        "c.SlurmEngineSetLauncher.submit_command = ['site-sbatch']\n")
+    assert _slurm_job(profile).submit_command == ["site-sbatch", "--exclusive"]  # the profile's own
+    with pytest.raises(ValueError, match=r"options='--comment=\"a b' cannot be split as sbatch arguments"):
+        split_cluster_kwargs("slurm", {"options": '--comment="a b'})
 
 
 def test_unknown_launcher_setting_fails_before_start():
@@ -285,8 +315,8 @@ def test_netns_hybrid_shards_within_host_replicates_across(netns_session):
 
 @pytest.mark.root
 def test_netns_session_saves_and_loads_across_hosts(netns_session, tmp_path):
-    """``sess.save`` / ``sess.load`` (sharded, then full) with ranks on two hosts: each host's
-    ranks write their own shards; the model and its optimizer come back bit for bit."""
+    """``sess.save`` / ``sess.load`` (sharded, then full) with ranks on two namespace hosts
+    that share one file system: the model and its optimizer come back bit for bit."""
     import torch
 
     sess, _, _ = netns_session
@@ -300,9 +330,7 @@ def test_netns_session_saves_and_loads_across_hosts(netns_session, tmp_path):
         sess.execute(step, timeout=60)  # weights and optimizer state move on
         sess.load(path, "mh_saved", optimizer="mh_saved_opt")
         assert_same(sess.run(full_state("mh_saved", "mh_saved_opt"))[0], before, f"sharded={sharded}")
-    assert sorted(p.name for p in (tmp_path / "sharded").glob("*.distcp")) == [
-        f"__{r}_0.distcp" for r in range(4)
-    ]
+    assert len(list((tmp_path / "sharded").glob("*.distcp"))) == 4  # a file per rank, both hosts'
 
 
 @pytest.mark.root
@@ -372,19 +400,24 @@ def test_netns_a_rank_that_reached_the_controller_over_loopback_still_joins():
         pytest.skip(f"namespace hosts: {_netns_missing}")
     import socket
 
+    import ipyparallel as ipp
+
     with netns_hosts.NetnsHosts(n_hosts=1) as hosts:
         client_file, engine_file = hosts.start_controller()
+        hosts.start_engine_here(engine_file, location="127.0.0.1")
+        with ipp.Client(str(client_file)) as client:  # registered first, so it becomes rank 0
+            client.wait_for_engines(1, timeout=120)
         hosts.start_engine(hosts.hosts[0], engine_file)
-        hosts._spawn([sys.executable, "-m", "ipyparallel.engine", f"--file={engine_file}",
-                      "--location=127.0.0.1", "--log-level=WARN"], "engine-loopback.log")
         try:
             sess = fsdp_nb.Session.connect(str(client_file), n=2, backend="gloo", timeout=120, activate=False)
         except Exception as exc:
             raise RuntimeError(f"{exc}\n{hosts.logs()}") from exc
         try:
-            here = next(r for r in sess.ranks if r.host == socket.gethostname())
-            assert here.addr == hosts.bridge_addr, sess.ranks
-            assert env_of(sess, "GLOO_SOCKET_IFNAME")[here.rank]["GLOO_SOCKET_IFNAME"] == hosts.bridge
+            assert sess.ranks[0].host == socket.gethostname(), sess.ranks
+            assert sess.ranks[0].addr == hosts.bridge_addr, sess.ranks  # not 127.0.0.1
+            envs = env_of(sess, "MASTER_ADDR", "GLOO_SOCKET_IFNAME")
+            assert [e["MASTER_ADDR"] for e in envs] == [hosts.bridge_addr] * 2
+            assert envs[0]["GLOO_SOCKET_IFNAME"] == hosts.bridge
             assert sess.all_reduce_check() == 1.0
         finally:
             sess.shutdown()

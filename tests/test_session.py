@@ -230,7 +230,8 @@ def test_a_cpu_session_needs_no_torch_in_the_notebook_to_start():
 
 def test_second_session_side_by_side_and_clean_shutdown(sess, capsys):
     ours = {p.pid for p in psutil.Process().children(recursive=True)}
-    with fsdp_nb.Session(2, backend="gloo", activate=False, verbose=True) as other:
+    with fsdp_nb.Session(2, backend="gloo", activate=False, verbose=True,
+                         environment={"FSDP_NB_MARK": "yes", "OMP_NUM_THREADS": "3"}) as other:
         # verbose: the start's phases, printed and kept
         phases = ["controller and engines launched", "engines registered",
                   "probe engines (torch imported)", "process group formed", "health hooks",
@@ -247,6 +248,10 @@ def test_second_session_side_by_side_and_clean_shutdown(sess, capsys):
         p1 = sess.run(lambda: __import__("os").environ["MASTER_PORT"])[0]
         p2 = other.run(lambda: __import__("os").environ["MASTER_PORT"])[0]
         assert p1 != p2
+        # environment= reaches every engine, and the user's OMP_NUM_THREADS wins over fsdp_nb's
+        marks = other.run(lambda: [__import__("os").environ.get(k) for k in ("FSDP_NB_MARK", "OMP_NUM_THREADS")]
+                          + [__import__("torch").get_num_threads()])
+        assert marks == [["yes", "3", 3]] * 2
         assert other.all_reduce_check() == 1.0 and sess.all_reduce_check() == 1.0
         pids = [r.pid for r in other.ranks]
         assert not set(pids) & ours

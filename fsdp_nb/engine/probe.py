@@ -103,7 +103,8 @@ def route_address(target: str | None) -> str:
 
 
 def route_to(target: str) -> tuple[str, str | None]:
-    """This host's address toward ``target`` (another rank's), and its interface."""
+    """This host's address toward ``target`` (another rank's IPv4 address), and the name
+    of the interface holding it (None where it cannot be found)."""
     addr = route_address(target)
     return addr, interface_of(addr)
 

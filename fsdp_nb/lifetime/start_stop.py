@@ -96,8 +96,11 @@ def start(
     arguments are ``Session``'s, already checked; ``backend`` None, for engines started
     elsewhere: decided from their probes); the start's phases are timed in ``start_phases``."""
     clock = PhaseClock()
+    chosen = dict(cluster_kwargs.pop("environment", None) or {})  # the user's environment= wins
     threads = max(1, (os.cpu_count() or 1) // n) if backend == "gloo" else None
-    env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+    if threads and str(chosen.get("OMP_NUM_THREADS", "")).isdigit():
+        threads = max(1, int(chosen["OMP_NUM_THREADS"]))
+    env = {**({"OMP_NUM_THREADS": str(threads)} if threads else {}), **chosen}
     if keep_alive:
         cluster_kwargs.setdefault("shutdown_atexit", False)
     cluster = EngineCluster.start(n, launcher, timeout=timeout, environment=env, clock=clock, **cluster_kwargs)

@@ -26,10 +26,10 @@ from ..engine.probe import LOOPBACK
 from ..engine.process_handles import ProcessHandle, process_tree, stop_processes, tcp_sockets
 from ..engine.signing import cluster_key
 from .launch_settings import (
-    batch_file_in_profile,
     boot_with_torch,
     engine_launcher_class,
     ipp_log_level,
+    prepare_batch_job,
     quick_heartbeat,
     split_cluster_kwargs,
 )
@@ -117,7 +117,7 @@ class EngineCluster:
             del cluster_kwargs["config"]
         cluster_kwargs.setdefault("log_level", ipp_log_level())
         cluster = ipp.Cluster(n=n, engines=launcher, **cluster_kwargs)
-        batch_file_in_profile(cluster, launcher)
+        prepare_batch_job(cluster, launcher)
         if launcher == "local":
             boot_with_torch(cluster, overlap="send_engines_connection_env" not in cluster_kwargs)
         clock = clock or PhaseClock()
@@ -296,7 +296,7 @@ class EngineCluster:
 
     def owns_pid(self, pid: int) -> bool:
         """True if ``pid`` is one of the engines this session started on this host."""
-        return self.owns_engines and pid in self.pids
+        return self.owns_engines and (pid, socket.gethostname()) in zip(self.pids, self.hosts)
 
     def _owned_here(self, rank: int) -> bool:
         """Whether this session started ``rank``'s engine on this host (alive or not)."""

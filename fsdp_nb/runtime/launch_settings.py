@@ -23,10 +23,12 @@ if TYPE_CHECKING:
     from traitlets.config import LoggingConfigurable
 
 __all__ = [
-    "HEARTBEAT_MISSES", "HEARTBEAT_MS", "batch_file_in_profile", "boot_with_torch",
-    "engine_launcher_class", "ipp_log_level", "launcher_names", "options_on_command_line",
-    "quick_heartbeat", "split_cluster_kwargs",
+    "HEARTBEAT_MISSES", "HEARTBEAT_MS", "boot_with_torch", "engine_launcher_class",
+    "ipp_log_level", "launcher_names", "prepare_batch_job", "quick_heartbeat",
+    "split_cluster_kwargs",
 ]
+
+log = logging.getLogger("fsdp_nb")
 
 _RESERVED = {"n", "engines", "engine_launcher_class"}
 """Cluster arguments that Session sets itself (from ``n`` and ``launcher``)."""
@@ -55,9 +57,8 @@ def split_cluster_kwargs(launcher: str, kwargs: dict[str, Any]) -> dict[str, Any
     traitlets ``Config`` under the launcher's class name. Anything else is a
     ``ValueError`` naming what each side accepts, raised before anything starts.
 
-    Slurm's ``options`` (``"--gpus-per-task=1 --nodes=2"``) reach ``sbatch``'s command
-    line (``options_on_command_line``): ipyparallel puts them only where a template says
-    ``{options}``, which its default script does not.
+    Slurm's ``options`` (``"--gpus-per-task=1 --nodes=2"``) are checked here and put on
+    ``sbatch``'s command line once the cluster's config is whole (``prepare_batch_job``).
     """
     from traitlets.config import Config
 
@@ -68,7 +69,7 @@ def split_cluster_kwargs(launcher: str, kwargs: dict[str, Any]) -> dict[str, Any
             f"{', '.join(bad)} cannot be given as cluster settings: use Session(n, launcher=...)"
         )
     config = out.pop("config", None)
-    config = Config(config) if config is not None else Config()
+    config = copy.deepcopy(Config(config)) if config is not None else Config()  # never edit the caller's
     cls = engine_launcher_class(launcher)
     cluster_traits = set(ipp.Cluster.class_trait_names()) | {"controller", "parent"}
     launcher_traits = set(cls.class_traits(config=True))
@@ -89,46 +90,65 @@ def split_cluster_kwargs(launcher: str, kwargs: dict[str, Any]) -> dict[str, Any
             f"Cluster settings: {', '.join(cluster_side)}; {cls.__name__} settings: "
             f"{', '.join(sorted(launcher_traits))}"
         )
-    options_on_command_line(cls, config)
+    _sbatch_options(config[cls.__name__].get("options") or "")  # quoting checked before start
     out["config"] = config
     return out
 
 
-def options_on_command_line(cls: type[LoggingConfigurable], config: Any) -> None:
-    """Append a Slurm launcher's ``options`` to its ``sbatch`` command in ``config``.
+def _sbatch_options(options: str) -> list[str]:
+    """``options`` split as a shell would, or a ``ValueError`` naming the setting."""
+    try:
+        return shlex.split(options)
+    except ValueError as exc:
+        raise ValueError(f"options={options!r} cannot be split as sbatch arguments: {exc}") from exc
 
-    Options given on ``sbatch``'s command line override the script's ``#SBATCH``
-    lines, so they act on ipyparallel's default script and on a user's template alike.
-    A template that places ``{options}`` itself is left as it is, as is a launcher with
-    no ``options`` setting.
+
+def prepare_batch_job(cluster: ipp.Cluster, launcher: str) -> None:
+    """Settle a batch launcher's job before it is submitted; other launchers are left alone.
+
+    Called once ``cluster`` (an ``ipyparallel.Cluster`` not yet started) holds its whole
+    config, the profile's ``ipcluster_config.py`` included; ``launcher`` names its engine
+    launcher. Two things, each only where the user did not decide it already:
+
+    - the job script is written into the profile's log folder (ipyparallel writes it
+      relative to the current directory, i.e. into the notebook's folder) unless a
+      ``batch_file_name`` is configured;
+    - Slurm's ``options`` go on ``sbatch``'s command line, where they override the
+      script's ``#SBATCH`` lines: ipyparallel puts them only where a template says
+      ``{options}``, which its default script does not. A template (``batch_template``,
+      else ``batch_template_file``) that places ``{options}`` itself keeps them there only.
     """
-    section = config[cls.__name__]
-    options = section.get("options") if "options" in cls.class_traits(config=True) else None
-    if not options or "{options}" in str(section.get("batch_template") or ""):
-        return
-    submit: list[str] = list(section.get("submit_command") or ["sbatch"])
-    section["submit_command"] = [*submit, *shlex.split(options)]
-
-
-def batch_file_in_profile(cluster: ipp.Cluster, launcher: str) -> None:
-    """Write a batch launcher's job script into the profile's log folder.
-
-    ipyparallel writes it relative to the current directory, i.e. into the
-    notebook's folder; a ``batch_file_name`` the user configured is left alone.
-    """
-    from ipyparallel.cluster.launcher import BatchSystemLauncher
+    from ipyparallel.cluster.launcher import BatchSystemLauncher, SlurmLauncher
 
     cls = engine_launcher_class(launcher)
     if not issubclass(cls, BatchSystemLauncher):
         return
-    if "batch_file_name" in cluster.config.get(cls.__name__, {}):
-        return
-    log_dir = os.path.join(cluster.profile_dir, "log")
-    os.makedirs(log_dir, exist_ok=True)
-    default = cls.class_traits()["batch_file_name"].default_value
     config = copy.deepcopy(cluster.config)  # never edit the IPython session's config
-    config[cls.__name__].batch_file_name = os.path.join(log_dir, f"{cluster.cluster_id}-{default}")
+    section = config[cls.__name__]
+    if "batch_file_name" not in section:
+        log_dir = os.path.join(cluster.profile_dir, "log")
+        os.makedirs(log_dir, exist_ok=True)
+        default = cls.class_traits()["batch_file_name"].default_value
+        section.batch_file_name = os.path.join(log_dir, f"{cluster.cluster_id}-{default}")
+    options = section.get("options") or ""
+    if issubclass(cls, SlurmLauncher) and options and "{options}" not in _template_text(section):
+        sbatch: list[str] = cls.class_traits()["submit_command"].default() or ["sbatch"]
+        submit: list[str] = list(section.get("submit_command") or sbatch)
+        section.submit_command = [*submit, *_sbatch_options(options)]
+        log.debug("Slurm options on sbatch's command line: %s", section.submit_command)
     cluster.config = config
+
+
+def _template_text(section: Any) -> str:
+    """The job script a batch launcher will fill in: ``batch_template``, else the text of
+    ``batch_template_file``, else "" (ipyparallel's default, which has no ``{options}``)."""
+    if section.get("batch_template"):
+        return str(section.batch_template)
+    path = section.get("batch_template_file")
+    if path:
+        with open(os.path.expanduser(str(path))) as f:
+            return f.read()
+    return ""
 
 
 def boot_with_torch(cluster: ipp.Cluster, overlap: bool) -> None:

@@ -8,7 +8,7 @@ port on its host, then call ``init_process_group`` on every engine at once.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Callable
+import logging
 from dataclasses import dataclass, replace
 
 from ..engine import probe as _probe
@@ -18,6 +18,8 @@ from .cluster import EngineCluster
 from .dispatch import Dispatcher
 from .phases import PhaseClock
 
+log = logging.getLogger("fsdp_nb")
+
 __all__ = [
     "RankInfo",
     "choose_backend",
@@ -25,8 +27,9 @@ __all__ = [
     "gpu_indexes",
     "local_ranks",
     "rank_env",
+    "loopback_routes",
     "rank_order",
-    "reachable_probes",
+    "with_routes",
 ]
 
 
@@ -49,7 +52,8 @@ class RankInfo:
     local_world_size: int
     """Number of engines on the same host."""
     addr: str
-    """The engine's address on the interface that routes to the controller."""
+    """The engine's address on the interface that routes to the controller (for a rank that
+    reached it over loopback on a group of several hosts: toward the other hosts)."""
 
 
 def rank_order(engine_ids: list[int], probes: list[EngineProbe]) -> list[int]:
@@ -166,33 +170,61 @@ def rank_env(
     return env
 
 
-def reachable_probes(
-    probes: list[EngineProbe], route: Callable[[int, str], tuple[str, str | None]]
-) -> list[EngineProbe]:
-    """``probes`` of ranks on several hosts, each with an address the other hosts reach.
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:  # a host name, not an address: never loopback by itself
+        return False
 
-    A rank on the controller's own host may have reached the controller over loopback
-    (a controller on 127.0.0.1, or ``controller_ip="*"`` with a host name that resolves
-    to 127.0.1.1 there): that address, as ``MASTER_ADDR`` or gloo's interface, is no
-    use to the other hosts. Such a rank is asked (``route(rank, target)`` returns its
-    address toward ``target`` and that address's interface) for its route to a rank of
-    another host that has a routable address. Where no rank has one, the probes stay as
-    they are (hosts that share one network namespace reach each other over loopback).
+
+def loopback_routes(probes: list[EngineProbe]) -> dict[int, str]:
+    """Ranks of a group on several hosts whose address is loopback, each with the address
+    of a rank on another host to route toward.
+
+    Any engine on the controller's own host registers over 127.0.0.1 when the
+    controller listens on ``*`` / 0.0.0.0 with that host's address as its location (or
+    ``controller_ip`` is a name that resolves to 127.0.1.1 there). Its address is then no
+    use to the other hosts as ``MASTER_ADDR`` or as gloo's interface.
+
+    Args:
+        probes: every engine's probe, in rank order.
+
+    Returns:
+        rank -> the routable address of a rank on another host; empty where no rank has
+        one (hosts that share one network namespace reach each other over loopback).
     """
-    def loopback(addr: str) -> bool:
-        try:
-            return ipaddress.ip_address(addr).is_loopback
-        except ValueError:
-            return False
-
-    out = list(probes)
+    out = {}
     for r, p in enumerate(probes):
-        if not loopback(p.addr):
-            continue
-        peer = next((q for q in probes if q.host != p.host and not loopback(q.addr)), None)
-        if peer is not None:
-            addr, ifname = route(r, peer.addr)
-            out[r] = replace(p, addr=addr, ifname=ifname)
+        if _is_loopback(p.addr):
+            peer = next((q for q in probes if q.host != p.host and not _is_loopback(q.addr)), None)
+            if peer is not None:
+                out[r] = peer.addr
+    return out
+
+
+def with_routes(probes: list[EngineProbe], answers: dict[int, tuple[str, str | None]]) -> list[EngineProbe]:
+    """``probes`` with each asked rank's address and interface replaced by its answer.
+
+    Args:
+        probes: every engine's probe, in rank order.
+        answers: rank -> (its address toward another host, that address's interface or
+            None), as ``engine.probe.route_to`` answered for ``loopback_routes``.
+
+    Raises:
+        RuntimeError: a rank's route to the other hosts is loopback too (no interface
+            reaches them), naming the rank and its host, before any rank joins a group.
+    """
+    out = list(probes)
+    for r, (addr, ifname) in answers.items():
+        if _is_loopback(addr):
+            raise RuntimeError(
+                f"rank {r} on {probes[r].host} reached the controller over loopback and has no "
+                "route to the other hosts' ranks; give controller_ip= this host's address on the "
+                "network the hosts share"
+            )
+        log.info("fsdp_nb: rank %d on %s reached the controller over loopback; it uses %s (%s) "
+                 "toward the other hosts", r, probes[r].host, addr, ifname or "no interface name")
+        out[r] = replace(probes[r], addr=addr, ifname=ifname)
     return out
 
 
@@ -228,7 +260,9 @@ def join_group(
     """Form the group on a fresh port; ``cluster.engine_ids`` and ``probes`` in rank order.
 
     Its store and gloo listen on loopback when every rank runs on one host, else on
-    rank 0's address on the interface that routes to the controller.
+    rank 0's address on the interface that routes to the controller (a rank that reached
+    the controller over loopback is first asked for its route to the other hosts:
+    ``loopback_routes``, ``with_routes``). IPv4 only, as the probes are.
 
     Used to form a session's group and to re-form it after a recovery or restart;
     the new per-rank info (``RankInfo``) becomes ``cluster.ranks``.
@@ -237,10 +271,11 @@ def join_group(
     hosts = [p.host for p in probes]
     cluster.set_rank_order(engine_ids, [p.pid for p in probes], hosts, [p.started for p in probes])
     multi_host = len(set(hosts)) > 1
-    if multi_host:
-        probes = reachable_probes(probes, lambda r, target: dispatcher.gather(
-            dispatcher.apply("route to another host", _probe.route_to, ranks=[r], args=(target,)), timeout
-        )[0])
+    if multi_host and (targets := loopback_routes(probes)):
+        answers = dispatcher.gather(dispatcher.apply(
+            "route to the other hosts", _probe.route_to, [(t,) for t in targets.values()], ranks=list(targets),
+        ), timeout)
+        probes = with_routes(probes, dict(zip(targets, answers)))
     locals_ = local_ranks(hosts)
     master_addr = probes[0].addr if multi_host else _probe.LOOPBACK
     (port,) = dispatcher.gather(

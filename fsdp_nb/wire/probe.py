@@ -18,7 +18,7 @@ class EngineProbe:
     pid: int
     """The engine's process id."""
     addr: str
-    """The engine's address on the interface that routes to the controller."""
+    """The engine's address on the interface that routes to the controller (IPv4)."""
     ifname: str | None
     """Name of that interface (for GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
     launcher_rank: int | None

@@ -141,3 +141,23 @@ def test_drops_are_counted_and_the_first_one_per_link_is_a_warning(caplog):
     levels = [r.levelno for r in caplog.records if "dropped a message" in r.getMessage()]
     assert levels == [logging.WARNING, logging.DEBUG, logging.DEBUG]
     assert server.dropped == 3
+
+
+def test_only_engines_started_on_this_host_count_as_ours_to_kill():
+    """A Slurm session started every engine, but one on another node may share a pid with
+    one here: only the pid on this host is ours to signal by pid, and killing a rank on
+    another node is refused by name."""
+    import socket
+    from types import SimpleNamespace
+
+    from fsdp_nb.runtime.cluster import EngineCluster
+
+    c = EngineCluster(SimpleNamespace(session=SimpleNamespace(key=KEY), ids=[0, 1]), cluster=object())
+    c.pids, c.hosts = [4242, 4343], [socket.gethostname(), "node-7"]
+    assert c.owns_pid(4242) and not c.owns_pid(4343)
+    c.pids = [4242, 4242]  # the same pid on both hosts
+    assert c.owns_pid(4242)
+    c.hosts = ["node-6", "node-7"]
+    assert not c.owns_pid(4242)
+    with pytest.raises(RuntimeError, match=r"rank 1 .*on node-7\) is wedged and is not an engine this session started"):
+        c.kill([1])
