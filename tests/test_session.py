@@ -348,6 +348,21 @@ def test_connect_to_running_cluster_leaves_its_engines(tmp_path, monkeypatch):
         assert s3.pull("left_here") == [5, 6] and sorted(s3.models) == ["kept"]
         assert s3.all_reduce_check() == 1.0
         s3.execute("kept(torch.ones(1, 2)).sum().backward()")  # the model's mesh was re-pointed
+        # a dead engine of a cluster attached to: restart says to start one, then takes it
+        victim = psutil.Process(pids[1])
+        victim.kill()
+        victim.wait(30)
+        with pytest.raises(RuntimeError, match=r"start 1 with the cluster's launcher, then call sess.restart"):
+            s3.restart(drop=["kept"])
+        cluster.start_engines_sync(n=1)
+        deadline = time.monotonic() + 120  # until the new engine has registered
+        while not set(s3.cluster.client.ids) - set(s3.cluster.engine_ids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        s3.restart(drop=["kept"])
+        assert s3.ranks[0].pid == pids[0] and s3.ranks[1].pid != pids[1]
+        s3.execute("kept_here = 'left_here' in globals()")
+        assert s3.pull("kept_here") == [True, False] and s3.all_reduce_check() == 1.0  # the survivor's kept
+        pids = [r.pid for r in s3.ranks]
         s3.shutdown()  # leaves the engines (not ours) and forgets the session
         assert fsdp_nb.sessions() == [] and all(psutil.pid_exists(p) for p in pids)
     finally:

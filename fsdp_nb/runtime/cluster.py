@@ -352,17 +352,17 @@ class EngineCluster:
             log.warning("could not start replacement engine(s) for rank(s) %s yet: %s", dead, exc)
 
     def replace(self, dead: list[int], timeout: float = 120.0) -> None:
-        """Map one new engine to each rank in ``dead`` (its pid and host read from it):
-        those ``start_replacements`` launched when the deaths were found, and new ones
-        for the rest."""
-        if self.cluster is None:
+        """Map one new engine to each rank in ``dead`` (its pid and host read from it): those
+        ``start_replacements`` launched, new ones for the rest (attached: any not a rank)."""
+        if self.cluster is not None:
+            self._launch(self.cluster, dead)
+        elif len(set(self.client.ids) - set(self.engine_ids)) < len(dead):
             raise RuntimeError(
                 f"rank(s) {dead} died, and this session attached to a running cluster "
-                "(Session.connect), so it cannot start engines: restart them with the "
+                f"(Session.connect), so it cannot start engines: start {len(dead)} with the "
                 "cluster's launcher, then call sess.restart()."
             )
-        self._launch(self.cluster, dead)
-        known = self._known or set()
+        known = self._known or set(self.engine_ids)
         if not wait_until(lambda: len(set(self.client.ids) - known) >= len(dead), timeout, 0.1):
             raise TimeoutError(
                 f"replacement engine(s) for rank(s) {dead} did not register within {timeout:g} s"
@@ -375,9 +375,9 @@ class EngineCluster:
         self._known = None
 
     def _launch(self, cluster: ipp.Cluster, dead: list[int]) -> None:
-        """Start an engine for each rank in ``dead`` that has none on its way yet (once per
-        dead engine): the standby engine first, new ones on ``cluster`` for the rest. The
-        engine ids known before the first such start are kept, to tell the new engines apart."""
+        """Start an engine for each rank in ``dead`` that has none on its way yet (once per dead
+        engine): the standby first, new ones on ``cluster`` for the rest; the ids known before
+        are kept, to tell the new engines apart."""
         todo = [r for r in dead if self._launched.get(r) != self.engine_ids[r]]
         if not todo:
             return
