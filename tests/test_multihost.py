@@ -187,6 +187,8 @@ def test_slurm_options_reach_sbatch_whatever_the_script(tmp_path):
     for _ in range(2):  # the same config twice (a cell run again): never edited, never piled up
         assert _slurm_job(profile, config=mine).submit_command == ["sbatch", "--exclusive"]
     assert "submit_command" not in mine.SlurmEngineSetLauncher
+    base = Config({"SlurmLauncher": {"options": "--exclusive", "submit_command": ["wrap-sbatch"]}})
+    assert _slurm_job(profile, config=base).submit_command == ["wrap-sbatch", "--exclusive"]  # a base's section
     (profile / "ipcluster_config.py").write_text(
         "c.SlurmEngineSetLauncher.options = '--exclusive'\n"
         "c.SlurmEngineSetLauncher.submit_command = ['site-sbatch']\n")

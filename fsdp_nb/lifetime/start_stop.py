@@ -98,8 +98,9 @@ def start(
     clock = PhaseClock()
     chosen = dict(cluster_kwargs.pop("environment", None) or {})  # the user's environment= wins
     threads = max(1, (os.cpu_count() or 1) // n) if backend == "gloo" else None
-    if threads and str(chosen.get("OMP_NUM_THREADS", "")).isdigit():
-        threads = max(1, int(chosen["OMP_NUM_THREADS"]))
+    if threads and "OMP_NUM_THREADS" in chosen:  # a count fsdp_nb applies, else theirs as given
+        given = str(chosen["OMP_NUM_THREADS"]).strip()
+        threads = int(given) if given.isdigit() and int(given) > 0 else None
     env = {**({"OMP_NUM_THREADS": str(threads)} if threads else {}), **chosen}
     if keep_alive:
         cluster_kwargs.setdefault("shutdown_atexit", False)

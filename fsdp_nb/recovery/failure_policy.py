@@ -172,11 +172,11 @@ class RecoveringPolicy(FailurePolicy):
         c = self.ctx.cluster
         silent = report.stalled if report.waiting else report.stopped  # others wait for them
         gone = set(c.dead_ranks()) if silent else set()
-        stuck = [r for r in silent if r not in gone and (pid := c.pids[r]) is not None and c.owns_pid(pid)]
+        stuck = [r for r in silent if r not in gone and c.owns_engines]  # on any host: cluster.kill
         if far := [r for r in silent if r not in gone and r not in stuck]:
-            log.warning("fsdp_nb: rank(s) %s stopped responding, on engines fsdp_nb did not start on this "
-                        "host, so it will not kill them; restart them with their launcher, then call "
-                        "sess.restart()", ", ".join(f"{r} ({c.hosts[r]})" for r in far))
+            log.warning("fsdp_nb: rank(s) %s stopped responding, on engines of a cluster this session "
+                        "attached to, so it will not kill them; restart them with their launcher, then "
+                        "call sess.restart()", ", ".join(f"{r} ({c.hosts[r]})" for r in far))
         if stuck:
             log.warning("fsdp_nb: rank(s) %s stopped responding: killing them so the other ranks "
                         "return with their state", ", ".join(map(str, stuck)))

@@ -68,6 +68,7 @@ class EngineCluster:
         """Rank -> the dead engine id a replacement was launched for (``start_replacements``)."""
         self._known: set[int] | None = None
         """Engine ids there were before the first replacement still to be adopted."""
+        self._retired: set[int] = set()  # engine ids replaced (dead, maybe still listed): never adopted
         self.standby: Standby | None = None
         """The engine waiting to replace the next dead rank (``keep_standby``)."""
         self.controller_pids: list[tuple[int, float | None]] = []
@@ -322,19 +323,18 @@ class EngineCluster:
                 log.warning("could not signal engines %s through the controller: %s", remote, exc)
 
     def kill(self, ranks: list[int], wait: float = 10.0) -> None:
-        """SIGKILL the engines of ``ranks`` and wait until they count as dead. Only
-        engines this session started are killed; any other raises, naming it."""
-        for r in ranks:
-            if not self._owned_here(r):
-                raise RuntimeError(
-                    f"rank {r} (engine {self.engine_ids[r]}, pid {self.pids[r]} on "
-                    f"{self.hosts[r]}) is wedged and is not an engine this session started, "
-                    "so fsdp_nb will not kill it; restart it with the launcher that started "
-                    "it, then call sess.restart()."
-                )
-            proc = self._handle(r)
-            if proc is None or not proc.send_signal(signal.SIGKILL):
-                log.debug("wedged engine of rank %d already gone", r)
+        """SIGKILL the engines of ``ranks`` (``signal``: by verified handle on this host, through
+        the controller on others) and wait until they count as dead. Only engines this
+        session started are killed; an engine of a cluster attached to raises, naming it."""
+        if ranks and not self.owns_engines:
+            r = ranks[0]
+            raise RuntimeError(
+                f"rank {r} (engine {self.engine_ids[r]}, pid {self.pids[r]} on "
+                f"{self.hosts[r]}) is wedged and is not an engine this session started, "
+                "so fsdp_nb will not kill it; restart it with the launcher that started "
+                "it, then call sess.restart()."
+            )
+        self.signal(ranks, signal.SIGKILL)
         if ranks:
             wait_until(lambda: set(ranks) <= set(self.dead_ranks()), wait)
 
@@ -354,21 +354,21 @@ class EngineCluster:
     def replace(self, dead: list[int], timeout: float = 120.0) -> None:
         """Map one new engine to each rank in ``dead`` (its pid and host read from it): those
         ``start_replacements`` launched, new ones for the rest (attached: any not a rank)."""
+        spare = set(self.client.ids) - set(self.engine_ids) - self._retired
         if self.cluster is not None:
             self._launch(self.cluster, dead)
-        elif len(set(self.client.ids) - set(self.engine_ids)) < len(dead):
+        elif len(spare) < len(dead):
             raise RuntimeError(
                 f"rank(s) {dead} died, and this session attached to a running cluster "
-                f"(Session.connect), so it cannot start engines: start {len(dead)} with the "
-                "cluster's launcher, then call sess.restart()."
+                f"(Session.connect), so it cannot start engines: start {len(dead) - len(spare)} with "
+                "the cluster's launcher, then call sess.restart()."
             )
-        known = self._known or set(self.engine_ids)
+        known = (self._known or set(self.engine_ids)) | self._retired
         if not wait_until(lambda: len(set(self.client.ids) - known) >= len(dead), timeout, 0.1):
-            raise TimeoutError(
-                f"replacement engine(s) for rank(s) {dead} did not register within {timeout:g} s"
-            )
-        new = sorted(set(self.client.ids) - known)
+            raise TimeoutError(f"replacement engine(s) for rank(s) {dead} did not register within {timeout:g} s")
+        new = sorted(set(self.client.ids) - known, reverse=True)  # attached: the newest started
         for r, eid in zip(dead, new):
+            self._retired.add(self.engine_ids[r])
             pid, host, started = self.client[eid].apply_sync(whoami)  # a one-off view
             self.engine_ids[r], self.pids[r], self.hosts[r], self.started[r] = eid, pid, host, started
         self._launched.clear()

@@ -90,7 +90,8 @@ def split_cluster_kwargs(launcher: str, kwargs: dict[str, Any]) -> dict[str, Any
             f"Cluster settings: {', '.join(cluster_side)}; {cls.__name__} settings: "
             f"{', '.join(sorted(launcher_traits))}"
         )
-    _sbatch_options(config[cls.__name__].get("options") or "")  # quoting checked before start
+    if cls.__name__ in config:  # quoting checked before start (no empty section made)
+        _sbatch_options(config[cls.__name__].get("options") or "")
     out["config"] = config
     return out
 
@@ -123,30 +124,29 @@ def prepare_batch_job(cluster: ipp.Cluster, launcher: str) -> None:
     cls = engine_launcher_class(launcher)
     if not issubclass(cls, BatchSystemLauncher):
         return
+    # the settings as the launcher will see them: its own section, its base classes' too
+    job: Any = cls(parent=cluster, log=cluster.log, profile_dir=cluster.profile_dir, cluster_id=cluster.cluster_id)
     config = copy.deepcopy(cluster.config)  # never edit the IPython session's config
     section = config[cls.__name__]
-    if "batch_file_name" not in section:
+    default = cls.class_traits()["batch_file_name"].default_value
+    if job.batch_file_name == default:
         log_dir = os.path.join(cluster.profile_dir, "log")
         os.makedirs(log_dir, exist_ok=True)
-        default = cls.class_traits()["batch_file_name"].default_value
         section.batch_file_name = os.path.join(log_dir, f"{cluster.cluster_id}-{default}")
-    options = section.get("options") or ""
-    if issubclass(cls, SlurmLauncher) and options and "{options}" not in _template_text(section):
-        sbatch: list[str] = cls.class_traits()["submit_command"].default() or ["sbatch"]
-        submit: list[str] = list(section.get("submit_command") or sbatch)
-        section.submit_command = [*submit, *_sbatch_options(options)]
+    options = job.options if issubclass(cls, SlurmLauncher) else ""
+    if options and "{options}" not in _template_text(job):
+        section.submit_command = [*job.submit_command, *_sbatch_options(options)]
         log.debug("Slurm options on sbatch's command line: %s", section.submit_command)
     cluster.config = config
 
 
-def _template_text(section: Any) -> str:
-    """The job script a batch launcher will fill in: ``batch_template``, else the text of
-    ``batch_template_file``, else "" (ipyparallel's default, which has no ``{options}``)."""
-    if section.get("batch_template"):
-        return str(section.batch_template)
-    path = section.get("batch_template_file")
-    if path:
-        with open(os.path.expanduser(str(path))) as f:
+def _template_text(job: Any) -> str:
+    """The job script a batch launcher will fill in: its ``batch_template``, else the text
+    of its ``batch_template_file``, else "" (ipyparallel's default, with no ``{options}``)."""
+    if job.batch_template:
+        return str(job.batch_template)
+    if job.batch_template_file:
+        with open(os.path.expanduser(str(job.batch_template_file))) as f:
             return f.read()
     return ""
 

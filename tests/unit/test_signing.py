@@ -145,8 +145,8 @@ def test_drops_are_counted_and_the_first_one_per_link_is_a_warning(caplog):
 
 def test_only_engines_started_on_this_host_count_as_ours_to_kill():
     """A Slurm session started every engine, but one on another node may share a pid with
-    one here: only the pid on this host is ours to signal by pid, and killing a rank on
-    another node is refused by name."""
+    one here: only the pid on this host is ours to signal by pid (another node's engine is
+    signalled through the controller); an engine of a cluster attached to is never killed."""
     import socket
     from types import SimpleNamespace
 
@@ -159,5 +159,8 @@ def test_only_engines_started_on_this_host_count_as_ours_to_kill():
     assert c.owns_pid(4242)
     c.hosts = ["node-6", "node-7"]
     assert not c.owns_pid(4242)
+    attached = EngineCluster(SimpleNamespace(session=SimpleNamespace(key=KEY), ids=[0, 1]))
+    attached.pids, attached.hosts = [4242, 4343], [socket.gethostname(), "node-7"]
+    assert not attached.owns_pid(4242)
     with pytest.raises(RuntimeError, match=r"rank 1 .*on node-7\) is wedged and is not an engine this session started"):
-        c.kill([1])
+        attached.kill([1])
