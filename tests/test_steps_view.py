@@ -102,9 +102,13 @@ def test_the_view_is_fed_while_a_cell_trains_with_throughput_and_logged_curves(s
     view = stepped.steps(window=4, interval=0.2)
     release = tmp_path / "release"
     d = stepped.dispatcher
-    pending = d.execute(
+    pending = d.execute(  # the ranks agree on when to stop (each looking alone may stop a step apart)
         "import os as _os, fsdp_nb\nsv_n = 0\n"
-        f"while not _os.path.exists({str(release)!r}):\n"
+        "def sv_released():\n"
+        f"    seen = torch.tensor([float(_os.path.exists({str(release)!r}))])\n"
+        "    dist.all_reduce(seen, op=dist.ReduceOp.MAX)\n"
+        "    return bool(seen.item())\n"
+        "while not sv_released():\n"
         "    sv_loop(1)\n    fsdp_nb.log(loss=torch.tensor(float(sv_n)), lr=1e-3 * rank)\n    sv_n += 1")
     try:
         assert wait_until(lambda: all(p.steps == 4 for p in view.ranks.values()) and len(view.ranks) == 2, 60)
@@ -112,7 +116,8 @@ def test_the_view_is_fed_while_a_cell_trains_with_throughput_and_logged_curves(s
         assert view.renders >= 1 and "loss: " in view.to_text()
     finally:
         release.touch()
-        d.gather(pending)
+        d.gather(pending, timeout=120)
+    stepped.execute("del sv_released")
     n = stepped.pull("sv_n")
     loss = view.curves["loss"]
     assert loss == sorted(loss) and loss[-1] <= n[0] - 1  # the ranks' mean, in order, as they logged it
