@@ -447,7 +447,7 @@ def test_engine_killed_while_peer_waits_in_collective(fragile, tmp_path):
     s = fragile
     s.execute("fail_kept = 41 + rank")
     victim = s.ranks[1].pid
-    assert s.cluster.owns_pid(victim)
+    assert s.cluster.owned_here(1)
     widget = s.status_widget()
     marker = tmp_path / "sleeping"
     on_marker(marker, lambda: os.kill(victim, signal.SIGKILL))

@@ -295,11 +295,7 @@ class EngineCluster:
         return [r for r in ranks if self.pids[r] is not None and self.hosts[r] == here
                 and (proc := self._handle(r)) is not None and proc.stopped()]
 
-    def owns_pid(self, pid: int) -> bool:
-        """True if ``pid`` is one of the engines this session started on this host."""
-        return self.owns_engines and (pid, socket.gethostname()) in zip(self.pids, self.hosts)
-
-    def _owned_here(self, rank: int) -> bool:
+    def owned_here(self, rank: int) -> bool:
         """Whether this session started ``rank``'s engine on this host (alive or not)."""
         return self.owns_engines and self.pids[rank] is not None and self.hosts[rank] == socket.gethostname()
 
@@ -310,7 +306,7 @@ class EngineCluster:
         started on this host, otherwise through the controller (``send_signal``)."""
         remote = []
         for r in ranks:
-            if not self._owned_here(r):
+            if not self.owned_here(r):
                 remote.append(self.engine_ids[r])
                 continue
             proc = self._handle(r)
@@ -354,10 +350,9 @@ class EngineCluster:
     def replace(self, dead: list[int], timeout: float = 120.0) -> None:
         """Map one new engine to each rank in ``dead`` (its pid and host read from it): those
         ``start_replacements`` launched, new ones for the rest (attached: any not a rank)."""
-        spare = set(self.client.ids) - set(self.engine_ids) - self._retired
         if self.cluster is not None:
             self._launch(self.cluster, dead)
-        elif len(spare) < len(dead):
+        elif len(spare := set(self.client.ids) - set(self.engine_ids) - self._retired) < len(dead):
             raise RuntimeError(
                 f"rank(s) {dead} died, and this session attached to a running cluster "
                 f"(Session.connect), so it cannot start engines: start {len(dead) - len(spare)} with "

@@ -154,13 +154,13 @@ def test_only_engines_started_on_this_host_count_as_ours_to_kill():
 
     c = EngineCluster(SimpleNamespace(session=SimpleNamespace(key=KEY), ids=[0, 1]), cluster=object())
     c.pids, c.hosts = [4242, 4343], [socket.gethostname(), "node-7"]
-    assert c.owns_pid(4242) and not c.owns_pid(4343)
-    c.pids = [4242, 4242]  # the same pid on both hosts
-    assert c.owns_pid(4242)
+    assert c.owned_here(0) and not c.owned_here(1)
+    c.pids = [4242, 4242]  # the same pid on both hosts: only rank 0's is here
+    assert c.owned_here(0) and not c.owned_here(1)
     c.hosts = ["node-6", "node-7"]
-    assert not c.owns_pid(4242)
+    assert not c.owned_here(0)
     attached = EngineCluster(SimpleNamespace(session=SimpleNamespace(key=KEY), ids=[0, 1]))
     attached.pids, attached.hosts = [4242, 4343], [socket.gethostname(), "node-7"]
-    assert not attached.owns_pid(4242)
+    assert not attached.owned_here(0)
     with pytest.raises(RuntimeError, match=r"rank 1 .*on node-7\) is wedged and is not an engine this session started"):
         attached.kill([1])
