@@ -50,6 +50,11 @@ def _ip(*args: str, ns: str | None = None) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()}")
 
 
+REGISTRATION_TIMEOUT = 30
+"""Seconds an engine waits for the controller's answer to its registration (ipyparallel's
+default, 5, once ran out on a loaded 2-core machine in the full suite)."""
+
+
 @dataclass
 class Host:
     """One namespace host."""
@@ -170,7 +175,8 @@ class NetnsHosts:
 
         ``ip netns exec``, ``unshare`` and ``sh`` all exec, so the pid is the engine's.
         """
-        shell = f'hostname {host.name} && exec "$0" -m ipyparallel.engine --file="$1" --log-level=WARN'
+        shell = (f'hostname {host.name} && exec "$0" -m ipyparallel.engine --file="$1" --log-level=WARN'
+                 f" --timeout={REGISTRATION_TIMEOUT}")
         argv = ["ip", "netns", "exec", host.ns, "unshare", "--uts", "sh", "-c", shell,
                 sys.executable, str(engine_file)]
         p = self._spawn(argv, f"engine-{host.name}-{len(self.procs)}.log", env)
@@ -180,7 +186,7 @@ class NetnsHosts:
         """One ``ipengine`` in the root namespace (the controller's host) that reaches the
         controller at ``location``; its pid."""
         argv = [sys.executable, "-m", "ipyparallel.engine", f"--file={engine_file}",
-                f"--location={location}", "--log-level=WARN"]
+                f"--location={location}", "--log-level=WARN", f"--timeout={REGISTRATION_TIMEOUT}"]
         return self._spawn(argv, f"engine-here-{len(self.procs)}.log").pid
 
     def log(self, name: str) -> str:
