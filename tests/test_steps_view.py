@@ -16,11 +16,11 @@ sv_opt = torch.optim.AdamW(sv_net.parameters(), lr=1e-3)
 sv_x = torch.randn(128, 256)
 
 def sv_loop(n, sleep_rank=None, heavy_rank=None):
-    sv_net.extra = 8 if rank == heavy_rank else 0
+    sv_net.extra = 32 if rank == heavy_rank else 0
     t0 = time.perf_counter()
     for _ in range(n):
         if rank == sleep_rank:
-            time.sleep(0.03)  # a slow data step
+            time.sleep(0.06)  # a slow data step
         sv_net(sv_x).sum().backward()
         sv_opt.step()
         sv_opt.zero_grad()
