@@ -23,7 +23,7 @@ prof_x = torch.randn(64, 256)
 def prof_steps(n, slow_rank=None):
     for _ in range(n):
         if rank == slow_rank:
-            time.sleep(0.03)  # its data step: no operator, no collective
+            time.sleep(0.06)  # its data step: no operator, no collective
         prof_net(prof_x).sum().backward()
         prof_opt.step()
         prof_opt.zero_grad()
@@ -66,7 +66,7 @@ def test_a_profile_merges_every_ranks_steps_into_one_private_trace_split_into_pa
         for p in (p0, p1):
             assert p.compute > 0 and p.device == "cpu"
             assert p.compute + p.exposed + p.idle == pytest.approx(p.step, rel=1e-6)
-        # rank 1 sleeps 30 ms a step outside any operator: its idle; rank 0 waits for it in
+        # rank 1 sleeps 60 ms a step outside any operator: its idle; rank 0 waits for it in
         # the collectives: its exposed communication
         assert p1.idle - p0.idle > 0.01 and p0.exposed > p1.exposed
         text = prof.to_text()

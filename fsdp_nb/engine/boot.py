@@ -108,6 +108,7 @@ def main() -> None:
         "wait_for_url_file": os.environ.get("FSDP_NB_ENGINE_WAIT", "120"),
         "max_heartbeat_misses": "260",  # checks every beat + 0.5 s: 0.7 s, so 3 minutes
         "enable_nanny": "False",  # see the module's docstring
+        "timeout": "30",  # the controller's answer to registration: ipyparallel's 5 s ran out on a loaded host
     }
     for trait, value in defaults.items():
         if not any(a.startswith(f"--IPEngine.{trait}") for a in sys.argv):

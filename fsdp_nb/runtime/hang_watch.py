@@ -43,7 +43,8 @@ class HangWatch:
     """The same for the watch's repeated question (``now=False``), asked every 0.2 s from
     the gather loop: a rank's thread answers in about a millisecond, and a dead or
     stopped rank must not hold up the loop's own checks (liveness, a failure's grace)
-    for a second each time."""
+    for a second each time. A rank that misses it in a diagnosis about to be shown is
+    asked again with ``answer_s`` first (``Watching.poll``): a busy rank is not called silent."""
 
     def __init__(self, cluster: EngineCluster):
         self.cluster = cluster
@@ -58,14 +59,17 @@ class HangWatch:
         self.links.update(start_listeners(self.cluster, dispatcher, "start the hang watch", _watch.start,
                                           "hang-watch", ranks, _watch.WINDOW))
 
-    def states(self, ranks: list[int], now: bool = True) -> dict[int, RankState | WatchError | None]:
+    def states(self, ranks: list[int], now: bool = True,
+               wait: float | None = None) -> dict[int, RankState | WatchError | None]:
         """What each of ``ranks`` says about itself (``engine.hang_watch.RankWatch.state``),
         or the error its thread met telling it; None for a rank that did not answer within
-        ``answer_s`` (or has no watch thread, or whose answer did not decode: logged once).
+        ``wait`` seconds (default ``answer_s``, or ``quick_answer_s`` for ``now=False``; or
+        has no watch thread, or whose answer did not decode: logged once).
         ``now=False``: the watch's cheap question, whose answer names only a collective
         already in flight at the previous one."""
-        answers = self._ask({r: _watch.QUERY_NOW if now else _watch.QUERY for r in ranks},
-                            self.answer_s if now else self.quick_answer_s)
+        if wait is None:
+            wait = self.answer_s if now else self.quick_answer_s
+        answers = self._ask({r: _watch.QUERY_NOW if now else _watch.QUERY for r in ranks}, wait)
         out: dict[int, RankState | WatchError | None] = {}
         for r, raw in answers.items():
             got = None if raw is None else self._decode(r, raw, RankState, WatchError)
@@ -142,11 +146,12 @@ class HangWatch:
                 sock.close(linger=0)
         return out
 
-    def report(self, running: list[int], now: bool = True) -> HangReport:
+    def report(self, running: list[int], now: bool = True, wait: float | None = None) -> HangReport:
         """Every rank explained, for a call that ``running`` ranks have not finished: where
         each is, who waits in which collective, who is missing from it and where.
-        ``now=False``: the watch's repeated cheap question (``states``)."""
-        states = self.states(list(range(self.cluster.world_size)), now)
+        ``now=False``: the watch's repeated cheap question; ``wait``: seconds a rank has to
+        answer (``states``)."""
+        states = self.states(list(range(self.cluster.world_size)), now, wait)
         silent = [r for r, st in states.items() if st is None]
         return hang_report(states, set(self.cluster.stopped_ranks(silent)) if silent else set(), set(running))
 
@@ -184,10 +189,14 @@ class Watching:
         if now < self.next or not running:
             return
         report = self.watch.report(running, now=False)
+        if report.triggered(self.hang_after) and set(report.stalled) - set(report.stopped) \
+                and not self._showing(report, now):
+            # a rank busy past the quick question's 0.1 s (a loaded host, a GIL-bound
+            # step) is not called silent on screen before it had answer_s to answer
+            report = self.watch.report(running, now=False, wait=self.watch.answer_s)
         self.next = time.monotonic() + self.tick
         if report.triggered(self.hang_after):
-            same = self.shown is not None and _who(report) == _who(self.shown)
-            if same and now - self.shown_at < self.every:
+            if self._showing(report, now):
                 return
             self.shown, self.shown_at = report, now
             self.notify(self.what, "hang", report.missing or report.waiting, note=report.text)
@@ -195,6 +204,10 @@ class Watching:
                 self.view(self.what, report)
         elif self.shown is not None:
             self.end()
+
+    def _showing(self, report: HangReport, now: float) -> bool:
+        """Whether ``report`` says what the diagnosis on display says, shown under ``every`` ago."""
+        return self.shown is not None and _who(report) == _who(self.shown) and now - self.shown_at < self.every
 
     def end(self) -> None:
         """The call ended or its collective completed: take the diagnosis down."""

@@ -195,8 +195,8 @@ class MemoryWidget(StaticForm, W.VBox):
 
     def close(self) -> None:
         """Stop the samplers and the receiver, then close the widget."""
+        self.feed.close()  # its thread joined first: no redraw after, and none missed before
         self.feed.remove_listener(self._on_samples)
-        self.feed.close()
         super().close()
 
 
