@@ -5,7 +5,8 @@ instead of ``python -m ipyparallel.engine``: torch (seconds of imports) loads fi
 at the same time as the controller comes up, then ipyparallel's engine starts and
 waits for the controller's connection file (up to ``FSDP_NB_ENGINE_WAIT`` seconds,
 default 120, not ipyparallel's 5), so no engine waits for the controller before its
-imports, nor the group for the engines' imports. The controller fsdp_nb starts beats
+imports, nor the group for the engines' imports. It then waits 30 s, not ipyparallel's
+5, for the controller's answer to its registration (5 s ran out on a loaded host). The controller fsdp_nb starts beats
 faster than ipyparallel's (``launch_settings.HEARTBEAT_MS``); an engine still waits about
 3 minutes for a silent controller before it quits, as with ipyparallel's period.
 

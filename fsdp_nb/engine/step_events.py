@@ -7,9 +7,10 @@ record a timing event on the training thread's current stream at a step's first
 forward and after its optimizer step. The side channel's thread reads them once the
 device has passed them (``Event.query()``; it never waits for one):
 
-- **step**: from the end event of the step before to this step's end event;
-- **other**: from the end event of the step before to this step's first-forward event,
-  the device idle while the host loads data or runs Python;
+- **step**: from the end event of the step before (or of the cell's start, for a cell's
+  first step: the pause between two cells is no step's) to this step's end event;
+- **other**: from there to this step's first-forward event, the device idle while the
+  host loads data or runs Python;
 - **model**: from the first-forward event to the end event: forward, backward, the
   optimizer step, and the collectives FSDP2 overlaps with them. ``sess.profile`` splits it.
 
@@ -40,9 +41,10 @@ def cuda_event() -> Any:
 class DeviceSteps:
     """The events of a rank's last steps, and their device times once the device passed them.
 
-    Call order, on the training thread: ``forward()`` at a step's first forward, then
-    ``stepped(index)`` after its optimizer step (``joined()`` for a second optimizer's
-    step in the same iteration). ``read()`` from any thread.
+    Call order, on the training thread: ``cell_started()`` as a cell starts, then for each
+    step ``forward()`` at its first forward and ``stepped(index)`` after its optimizer
+    step (``joined()`` for a second optimizer's step in the same iteration). ``read()``
+    from any thread.
 
     Args:
         keep: how many steps to keep (their device times need the step before's end too).
@@ -51,9 +53,16 @@ class DeviceSteps:
 
     def __init__(self, keep: int, event: Callable[[], Any] = cuda_event) -> None:
         self.keep, self.event = keep, event
-        self.rows: collections.deque[tuple[int, Any, Any]] = collections.deque()
-        """(step number, first-forward event or None, end event), oldest first."""
+        self.rows: collections.deque[tuple[int, Any, Any, Any]] = collections.deque()
+        """(step number, cell-start event or None, first-forward event or None, end
+        event), oldest first."""
         self.start: Any = None
+        self.since: Any = None
+        """The cell's start, until the cell's first step ends (None: the step before's end)."""
+
+    def cell_started(self) -> None:
+        """A cell starts: its first step counts from here, not from the last cell's last step."""
+        self.since, self.start = self.event(), None
 
     def forward(self) -> None:
         """A step's first forward: its start on the device."""
@@ -64,25 +73,28 @@ class DeviceSteps:
         end = self.event()
         if end is None:
             return
-        self.rows.append((index, self.start, end))
+        self.rows.append((index, self.since, self.start, end))
         while len(self.rows) > self.keep + 1:
             self.rows.popleft()
-        self.start = None
+        self.start = self.since = None
 
     def joined(self) -> None:
         """A second optimizer's step in the same iteration: the step now ends after it."""
         end = self.event()
         if end is not None and self.rows:
-            index, start, _ = self.rows[-1]
-            self.rows[-1] = (index, start, end)
+            index, since, start, _ = self.rows[-1]
+            self.rows[-1] = (index, since, start, end)
 
     def read(self) -> list[tuple[int, float, float, float]]:
         """(step number, step, other, model) in seconds for each kept step the device has
-        passed, with the step before it; oldest first. Never waits for the device."""
-        rows = list(self.rows)
+        passed, with its beginning (the step before's end, or its cell's start); oldest
+        first. Never waits for the device."""
         out = []
-        for (_, _, before), (index, start, end) in zip(rows, rows[1:]):
-            if start is None or not (before.query() and start.query() and end.query()):
+        before_end = None
+        for index, since, start, end in list(self.rows):
+            before = since if since is not None else before_end
+            before_end = end
+            if before is None or start is None or not (before.query() and start.query() and end.query()):
                 continue
             out.append((index, before.elapsed_time(end) / 1e3, before.elapsed_time(start) / 1e3,
                         start.elapsed_time(end) / 1e3))

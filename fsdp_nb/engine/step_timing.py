@@ -134,6 +134,7 @@ class _Unregister:
 
 def _cell_started(t: _Timing) -> None:
     t.last_end, t.first_forward, t.forwarded = time.perf_counter(), None, False
+    t.device.cell_started()
     t.active.clear()
     _arm(t)
 

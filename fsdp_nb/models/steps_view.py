@@ -157,7 +157,8 @@ class StepsView:
         lines += [f"straggler: {s}" for s in self.stragglers] or ["no straggler"]
         if self.device == "cuda":
             lines.append("GPU ranks: times from CUDA events; model = forward, backward, optimizer step and the "
-                         "collectives FSDP2 overlaps with them (sess.profile splits it)")
+                         "collectives FSDP2 overlaps with them (sess.profile splits it); a straggler is named "
+                         "only when its whole step is longer")
         return lines
 
     def _cells(self) -> list[StripCell]:

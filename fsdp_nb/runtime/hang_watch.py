@@ -43,8 +43,9 @@ class HangWatch:
     """The same for the watch's repeated question (``now=False``), asked every 0.2 s from
     the gather loop: a rank's thread answers in about a millisecond, and a dead or
     stopped rank must not hold up the loop's own checks (liveness, a failure's grace)
-    for a second each time. A rank that misses it in a diagnosis about to be shown is
-    asked again with ``answer_s`` first (``Watching.poll``): a busy rank is not called silent."""
+    for a second each time. A rank that misses it where a diagnosis is due is asked once
+    more, alone, with ``answer_s`` (``Watching.poll``): a busy rank is not called silent,
+    and a silent one holds the loop up for that second once, not at every question."""
 
     def __init__(self, cluster: EngineCluster):
         self.cluster = cluster
@@ -59,17 +60,15 @@ class HangWatch:
         self.links.update(start_listeners(self.cluster, dispatcher, "start the hang watch", _watch.start,
                                           "hang-watch", ranks, _watch.WINDOW))
 
-    def states(self, ranks: list[int], now: bool = True,
-               wait: float | None = None) -> dict[int, RankState | WatchError | None]:
+    def states(self, ranks: list[int], now: bool = True) -> dict[int, RankState | WatchError | None]:
         """What each of ``ranks`` says about itself (``engine.hang_watch.RankWatch.state``),
         or the error its thread met telling it; None for a rank that did not answer within
-        ``wait`` seconds (default ``answer_s``, or ``quick_answer_s`` for ``now=False``; or
-        has no watch thread, or whose answer did not decode: logged once).
+        ``answer_s`` (``quick_answer_s`` for ``now=False``), or has no watch thread, or
+        whose answer did not decode (logged once).
         ``now=False``: the watch's cheap question, whose answer names only a collective
         already in flight at the previous one."""
-        if wait is None:
-            wait = self.answer_s if now else self.quick_answer_s
-        answers = self._ask({r: _watch.QUERY_NOW if now else _watch.QUERY for r in ranks}, wait)
+        answers = self._ask({r: _watch.QUERY_NOW if now else _watch.QUERY for r in ranks},
+                            self.answer_s if now else self.quick_answer_s)
         out: dict[int, RankState | WatchError | None] = {}
         for r, raw in answers.items():
             got = None if raw is None else self._decode(r, raw, RankState, WatchError)
@@ -146,12 +145,15 @@ class HangWatch:
                 sock.close(linger=0)
         return out
 
-    def report(self, running: list[int], now: bool = True, wait: float | None = None) -> HangReport:
+    def report(self, running: list[int], now: bool = True) -> HangReport:
         """Every rank explained, for a call that ``running`` ranks have not finished: where
         each is, who waits in which collective, who is missing from it and where.
-        ``now=False``: the watch's repeated cheap question; ``wait``: seconds a rank has to
-        answer (``states``)."""
-        states = self.states(list(range(self.cluster.world_size)), now, wait)
+        ``now=False``: the watch's repeated cheap question (``states``)."""
+        return self.explain(self.states(list(range(self.cluster.world_size)), now), running)
+
+    def explain(self, states: dict[int, RankState | WatchError | None], running: list[int]) -> HangReport:
+        """``states`` (every rank's, from ``states``) explained, the silent ranks checked
+        for a stopped process (``report``)."""
         silent = [r for r, st in states.items() if st is None]
         return hang_report(states, set(self.cluster.stopped_ranks(silent)) if silent else set(), set(running))
 
@@ -165,7 +167,8 @@ class Watching:
     A rank's wait is counted from the first question that found it waiting (or, with the
     flight recorder, from the collective's own start), so asking from the call's start
     puts the diagnosis on screen within ``hang_after + tick`` of the wait's start (and a
-    turn of the gather loop). A question costs a rank about 0.1 ms under the GIL (counters,
+    turn of the gather loop; and up to ``answer_s`` more for a rank that missed the quick
+    question). A question costs a rank about 0.1 ms under the GIL (counters,
     its user frame; the recorder's status once its main thread sat still between two
     questions) and nothing per collective."""
 
@@ -188,12 +191,15 @@ class Watching:
         now = time.monotonic()
         if now < self.next or not running:
             return
-        report = self.watch.report(running, now=False)
-        if report.triggered(self.hang_after) and set(report.stalled) - set(report.stopped) \
-                and not self._showing(report, now):
-            # a rank busy past the quick question's 0.1 s (a loaded host, a GIL-bound
-            # step) is not called silent on screen before it had answer_s to answer
-            report = self.watch.report(running, now=False, wait=self.watch.answer_s)
+        states = self.watch.states(list(range(self.watch.cluster.world_size)), now=False)
+        report = self.watch.explain(states, running)
+        again = set(report.stalled) - set(report.stopped) - set(self.shown.stalled if self.shown else ())
+        if report.triggered(self.hang_after) and again:
+            # a rank busy past the quick question (a loaded host, a GIL-bound step) is not
+            # called silent before it had answer_s; one already shown silent is not waited on
+            states.update(self.watch.states(sorted(again), now=True))
+            report = self.watch.explain(states, running)
+            now = time.monotonic()
         self.next = time.monotonic() + self.tick
         if report.triggered(self.hang_after):
             if self._showing(report, now):

@@ -328,52 +328,49 @@ def test_decoding_checks_every_kind_of_field_and_refuses_a_type_json_cannot_carr
         decode(_NotJson, {"raw": "x"})
 
 
-class _SlowRank:
-    """A ``HangWatch`` whose rank 1 answers only when given ``answer_s`` (a busy rank on a
-    loaded host), and whose rank 2 never answers unless ``silent`` is emptied."""
 
-    answer_s, quick_answer_s = 1.0, 0.1
+class _Cluster:
+    world_size = 3
 
-    def __init__(self, silent=(2,)):
-        self.asked: list[float] = []
-        self.silent = set(silent)
-
-    def report(self, running, now=True, wait=None):
-        wait = self.quick_answer_s if wait is None else wait
-        self.asked.append(wait)
-        states = {0: _waits(), 1: _in() if wait >= self.answer_s else None}
-        states.update({r: None for r in self.silent})
-        return hang_report(states, set(), set(running))
+    def stopped_ranks(self, ranks):
+        return []
 
 
-def _watching(watch):
-    from fsdp_nb.runtime.hang_watch import Watching
+def _watching(silent):
+    """A real ``Watching`` over a ``HangWatch`` whose ranks answer as scripted: ranks 0
+    and 2 wait in a collective, rank 1 (busy, on a loaded host) misses the quick 0.1 s
+    question and answers within ``answer_s``, the ranks in ``silent`` never answer."""
+    from fsdp_nb.runtime.hang_watch import HangWatch, Watching
 
+    class Scripted(HangWatch):
+        def states(self, ranks, now=True):
+            self.asked.append((tuple(ranks), now))
+            got = {0: _waits(), 1: _in() if now else None, 2: _waits()}
+            return {r: None if r in silent else got.get(r) for r in ranks}
+
+    watch = Scripted(_Cluster())  # type: ignore[arg-type]
+    watch.asked = []
     shown = []
     w = Watching(watch, "run", started=0.0, hang_after=1.0, notify=lambda *a, **k: None,
                  view=lambda what, report: shown.append(report))
-    return w, shown
+    w.every = float("inf")  # an unchanged diagnosis is never shown again: a pause on a loaded host changes nothing
+    return w, watch.asked, shown
 
 
 def test_a_rank_slow_to_answer_the_quick_question_is_asked_again_before_it_is_called_silent():
-    watch = _SlowRank(silent=())
-    w, shown = _watching(watch)
-    w.poll([0, 1])
-    assert watch.asked == [0.1, 1.0]
+    w, asked, shown = _watching(silent=())
+    w.poll([0, 1, 2])
+    assert asked == [((0, 1, 2), False), ((1,), True)]  # only the rank that missed it, with answer_s
     assert shown[-1].lines[0] == "rank 1 is not in it: in data_step (cell line 3): time.sleep(60)"
     assert shown[-1].stalled == ()
 
 
-def test_a_rank_that_stays_silent_is_asked_again_only_when_the_diagnosis_would_change():
-    watch = _SlowRank(silent=(2,))
-    w, shown = _watching(watch)
+def test_a_silent_rank_is_waited_for_once_not_at_every_question():
+    w, asked, shown = _watching(silent={2})
     w.poll([0, 1, 2])
-    assert watch.asked == [0.1, 1.0] and shown[-1].stalled == (2,)
+    assert asked == [((0, 1, 2), False), ((1, 2), True)] and shown[-1].stalled == (2,)
     assert "rank 2 is not responding (no answer" in shown[-1].text
-    w.next = 0.0  # the next tick: rank 1 misses the quick question again, unlike what is shown
+    w.next = 0.0  # the next tick: rank 1 misses the quick question again, rank 2 stays silent
     w.poll([0, 1, 2])
-    assert watch.asked == [0.1, 1.0, 0.1, 1.0] and len(shown) == 1  # asked again; the same diagnosis, not redrawn
-    watch.quick_answer_s = 1.0  # rank 1 now answers the quick question: what it says is what is shown
-    w.next = 0.0
-    w.poll([0, 1, 2])
-    assert watch.asked[4:] == [1.0] and len(shown) == 1  # no second question for rank 2 alone
+    assert asked[2:] == [((0, 1, 2), False), ((1,), True)]  # rank 2, shown silent, is not waited for again
+    assert len(shown) == 1  # the same diagnosis: not redrawn

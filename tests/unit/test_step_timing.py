@@ -103,6 +103,25 @@ def test_a_gpu_ranks_steps_are_read_from_its_events_never_waiting_for_the_device
     assert DeviceSteps(keep=5, event=lambda: None).read() == []  # a CPU rank records nothing
 
 
+def test_a_gpu_ranks_first_step_in_a_cell_counts_from_the_cells_start():
+    from fsdp_nb.engine.step_events import DeviceSteps
+
+    # step 1 ends at 0.10; the user reads a minute; the next cell starts at 60.0
+    clock = iter([0.0, 0.02, 0.10, 60.0, 60.01, 60.05, 60.06, 60.10])
+    dev = DeviceSteps(keep=5, event=lambda: FakeEvent(next(clock)))
+    dev.cell_started()
+    dev.forward()
+    dev.stepped(1)
+    dev.cell_started()
+    for i in (2, 3):
+        dev.forward()
+        dev.stepped(i)
+    got = dev.read()
+    assert [g[0] for g in got] == [1, 2, 3]  # a cell's first step, the session's first too, is measured
+    assert got[1][1:] == pytest.approx((0.05, 0.01, 0.04))  # not the minute between the cells
+    assert got[2][1:] == pytest.approx((0.05, 0.01, 0.04))  # the next: from step 2's end
+
+
 def test_the_view_of_gpu_ranks_uses_the_devices_times_and_leaves_the_model_part_whole():
     from fsdp_nb.models.steps_view import StepsView
     from fsdp_nb.wire.step_times import RankSteps

@@ -91,6 +91,8 @@ class Dashboard(StaticForm, W.VBox):
         return "<hr>".join(parts)
 
     def close(self) -> None:
+        """Close the tabs and stop their feeds. The ranks keep measuring their steps
+        (cheaply); ``self.steps.stop()`` ends that too."""
         self.status_widget.close()
         for w in (self.memory, self.steps):
             if w is not None:

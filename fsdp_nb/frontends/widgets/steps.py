@@ -115,8 +115,8 @@ class StepsWidget(StaticForm, W.VBox):
     def close(self) -> None:
         """Stop the feed and close the widget; the ranks keep measuring (cheaply: ``stop``
         ends that too)."""
+        self.feed.close()  # its thread joined first: no redraw after, and none missed before
         self.feed.remove_listener(self._on_samples)
-        self.feed.close()
         super().close()
 
     def stop(self) -> None:
