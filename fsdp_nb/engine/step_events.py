@@ -3,8 +3,8 @@ and at its end (``sess.steps()`` on CUDA).
 
 On a GPU the host runs ahead of the device, so host clocks around a step say when its
 kernels were launched, not when they ran. The step view's hooks (``step_timing``) also
-record a timing event on the training thread's current stream at a step's first
-forward and after its optimizer step. The side channel's thread reads them once the
+record a timing event on the training thread's current stream at each cell's start,
+at a step's first forward and after its optimizer step. The side channel's thread reads them once the
 device has passed them (``Event.query()``; it never waits for one):
 
 - **step**: from the end event of the step before (or of the cell's start, for a cell's
@@ -81,8 +81,8 @@ class DeviceSteps:
     def joined(self) -> None:
         """A second optimizer's step in the same iteration: the step now ends after it."""
         end = self.event()
-        if end is not None and self.rows:
-            index, since, start, _ = self.rows[-1]
+        if end is not None and self.rows and self.since is None:  # not across a cell's start: the
+            index, since, start, _ = self.rows[-1]                # next step's other holds it then
             self.rows[-1] = (index, since, start, end)
 
     def read(self) -> list[tuple[int, float, float, float]]:
@@ -98,4 +98,4 @@ class DeviceSteps:
                 continue
             out.append((index, before.elapsed_time(end) / 1e3, before.elapsed_time(start) / 1e3,
                         start.elapsed_time(end) / 1e3))
-        return out
+        return out[-self.keep:]

@@ -5,8 +5,9 @@ Each engine runs a thread that says where its rank is (``fsdp_nb.engine.hang_wat
 not go through the engines' task queue (a request there waits behind the running
 cell), gives each ``answer_s`` to answer, checks which silent engines on this host are
 stopped (by their verified process handle), and explains the whole
-(``hang_report.hang_report``). The dispatcher calls it while a call has run for
-``hang_after`` seconds; the failure policy calls it to lead its errors.
+(``hang_report.hang_report``). The failure policy calls it to lead its errors. While
+a call runs, :class:`Watching` asks the same, cheaply, through ``states`` and
+``explain``.
 """
 
 from __future__ import annotations
@@ -43,9 +44,11 @@ class HangWatch:
     """The same for the watch's repeated question (``now=False``), asked every 0.2 s from
     the gather loop: a rank's thread answers in about a millisecond, and a dead or
     stopped rank must not hold up the loop's own checks (liveness, a failure's grace)
-    for a second each time. A rank that misses it where a diagnosis is due is asked once
-    more, alone, with ``answer_s`` (``Watching.poll``): a busy rank is not called silent,
-    and a silent one holds the loop up for that second once, not at every question."""
+    for a second each time. The ranks that miss it where a diagnosis is due are asked
+    once more, without the ranks that answered, the full question with ``answer_s``
+    (``Watching.poll``; it costs such a rank a 20 ms look at its main thread): a busy
+    rank is not called silent, and a silent one holds the loop up for that second once,
+    not at every question."""
 
     def __init__(self, cluster: EngineCluster):
         self.cluster = cluster

@@ -122,6 +122,24 @@ def test_a_gpu_ranks_first_step_in_a_cell_counts_from_the_cells_start():
     assert got[2][1:] == pytest.approx((0.05, 0.01, 0.04))  # the next: from step 2's end
 
 
+def test_a_cells_start_reaches_a_gpu_ranks_events_and_a_second_optimizer_does_not_join_across_it(timing):
+    from fsdp_nb.engine.step_events import DeviceSteps
+
+    clock = iter([-0.01, 0.0, 0.10, 60.0, 60.01, 60.03, 60.07])  # end, forward, end, cell, joined, forward, end
+    dev = timing._TIMING.device = DeviceSteps(keep=5, event=lambda: FakeEvent(next(clock)))
+    dev.stepped(0)
+    dev.forward()
+    dev.stepped(1)
+    timing._cell_started(timing._TIMING)  # IPython's pre_execute, on the rank's main thread
+    assert dev.since is not None and dev.since.at == 60.0
+    dev.joined()  # a second optimizer's step, the cell's first act: step 1 stays as it was
+    dev.forward()
+    dev.stepped(2)
+    got = dev.read()
+    assert [g[0] for g in got] == [1, 2] and got[0][1] == pytest.approx(0.11)  # not the minute after it
+    assert got[1][1:] == pytest.approx((0.07, 0.03, 0.04))  # from the cell's start
+
+
 def test_the_view_of_gpu_ranks_uses_the_devices_times_and_leaves_the_model_part_whole():
     from fsdp_nb.models.steps_view import StepsView
     from fsdp_nb.wire.step_times import RankSteps
