@@ -73,7 +73,7 @@ def main() -> None:
     from torch import nn
 
     import fsdp_nb
-    from fsdp_nb.engine.async_saves import drain
+    from fsdp_nb.checkpoints.rank_async_saves import drain
 
     folder = tempfile.mkdtemp(prefix="fsdp_nb_autosave_", dir=args.dir)
     sess = fsdp_nb.Session(2, backend="gloo")

@@ -90,7 +90,7 @@ def _question_ms(n: int = 200) -> tuple[float, float]:
     watch repeats, and the one an error asks (records read)."""
     import time as _t
 
-    from fsdp_nb.engine import hang_watch
+    from fsdp_nb.hangs import rank_hang_watch as hang_watch
 
     out = []
     for now in (False, True):

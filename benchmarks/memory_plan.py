@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _gpt import GPT, Block  # noqa: E402
 
 import fsdp_nb  # noqa: E402
-from fsdp_nb.engine.wrap import forget_all  # noqa: E402
+from fsdp_nb.models.rank_wrap import forget_all
 
 OUT = Path(__file__).resolve().parent / "out"
 

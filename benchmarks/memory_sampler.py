@@ -31,8 +31,8 @@ def sample_cost(n: int) -> float:
     them (runs on engines)."""
     import time as _t
 
-    from fsdp_nb.engine import memory_kinds
-    from fsdp_nb.engine.memory_sample import read
+    from fsdp_nb.memory import rank_memory_kinds as memory_kinds
+    from fsdp_nb.memory.rank_memory_sample import read
 
     read(0, memory_kinds.READINGS.kept())
     t0 = _t.perf_counter()
@@ -52,7 +52,7 @@ def main() -> None:
     import inspect
 
     import fsdp_nb
-    from fsdp_nb.frontends.widgets.memory import memory_widget
+    from fsdp_nb.memory.memory_widget import memory_widget
 
     interval = args.interval or inspect.signature(memory_widget).parameters["interval"].default
     sess = fsdp_nb.Session(2, backend="gloo", activate=False)

@@ -67,7 +67,7 @@ def _by_hand(s: fsdp_nb.Session, n: int, kw: dict, folder: str) -> tuple[fsdp_nb
 
 def _held(s: fsdp_nb.Session) -> list[int]:
     """Bytes of model and optimizer state each rank holds."""
-    from fsdp_nb.engine.resize import state_size
+    from fsdp_nb.recovery.rank_resize import state_size
 
     return s.run(state_size, {"model": ("optimizer",)})
 
@@ -81,7 +81,7 @@ def _rss(s: fsdp_nb.Session) -> list[int]:
 def _medium(s: fsdp_nb.Session, reps: int) -> dict[str, float]:
     """Seconds to move the state out and back in, through /dev/shm and through the group,
     and the most resident memory either added to a rank (MiB)."""
-    from fsdp_nb.engine.resize import memory_peak, watch_memory
+    from fsdp_nb.recovery.rank_resize import memory_peak, watch_memory
 
     def shm(folder: str) -> float:
         import time

@@ -61,7 +61,7 @@ def counted_train(steps):
 
 
 def _stop_view() -> None:
-    from fsdp_nb.engine import step_timing
+    from fsdp_nb.steps import rank_step_timing as step_timing
 
     step_timing.stop()
 

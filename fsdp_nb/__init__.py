@@ -24,28 +24,28 @@ from .errors import (
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what type checkers and editors see of the lazy names below
-    from .checkpoint.async_saves import AsyncCheckpoint
-    from .checkpoint.autosave import Autosaving
-    from .checkpoint.consolidate import consolidate
-    from .checkpoint.export import export_safetensors
+    from .autosave.autosave import Autosaving
+    from .checkpoints.async_saves import AsyncCheckpoint
+    from .checkpoints.consolidate import consolidate
+    from .checkpoints.export import export_safetensors
     from .context import SessionContext
-    from .engine.logged import log
     from .formats.info import CheckpointInfo
     from .formats.inspect import inspect
     from .formats.listing import list_checkpoints
     from .formats.storage import set_storage_options
-    from .frontends.widgets.steps import StepsWidget
     from .lifetime.keepalive import sessions
-    from .lifetime.resize import ResizeReport
-    from .models.memory_report import MemoryPlan
-    from .models.session_planning import plan
+    from .memory.memory_report import MemoryPlan
+    from .memory.session_planning import plan
     from .models.sharded_model import ShardedModel
-    from .models.step_profile import StepProfile
-    from .models.steps_view import StepsView
+    from .models.wire_wrap_options import WrapOptions
+    from .recovery.resize import ResizeReport
     from .recovery.restart_report import RestartReport
     from .runtime.rendezvous import RankInfo
     from .session import Session
-    from .wire.wrap_options import WrapOptions
+    from .steps.rank_logged import log
+    from .steps.step_profile import StepProfile
+    from .steps.steps_view import StepsView
+    from .steps.steps_widget import StepsWidget
 
 # Names served lazily from the layers that define them: `import fsdp_nb` stays light,
 # so a process that needs one small module (the session watchdog, an engine importing
@@ -55,24 +55,24 @@ _LAZY = {
     "SessionContext": "context",
     "RankInfo": "runtime.rendezvous",
     "ShardedModel": "models.sharded_model",
-    "WrapOptions": "wire.wrap_options",
-    "MemoryPlan": "models.memory_report",
-    "plan": "models.session_planning",
-    "AsyncCheckpoint": "checkpoint.async_saves",
-    "Autosaving": "checkpoint.autosave",
-    "StepProfile": "models.step_profile",
-    "StepsView": "models.steps_view",
-    "StepsWidget": "frontends.widgets.steps",
-    "log": "engine.logged",
+    "WrapOptions": "models.wire_wrap_options",
+    "MemoryPlan": "memory.memory_report",
+    "plan": "memory.session_planning",
+    "AsyncCheckpoint": "checkpoints.async_saves",
+    "Autosaving": "autosave.autosave",
+    "StepProfile": "steps.step_profile",
+    "StepsView": "steps.steps_view",
+    "StepsWidget": "steps.steps_widget",
+    "log": "steps.rank_logged",
     "RestartReport": "recovery.restart_report",
     "CheckpointInfo": "formats.info",
     "inspect": "formats.inspect",
     "list_checkpoints": "formats.listing",
     "set_storage_options": "formats.storage",
-    "consolidate": "checkpoint.consolidate",
-    "export_safetensors": "checkpoint.export",
+    "consolidate": "checkpoints.consolidate",
+    "export_safetensors": "checkpoints.export",
     "sessions": "lifetime.keepalive",
-    "ResizeReport": "lifetime.resize",
+    "ResizeReport": "recovery.resize",
 }
 
 

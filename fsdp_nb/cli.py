@@ -85,7 +85,7 @@ def inspect_cmd(args: argparse.Namespace) -> int:
 
 def consolidate_cmd(args: argparse.Namespace) -> int:
     """Convert sharded -> one .pt/.safetensors file, or full -> sharded folder."""
-    from .checkpoint.consolidate import consolidate
+    from .checkpoints.consolidate import consolidate
 
     info = consolidate(args.path, args.out, overwrite=args.overwrite, weights_only=not args.trust_pickles,
                        model=args.model)
@@ -95,7 +95,7 @@ def consolidate_cmd(args: argparse.Namespace) -> int:
 
 def export_cmd(args: argparse.Namespace) -> int:
     """Model weights of a checkpoint -> safetensors in Hugging Face's layout."""
-    from .checkpoint.export import export_safetensors
+    from .checkpoints.export import export_safetensors
 
     for f in export_safetensors(args.path, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                 overwrite=args.overwrite, weights_only=not args.trust_pickles, model=args.model):

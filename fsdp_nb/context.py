@@ -23,13 +23,13 @@ from .runtime.lifecycle import Lifecycle
 from .runtime.rendezvous import RankInfo
 
 if TYPE_CHECKING:
-    from .checkpoint.async_saves import AsyncCheckpoint
+    from .autosave.wire_autosave import AutosaveSpec
+    from .checkpoints.async_saves import AsyncCheckpoint
     from .lifetime.keepalive import Keeper
-    from .models.memory_report import MemoryPlan
+    from .memory.memory_report import MemoryPlan
+    from .memory.wire_memory_sample import MemorySample
     from .models.sharded_model import ShardedModel
     from .models.wrap import WrapRecord
-    from .wire.autosave import AutosaveSpec
-    from .wire.memory_sample import MemorySample
 
 __all__ = ["SessionContext", "SessionFacts"]
 

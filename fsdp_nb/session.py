@@ -16,24 +16,24 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint.session_checkpoints import SessionCheckpoints
+from .checkpoints.session_checkpoints import SessionCheckpoints
 from .context import SessionContext, SessionFacts
 from .errors import hide_frame
 from .frontends import magics
 from .frontends.session_view import session_html, session_text
-from .frontends.widgets.session_widgets import SessionWidgets, layout_view
+from .frontends.session_widgets import SessionWidgets, layout_view
 from .lifetime import start_stop
 from .lifetime.keepalive import check_keep_alive
-from .models.session_planning import SessionPlanning
-from .models.step_profile import SessionProfiling
+from .memory.session_planning import SessionPlanning
 from .runtime import calls, checks
 from .runtime.phases import phase_table
+from .steps.step_profile import SessionProfiling
 
 if TYPE_CHECKING:
     import ipyparallel as ipp
 
-    from .lifetime.resize import ResizeReport
     from .models.sharded_model import ShardedModel
+    from .recovery.resize import ResizeReport
     from .recovery.restart_report import RestartReport
     from .recovery.status import SessionStatus
 
@@ -342,7 +342,7 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfilin
         Args:
             module: the module's import name, e.g. ``"mymodel"``.
         """
-        from .models.modules import reload
+        from .models.reload import reload
 
         self._ctx.check_open()
         return reload(self._ctx, module)
@@ -391,7 +391,7 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfilin
             staging: a folder in memory the state passes through (default ``/dev/shm``;
                 ranks on several hosts need one every host mounts).
         """
-        from .lifetime.resize import resize
+        from .recovery.resize import resize
 
         return resize(self._ctx, n, staging)
 

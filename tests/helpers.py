@@ -102,7 +102,7 @@ class Kernel:
 # -- shard tables ----------------------------------------------------------------
 
 TABLE_CODE = '''
-from fsdp_nb.wire.shards import ParamShard, ShardTable
+from fsdp_nb.models.wire_shards import ParamShard, ShardTable
 
 def _param(name, shape, sizes, mesh=(3,), dims=("dp_shard",), placements=("Shard(0)",)):
     rest = 1
@@ -365,7 +365,7 @@ def import_contracts() -> dict[str, dict[str, Any]]:
 def forget_models(sess: Any, *names: str, optimizers: tuple[str, ...] = ()) -> None:
     """Take models a test wrapped (and the engine globals ``optimizers``) off a shared
     session, on the ranks and in the notebook, so a later restart does not rebuild them."""
-    from fsdp_nb.engine.wrap import forget_all
+    from fsdp_nb.models.rank_wrap import forget_all
 
     sess.run(forget_all, names)
     for name in names:

@@ -81,7 +81,7 @@ ASYNC_ON_CUDA_ONLY_WORLD = textwrap.dedent(
     import torch, torch.distributed as dist
     dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
     assert torch.device("cpu") not in dist.group.WORLD._device_types
-    from fsdp_nb.wire.checkpoint import LoadSpec, SaveSpec
+    from fsdp_nb.checkpoints.wire_checkpoint import LoadSpec, SaveSpec
     from fsdp_nb.formats.metadata import base_metadata
     from fsdp_nb.formats.storage import options_for
     from fsdp_nb.engine import async_saves, checkpoint_save as cio, checkpoint_load

@@ -31,11 +31,11 @@ pytestmark = pytest.mark.browser
 
 FEED64_CODE = '''
 from IPython.display import HTML, display
-from fsdp_nb.frontends.widgets.memory import MemorySnapshot
-from fsdp_nb.models.steps_view import StepsView
+from fsdp_nb.memory.memory_widget import MemorySnapshot
+from fsdp_nb.steps.steps_view import StepsView
 from fsdp_nb.recovery.status import RankStatus, SessionStatus
-from fsdp_nb.wire.memory_sample import MemorySample
-from fsdp_nb.wire.step_times import RankSteps
+from fsdp_nb.memory.wire_memory_sample import MemorySample
+from fsdp_nb.steps.wire_step_times import RankSteps
 
 def feed64(n=64):
     """What 64 ranks would send the memory, step and status views (rank 37 slow, 12 dead)."""
@@ -59,7 +59,7 @@ CELLS = [
     "sess = fsdp_nb.Session(2, backend='gloo')\nsess",
     "mem = sess.memory(interval=0.25)\nmem",
     "steps = sess.steps(window=5, interval=0.25)\nsteps",
-    "from fsdp_nb.frontends.widgets.layout import layout_widget\nlayout_widget(hand_table())",
+    "from fsdp_nb.models.layout_widget import layout_widget\nlayout_widget(hand_table())",
     "root = tempfile.mkdtemp(dir='.')  # in the notebook's temporary folder\nsess.checkpoints(root)",
     "sess.execute('import time as _t; _t.sleep(2)')  # a busy cell: memory keeps streaming",
     "sess.execute('import time as _t, torch, fsdp_nb\\n_o = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))])\\n'\n"

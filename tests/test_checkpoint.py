@@ -383,7 +383,7 @@ def test_a_late_corrupt_item_stops_the_load_before_any_rank_changes(sess, tmp_pa
 
 IN_PLACE = """
 from torch.distributed.checkpoint.state_dict import get_state_dict as _gsd
-from fsdp_nb.engine.dcp_load import over_model as _over_model
+from fsdp_nb.checkpoints.rank_dcp_load import over_model as _over_model
 _in_place = _over_model(ck_i, _gsd(ck_i, [])[0])
 _copied = _over_model(ck_i, {k: v.clone() for k, v in _gsd(ck_i, [])[0].items()})
 """
@@ -757,7 +757,7 @@ def test_kill_engine_mid_save_keeps_previous(sess, session_factory, tmp_path):
         s.execute(
             "if rank == 0:\n"
             "    import time as _t\n"
-            "    import fsdp_nb.engine.checkpoint_save as _io\n"
+            "    import fsdp_nb.checkpoints.rank_save as _io\n"
             "    def _hold(*_a, **_k):\n"
             f"        open({str(written)!r}, 'w').close()\n"
             "        _t.sleep(600)\n"

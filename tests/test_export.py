@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import fsdp_nb
-from fsdp_nb.checkpoint.export import parse_size
+from fsdp_nb.checkpoints.export import parse_size
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_checkpoint import BUILD, build, same, snapshot  # noqa: E402

@@ -20,9 +20,9 @@ import torch
 from helpers import RUN_LOOP, DropNet, forget_models, mark_code, on_marker, run_out
 
 import fsdp_nb
-from fsdp_nb.engine import hang_watch
 from fsdp_nb.engine.boot import PRELOAD
 from fsdp_nb.errors import DeadRankError, RankError, RankTimeoutError
+from fsdp_nb.hangs import rank_hang_watch as hang_watch
 from fsdp_nb.recovery.status import SessionStatus
 from fsdp_nb.runtime.cluster import wait_until
 from fsdp_nb.runtime.terminal import OUTPUT_LIMIT

@@ -229,8 +229,8 @@ def test_a_plan_matches_the_measured_step_on_the_device(gsess: fsdp_nb.Session):
 
 @CUDA_ONLY
 def test_memory_feed_has_cuda_fields(gsess: fsdp_nb.Session):
-    from fsdp_nb.engine.memory_kinds import by_kind
-    from fsdp_nb.engine.memory_sample import read
+    from fsdp_nb.memory.rank_memory_kinds import by_kind
+    from fsdp_nb.memory.rank_memory_sample import read
 
     samples = gsess.run(lambda: read(rank, by_kind()))  # type: ignore[name-defined]  # noqa: F821 - engine globals
     for s in samples:
@@ -322,7 +322,7 @@ def test_the_hang_watch_tells_a_straggler_from_the_groups_counts(gsess: fsdp_nb.
     all_reduce, and with two ranks or more a straggler is explained while rank 0 has
     issued its all_reduce and blocks outside torch.distributed, as an NCCL rank waits in
     a CUDA sync."""
-    from fsdp_nb.engine import hang_watch
+    from fsdp_nb.hangs import rank_hang_watch as hang_watch
 
     gsess.run(_all_reduce_on_device)
     recorder = gsess.run(lambda: os.environ.get("TORCH_FR_BUFFER_SIZE"))

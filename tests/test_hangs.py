@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import mark_code, on_marker, release_on_diagnosis, straggle
 
-from fsdp_nb.engine import hang_watch
 from fsdp_nb.errors import RankError, RankTimeoutError
+from fsdp_nb.hangs import rank_hang_watch as hang_watch
 from fsdp_nb.runtime.cluster import wait_until
 
 BLOCKED = "t = torch.ones(1)\ndist.all_reduce(t)\n"

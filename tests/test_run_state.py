@@ -11,7 +11,7 @@ from helpers import RUN_LOOP, DropNet, forget_models, run_out
 
 import fsdp_nb
 from fsdp_nb import CheckpointError
-from fsdp_nb.frontends.widgets._checkpoint_view import details_html
+from fsdp_nb.checkpoints.checkpoint_view import details_html
 
 STATE = ["rs_sched", "rs_loader"]
 

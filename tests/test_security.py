@@ -34,7 +34,7 @@ from helpers import START_S
 
 import fsdp_nb
 from fsdp_nb.engine import call_channel, nccl_abort
-from fsdp_nb.engine import memory_sampler as ms
+from fsdp_nb.engine import side_channel as ms
 from fsdp_nb.engine.process_handles import (
     ProcessHandle,
     process_alive,
@@ -181,7 +181,7 @@ def test_abort_without_the_key_aborts_nothing(sess):
 
 
 def _watch_dropped() -> int:
-    from fsdp_nb.engine import hang_watch
+    from fsdp_nb.hangs import rank_hang_watch as hang_watch
 
     return hang_watch._LISTENER["link"].dropped
 
@@ -191,7 +191,7 @@ def test_the_watch_answers_questions_read_out_of_order_once_each(sess):
     questions in either order: it used to drop the older as a replay, and the notebook got
     no answer from that rank ("dropped a message on the hang-watch channel" under a load).
     Read in either order, each is answered; captured and sent again, it is not."""
-    from fsdp_nb.engine import hang_watch
+    from fsdp_nb.hangs import rank_hang_watch as hang_watch
 
     watch = sess.context.health.watch
     before = sess.run(_watch_dropped)
@@ -214,7 +214,7 @@ def test_the_watch_answers_questions_read_out_of_order_once_each(sess):
 def test_an_outsider_can_neither_ask_where_a_rank_is_nor_close_its_connections(sess):
     """The hang watch's threads: a request unsigned, signed with another key, or a
     genuine one captured and replayed gets no answer and closes nothing."""
-    from fsdp_nb.engine import hang_watch
+    from fsdp_nb.hangs import rank_hang_watch as hang_watch
 
     watch = sess.context.health.watch
     assert all(ep.startswith("tcp://127.0.0.1:") for ep, _ in watch.links.values())  # loopback only
@@ -269,7 +269,7 @@ def _spies(endpoint: str, token: str, *replayed: bytes) -> list[zmq.Socket]:
 def test_a_subscriber_without_the_key_gets_no_memory_samples(sess, monkeypatch):
     """Subscriptions for everything, for random topics, signed with another key, and the
     notebook's own subscription captured and replayed: none gets a sample."""
-    from fsdp_nb.frontends.widgets import _feed
+    from fsdp_nb.runtime import side_channel as _feed
 
     captured: list[bytes] = []
     pack = Link.pack

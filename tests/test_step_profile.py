@@ -31,7 +31,7 @@ def prof_steps(n, slow_rank=None):
 
 
 def _capture_left():
-    from fsdp_nb.engine import step_profile
+    from fsdp_nb.steps import rank_step_profile as step_profile
 
     return step_profile._CAPTURE
 

@@ -47,7 +47,7 @@ class Heavy(nn.Module):
 
 
 def _stop():
-    from fsdp_nb.engine import step_timing
+    from fsdp_nb.steps import rank_step_timing as step_timing
 
     step_timing.stop()
 

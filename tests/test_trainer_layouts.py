@@ -456,8 +456,8 @@ def test_another_trainers_folder_loads_model_optimizer_and_extra(sess, tmp_path,
     from torch.distributed.checkpoint.state_dict import _flatten_optim_state_dict
 
     import fsdp_nb
+    from fsdp_nb.checkpoints.checkpoint_view import label
     from fsdp_nb.formats.listing import list_checkpoints
-    from fsdp_nb.frontends.widgets._checkpoint_view import label
 
     msd, osd = _trained()
     folder = tmp_path / layout

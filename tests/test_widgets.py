@@ -12,16 +12,16 @@ import time
 import psutil
 import pytest
 
-from fsdp_nb.engine import memory_sampler as ms
+from fsdp_nb.checkpoints import checkpoint_view as view
+from fsdp_nb.checkpoints.checkpoints_widget import CheckpointBrowser
+from fsdp_nb.engine import side_channel as ms
 from fsdp_nb.formats.info import rank_of_file
 from fsdp_nb.formats.listing import list_checkpoints
 from fsdp_nb.formats.metadata import MARKER
-from fsdp_nb.frontends.widgets import _checkpoint_view as view
-from fsdp_nb.frontends.widgets.checkpoints import CheckpointBrowser
-from fsdp_nb.frontends.widgets.dashboard import dashboard, session_status
-from fsdp_nb.frontends.widgets.layout import LayoutData, LayoutWidget
-from fsdp_nb.frontends.widgets.memory import MemorySnapshot
-from fsdp_nb.models.steps_view import stop_measuring
+from fsdp_nb.frontends.dashboard import dashboard, session_status
+from fsdp_nb.memory.memory_widget import MemorySnapshot
+from fsdp_nb.models.layout_widget import LayoutData, LayoutWidget
+from fsdp_nb.steps.steps_view import stop_measuring
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import TABLE_CODE, forget_models, hand_table, hybrid_table  # noqa: E402
@@ -141,7 +141,7 @@ def test_memory_sampler_without_subscriber_ends_and_bad_interval(sess):
 
 
 def test_memory_snapshot_static_form_gpu_fields():
-    from fsdp_nb.wire.memory_sample import MemorySample
+    from fsdp_nb.memory.wire_memory_sample import MemorySample
 
     s = MemorySample(rank=0, t=1.0, device="cuda:0", resident=1 << 30, resident_peak=1 << 30, budget=80 << 30,
                      device_allocated=40 << 30, device_reserved=50 << 30, device_peak=60 << 30)
@@ -376,7 +376,7 @@ NOTEBOOK_CELLS = [
     "deadline = time.monotonic() + 60  # until every rank's first sample is in\n"
     "while not all(mem.feed.samples(r) for r in range(2)) and time.monotonic() < deadline:\n"
     "    time.sleep(0.05)\nmem.refresh()",
-    "from fsdp_nb.frontends.widgets.layout import layout_widget\nlayout_widget(hand_table())",
+    "from fsdp_nb.models.layout_widget import layout_widget\nlayout_widget(hand_table())",
     "root = tempfile.mkdtemp(dir='.')  # in the notebook's temporary folder\nsess.checkpoints(root)",
     "print(repr(mem).splitlines()[0])",
     "mem.close()\nsess.shutdown()\nprint('feed running after shutdown:', mem.feed.running)",

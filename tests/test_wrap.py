@@ -10,7 +10,7 @@ import torch
 from helpers import forget_models
 from torch import nn
 
-from fsdp_nb.engine.wrap import forget_all
+from fsdp_nb.models.rank_wrap import forget_all
 
 STEPS = 3
 BATCH = 12  # divisible by 2, 3 and 4
@@ -303,7 +303,7 @@ def test_class_built_never_materializes_whole_model(sess):
         lambda: sum(p.to_local().untyped_storage().nbytes() for p in big.parameters())  # noqa: F821
     )
     assert all(s <= table.total_bytes / 2 + largest_unit for s in stored)
-    sess.execute("del big\nfrom fsdp_nb.engine.wrap import MODELS\ndel MODELS['big']")
+    sess.execute("del big\nfrom fsdp_nb.models.rank_wrap import MODELS\ndel MODELS['big']")
 
 
 # -- binding, engines, notebook classes -----------------------------------------------------
@@ -373,7 +373,7 @@ def test_string_spec_takes_rank0_weights_and_rewrap_replaces(sess):
     first = sess.run(lambda: id(fromstr))  # noqa: F821
     sm = sess.wrap(Net, name="fromstr")  # same name: replaces deliberately
     assert sess.run(lambda: id(fromstr)) != first  # noqa: F821
-    assert sess.run(lambda: sorted(__import__("fsdp_nb.engine.wrap", fromlist=["x"]).MODELS)
+    assert sess.run(lambda: sorted(__import__("fsdp_nb.models.rank_wrap", fromlist=["x"]).MODELS)
                     .count("fromstr")) == [1, 1]
     sess.execute("del raw")
 
@@ -433,10 +433,10 @@ BAD = [
 
 @pytest.mark.parametrize("args, kwargs, exc, match", BAD, ids=[m for *_, m in BAD])
 def test_bad_input_is_refused_before_any_work(sess, args, kwargs, exc, match):
-    before = sess.run(lambda: sorted(__import__("fsdp_nb.engine.wrap", fromlist=["x"]).MODELS))
+    before = sess.run(lambda: sorted(__import__("fsdp_nb.models.rank_wrap", fromlist=["x"]).MODELS))
     with pytest.raises(exc, match=match):
         sess.wrap(*args, **kwargs)
-    after = sess.run(lambda: sorted(__import__("fsdp_nb.engine.wrap", fromlist=["x"]).MODELS))
+    after = sess.run(lambda: sorted(__import__("fsdp_nb.models.rank_wrap", fromlist=["x"]).MODELS))
     assert before == after
     assert sess.all_reduce_check() == 1.0
     # the session stays usable: a good wrap still works
@@ -459,15 +459,15 @@ def test_bad_input_is_refused_before_any_work(sess, args, kwargs, exc, match):
     ],
 )
 def test_wrap_options_validate_themselves(kwargs, exc, match):
-    from fsdp_nb.wire.wrap_options import WrapOptions
+    from fsdp_nb.models.wire_wrap_options import WrapOptions
 
     with pytest.raises(exc, match=match):
         WrapOptions(**kwargs)
 
 
 def test_plan_mesh_is_a_function_of_world_backend_hosts_options():
-    from fsdp_nb.wire.mesh_plan import plan_mesh
-    from fsdp_nb.wire.wrap_options import WrapOptions
+    from fsdp_nb.models.wire_mesh_plan import plan_mesh
+    from fsdp_nb.models.wire_wrap_options import WrapOptions
 
     hosts = ["a", "a", "b", "b"]
     assert plan_mesh(4, "gloo", hosts, WrapOptions()).shape == (4,)
@@ -510,5 +510,5 @@ def test_the_ranks_import_only_what_the_engine_contract_allows(sess, tmp_path):
     finally:
         forget_models(sess, "imports_model", optimizers=("imports_opt",))
     for rank, modules in enumerate(loaded):
-        assert "fsdp_nb.engine.wrap" in modules and "fsdp_nb.wire.wrap_options" in modules
+        assert "fsdp_nb.models.rank_wrap" in modules and "fsdp_nb.models.wire_wrap_options" in modules
         assert [m for m in modules if any(m == f or m.startswith(f + ".") for f in forbidden)] == [], rank

@@ -4,7 +4,7 @@
 work is larger than ``MIN_BYTES`` and the code runs in a Jupyter kernel; in scripts
 and tests it shows nothing and costs nothing. ``enabled=True`` / ``False`` overrides.
 ``follow(pending, what)`` draws one bar for a call on the ranks from the counts each
-rank publishes (``fsdp_nb.engine.progress_feed``) while the notebook waits for it.
+rank publishes (``fsdp_nb.checkpoints.rank_progress``) while the notebook waits for it.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from ..torch_compat import TORCH_PRELOAD
 
 PRELOAD = (
     "fsdp_nb.engine.probe", "fsdp_nb.engine.process_group", "fsdp_nb.engine.health",
-    "fsdp_nb.engine.call_channel", "torch.distributed.fsdp", "fsdp_nb.engine.wrap",
+    "fsdp_nb.engine.call_channel", "torch.distributed.fsdp", "fsdp_nb.models.rank_wrap",
     "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", *TORCH_PRELOAD,
 )
 """What a rank imports to join the group and to wrap, save and load (seconds)."""

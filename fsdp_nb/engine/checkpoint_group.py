@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..wire.checkpoint import Outcome
+from ..checkpoints.wire_checkpoint import Outcome
 
 __all__ = ["agree", "any_rank", "checkpoint_group", "rank_and_world"]
 

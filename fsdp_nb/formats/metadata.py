@@ -15,7 +15,7 @@ from typing import Any
 
 __all__ = ["FORMAT", "MARKER", "META_FILE", "base_metadata", "validate_extra"]
 
-FORMAT = "fsdp_nb.checkpoint/1"
+FORMAT = "fsdp_nb.checkpoints/1"
 """Format tag stored in every metadata record."""
 META_FILE = "fsdp_nb.json"
 """Metadata file inside a sharded checkpoint folder."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import cloudpickle
 
 from ..engine import process_group as _pg
-from ..engine import wrap as _ew
+from ..models import rank_wrap as _ew
 from ..runtime.cluster import EngineCluster
 from ..runtime.launch_settings import ipp_log_level
 from ..runtime.rendezvous import RankInfo
@@ -118,8 +118,8 @@ def adopt_group(ctx: SessionContext, timeout: float) -> str:
 def rebuild_models(ctx: SessionContext) -> None:
     """Fill ``sess.wraps`` and ``sess.models`` from the models wrapped on the engines."""
     from ..models.sharded_model import ShardedModel
+    from ..models.wire_wrap_options import WrapOptions
     from ..models.wrap import WrapRecord
-    from ..wire.wrap_options import WrapOptions
 
     dead = set(ctx.cluster.dead_ranks())
     live = [r for r in range(ctx.world_size) if r not in dead]
@@ -145,7 +145,7 @@ def adopt_autosave(ctx: SessionContext) -> None:
     """Take back the autosave the engines still run (``sess.autosave``), so that this
     kernel's ``sess.autosave()`` shows it and ``restart(restore="latest")`` finds its
     checkpoints."""
-    from ..engine import autosave as engine_autosave
+    from ..autosave import rank_autosave as engine_autosave
 
     dead = set(ctx.cluster.dead_ranks())
     live = [r for r in range(ctx.world_size) if r not in dead]

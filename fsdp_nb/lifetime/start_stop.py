@@ -15,8 +15,8 @@ import warnings
 from typing import Any
 
 from ..context import SessionContext
-from ..display.hang_view import HangView
 from ..engine import process_group as _pg
+from ..hangs.hang_view import HangView
 from ..recovery.failure_policy import RecoveringPolicy
 from ..runtime import rendezvous
 from ..runtime.call_channel import CallChannel
@@ -172,7 +172,7 @@ def stop(ctx: SessionContext) -> None:
     if ctx.state == "closed":
         return
     if ctx.saves and ctx.state == "ready":
-        from ..checkpoint.async_saves import wait_pending
+        from ..checkpoints.async_saves import wait_pending
 
         try:
             wait_pending(ctx)

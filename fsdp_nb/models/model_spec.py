@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ..wire.wrap_options import OPTION_NAMES
+from .wire_wrap_options import OPTION_NAMES
 
 __all__ = ["check_call", "meta_clone", "model_kind"]
 

@@ -1,7 +1,7 @@
 """``ShardedModel``: the notebook's handle on a model ``sess.wrap`` sharded.
 
 The module itself lives on the engines (engine global ``name``, registry
-``fsdp_nb.engine.wrap.MODELS[name] -> (module, mesh, options)``); this handle asks
+``fsdp_nb.models.rank_wrap.MODELS[name] -> (module, mesh, options)``); this handle asks
 them for what the notebook wants to see. Shipped to the engines (captured by a
 function given to ``sess.run``) it turns into that rank's FSDP module.
 """
@@ -11,16 +11,16 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from ..engine import shards as _es
-from ..engine import weights as _weights
-from ..engine import wrap as _ew
-from ..wire.shards import ShardTable
+from . import rank_shards as _es
+from . import rank_weights as _weights
+from . import rank_wrap as _ew
+from .wire_shards import ShardTable
 
 if TYPE_CHECKING:
     from ..context import SessionContext
-    from ..wire.wrap import WrapSummary
-    from ..wire.wrap_options import WrapOptions
-    from .memory_report import MemoryPlan
+    from ..memory.memory_report import MemoryPlan
+    from .wire_wrap import WrapSummary
+    from .wire_wrap_options import WrapOptions
 
 __all__ = ["ShardedModel"]
 
@@ -90,13 +90,13 @@ class ShardedModel:
                 the measurement, dropped after it) or an engine global optimizer's name.
             steps: steps run; the peak is their highest.
         """
-        from .memory_plan import measure
+        from ..memory.memory_plan import measure
 
         self._ctx.check_open()
         return measure(self._ctx, self.name, batch, step, optimizer, steps)
 
     def layout(self) -> Any:
-        """The shard layout widget (``fsdp_nb.frontends.widgets.layout``)."""
+        """The shard layout widget (``fsdp_nb.models.layout_widget``)."""
         view = self._ctx.layout_view
         if view is None:
             raise RuntimeError("this model's session has no widgets: call layout() on a model "

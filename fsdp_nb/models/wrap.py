@@ -9,8 +9,8 @@
    the meta device on rank 0 to check that every ``auto_wrap`` /
    ``activation_checkpointing`` class occurs in it. Any problem raises a
    ``ValueError`` / ``TypeError`` here, before any rank has built or bound anything;
-2. plans the device mesh (``fsdp_nb.wire.mesh_plan.plan_mesh``);
-3. builds on every rank (``fsdp_nb.engine.wrap.build``), binds the FSDP2 module as
+2. plans the device mesh (``fsdp_nb.models.wire_mesh_plan.plan_mesh``);
+3. builds on every rank (``fsdp_nb.models.rank_wrap.build``), binds the FSDP2 module as
    engine global ``name`` and records the wrap on the session (``sess.wraps``) so
    :func:`replay_wraps` can rebuild it after ``sess.restart()``. An instance's
    weights are streamed from the notebook's module as it is; the record keeps no
@@ -29,12 +29,12 @@ import keyword
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..engine import weights as _weights
-from ..engine import wrap as _ew
 from ..runtime.shipping import ByValue, by_value, register_local_modules
-from ..wire.mesh_plan import MeshPlan, plan_mesh
-from ..wire.wrap_options import OPTION_NAMES, WrapOptions, make_options, no_split_default
+from . import rank_weights as _weights
+from . import rank_wrap as _ew
 from .model_spec import check_call, meta_clone, model_kind
+from .wire_mesh_plan import MeshPlan, plan_mesh
+from .wire_wrap_options import OPTION_NAMES, WrapOptions, make_options, no_split_default
 
 if TYPE_CHECKING:
     from ..context import SessionContext
@@ -202,7 +202,7 @@ def _load_weights(ctx: SessionContext, d: Dispatcher, name: str, weights: str) -
     """Fill the just-built model ``name`` from ``weights``: each rank reads only the
     slices it owns (``sess.load``'s path, every key required). A failed load drops the
     half-built model from every rank before the error is raised."""
-    from ..checkpoint.load import load
+    from ..checkpoints.load import load
 
     try:
         load(ctx, weights, name, strict=True, fill=True)

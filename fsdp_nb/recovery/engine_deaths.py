@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..display.tables import fmt_bytes
-from ..models.memory_report import cheapest_change
+from ..memory.memory_report import cheapest_change
 from ..runtime.engine_exits import EngineExit, exit_status
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ blocked leave the process group, a rank blocked in a gloo collective with them g
    seconds (for Python code that is not in a collective; after an interrupt, whose
    SIGINT is lost on an engine that had not yet started the call, a Ctrl-C right after
    sending, or in code that caught the KeyboardInterrupt and went on), and on
-   gloo their watch thread (``runtime.hang_watch``) shuts their connections to the
+   gloo their watch thread (``hangs.hang_watch``) shuts their connections to the
    other engines, which frees a rank whose peers are blocked too (mismatched
    collectives); a rank that stopped answering at all while others wait for it
    (SIGSTOP, stuck in C) is killed first (``_explain``) so they return; after
@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING
 
 from ..engine import health as _health
 from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError, hide_frame
+from ..hangs.hang_report import HangReport, fold_stacks, out_of_step
+from ..memory.out_of_memory import explain
 from ..runtime.dispatch import FailurePolicy, Pending
-from ..runtime.hang_report import HangReport, fold_stacks, out_of_step
 from .engine_deaths import explain_deaths, kernel_oom_kills
-from .out_of_memory import explain
 from .restart import reform, restart
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ class RecoveringPolicy(FailurePolicy):
     # the diagnosis -----------------------------------------------------------------
 
     def _explain(self, running: list[int]) -> HangReport:
-        """Where every rank is (``runtime.hang_watch``), for the error's first lines; then
+        """Where every rank is (``hangs.hang_watch``), for the error's first lines; then
         the ranks that did not answer, stopped or stuck in C while others wait for them
         in a collective, are killed (only engines this session started), which closes
         their sockets: the waiting ranks return to Python with their state, and

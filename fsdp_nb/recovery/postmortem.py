@@ -1,6 +1,6 @@
 """``sess.debug``: pdb on the frame where a rank failed, driven from the notebook.
 
-The engine keeps its last failure (``fsdp_nb.engine.postmortem``); this side picks
+The engine keeps its last failure (``fsdp_nb.recovery.rank_postmortem``); this side picks
 the rank (the first to fail in the last ``RankError`` by default) and either runs a
 list of commands there in one call, returning the text, or reads commands with
 ``input()`` one at a time, as pdb would in a terminal. Only that rank is busy; the
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..engine import postmortem as _pm
+from . import rank_postmortem as _pm
 
 if TYPE_CHECKING:
     from ..context import SessionContext

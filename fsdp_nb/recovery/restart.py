@@ -59,7 +59,7 @@ def restart(ctx: SessionContext, restore: str | None = None, drop: tuple[str, ..
     (``fsdp_nb.runtime.definitions``), and models wrapped with ``sess.wrap`` are built
     again on every rank from their class and seed (``fsdp_nb.models.wrap.replay_wraps``):
     initial weights, not trained ones. The surviving ranks' optimizers are pointed at
-    the rebuilt parameters (``fsdp_nb.engine.repoint``). On a healthy session this only
+    the rebuilt parameters (``fsdp_nb.recovery.rank_repoint``). On a healthy session this only
     re-forms the group, keeping every rank's state.
 
     ``setup``: a function run on every rank next, which makes the objects the training
@@ -90,9 +90,10 @@ def restart(ctx: SessionContext, restore: str | None = None, drop: tuple[str, ..
 
 def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
              setup: Callable[[], Any] | None) -> RestartReport:
-    from ..checkpoint.load import load
-    from ..engine import grad_scaler, repoint
+    from ..checkpoints.load import load
+    from ..models import rank_grad_scaler as grad_scaler
     from ..models.wrap import check_replayable, replay_wraps
+    from . import rank_repoint as repoint
 
     clock = PhaseClock()
     drop = tuple(drop)
@@ -150,7 +151,7 @@ def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
 def _rearm(ctx: SessionContext, plan: RestorePlan | None, rebuilt: bool) -> str:
     """Arm the session's autosave again where its hooks were lost or its count must go
     back to the restored step; what became of it, in words."""
-    from ..checkpoint.autosave import arm, stop
+    from ..autosave.autosave import arm, stop
 
     spec = ctx.autosave
     if spec is None:

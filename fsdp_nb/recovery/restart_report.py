@@ -69,7 +69,7 @@ def restore_plan(ctx: SessionContext, restore: str | None, dead: list[int],
     ValueError when replaced ranks (``dead``) would lack an engine global the load
     needs and no ``setup`` makes it.
     """
-    from ..checkpoint.autosave import latest
+    from ..autosave.autosave import latest
 
     if restore is None:
         return None

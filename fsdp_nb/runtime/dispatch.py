@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError, hide_frame
+from ..hangs.hang_report import HangReport
+from ..hangs.hang_watch import HangWatch, Watching
 from .call_channel import CallChannel
 from .cluster import EngineCluster
-from .hang_report import HangReport
-from .hang_watch import HangWatch, Watching
 from .results import Pending, RankResult, completed, failure, per_rank
 from .terminal import CtrlC, Echo
 

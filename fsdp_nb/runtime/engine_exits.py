@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .hang_report import fold_stacks
+from ..hangs.hang_report import fold_stacks
 
 if TYPE_CHECKING:
     from .cluster import EngineCluster

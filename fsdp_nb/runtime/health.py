@@ -29,7 +29,7 @@ from ..engine import health as _health
 from ..engine import nccl_abort as _nccl
 from ..engine.private_files import private_file
 from ..engine.signing import Link
-from .hang_watch import HangWatch
+from ..hangs.hang_watch import HangWatch
 from .listeners import start_listeners
 
 if TYPE_CHECKING:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_nb.checkpoint.arguments import check_optimizer, model_name, raise_outcomes
+from fsdp_nb.checkpoints.arguments import check_optimizer, model_name, raise_outcomes
+from fsdp_nb.checkpoints.wire_checkpoint import Outcome
 from fsdp_nb.errors import CheckpointError, CorruptCheckpointError
 from fsdp_nb.frontends.magics import fsdp_command, parse_px
 from fsdp_nb.lifetime.keepalive import check_keep_alive
+from fsdp_nb.models.wire_wrap_options import make_options
 from fsdp_nb.runtime import checks
 from fsdp_nb.runtime.launch_settings import split_cluster_kwargs
-from fsdp_nb.wire.checkpoint import Outcome
-from fsdp_nb.wire.wrap_options import make_options
 
 
 @pytest.mark.parametrize("n, backend, launcher, match", [

@@ -12,17 +12,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_nb.display.hang_view import HangView
-from fsdp_nb.engine.hang_watch import RankWatch, main_frame
 from fsdp_nb.engine.retired_groups import RetiredGroups
 from fsdp_nb.errors import WireError
 from fsdp_nb.frontends.magics import parse_px
+from fsdp_nb.hangs.hang_report import fold_stacks, hang_report, out_of_step
+from fsdp_nb.hangs.hang_view import HangView
+from fsdp_nb.hangs.rank_hang_watch import RankWatch, main_frame
+from fsdp_nb.hangs.wire_hang_state import RankState, UserFrame
 from fsdp_nb.recovery.status import RankStatus, SessionStatus, apply_event
 from fsdp_nb.runtime.checks import check_hang_after
 from fsdp_nb.runtime.dispatch import CallEvent
-from fsdp_nb.runtime.hang_report import fold_stacks, hang_report, out_of_step
 from fsdp_nb.wire.decode import decode, encode, loads
-from fsdp_nb.wire.hang_state import RankState, UserFrame
 
 NOW = 1_000_000.0
 
@@ -287,8 +287,8 @@ def test_a_rank_state_crosses_as_json_and_a_renamed_field_fails_loudly():
 def test_a_rank_whose_watch_failed_is_named_so_not_as_silent(caplog):
     """A rank's thread that raised while telling where it is answers a WatchError: the
     report says so (it is not stopped nor stuck), and the notebook logs it once."""
-    from fsdp_nb.runtime.hang_watch import HangWatch
-    from fsdp_nb.wire.hang_state import WatchError
+    from fsdp_nb.hangs.hang_watch import HangWatch
+    from fsdp_nb.hangs.wire_hang_state import WatchError
 
     r = hang_report({0: _waits(), 1: WatchError(error="RuntimeError: no group")})
     assert r.lines[0] == "rank 1 is not in it, as far as it can tell: its watch failed (RuntimeError: no group)"
@@ -340,7 +340,7 @@ def _watching(silent):
     """A real ``Watching`` over a ``HangWatch`` whose ranks answer as scripted: ranks 0
     and 2 wait in a collective, rank 1 (busy, on a loaded host) misses the quick 0.1 s
     question and answers within ``answer_s``, the ranks in ``silent`` never answer."""
-    from fsdp_nb.runtime.hang_watch import HangWatch, Watching
+    from fsdp_nb.hangs.hang_watch import HangWatch, Watching
 
     class Scripted(HangWatch):
         def states(self, ranks, now=True):

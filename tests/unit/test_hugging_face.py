@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_nb.engine.hugging_face import (
+from fsdp_nb.models.rank_hugging_face import (
     hf_init_weights,
     hugging_face_meta,
     is_hugging_face,
     tied_parameters,
 )
-from fsdp_nb.wire.wrap_options import ClassNames, make_options, no_split_default
+from fsdp_nb.models.wire_wrap_options import ClassNames, make_options, no_split_default
 
 
 class Block(torch.nn.Module):

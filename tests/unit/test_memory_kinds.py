@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fsdp_nb.engine.memory_kinds import KindReadings, by_kind
+from fsdp_nb.memory.rank_memory_kinds import KindReadings, by_kind
 
 PARAMS = (16 * 8 + 8) * 4
 """Bytes of the parameters of ``Linear(16, 8)``."""

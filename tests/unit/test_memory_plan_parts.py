@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 import fsdp_nb
-from fsdp_nb.engine.memory_plan import rank_kinds
-from fsdp_nb.models.memory_plan import PlanError
-from fsdp_nb.models.memory_report import MemoryPlan, WhatIf
-from fsdp_nb.models.what_if import check_what_ifs, cost, label, standard
-from fsdp_nb.wire.memory_plan import CATEGORIES, RankMemory, TensorSpec, categories
-from fsdp_nb.wire.mesh_plan import plan_mesh
-from fsdp_nb.wire.wrap_options import WrapOptions
+from fsdp_nb.memory.memory_plan import PlanError
+from fsdp_nb.memory.memory_report import MemoryPlan, WhatIf
+from fsdp_nb.memory.rank_memory_plan import rank_kinds
+from fsdp_nb.memory.what_if import check_what_ifs, cost, label, standard
+from fsdp_nb.memory.wire_memory_plan import CATEGORIES, RankMemory, TensorSpec, categories
+from fsdp_nb.models.wire_mesh_plan import plan_mesh
+from fsdp_nb.models.wire_wrap_options import WrapOptions
 
 
 class Block(nn.Module):
@@ -220,9 +220,9 @@ def test_what_a_model_prints_is_never_taken_for_the_planners_answer():
 
 def test_a_renamed_or_missing_field_of_a_sample_or_an_answer_fails_loudly():
     from fsdp_nb.errors import WireError
+    from fsdp_nb.memory.wire_memory_plan import PlanAnswer
+    from fsdp_nb.memory.wire_memory_sample import MemorySample
     from fsdp_nb.wire.decode import encode, loads
-    from fsdp_nb.wire.memory_plan import PlanAnswer
-    from fsdp_nb.wire.memory_sample import MemorySample
 
     s = MemorySample(rank=0, t=1.0, device="cpu", resident=5, resident_peak=6, budget=None, parameters=1)
     assert loads(MemorySample, encode(s)) == s
@@ -237,7 +237,7 @@ def test_a_renamed_or_missing_field_of_a_sample_or_an_answer_fails_loudly():
 
 
 def test_out_of_memory_is_recognised_and_its_allocation_read():
-    from fsdp_nb.recovery.out_of_memory import failed_allocation, is_out_of_memory
+    from fsdp_nb.memory.out_of_memory import failed_allocation, is_out_of_memory
 
     cpu = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
            "you tried to allocate 2147483648 bytes. Error code 12 (Cannot allocate memory)")
@@ -251,9 +251,9 @@ def test_out_of_memory_is_recognised_and_its_allocation_read():
 
 def test_the_out_of_memory_lines_name_rank_holdings_allocation_and_the_fix():
     from fsdp_nb.errors import RankFailure
-    from fsdp_nb.models.memory_report import cheapest_change
-    from fsdp_nb.recovery.out_of_memory import lines_for
-    from fsdp_nb.wire.memory_sample import MemorySample
+    from fsdp_nb.memory.memory_report import cheapest_change
+    from fsdp_nb.memory.out_of_memory import lines_for
+    from fsdp_nb.memory.wire_memory_sample import MemorySample
 
     f = RankFailure(3, "OutOfMemoryError", "CUDA out of memory. Tried to allocate 512.00 MiB.", "")
     h = MemorySample(rank=3, t=0.0, device="cuda:3", resident=3 << 30, resident_peak=3 << 30, budget=16 << 30,
@@ -306,7 +306,7 @@ def test_an_outsider_cannot_feed_the_planner_and_it_listens_on_nothing():
     t.start()
 
     def planner():
-        return next((p for p in me.children() if "fsdp_nb.engine.memory_plan" in " ".join(p.cmdline())), None)
+        return next((p for p in me.children() if "fsdp_nb.memory.rank_memory_plan" in " ".join(p.cmdline())), None)
 
     assert wait_until(lambda: planner() is not None, 30)
     child = planner()

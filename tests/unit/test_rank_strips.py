@@ -9,13 +9,13 @@ import re
 import pytest
 import torch
 
-from fsdp_nb.engine import logged
-from fsdp_nb.frontends.widgets.memory import MemorySnapshot
-from fsdp_nb.models.step_rates import curves, peak_flops, step_rates
-from fsdp_nb.models.steps_view import StepsView
+from fsdp_nb.memory.memory_widget import MemorySnapshot
+from fsdp_nb.memory.wire_memory_sample import MemorySample
 from fsdp_nb.recovery.status import RankStatus, SessionStatus
-from fsdp_nb.wire.memory_sample import MemorySample
-from fsdp_nb.wire.step_times import RankSteps
+from fsdp_nb.steps import rank_logged as logged
+from fsdp_nb.steps.step_rates import curves, peak_flops, step_rates
+from fsdp_nb.steps.steps_view import StepsView
+from fsdp_nb.steps.wire_step_times import RankSteps
 
 N = 64
 

@@ -8,13 +8,13 @@ import warnings
 import pytest
 from helpers import FakeDispatcher, fake_context
 
-from fsdp_nb.checkpoint.async_saves import AsyncCheckpoint, register, wait_pending
+from fsdp_nb.checkpoints.async_saves import AsyncCheckpoint, register, wait_pending
+from fsdp_nb.checkpoints.wire_checkpoint import Outcome, SaveProgress
 from fsdp_nb.errors import CorruptCheckpointError, SessionClosedError
 from fsdp_nb.formats.info import CheckpointInfo
 from fsdp_nb.lifetime.start_stop import stop
 from fsdp_nb.models.wrap import WrapRecord, check_replayable
 from fsdp_nb.recovery.restart import restart
-from fsdp_nb.wire.checkpoint import Outcome, SaveProgress
 
 
 def _ctx_with_wraps(**kinds: str):

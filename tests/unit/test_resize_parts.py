@@ -7,21 +7,21 @@ import torch
 
 from fsdp_nb.engine import definitions as engine_definitions
 from fsdp_nb.engine.namespace import user_ns
-from fsdp_nb.engine.resize import _build_optimizer, recipe
-from fsdp_nb.lifetime.resize import ResizeReport
-from fsdp_nb.lifetime.resize_checks import (
+from fsdp_nb.models.wire_mesh_plan import MeshPlan
+from fsdp_nb.models.wire_wrap_options import make_options
+from fsdp_nb.models.wrap import WrapRecord
+from fsdp_nb.recovery.rank_resize import _build_optimizer, recipe
+from fsdp_nb.recovery.resize import ResizeReport
+from fsdp_nb.recovery.resize_checks import (
     agree_surveys,
     check_n,
     check_space,
     mesh_plans,
     staging_folder,
 )
-from fsdp_nb.models.wrap import WrapRecord
+from fsdp_nb.recovery.wire_resize import RankSurvey
 from fsdp_nb.runtime.definitions import Definitions, top_level_definitions
 from fsdp_nb.wire.calls import ByValue
-from fsdp_nb.wire.mesh_plan import MeshPlan
-from fsdp_nb.wire.resize import RankSurvey
-from fsdp_nb.wire.wrap_options import make_options
 
 
 def test_check_n():
@@ -111,7 +111,7 @@ def test_definitions_replay_in_order_latest_wins():
 
 
 def test_optimizer_recipe_builds_the_same_optimizer(monkeypatch):
-    from fsdp_nb.engine import wrap as ew
+    from fsdp_nb.models import rank_wrap as ew
 
     model = torch.nn.Linear(3, 2)
     optim = torch.optim.AdamW([{"params": [model.weight], "lr": 0.5}, {"params": [model.bias], "weight_decay": 0.0}],
@@ -155,8 +155,8 @@ def test_optimizer_state_templates_from_the_staged_metadata():
         TensorStorageMetadata,
     )
 
-    from fsdp_nb.engine.resize import _templates
-    from fsdp_nb.wire.resize import OptimizerRecipe
+    from fsdp_nb.recovery.rank_resize import _templates
+    from fsdp_nb.recovery.wire_resize import OptimizerRecipe
 
     def tensor(*size, dtype=torch.float32):
         return TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(size), [])
@@ -175,8 +175,8 @@ def test_optimizer_state_templates_from_the_staged_metadata():
 
 
 def test_survey_carries_a_models_optimizers_and_leaves_the_rest(monkeypatch):
-    from fsdp_nb.engine import wrap as ew
-    from fsdp_nb.engine.resize import survey
+    from fsdp_nb.models import rank_wrap as ew
+    from fsdp_nb.recovery.rank_resize import survey
 
     a, b, old = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     monkeypatch.setitem(ew.MODELS, "a", ew.Wrapped(a, None, None))

@@ -12,12 +12,12 @@ import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from fsdp_nb.checkpoint.arguments import check_state
-from fsdp_nb.engine import run_state as engine_state
+from fsdp_nb.checkpoints import rank_run_state as engine_state
+from fsdp_nb.checkpoints.arguments import check_state
+from fsdp_nb.checkpoints.wire_checkpoint import LoadSpec
 from fsdp_nb.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from fsdp_nb.formats import run_state
 from fsdp_nb.formats.metadata import META_FILE
-from fsdp_nb.wire.checkpoint import LoadSpec
 
 FS = LocalFileSystem()
 
@@ -109,7 +109,7 @@ def test_state_names_are_checked_before_any_rank_is_asked(state, error, match):
 
 
 def test_the_scaler_counts_the_steps_it_skips(group):
-    from fsdp_nb.engine.grad_scaler import CountingScaler
+    from fsdp_nb.models.rank_grad_scaler import CountingScaler
 
     lin = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
@@ -131,9 +131,9 @@ def test_the_scaler_counts_the_steps_it_skips(group):
 def test_latest_needs_an_autosave_and_a_report_says_what_came_back():
     from helpers import fake_context
 
-    from fsdp_nb.checkpoint.autosave import Autosaving, latest
+    from fsdp_nb.autosave.autosave import Autosaving, latest
+    from fsdp_nb.autosave.wire_autosave import AutosaveState
     from fsdp_nb.recovery.restart_report import RestartReport, RestorePlan
-    from fsdp_nb.wire.autosave import AutosaveState
 
     with pytest.raises(CheckpointError, match="this session has had no autosave; pass the path"):
         latest(fake_context())
@@ -161,7 +161,7 @@ def test_latest_needs_an_autosave_and_a_report_says_what_came_back():
 
 
 def test_several_models_and_their_optimizers_are_checked_before_any_rank_is_asked():
-    from fsdp_nb.checkpoint.arguments import models_and_optimizers
+    from fsdp_nb.checkpoints.arguments import models_and_optimizers
     from fsdp_nb.formats.layouts import choose_part
 
     assert models_and_optimizers("m", "o") == ("m", "o", ())

@@ -1,4 +1,4 @@
-"""A rank's step measurement (``engine.step_timing``) driven directly on CPU, no engines:
+"""A rank's step measurement (``steps.rank_step_timing``) driven directly on CPU, no engines:
 which model counts the batch, what an eval forward or a second optimizer does, and that
 ``stop`` leaves no hook behind."""
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from fsdp_nb.engine import step_timing
+from fsdp_nb.steps import rank_step_timing as step_timing
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ class FakeEvent:
 
 
 def test_a_gpu_ranks_steps_are_read_from_its_events_never_waiting_for_the_device():
-    from fsdp_nb.engine.step_events import DeviceSteps
+    from fsdp_nb.steps.rank_step_events import DeviceSteps
 
     clock = iter([0.0, 0.02, 0.10, 0.13, 0.21, 0.24, 0.30])  # end 0; then (forward, end) per step
     made = []
@@ -104,7 +104,7 @@ def test_a_gpu_ranks_steps_are_read_from_its_events_never_waiting_for_the_device
 
 
 def test_a_gpu_ranks_first_step_in_a_cell_counts_from_the_cells_start():
-    from fsdp_nb.engine.step_events import DeviceSteps
+    from fsdp_nb.steps.rank_step_events import DeviceSteps
 
     # step 1 ends at 0.10; the user reads a minute; the next cell starts at 60.0
     clock = iter([0.0, 0.02, 0.10, 60.0, 60.01, 60.05, 60.06, 60.10])
@@ -123,7 +123,7 @@ def test_a_gpu_ranks_first_step_in_a_cell_counts_from_the_cells_start():
 
 
 def test_a_cells_start_reaches_a_gpu_ranks_events_and_a_second_optimizer_does_not_join_across_it(timing):
-    from fsdp_nb.engine.step_events import DeviceSteps
+    from fsdp_nb.steps.rank_step_events import DeviceSteps
 
     clock = iter([-0.01, 0.0, 0.10, 60.0, 60.01, 60.03, 60.07])  # end, forward, end, cell, joined, forward, end
     dev = timing._TIMING.device = DeviceSteps(keep=5, event=lambda: FakeEvent(next(clock)))
@@ -141,8 +141,8 @@ def test_a_cells_start_reaches_a_gpu_ranks_events_and_a_second_optimizer_does_no
 
 
 def test_the_view_of_gpu_ranks_uses_the_devices_times_and_leaves_the_model_part_whole():
-    from fsdp_nb.models.steps_view import StepsView
-    from fsdp_nb.wire.step_times import RankSteps
+    from fsdp_nb.steps.steps_view import StepsView
+    from fsdp_nb.steps.wire_step_times import RankSteps
 
     def rank(r, model):  # host clocks say 1 ms steps (launches); the device says otherwise
         return RankSteps(rank=r, index=[0, 1, 2], seconds=[0.001] * 3, compute=[0.001] * 3, collective=[0.0] * 3,

@@ -1,11 +1,11 @@
 """Profiled steps split by the union of intervals, and the ranks' traces merged
-(``formats.step_trace``): synthetic traces whose parts are known, no engines."""
+(``steps.step_trace``): synthetic traces whose parts are known, no engines."""
 
 from __future__ import annotations
 
 import pytest
 
-from fsdp_nb.formats.step_trace import lanes, merge_traces, step_parts, union
+from fsdp_nb.steps.step_trace import lanes, merge_traces, step_parts, union
 
 MAIN, GLOO = 100, 200
 

@@ -1,12 +1,12 @@
-"""The step view's split and its stragglers (``models.steps_view``), from synthetic
+"""The step view's split and its stragglers (``steps.steps_view``), from synthetic
 per-rank steps: no engines."""
 
 from __future__ import annotations
 
 import pytest
 
-from fsdp_nb.models.steps_view import StepsView
-from fsdp_nb.wire.step_times import RankSteps
+from fsdp_nb.steps.steps_view import StepsView
+from fsdp_nb.steps.wire_step_times import RankSteps
 
 
 def _rank(r, n, compute, collective, other, start=0):

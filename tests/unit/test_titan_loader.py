@@ -88,7 +88,7 @@ def test_a_storage_or_a_builtin_that_could_do_harm_is_refused():
 def test_torchtitans_loader_is_refused_for_a_model_whose_mesh_has_more_than_one_dimension():
     from types import SimpleNamespace
 
-    from fsdp_nb.checkpoint.arguments import check_titan_loader
+    from fsdp_nb.checkpoints.arguments import check_titan_loader
 
     tp = SimpleNamespace(summary=SimpleNamespace(mesh_dims=("dp", "tp")))
     with pytest.raises(ValueError, match=r"per data-parallel rank, and this model's mesh is \('dp', 'tp'\)"):

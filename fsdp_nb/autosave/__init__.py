@@ -1,0 +1,1 @@
+"""Autosave: the ranks save the run themselves, every N optimizer steps."""

@@ -1,0 +1,127 @@
+"""Async saves still being written: the notebook's handle and the session's registry
+(``SessionContext.saves``).
+
+``sess.save(..., async_save=True)`` returns an :class:`AsyncCheckpoint` once every rank
+handed its state dict to the background; the ranks copy, write and commit there. The next save, load
+or ``shutdown`` of that session waits for it first (:func:`wait_pending`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..formats.info import CheckpointInfo
+from .arguments import raise_outcomes
+from .wire_checkpoint import SaveProgress
+
+if TYPE_CHECKING:
+    from ..context import SessionContext
+
+__all__ = ["AsyncCheckpoint", "register", "wait_pending"]
+
+def wait_pending(ctx: SessionContext) -> None:
+    """Finish every async save of ``sess`` still running (commits them)."""
+    for h in list(ctx.saves):
+        h.wait()
+
+
+class AsyncCheckpoint:
+    """A checkpoint being copied and written in the background on the ranks.
+
+    The handle comes back as soon as the ranks hold the state dict; the CPU copy
+    (staging) runs in the background, and the optimizer's next step waits for it.
+
+    ``done()`` and ``progress()`` (phase, bytes written) ask the ranks without blocking;
+    ``wait()`` blocks until every rank finished and rank 0 committed, then returns the
+    ``CheckpointInfo``. The next ``sess.save`` / ``sess.load`` waits for it too.
+
+    ``sess.save(..., async_save=True)`` makes it, not user code: ``ctx`` is the session's
+    context, ``path`` where it writes, ``token`` the save's name on the ranks and
+    ``blocked`` the seconds the call held them.
+    """
+
+    def __init__(self, ctx: SessionContext, path: str, token: str, blocked: float):
+        self._ctx = ctx
+        self.path = path
+        """Where the checkpoint is being written."""
+        self.token = token
+        """The save's name on the ranks (their background job's key)."""
+        self.blocked_s = blocked
+        """Seconds the save call held the ranks (the slowest rank's)."""
+        self._info: CheckpointInfo | None = None
+        self._error: BaseException | None = None
+        self._finished = False
+        self._total = 0
+        self._phase = "staging"
+
+    def done(self) -> bool:
+        """True when every rank finished writing (the commit happened or failed)."""
+        if self._finished:
+            return True
+        from . import rank_async_saves as jobs
+
+        d = self._ctx.dispatcher
+        return all(d.gather(d.apply("checkpoint async_done", jobs.async_done, args=(self.token,))))
+
+    def progress(self) -> SaveProgress:
+        """Where the save is, asked of the ranks without blocking: ``phase`` (``"staging"``,
+        ``"writing"``, ``"committing"``, ``"committed"`` or ``"failed"``) and the bytes
+        written of the bytes staged, summed over the ranks."""
+        if self._finished:
+            return SaveProgress(phase="failed" if self._error else "committed",
+                                written=self._total, total=self._total)
+        from . import rank_async_saves as jobs
+
+        d = self._ctx.dispatcher
+        parts = d.gather(d.apply("checkpoint async_progress", jobs.async_progress, args=(self.token,)))
+        self._total = sum(p.total for p in parts)
+        phases = {p.phase for p in parts}
+        phase = next((p for p in ("failed", "staging", "writing") if p in phases),
+                     "committed" if phases == {"done"} else "committing")
+        self._phase = phase
+        return SaveProgress(phase=phase, written=sum(p.written for p in parts), total=self._total)
+
+    @property
+    def phase(self) -> str:
+        """``"staging"``, ``"writing"`` or ``"committing"`` while in flight, then
+        ``"committed"`` or ``"failed"``, as last seen from the notebook (``progress()``
+        asks the ranks)."""
+        if self._finished:
+            return "failed" if self._error else "committed"
+        return self._phase
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo:
+        """Block until committed; returns its CheckpointInfo (raises if the save failed).
+
+        ``timeout``: seconds to wait for the ranks (None: as long as it takes); past it,
+        a ``RankTimeoutError``."""
+        if not self._finished:
+            from . import rank_async_saves as jobs
+
+            d = self._ctx.dispatcher
+            try:
+                outs = d.gather(d.apply("checkpoint async_wait", jobs.async_wait, args=(self.token,)), timeout)
+                self._finished = True
+                raise_outcomes(outs)
+                self._info = next((o.info for o in outs if o.info is not None), None)
+            except BaseException as exc:  # kept for later wait() calls, then re-raised
+                if self._finished:
+                    self._error = exc
+                raise
+            finally:
+                if self._finished:
+                    if self in self._ctx.saves:
+                        self._ctx.saves.remove(self)
+        if self._error is not None:
+            raise self._error
+        assert self._info is not None
+        return self._info
+
+    def __repr__(self) -> str:
+        return f"<AsyncCheckpoint {self.path!r}: {self.phase}, the ranks were held {self.blocked_s:.3f} s>"
+
+
+def register(ctx: SessionContext, handle: AsyncCheckpoint) -> AsyncCheckpoint:
+    """Track ``handle`` as one of ``sess``'s pending saves."""
+    ctx.saves.append(handle)
+    return handle

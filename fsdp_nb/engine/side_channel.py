@@ -1,0 +1,201 @@
+"""The side channel, engine side: a sampler thread publishing a rank's readings (its
+memory, or its recent steps for ``sess.steps()``) over its own socket.
+
+A request sent through the engines' task queue waits behind the cell that is running
+(2.6 s measured), so live memory cannot be polled that way while ``%%px`` trains.
+Instead ``start`` (called once through the task queue) binds a zmq XPUB socket on the
+address the notebook gives (loopback when the notebook is on this host) and starts a
+daemon thread that publishes one JSON sample per interval (a
+:class:`~fsdp_nb.memory.wire_memory_sample.MemorySample`, read by ``memory_sample.read``; or,
+for the step view, a :class:`~fsdp_nb.steps.wire_step_times.RankSteps`, read by
+``step_timing.live`` and sent only when a step ended or a scalar was logged since the
+last one). The thread stops when its
+last subscriber goes away (XPUB sees the unsubscribe when the notebook closes its SUB
+socket or dies), or when nobody subscribed within ``wait_subscriber`` seconds: it
+never outlives its widget.
+
+Only the notebook gets samples. The socket takes subscriptions by hand
+(``XPUB_MANUAL``): a subscription's topic must be the sampler's token signed with the
+cluster's key (``signing.Link``, the sampler's nonce in its key), and only then is it
+applied; any other subscriber is sent nothing. Each sample goes out under its
+subscriber's topic, signed, so the notebook drops anything else that reaches it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from ..memory import rank_memory_kinds as memory_kinds
+from ..memory import rank_memory_sample as memory_sample
+from ..steps import rank_logged as logged
+from ..steps import rank_step_timing as step_timing
+from ..wire.decode import encode
+from .signing import Link, Refused, engine_key, new_nonce
+
+__all__ = ["MAX_SUBSCRIPTION_BYTES", "PUBLISHES", "dropped", "running", "start"]
+
+MAX_SUBSCRIPTION_BYTES = 1024
+"""The largest subscription message the sampler takes (a signed one is under 200 bytes)."""
+
+PUBLISHES = ("memory", "steps")
+"""What a sampler can publish: ``memory`` (a ``MemorySample``) or ``steps`` (a ``RankSteps``)."""
+
+_LOCK = threading.Lock()
+_SAMPLERS: dict[str, _Sampler] = {}
+
+
+class _Sampler(threading.Thread):
+    """One publishing thread (daemon): owns its zmq context and XPUB socket."""
+
+    def __init__(self, token: str, rank: int, addr: str, interval: float, wait_subscriber: float, key: bytes,
+                 reading: str = "memory"):
+        super().__init__(name=f"fsdp_nb-{reading}-sampler-{token[:8]}", daemon=True)
+        self.token, self.rank, self.addr, self.reading = token, rank, addr, reading
+        self.interval, self.wait_subscriber = interval, wait_subscriber
+        self.nonce = new_nonce()
+        self.link = Link(key, "memory", self.nonce, "server")
+        self.endpoint: str | None = None
+        self.error: BaseException | None = None
+        self.samples_sent = 0
+        self._sent: tuple[int, int] | None = None
+        """The step view's (steps, logged calls) when it last sent: it sends news only."""
+        self._bound = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+        import zmq
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.XPUB)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 100)
+            sock.setsockopt(zmq.XPUB_MANUAL, 1)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
+            port = sock.bind_to_random_port(f"tcp://{self.addr}")
+            self.endpoint = f"tcp://{self.addr}:{port}"
+        except BaseException as exc:  # noqa: BLE001 - kept and re-raised by start() on the caller's thread
+            self.error = exc
+            self._bound.set()
+            sock.close(0)
+            ctx.term()
+            return
+        self._bound.set()
+        proc = psutil.Process(os.getpid())
+        topics: set[bytes] = set()
+        """Subscriptions applied: each a signed token, the topic its samples go out under."""
+        ever = False
+        started = time.monotonic()
+        next_tick = time.monotonic()
+        try:
+            while True:
+                wait_ms = max(0, int((next_tick - time.monotonic()) * 1000))
+                if sock.poll(wait_ms, zmq.POLLIN):
+                    msg = sock.recv()
+                    if msg[:1] == b"\x01" and self._subscribe(sock, msg[1:]):
+                        if not ever:
+                            next_tick = time.monotonic()  # first sample right away
+                        topics.add(msg[1:])
+                        ever = True
+                    elif msg[:1] == b"\x00":
+                        # an unsubscribe names its topic, not its pipe: one for a topic never
+                        # applied changes nothing; samples stop once every applied one is gone
+                        topics.discard(msg[1:])
+                    if ever and not topics:
+                        return  # the widget went away
+                    continue
+                if not ever and time.monotonic() - started > self.wait_subscriber:
+                    return  # nobody came
+                if ever and (s := self._read(proc)) is not None:
+                    signed = self.link.pack(encode(s))
+                    for topic in topics:
+                        sock.send_multipart([topic, signed])
+                    self.samples_sent += 1
+                next_tick += self.interval
+                if next_tick < time.monotonic():  # fell behind (suspended): do not burst
+                    next_tick = time.monotonic() + self.interval
+        finally:
+            sock.close(0)
+            ctx.term()
+            with _LOCK:
+                if _SAMPLERS.get(self.token) is self:
+                    del _SAMPLERS[self.token]
+
+    def _read(self, proc: Any) -> Any:
+        """This interval's reading; None when the step view has nothing new to send."""
+        if self.reading == "memory":
+            # the main thread's last reading by kind: this thread touches no tensor
+            return memory_sample.read(self.rank, memory_kinds.READINGS.kept(), seq=self.samples_sent, process=proc)
+        news = (step_timing.count(), logged.count())
+        if news == self._sent:
+            return None
+        self._sent = news
+        return step_timing.live(self.rank, seq=self.samples_sent)
+
+    def _subscribe(self, sock: Any, topic: bytes) -> bool:
+        """Apply the subscription just received if its topic is this sampler's token,
+        signed; True if it was applied. Anything else is dropped (and logged once)."""
+        import zmq
+
+        try:
+            if self.link.unpack(topic) != self.token.encode():
+                raise Refused("a signed subscription for another sampler")
+        except Refused as why:
+            self.link.refused(why, self.endpoint or self.addr)
+            return False
+        sock.setsockopt(zmq.SUBSCRIBE, topic)  # XPUB_MANUAL: for the pipe it came from
+        return True
+
+
+def start(token: str, rank: int, addr: str, interval: float = 1.0, wait_subscriber: float = 60.0,
+          key: bytes | None = None, reading: str = "memory") -> tuple[str, bytes]:
+    """Start (or find) the sampler ``token`` on this engine.
+
+    Args:
+        token: names the sampler (one per feed); its subscriber signs it as its topic.
+        rank: the rank, written in each sample.
+        addr: the address to bind: loopback when the notebook runs on this host, else
+            the engine's address on the interface that routes to the controller.
+        interval: seconds between samples.
+        wait_subscriber: seconds to wait for the first subscriber before giving up.
+        key: the cluster's key; default this engine's (``signing.engine_key``).
+        reading: what it publishes, one of ``PUBLISHES``.
+
+    Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``).
+    Idempotent per token.
+    """
+    if not (isinstance(interval, (int, float)) and interval > 0):
+        raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+    if reading not in PUBLISHES:
+        raise ValueError(f"reading must be one of {PUBLISHES}, got {reading!r}")
+    key = engine_key() if key is None else key
+    if reading == "memory":
+        memory_kinds.READINGS.install()  # on the main thread (a task): the readings the samples carry
+    with _LOCK:
+        s = _SAMPLERS.get(token)
+        if s is not None and s.is_alive() and s.endpoint:
+            return s.endpoint, s.nonce
+        s = _Sampler(token, rank, addr, float(interval), float(wait_subscriber), key, reading)
+        _SAMPLERS[token] = s
+    s.start()
+    s._bound.wait(10)
+    if s.error is not None or not s.endpoint:
+        with _LOCK:
+            _SAMPLERS.pop(token, None)
+        raise RuntimeError(f"memory sampler could not bind on {addr}: {s.error!r}")
+    return s.endpoint, s.nonce
+
+
+def dropped() -> int:
+    """Subscriptions refused by this engine's samplers that are still running."""
+    with _LOCK:
+        return sum(s.link.dropped for s in _SAMPLERS.values())
+
+
+def running() -> list[str]:
+    """Tokens of the samplers alive on this engine."""
+    with _LOCK:
+        return [t for t, s in _SAMPLERS.items() if s.is_alive()]
