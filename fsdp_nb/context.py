@@ -89,6 +89,16 @@ class SessionContext:
     layout_view: Callable[[ShardedModel], Any] | None = None
     """Makes a wrapped model's shard layout widget (``ShardedModel.layout()``): put here by
     the ``Session`` façade, since the front ends sit above the models that offer it."""
+    fill_weights: Callable[[SessionContext, str, str], None] | None = None
+    """Fills the just-built model (its engine global name) from a checkpoint or weights
+    folder (``sess.wrap(..., weights=)``, and its replay by ``restart``): put here by the
+    ``Session`` façade (``fsdp_nb.checkpoints.load.fill_weights``), since the checkpoints
+    sit above the models they fill."""
+    measure_memory: Callable[..., MemoryPlan] | None = None
+    """Runs real training steps on the ranks under the memory tracker
+    (``ShardedModel.measure_memory``): put here by the ``Session`` façade
+    (``fsdp_nb.memory.memory_plan.measure``), since the memory feature sits above the
+    models it measures."""
 
     @property
     def state(self) -> str:

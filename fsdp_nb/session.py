@@ -3,8 +3,9 @@
 Each method checks its arguments, then delegates in one line to the feature that does
 the work, handing it the session's :class:`~fsdp_nb.context.SessionContext`:
 ``lifetime`` starts, attaches and stops sessions, ``runtime`` runs code on the ranks,
-``models`` wraps, ``checkpoint`` saves and loads, ``recovery`` restarts and explains,
-``frontends`` draws.
+``models`` wraps, ``checkpoints`` saves and loads, ``autosave`` saves on its own,
+``memory`` plans, ``steps`` measures, ``recovery`` restarts and explains, ``frontends``
+draws.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .autosave.session_autosave import SessionAutosave
 from .checkpoints.session_checkpoints import SessionCheckpoints
 from .context import SessionContext, SessionFacts
 from .errors import hide_frame
@@ -25,6 +27,7 @@ from .frontends.session_widgets import SessionWidgets, layout_view
 from .lifetime import start_stop
 from .lifetime.keepalive import check_keep_alive
 from .memory.session_planning import SessionPlanning
+from .recovery.session_recovery import SessionRecovery
 from .runtime import calls, checks
 from .runtime.phases import phase_table
 from .steps.step_profile import SessionProfiling
@@ -33,9 +36,6 @@ if TYPE_CHECKING:
     import ipyparallel as ipp
 
     from .models.sharded_model import ShardedModel
-    from .recovery.resize import ResizeReport
-    from .recovery.restart_report import RestartReport
-    from .recovery.status import SessionStatus
 
 log = logging.getLogger("fsdp_nb")
 
@@ -45,7 +45,8 @@ _LIVE: weakref.WeakSet[Session] = weakref.WeakSet()
 """Every open session of this kernel: shut down at exit, found again by ``attach``."""
 
 
-class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfiling, SessionWidgets):
+class Session(SessionFacts, SessionCheckpoints, SessionAutosave, SessionRecovery, SessionPlanning, SessionProfiling,
+              SessionWidgets):
     """An ipyparallel cluster whose engines are the ranks of one process group.
 
     ``Session(n)`` starts the engines and forms the group; ``Session.connect`` takes a
@@ -106,6 +107,10 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfilin
     def _open(self, ctx: SessionContext, activate: bool) -> None:
         self._ctx = ctx
         ctx.layout_view = layout_view
+        from .checkpoints.load import fill_weights  # the features the models' handles reach up to
+        from .memory.memory_plan import measure
+
+        ctx.fill_weights, ctx.measure_memory = fill_weights, measure
         _LIVE.add(self)
         if activate:
             magics.activate_px(self)
@@ -346,70 +351,6 @@ class Session(SessionFacts, SessionCheckpoints, SessionPlanning, SessionProfilin
 
         self._ctx.check_open()
         return reload(self._ctx, module)
-
-    # -- failures -----------------------------------------------------------------
-
-    def status(self) -> SessionStatus:
-        """Which rank is busy, idle or dead, and where a busy rank is (its stack)."""
-        from .recovery.status import read_status
-
-        return read_status(self._ctx)
-
-    def restart(self, restore: str | None = None, *, drop: Sequence[str] = (),
-                setup: Callable[[], Any] | None = None) -> RestartReport:
-        """Bring back the same ranks (dead engines replaced), rebuild the group and wraps;
-        returns what was replaced, rebuilt from initialisation, restored and kept.
-
-        Args:
-            restore: a checkpoint, or ``"latest"`` (the newest ``autosave`` wrote),
-                loaded last into the model it was saved from, with its optimizer, the
-                per-rank state it keeps and each rank's random state: the training cell
-                goes on from it bit for bit. Without it a model comes back at its
-                initial weights (one wrapped from a notebook instance, not at all).
-            drop: names of wrapped models not to rebuild.
-            setup: a function run on every rank after the rebuild, before the load, that
-                makes what the training cell uses (``global opt; opt = AdamW(model...)``):
-                a replaced rank has nothing a cell made.
-        """
-        from .recovery.restart import restart
-
-        if isinstance(drop, str) or not all(isinstance(n, str) for n in drop):
-            raise TypeError(f"drop must be a list of wrapped model names, got {drop!r}")
-        return restart(self._ctx, restore=restore, drop=tuple(drop), setup=setup)
-
-    def resize(self, n: int, *, staging: str | None = None) -> ResizeReport:
-        """Grow or shrink the world to ``n`` ranks, keeping every wrapped model and its
-        optimizers, re-sharded in place, and the other variables of the ranks that stay.
-
-        Growing adds engines (the standby first); shrinking retires the highest ranks.
-        New ranks get the session's imports, classes and functions, and the optimizers.
-        Anything that stops it (a mesh that does not fit ``n``, too little room to stage)
-        is refused before anything changes.
-
-        Args:
-            n: the new number of ranks.
-            staging: a folder in memory the state passes through (default ``/dev/shm``;
-                ranks on several hosts need one every host mounts).
-        """
-        from .recovery.resize import resize
-
-        return resize(self._ctx, n, staging)
-
-    def debug(self, rank: int | None = None, commands: Sequence[str] | None = None) -> str | None:
-        """Post-mortem pdb on the frame where ``rank`` failed.
-
-        Each rank keeps its last failure until the next one.
-
-        Args:
-            rank: whose failure (default: the first rank that failed in the last
-                ``RankError``).
-            commands: pdb commands to run there, e.g. ``["p y", "up", "p x"]``, whose
-                output is returned; None: interactive (commands read with ``input()``).
-        """
-        from .recovery.postmortem import debug
-
-        self._ctx.check_open()
-        return debug(self._ctx, rank, commands)
 
     # -- lifecycle ----------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from fsdp_nb.formats.listing import list_checkpoints
 from fsdp_nb.formats.metadata import MARKER
 from fsdp_nb.frontends.dashboard import dashboard, session_status
 from fsdp_nb.memory.memory_widget import MemorySnapshot
+from fsdp_nb.memory.rank_memory_kinds import MemoryReading
 from fsdp_nb.models.layout_widget import LayoutData, LayoutWidget
 from fsdp_nb.steps.steps_view import stop_measuring
 
@@ -131,7 +132,7 @@ def test_memory_samples_arrive_while_a_cell_runs(sess):
 
 def test_memory_sampler_without_subscriber_ends_and_bad_interval(sess):
     d = sess.dispatcher
-    args = [("lonely", r.rank, r.addr, 0.1, 0.3) for r in sess.ranks]
+    args = [("lonely", r.rank, r.addr, 0.1, 0.3, None, MemoryReading) for r in sess.ranks]
     started = d.gather(d.apply("start sampler", ms.start, args))
     assert all(e.startswith("tcp://127.0.0.1:") and len(nonce) == 16 for e, nonce in started)
     assert wait_until(lambda: _engines_running(sess) == [[], []], 10)

@@ -488,14 +488,14 @@ def _fsdp_nb_modules() -> list[str]:
     return sorted(m for m in sys.modules if m == "fsdp_nb" or m.startswith("fsdp_nb."))
 
 
-def test_the_ranks_import_only_what_the_engine_contract_allows(sess, tmp_path):
+def test_the_ranks_import_only_what_the_rank_contract_allows(sess, tmp_path):
     """What crosses to the ranks (wrap options, mesh plans, step specs, checkpoint specs) and
     what they run (a wrap, a save and a load, a measured step, a memory feed, the hang
     watch's question) import nothing the import contract forbids the rank side: read on
     the ranks, against the contract in pyproject.toml."""
     from helpers import import_contracts
 
-    forbidden = tuple(import_contracts()["engine"]["forbidden_modules"])
+    forbidden = tuple(import_contracts()["ranks"]["forbidden_modules"])
     model = sess.wrap(Net, name="imports_model", auto_wrap={Block}, mixed_precision="bf16-mixed")
     try:
         sess.execute("imports_opt = torch.optim.AdamW(imports_model.parameters())")

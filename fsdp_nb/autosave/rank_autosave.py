@@ -27,11 +27,12 @@ from typing import Any
 
 from ..checkpoints import rank_async_saves as async_saves
 from ..checkpoints.rank_async_saves import async_wait
-from ..checkpoints.rank_run_state import capture, check_objects, per_rank, rng_state, training_step
+from ..checkpoints.rank_run_state import capture, check_objects, per_rank, rng_state
 from ..checkpoints.rank_save import named_objects, save
 from ..checkpoints.wire_checkpoint import Outcome, SaveSpec
 from ..engine.checkpoint_group import agree, rank_and_world
 from ..engine.namespace import user_ns
+from ..engine.step import StepListener, owner, training_step
 from ..errors import UnsafeCheckpointError
 from ..formats.metadata import base_metadata
 from ..formats.run_state import RNG, decode, encode, run_meta, state_file
@@ -42,8 +43,8 @@ __all__ = ["arm", "armed_spec", "disarm", "status"]
 log = logging.getLogger("fsdp_nb")
 
 
-@dataclass
-class _Armed:
+@dataclass(eq=False)
+class _Armed(StepListener):
     spec: AutosaveSpec
     step: int
     handles: list[Any] = field(default_factory=list)
@@ -60,6 +61,10 @@ class _Armed:
     branch: int = 0
     """Loads since arming: a save after one gets a temporary folder of its own, never the one
     an abandoned save of the same step number left (every rank loads alike, so they agree)."""
+
+    def loaded(self, extra: dict[str, Any] | None) -> None:
+        """A load changed this rank's model and optimizer (``loaded``)."""
+        loaded(extra)
 
 
 _ARMED: _Armed | None = None
@@ -104,6 +109,7 @@ def arm(spec: AutosaveSpec) -> Outcome:
     # inside a forward whose hooks are already chosen (a buffer must not change mid-copy)
     async_saves.gate(model if any(True for _ in model.buffers()) else None, optim)
     _ARMED = armed
+    owner().listen(armed)
     return Outcome()
 
 
@@ -127,6 +133,7 @@ def disarm() -> int | None:
     armed, _ARMED = _ARMED, None
     if armed is None:
         return None
+    owner().unlisten(armed)
     for h in armed.handles:
         h.remove()
     if armed.due:  # step N ran, and the forward that would have saved it never came

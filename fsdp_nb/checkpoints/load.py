@@ -22,7 +22,7 @@ from .wire_checkpoint import LoadSpec
 if TYPE_CHECKING:
     from ..context import SessionContext
 
-__all__ = ["check_trainer_state", "load"]
+__all__ = ["check_trainer_state", "fill_weights", "load"]
 
 
 def load(
@@ -79,6 +79,13 @@ def load(
         outs = d.gather(pending)
     raise_outcomes(outs)
     return outs[0].extra or {}
+
+
+def fill_weights(ctx: SessionContext, path: str, name: str) -> None:
+    """Fill model ``name``, just built for it, from the checkpoint or weights folder at
+    ``path``: every key required, each rank reading only the slices it owns
+    (``sess.wrap(..., weights=path)`` and its replay; ``SessionContext.fill_weights``)."""
+    load(ctx, path, name, strict=True, fill=True)
 
 
 def check_trainer_state(path: str, names: tuple[str, ...], world_size: int, weights_only: bool = True,

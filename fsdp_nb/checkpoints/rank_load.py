@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..autosave import rank_autosave as autosave
 from ..engine.checkpoint_group import agree, rank_and_world
+from ..engine.step import owner, taking_state
 from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ..formats.fullfile import full_suffix, read_full
 from ..formats.keys import optim_key
@@ -46,7 +46,7 @@ from .rank_load_checks import (
     shape_problems,
     shapes,
 )
-from .rank_run_state import read_part, restore, taking_state
+from .rank_run_state import read_part, restore
 from .rank_save import begin, named_objects, state_bytes
 from .wire_checkpoint import LoadSpec, Outcome
 
@@ -109,7 +109,7 @@ def _load(spec: LoadSpec) -> Outcome:
                                                                                      spec.weights_only)
             restore(states, spec.state, part.get(RNG) if rng else None)
         if out.ok:
-            autosave.loaded(out.extra)
+            owner().loaded(out.extra)
     except BaseException as exc:  # every failure but Ctrl-C becomes the rank's outcome, agreed
         if isinstance(exc, KeyboardInterrupt):
             raise

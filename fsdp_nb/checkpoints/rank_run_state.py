@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 import posixpath
 import random
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from typing import Any
 
 from ..engine.namespace import user_ns
@@ -25,33 +24,10 @@ from ..formats.run_state import RNG, RUN_STATE, read, state_file
 from .wire_checkpoint import LoadSpec
 
 __all__ = [
-    "capture", "check_objects", "per_rank", "read_part", "restore", "rng_state", "set_rng_state", "taking_state",
-    "training_step",
+    "capture", "check_objects", "per_rank", "read_part", "restore", "rng_state", "set_rng_state",
 ]
 
 log = logging.getLogger("fsdp_nb")
-
-_TAKING = 0
-"""How many saves or loads are taking or giving state on this rank now (nested)."""
-
-
-@contextmanager
-def taking_state() -> Iterator[None]:
-    """Inside, an optimizer step is not a training step: torch's ``get_state_dict`` steps
-    an optimizer that has no state yet (plain SGD, always) with a learning rate of 0 to
-    make it, and an autosave must not count that."""
-    global _TAKING
-    _TAKING += 1
-    try:
-        yield
-    finally:
-        _TAKING -= 1
-
-
-def training_step() -> bool:
-    """Whether an optimizer step now is the training loop's (no save or load is taking state)."""
-    return _TAKING == 0
-
 
 def check_objects(names: Iterable[str]) -> None:
     """NameError / TypeError naming the first of ``names`` that is not an engine global

@@ -35,6 +35,7 @@ from typing import Any
 from ..engine.call_channel import after_reply
 from ..engine.checkpoint_group import agree, checkpoint_group, rank_and_world
 from ..engine.namespace import user_ns
+from ..engine.step import taking_state
 from ..errors import CheckpointError, UnsafeCheckpointError
 from ..formats.atomic import commit_sharded, retain_last
 from ..formats.checksums import record_writer
@@ -49,7 +50,7 @@ from ..torch_compat import tree_leaves
 from . import rank_progress as progress_feed
 from .rank_async_saves import copied, drain, hold_until_staged, stager, submit
 from .rank_layout_state import layout_state, shared_state, side_files
-from .rank_run_state import capture, check_objects, taking_state
+from .rank_run_state import capture, check_objects
 from .wire_checkpoint import LoadSpec, Outcome, SaveProgress, SaveSpec
 
 log = logging.getLogger("fsdp_nb")

@@ -8,9 +8,14 @@ outcome, and none is left alone in a collective. They run on a gloo group of the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
-from ..checkpoints.wire_checkpoint import Outcome
+
+class _Answer(Protocol):
+    ok: bool
+
+
+A = TypeVar("A", bound=_Answer)
 
 __all__ = ["agree", "any_rank", "checkpoint_group", "rank_and_world"]
 
@@ -39,8 +44,9 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def agree(mine: Outcome | None) -> Outcome | None:
-    """Every rank learns every rank's outcome so far (None: nothing to report) and
+def agree(mine: A | None) -> A | None:
+    """Every rank learns every rank's outcome so far (None: nothing to report; an outcome
+    is anything with ``ok``, a checkpoint call's ``Outcome`` for one) and
     returns the same one: the first failure, else the first report, else None. Run
     before anything is written or changed, so no rank goes on alone into a collective.
 
@@ -56,7 +62,7 @@ def agree(mine: Outcome | None) -> Outcome | None:
     if ws > 1:
         parts = [None] * ws
         dist.all_gather_object(parts, mine, group=checkpoint_group())
-    reported = [p for p in parts if p is not None]
+    reported: list[A] = [p for p in parts if p is not None]
     return next((p for p in reported if not p.ok), reported[0] if reported else None)
 
 

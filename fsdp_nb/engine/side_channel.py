@@ -5,11 +5,10 @@ A request sent through the engines' task queue waits behind the cell that is run
 (2.6 s measured), so live memory cannot be polled that way while ``%%px`` trains.
 Instead ``start`` (called once through the task queue) binds a zmq XPUB socket on the
 address the notebook gives (loopback when the notebook is on this host) and starts a
-daemon thread that publishes one JSON sample per interval (a
-:class:`~fsdp_nb.memory.wire_memory_sample.MemorySample`, read by ``memory_sample.read``; or,
-for the step view, a :class:`~fsdp_nb.steps.wire_step_times.RankSteps`, read by
-``step_timing.live`` and sent only when a step ended or a scalar was logged since the
-last one). The thread stops when its
+daemon thread that publishes one JSON sample per interval, as the feature's reading makes
+it (``fsdp_nb.memory.rank_memory_kinds.MemoryReading``: a ``MemorySample``;
+``fsdp_nb.steps.rank_step_timing.StepsReading``: a ``RankSteps``, sent only when a step
+ended or a scalar was logged since the last one). The thread stops when its
 last subscriber goes away (XPUB sees the unsubscribe when the notebook closes its SUB
 socket or dies), or when nobody subscribed within ``wait_subscriber`` seconds: it
 never outlives its widget.
@@ -28,20 +27,35 @@ import threading
 import time
 from typing import Any
 
-from ..memory import rank_memory_kinds as memory_kinds
-from ..memory import rank_memory_sample as memory_sample
-from ..steps import rank_logged as logged
-from ..steps import rank_step_timing as step_timing
 from ..wire.decode import encode
 from .signing import Link, Refused, engine_key, new_nonce
 
-__all__ = ["MAX_SUBSCRIPTION_BYTES", "PUBLISHES", "dropped", "running", "start"]
+__all__ = ["MAX_SUBSCRIPTION_BYTES", "Reading", "dropped", "running", "start"]
 
 MAX_SUBSCRIPTION_BYTES = 1024
 """The largest subscription message the sampler takes (a signed one is under 200 bytes)."""
 
-PUBLISHES = ("memory", "steps")
-"""What a sampler can publish: ``memory`` (a ``MemorySample``) or ``steps`` (a ``RankSteps``)."""
+
+
+class Reading:
+    """What a sampler publishes: a feature's rank half subclasses it (one made per sampler).
+
+    Call order: ``prepare()`` once, on the main thread, when the sampler starts; then
+    ``read(rank, seq, process)`` on the sampler's thread each interval.
+    """
+
+    name: str = "reading"
+    """What it reads, in words (thread names, log lines)."""
+
+    @classmethod
+    def prepare(cls) -> None:
+        """Main-thread work the readings need before the first one (nothing here)."""
+
+    def read(self, rank: int, seq: int, process: Any) -> Any:
+        """This interval's sample for ``rank`` (``seq``: its number), or None when there is
+        no news to send. ``process``: this engine's ``psutil.Process``. It must touch no
+        tensor the training thread may change."""
+        raise NotImplementedError
 
 _LOCK = threading.Lock()
 _SAMPLERS: dict[str, _Sampler] = {}
@@ -51,17 +65,15 @@ class _Sampler(threading.Thread):
     """One publishing thread (daemon): owns its zmq context and XPUB socket."""
 
     def __init__(self, token: str, rank: int, addr: str, interval: float, wait_subscriber: float, key: bytes,
-                 reading: str = "memory"):
-        super().__init__(name=f"fsdp_nb-{reading}-sampler-{token[:8]}", daemon=True)
-        self.token, self.rank, self.addr, self.reading = token, rank, addr, reading
+                 reading: type[Reading]):
+        super().__init__(name=f"fsdp_nb-{reading.name}-sampler-{token[:8]}", daemon=True)
+        self.token, self.rank, self.addr, self.reading = token, rank, addr, reading()
         self.interval, self.wait_subscriber = interval, wait_subscriber
         self.nonce = new_nonce()
         self.link = Link(key, "memory", self.nonce, "server")
         self.endpoint: str | None = None
         self.error: BaseException | None = None
         self.samples_sent = 0
-        self._sent: tuple[int, int] | None = None
-        """The step view's (steps, logged calls) when it last sent: it sends news only."""
         self._bound = threading.Event()
 
     def run(self) -> None:
@@ -109,7 +121,7 @@ class _Sampler(threading.Thread):
                     continue
                 if not ever and time.monotonic() - started > self.wait_subscriber:
                     return  # nobody came
-                if ever and (s := self._read(proc)) is not None:
+                if ever and (s := self.reading.read(self.rank, self.samples_sent, proc)) is not None:
                     signed = self.link.pack(encode(s))
                     for topic in topics:
                         sock.send_multipart([topic, signed])
@@ -123,17 +135,6 @@ class _Sampler(threading.Thread):
             with _LOCK:
                 if _SAMPLERS.get(self.token) is self:
                     del _SAMPLERS[self.token]
-
-    def _read(self, proc: Any) -> Any:
-        """This interval's reading; None when the step view has nothing new to send."""
-        if self.reading == "memory":
-            # the main thread's last reading by kind: this thread touches no tensor
-            return memory_sample.read(self.rank, memory_kinds.READINGS.kept(), seq=self.samples_sent, process=proc)
-        news = (step_timing.count(), logged.count())
-        if news == self._sent:
-            return None
-        self._sent = news
-        return step_timing.live(self.rank, seq=self.samples_sent)
 
     def _subscribe(self, sock: Any, topic: bytes) -> bool:
         """Apply the subscription just received if its topic is this sampler's token,
@@ -151,7 +152,7 @@ class _Sampler(threading.Thread):
 
 
 def start(token: str, rank: int, addr: str, interval: float = 1.0, wait_subscriber: float = 60.0,
-          key: bytes | None = None, reading: str = "memory") -> tuple[str, bytes]:
+          key: bytes | None = None, reading: type[Reading] | None = None) -> tuple[str, bytes]:
     """Start (or find) the sampler ``token`` on this engine.
 
     Args:
@@ -162,18 +163,17 @@ def start(token: str, rank: int, addr: str, interval: float = 1.0, wait_subscrib
         interval: seconds between samples.
         wait_subscriber: seconds to wait for the first subscriber before giving up.
         key: the cluster's key; default this engine's (``signing.engine_key``).
-        reading: what it publishes, one of ``PUBLISHES``.
+        reading: what it publishes: a :class:`Reading` subclass of a feature's rank half.
 
     Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``).
     Idempotent per token.
     """
     if not (isinstance(interval, (int, float)) and interval > 0):
         raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
-    if reading not in PUBLISHES:
-        raise ValueError(f"reading must be one of {PUBLISHES}, got {reading!r}")
+    if not (isinstance(reading, type) and issubclass(reading, Reading)):
+        raise TypeError(f"reading must be a side_channel.Reading subclass (what the sampler publishes), got {reading!r}")
     key = engine_key() if key is None else key
-    if reading == "memory":
-        memory_kinds.READINGS.install()  # on the main thread (a task): the readings the samples carry
+    reading.prepare()  # on the main thread (a task): what the readings need first
     with _LOCK:
         s = _SAMPLERS.get(token)
         if s is not None and s.is_alive() and s.endpoint:

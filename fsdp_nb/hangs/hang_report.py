@@ -3,20 +3,18 @@
 Pure functions over what each rank's watch thread told (a :class:`~fsdp_nb.hangs.wire_hang_state.RankState`):
 ``hang_report`` turns them into one line per rank, mismatches and missing ranks first,
 for the live diagnosis, the status widget and the errors of a timeout, a Ctrl-C or a
-recovery. ``fold_stacks`` shortens a faulthandler dump to the user's frames.
+recovery.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .rank_hang_watch import library_dirs
 from .wire_hang_state import Collective, GroupCount, RankState, UserFrame, WatchError
 
-__all__ = ["HangReport", "ahead", "fold_stacks", "hang_report", "out_of_step"]
+__all__ = ["HangReport", "ahead", "hang_report", "out_of_step"]
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<fn>\S+)')
 
@@ -192,42 +190,3 @@ def _mismatches(coll: dict[int, Collective]) -> list[str]:
                           for r, c in sorted(ranks.items()))
         out.append(f"mismatch on {_group(group)} ({what}): {parts}")
     return out
-
-
-def fold_stacks(dump: str, libs: tuple[str, ...] | None = None) -> str:
-    """A faulthandler dump with each run of library frames (site-packages, the standard
-    library, fsdp_nb: ``library_dirs``) folded into one line naming the packages, and the other threads folded
-    into one line: what is left is where the user's code is."""
-    libs = library_dirs() if libs is None else tuple(os.path.realpath(x) for x in libs)
-    blocks = [b for b in dump.split("\n\n") if b.strip()]
-    if not blocks:
-        return dump
-    out: list[str] = []
-    run: list[str] = []
-
-    def flush() -> None:
-        if run:
-            pkgs = sorted({_package(f, libs) for f in run})
-            out.append(f"  … {len(run)} framework frame{'s' if len(run) > 1 else ''} ({', '.join(pkgs[:5])})")
-            run.clear()
-
-    for line in blocks[0].splitlines():
-        m = _FRAME.match(line)
-        if m and os.path.realpath(m["file"]).startswith(libs):
-            run.append(m["file"])
-            continue
-        flush()
-        out.append(line)
-    flush()
-    if len(blocks) > 1:
-        out.append(f"  … {len(blocks) - 1} other thread{'s' if len(blocks) > 2 else ''} (framework)")
-    return "\n".join(out) + "\n"
-
-
-def _package(path: str, libs: tuple[str, ...]) -> str:
-    real = os.path.realpath(path)
-    for lib in libs:
-        if real.startswith(lib + os.sep):
-            rest = real[len(lib) + 1:]
-            return rest.split(os.sep, 1)[0].removesuffix(".py")
-    return os.path.basename(path)

@@ -58,6 +58,19 @@ class HangWatch:
         self.warned: set[tuple[int, str]] = set()
         """(rank, what) already logged: a rank's thread that keeps failing is said once."""
 
+    def watching(self, what: str, started: float, hang_after: float, notify: Callable[..., None],
+                 view: Callable[[str, HangReport | None], None] | None) -> Watching:
+        """One call's watch (:class:`Watching`), for the dispatcher's gather loop.
+
+        Args:
+            what: the call, in words.
+            started: when it was sent (``time.monotonic``).
+            hang_after: seconds a collective may wait before the diagnosis shows.
+            notify: tells the status observers.
+            view: shows the diagnosis under the running cell (None: nowhere).
+        """
+        return Watching(self, what, started, hang_after, notify, view)
+
     def start(self, dispatcher: Dispatcher, ranks: list[int] | None = None) -> None:
         """Start the watch thread of ``ranks``' engines (all by default; once per engine)."""
         self.links.update(start_listeners(self.cluster, dispatcher, "start the hang watch", _watch.start,

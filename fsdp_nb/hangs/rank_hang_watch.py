@@ -45,7 +45,6 @@ import json
 import logging
 import os
 import sys
-import sysconfig
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +53,7 @@ from typing import Any
 
 from ..engine.retired_groups import RETIRED, RetiredGroups
 from ..engine.signing import Link, Refused, start_listener
+from ..engine.stacks import library_dirs
 from ..torch_compat import (
     collective_call,
     default_group,
@@ -65,7 +65,7 @@ from ..torch_compat import (
 from ..wire.decode import encode
 from .wire_hang_state import Collective, Freed, GroupCount, RankState, UserFrame, WatchError
 
-__all__ = ["FREE", "MAX_FRAME_BYTES", "QUERY", "QUERY_NOW", "WATCH", "WINDOW", "RankWatch", "library_dirs",
+__all__ = ["FREE", "MAX_FRAME_BYTES", "QUERY", "QUERY_NOW", "WATCH", "WINDOW", "RankWatch",
            "main_frame", "start"]
 
 log = logging.getLogger("fsdp_nb")
@@ -87,15 +87,6 @@ arrive and still be taken once (``signing.Link``): a rank whose main thread hold
 reads two queued questions in either order."""
 _LISTENER: dict[str, Any] = {}
 """The watch thread's socket: its endpoint, nonce and link (``signing.start_listener``)."""
-
-
-@functools.lru_cache(maxsize=1)
-def library_dirs() -> tuple[str, ...]:
-    """Where library code lives: the standard library, site-packages and fsdp_nb itself
-    (read once: 0.4 ms, most of a question before)."""
-    paths = sysconfig.get_paths()
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the fsdp_nb package
-    return tuple({os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib")} | {here})
 
 
 @functools.lru_cache(maxsize=4096)

@@ -17,6 +17,7 @@ from typing import Any
 from ..context import SessionContext
 from ..engine import process_group as _pg
 from ..hangs.hang_view import HangView
+from ..hangs.hang_watch import HangWatch
 from ..recovery.failure_policy import RecoveringPolicy
 from ..runtime import rendezvous
 from ..runtime.call_channel import CallChannel
@@ -57,7 +58,7 @@ def form(
     plain.echo = False
     ctx = SessionContext(
         cluster=cluster, recovering=Dispatcher(cluster, channel=channel), plain_dispatcher=plain,
-        channel=channel, health=RankHealth(cluster), backend=backend, launcher=launcher,
+        channel=channel, health=RankHealth(cluster, HangWatch(cluster)), backend=backend, launcher=launcher,
         pg_timeout=pg_timeout, omp_threads=threads,
     )
     ctx.recovering.policy = RecoveringPolicy(ctx, grace=grace)  # it needs the context it recovers

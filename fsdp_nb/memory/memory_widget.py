@@ -1,7 +1,7 @@
 """Live per-rank memory: one bar per rank against what it may hold, plus history.
 
 ``sess.memory()`` returns a :class:`MemoryWidget`. Samples arrive through the side
-channel (:class:`fsdp_nb.runtime.side_channel.MemoryFeed`), so the bars keep moving while a
+channel (:class:`fsdp_nb.memory.memory_feed.MemoryFeed`), so the bars keep moving while a
 long ``%%px`` cell trains; the widget redraws once per interval, inside
 ``hold_sync`` so each redraw is one message to the front end. The drawing is a pure
 function of a :class:`MemorySnapshot`.
@@ -17,7 +17,7 @@ import ipywidgets as W
 
 from ..display.rank_strip import COMPACT, StripCell, html_strip, shade, text_strip
 from ..display.widget_parts import StaticForm, fmt_bytes, sparkline_svg, text_table
-from ..runtime.side_channel import MemoryFeed
+from .memory_feed import MemoryFeed
 from .memory_report import CATEGORY_COLOURS
 from .wire_memory_sample import MemorySample
 

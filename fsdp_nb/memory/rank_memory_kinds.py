@@ -22,10 +22,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..engine.namespace import user_ns
+from ..engine.side_channel import Reading
 from ..models.rank_wrap import MODELS, ON_WRAPPED
 from ..torch_compat import local_tensor
 
-__all__ = ["EVERY", "READINGS", "KindReadings", "by_kind"]
+__all__ = ["EVERY", "READINGS", "KindReadings", "MemoryReading", "by_kind"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -153,3 +154,20 @@ class KindReadings:
 
 READINGS = KindReadings()
 """This engine's readings: what its memory samples carry."""
+
+
+class MemoryReading(Reading):
+    """What the memory feed's sampler publishes: this rank's ``MemorySample``, from the
+    main thread's last reading by kind (the sampler's thread touches no tensor)."""
+
+    name = "memory"
+
+    @classmethod
+    def prepare(cls) -> None:
+        """Keep :data:`READINGS` current from now on (main thread)."""
+        READINGS.install()
+
+    def read(self, rank: int, seq: int, process: Any) -> Any:
+        from .rank_memory_sample import read
+
+        return read(rank, READINGS.kept(), seq=seq, process=process)

@@ -90,9 +90,10 @@ class ShardedModel:
                 the measurement, dropped after it) or an engine global optimizer's name.
             steps: steps run; the peak is their highest.
         """
-        from ..memory.memory_plan import measure
-
         self._ctx.check_open()
+        measure = self._ctx.measure_memory
+        if measure is None:
+            raise RuntimeError("this model's session cannot measure memory (its context has no memory feature)")
         return measure(self._ctx, self.name, batch, step, optimizer, steps)
 
     def layout(self) -> Any:

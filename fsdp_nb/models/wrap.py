@@ -202,10 +202,10 @@ def _load_weights(ctx: SessionContext, d: Dispatcher, name: str, weights: str) -
     """Fill the just-built model ``name`` from ``weights``: each rank reads only the
     slices it owns (``sess.load``'s path, every key required). A failed load drops the
     half-built model from every rank before the error is raised."""
-    from ..checkpoints.load import load
-
+    if ctx.fill_weights is None:
+        raise RuntimeError("this session cannot read weights= (its context has no checkpoint loader)")
     try:
-        load(ctx, weights, name, strict=True, fill=True)
+        ctx.fill_weights(ctx, weights, name)
     except BaseException:  # drop the model nobody initialised, then re-raise
         d.gather(d.apply(f"drop {name}", _ew.forget_all, args=((name,),)))
         raise

@@ -36,8 +36,9 @@ import time
 from typing import TYPE_CHECKING
 
 from ..engine import health as _health
+from ..engine.stacks import fold_stacks
 from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError, hide_frame
-from ..hangs.hang_report import HangReport, fold_stacks, out_of_step
+from ..hangs.hang_report import HangReport, out_of_step
 from ..memory.out_of_memory import explain
 from ..runtime.dispatch import FailurePolicy, Pending
 from .engine_deaths import explain_deaths, kernel_oom_kills

@@ -16,15 +16,17 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError, hide_frame
-from ..hangs.hang_report import HangReport
-from ..hangs.hang_watch import HangWatch, Watching
 from .call_channel import CallChannel
 from .cluster import EngineCluster
 from .results import Pending, RankResult, completed, failure, per_rank
 from .terminal import CtrlC, Echo
+
+if TYPE_CHECKING:  # the hang watch sits above the runtime: the session hands one in
+    from ..hangs.hang_report import HangReport
+    from ..hangs.hang_watch import HangWatch, Watching
 
 __all__ = ["CallEvent", "Dispatcher", "FailurePolicy", "Pending"]
 
@@ -214,8 +216,8 @@ class Dispatcher:
         waits (default: the session's ``hang_after``)."""
         __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         hang_after = self.hang_after if hang_after is None else hang_after
-        watching = None if self.watch is None or hang_after is None else Watching(
-            self.watch, pending.what, pending.started, hang_after, self.notify, self.hang_view)
+        watching = None if self.watch is None or hang_after is None else self.watch.watching(
+            pending.what, pending.started, hang_after, self.notify, self.hang_view)
         with CtrlC() as ctrl_c:
             ctrl_c.hit = pending.interrupted
             try:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..hangs.hang_report import fold_stacks
+from ..engine.stacks import fold_stacks
 
 if TYPE_CHECKING:
     from .cluster import EngineCluster
@@ -64,7 +64,7 @@ def last_words(output: str, limit: int = TAIL_LINES) -> list[str]:
 
     After a crash, faulthandler's report: a few lines before its last "Fatal Python
     error" (a C++ abort's message comes just before it), that line, and the crashing
-    thread's stack folded to the user's frames (``hang_report.fold_stacks``).
+    thread's stack folded to the user's frames (``engine.stacks.fold_stacks``).
     Otherwise the last ``limit`` lines."""
     lines = [ln.rstrip() for ln in output.splitlines() if ln.strip() and not _ROUTINE.match(ln)]
     fatal = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error:")]

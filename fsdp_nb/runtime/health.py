@@ -8,7 +8,8 @@ running cell:
   the engine and reads what was written, from C, so a rank blocked in a collective
   answers too. Engines on other hosts are named with where their file is. The files
   (0600) are in a 0700 folder of this user's, removed at shutdown (``close``).
-- where each rank is (``hang_watch``): a thread per engine answers signed requests.
+- where each rank is (``fsdp_nb.hangs.hang_watch``, handed in): a thread per engine
+  answers signed requests.
 - NCCL abort: on NCCL sessions every engine runs a listener thread
   (``fsdp_nb.engine.nccl_abort``); :meth:`RankHealth.abort` asks it, in a request
   signed with the cluster's key, to abort the rank's communicators, which is what
@@ -29,10 +30,10 @@ from ..engine import health as _health
 from ..engine import nccl_abort as _nccl
 from ..engine.private_files import private_file
 from ..engine.signing import Link
-from ..hangs.hang_watch import HangWatch
 from .listeners import start_listeners
 
 if TYPE_CHECKING:
+    from ..hangs.hang_watch import HangWatch
     from .cluster import EngineCluster
     from .dispatch import Dispatcher
 
@@ -45,15 +46,15 @@ class RankHealth:
     """The health hooks of one session's engines: where stacks are written, and the
     abort listeners' endpoints."""
 
-    def __init__(self, cluster: EngineCluster):
+    def __init__(self, cluster: EngineCluster, watch: HangWatch):
         self.cluster = cluster
         """The engines (rank -> pid, host)."""
         self.folder: str | None = None
         """Where engines write their stack dumps (a 0700 folder, made on first ``install``)."""
         self.abort_links: dict[int, tuple[str, Link]] = {}
         """NCCL sessions: rank -> its engine's abort listener (endpoint, signed link)."""
-        self.watch = HangWatch(cluster)
-        """Where each rank is while a call waits (its engine's watch thread)."""
+        self.watch = watch
+        """Where each rank is while a call waits (its engine's watch thread; ``fsdp_nb.hangs``)."""
 
     def install(self, dispatcher: Dispatcher, ranks: list[int] | None = None, *, nccl: bool) -> None:
         """Install the hooks on ``ranks``' engines (all by default); ``nccl``: also

@@ -1,7 +1,8 @@
 """The side channel, notebook side: one SUB socket per rank and a thread per feed.
 
-``MemoryFeed`` receives each rank's memory, ``StepsFeed`` its recent steps (``sess.steps()``).
-``start`` asks every rank (once, through the task queue) to start a sampler
+A feature's feed (``fsdp_nb.memory.memory_feed.MemoryFeed``, each rank's memory;
+``fsdp_nb.steps.steps_feed.StepsFeed``, its recent steps) names what the ranks read
+(``reading``, a class of the feature's rank half) and the sample's wire type. ``start`` asks every rank (once, through the task queue) to start a sampler
 thread publishing over its own XPUB socket (``fsdp_nb.engine.side_channel``), then
 subscribes to each with the feed's token signed with the cluster's key (the only
 subscription a sampler applies) and drops any sample not signed by that sampler. A
@@ -13,7 +14,6 @@ a closed session ends the receiver too.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -26,8 +26,6 @@ from typing import TYPE_CHECKING, Any
 from ..engine import side_channel as _ms
 from ..engine.signing import Link, Refused
 from ..errors import WireError
-from ..memory.wire_memory_sample import MemorySample
-from ..steps.wire_step_times import RankSteps
 from ..wire.decode import loads
 
 if TYPE_CHECKING:
@@ -35,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fsdp_nb")
 
-__all__ = ["MemoryFeed", "SampleFeed", "StepsFeed"]
+__all__ = ["SampleFeed"]
 
 
 Listener = Callable[[Any], None]
@@ -51,9 +49,10 @@ class SampleFeed:
         history: samples kept per rank.
     """
 
-    reading = "memory"
-    """What the ranks' samplers publish (``engine.side_channel.PUBLISHES``)."""
-    sample: type = MemorySample
+    reading: type[_ms.Reading]
+    """What the ranks' samplers read and publish: a class of the feature's rank half, made
+    once per sampler on each rank (``engine.side_channel.Reading``)."""
+    sample: type
     """The wire type of one sample."""
 
     def __init__(self, ctx: SessionContext, *, interval: float = 1.0, history: int = 120):
@@ -115,7 +114,7 @@ class SampleFeed:
         cluster = self.ctx.cluster
         ranks = self.ctx.ranks
         args = [(self.token, r.rank, cluster.listen_address(r.rank), self.interval) for r in ranks]
-        started = d.gather(d.apply(f"start {self.reading} sampler",
+        started = d.gather(d.apply(f"start {self.reading.name} sampler",
                                      functools.partial(_ms.start, reading=self.reading), args))
         self.endpoints = [ep for ep, _ in started]
         key = cluster.key
@@ -130,7 +129,7 @@ class SampleFeed:
             subs.append((sub, link, rank))
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, args=(subs,), daemon=True,
-                                        name=f"fsdp_nb-{self.reading}-feed-{self.token[:8]}")
+                                        name=f"fsdp_nb-{self.reading.name}-feed-{self.token[:8]}")
         self._thread.start()
         self.ctx.lifecycle.on_close(self.close)
         if self._follow not in self.ctx.recovering.observers:
@@ -194,7 +193,7 @@ class SampleFeed:
                             try:
                                 fn(self)
                             except Exception as exc:  # noqa: BLE001 - a broken view must not kill the feed
-                                log.warning("a %s view failed to render a sample: %s", self.reading, exc)
+                                log.warning("a %s view failed to render a sample: %s", self.reading.name, exc)
         finally:
             for sub, _, _ in subs:
                 sub.close(0)
@@ -208,13 +207,13 @@ class SampleFeed:
                 raise Refused(f"{len(frames)} frames where a sample has 2")
             raw = link.unpack(frames[1])
         except Refused as why:
-            link.refused(why, f"a {self.reading} sample from rank {rank}")
+            link.refused(why, f"a {self.reading.name} sample from rank {rank}")
             return False
         try:
             s: Any = loads(self.sample, raw)
         except WireError as why:  # signed by the sampler, so not an outsider: another version of fsdp_nb
             if not self.malformed:
-                log.warning("fsdp_nb: rank %d sends %s samples this notebook cannot read: %s", rank, self.reading, why)
+                log.warning("fsdp_nb: rank %d sends %s samples this notebook cannot read: %s", rank, self.reading.name, why)
             self.malformed += 1
             return False
         if s.rank != rank:
@@ -232,41 +231,4 @@ class SampleFeed:
         try:
             self._stop.set()
         except Exception as exc:  # noqa: BLE001 - interpreter teardown: nothing left to tell
-            log.debug("closing the memory feed: %s", exc)
-
-
-class MemoryFeed(SampleFeed):
-    """Each rank's memory (``MemorySample``), kept as latest + short history."""
-
-    reading = "memory"
-    sample = MemorySample
-
-    def _kept(self, s: Any) -> Any:
-        got: MemorySample = dataclasses.replace(s, received=time.time())
-        self.ctx.last_memory[got.rank] = got  # for a death's report
-        return got
-
-
-class StepsFeed(SampleFeed):
-    """Each rank's recent steps and logged scalars (``RankSteps``), as they end.
-
-    Args:
-        ctx: the session context whose ranks publish.
-        interval: seconds between two messages of a rank while its steps end.
-        window: the steps each rank keeps (a rank that joins later is started with it).
-    """
-
-    reading = "steps"
-    sample = RankSteps
-
-    def __init__(self, ctx: SessionContext, *, interval: float = 1.0, window: int = 20):
-        super().__init__(ctx, interval=interval, history=2)
-        self.window = window
-
-    follows = ("resize", "restart")
-
-    def _rejoined(self) -> None:
-        """Measure on the ranks that joined (a replaced rank's steps are gone with it)."""
-        from ..steps.steps_view import start_measuring
-
-        start_measuring(self.ctx, self.window)
+            log.debug("closing a side-channel feed: %s", exc)

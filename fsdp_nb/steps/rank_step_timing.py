@@ -40,14 +40,15 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checkpoints.rank_run_state import training_step
 from ..engine.checkpoint_group import rank_and_world
+from ..engine.side_channel import Reading
+from ..engine.step import training_step
 from ..models.rank_wrap import MODELS, ON_WRAPPED
 from . import rank_logged as logged
 from .rank_step_events import DeviceSteps
 from .wire_step_times import RankSteps
 
-__all__ = ["INTERVAL", "count", "live", "start", "stop", "window"]
+__all__ = ["INTERVAL", "StepsReading", "count", "live", "start", "stop", "window"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -313,3 +314,21 @@ def stop() -> None:
         h.remove()
     if _hook_models in ON_WRAPPED:
         ON_WRAPPED.remove(_hook_models)
+
+
+class StepsReading(Reading):
+    """What the step view's sampler publishes: this rank's last steps and logged scalars
+    (``live``), only when a step ended or a scalar was logged since the last it sent."""
+
+    name = "steps"
+
+    def __init__(self) -> None:
+        self.sent: tuple[int, int] | None = None
+        """(steps, logged calls) when it last sent."""
+
+    def read(self, rank: int, seq: int, process: Any) -> Any:
+        news = (count(), logged.count())
+        if news == self.sent:
+            return None
+        self.sent = news
+        return live(rank, seq=seq)

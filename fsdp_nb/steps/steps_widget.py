@@ -3,7 +3,7 @@
 ``sess.steps()`` returns a :class:`StepsWidget`. Each rank measures its own steps
 (``steps.rank_step_timing``) and its sampler thread sends the last ``window`` of them, with
 what ``fsdp_nb.log`` kept, over the side channel once a second when a step ended
-(:class:`~fsdp_nb.runtime.side_channel.StepsFeed`). The widget applies them to its
+(:class:`~fsdp_nb.steps.steps_feed.StepsFeed`). The widget applies them to its
 :class:`~fsdp_nb.steps.steps_view.StepsView` and redraws, so nothing waits behind the
 training cell and the loop carries no code for it.
 """
@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as W
 
 from ..display.widget_parts import StaticForm
-from ..runtime.side_channel import SampleFeed, StepsFeed
+from ..runtime.side_channel import SampleFeed
 from .step_rates import StepRates
+from .steps_feed import StepsFeed
 from .steps_view import (
     RankParts,
     StepsView,

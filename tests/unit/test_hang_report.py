@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 from fsdp_nb.engine.retired_groups import RetiredGroups
+from fsdp_nb.engine.stacks import fold_stacks
 from fsdp_nb.errors import WireError
 from fsdp_nb.frontends.magics import parse_px
-from fsdp_nb.hangs.hang_report import fold_stacks, hang_report, out_of_step
+from fsdp_nb.hangs.hang_report import hang_report, out_of_step
 from fsdp_nb.hangs.hang_view import HangView
 from fsdp_nb.hangs.rank_hang_watch import RankWatch, main_frame
 from fsdp_nb.hangs.wire_hang_state import RankState, UserFrame

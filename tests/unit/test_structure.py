@@ -54,14 +54,43 @@ def test_no_import_cycle_among_the_modules_at_import_time():
     assert _cycles(graph) == []
 
 
-def test_at_most_sixteen_modules_at_the_top():
-    # the layers' packages (display: what every layer above the runtime prints through;
-    # formats: the file formats, below the engines), the command line (above the facade,
-    # so no package holds both a layer above the facade and one below it), the facade,
-    # the context, the errors, and torch_compat: the one module that touches torch's
-    # private API (below every layer that uses it)
-    top = [p.name for p in ROOT.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()]
-    assert len(top) <= 16, sorted(top)
+MACHINERY = {"__init__", "cli", "context", "errors", "session", "torch_compat", "display", "engine", "formats",
+             "frontends", "lifetime", "runtime", "wire"}
+"""The shared machinery at the top: the front ends, the façade and its context, the
+errors, torch_compat, and the packages every feature uses (the architecture page)."""
+FEATURES = {"models", "checkpoints", "autosave", "memory", "steps", "hangs", "recovery"}
+"""The feature folders, each holding a feature's notebook half, rank half (``rank_*``), the
+messages between them (``wire_*``) and its views."""
+
+
+def test_the_top_holds_the_machinery_and_a_folder_per_feature():
+    top = {p.stem for p in ROOT.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert top == MACHINERY | FEATURES
+
+
+def _rank_side() -> tuple[list[str], list[str]]:
+    """(the features' rank halves and messages, their notebook halves), as named."""
+    rank, notebook = [], []
+    for name in MODULES:
+        parts = name.split(".")
+        if len(parts) == 3 and parts[1] in FEATURES:
+            (rank if parts[2].startswith(("rank_", "wire_")) else notebook).append(name)
+    return rank, notebook
+
+
+def test_the_rank_contract_names_every_rank_half_and_every_notebook_half():
+    from helpers import import_contracts
+
+    contract = import_contracts()["ranks"]
+    rank, notebook = _rank_side()
+    assert sorted(contract["source_modules"]) == sorted(["fsdp_nb.engine", *rank])
+    machinery = [f"fsdp_nb.{m}" for m in ("cli", "session", "context", "runtime", "lifetime", "frontends", "display")]
+    assert sorted(contract["forbidden_modules"]) == sorted([*machinery, *notebook])
+
+
+def test_no_feature_folder_holds_a_subpackage():
+    for feature in FEATURES:
+        assert [p.name for p in (ROOT / feature).iterdir() if (p / "__init__.py").exists()] == [], feature
 
 
 @pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))

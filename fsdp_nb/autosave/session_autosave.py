@@ -1,0 +1,79 @@
+"""``sess.autosave`` and ``sess.stop_autosave``: the façade's autosave methods, checked and
+delegated.
+
+Mixed into :class:`fsdp_nb.Session`; each method hands the session context to
+``fsdp_nb.autosave.autosave``, imported at the first call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..context import SessionContext
+    from ..models.sharded_model import ShardedModel
+    from .autosave import Autosaving
+
+__all__ = ["SessionAutosave"]
+
+
+class SessionAutosave:
+    """The autosave methods of a ``Session``."""
+
+    _ctx: SessionContext
+
+    def autosave(
+        self,
+        root: str | None = None,
+        *,
+        every: int | None = None,
+        model: ShardedModel | str = "model",
+        optimizer: str = "optimizer",
+        state: list[str] | tuple[str, ...] | None = None,
+        keep_last: int | None = 3,
+    ) -> Autosaving | None:
+        """Save the run from the ranks every ``every`` optimizer steps, with no code in the
+        training loop; with no arguments, where the autosave is.
+
+        Each save is an async save of a sharded checkpoint, ``<root>/step-<N>``, with the
+        model, the optimizer, each ``state`` engine global and each rank's random state
+        (``save``'s ``state``), taken at the iteration boundary: the first forward after
+        every ``every``-th ``optimizer.step()``, when the scheduler and scaler have
+        stepped (a loader's position is taken right after the step, before the loop
+        draws the next batch). Training waits while the ranks copy their shards, and
+        first for the previous autosave's write when it has not finished.
+        A dead engine then costs the steps since the last committed save (``every``, or
+        up to twice that when it died while the last save was being written):
+        ``restart(restore="latest", setup=...)``. One model (with its optimizer) per
+        autosave; calling it again counts from step 0.
+
+        Args:
+            root: the folder (path or fsspec URL) of the ``step-<N>`` checkpoints. None:
+                change nothing, return where the running autosave is (each rank's step
+                count and last save; None when off). Calling again replaces it;
+                :meth:`stop_autosave` stops it.
+            every: optimizer steps between saves (required with ``root``).
+            model: the ``ShardedModel`` (or engine global name) saved.
+            optimizer: the engine global name of its optimizer, whose steps are counted.
+            state: engine globals with ``state_dict()`` to keep per rank (scheduler,
+                ``scaler``, loader).
+            keep_last: keep the newest this many checkpoints under ``root`` (None: all).
+        """
+        self._ctx.check_open()
+        from ..autosave.autosave import autosave, describe
+
+        if root is None:
+            if every is not None or state is not None:
+                raise TypeError("sess.autosave() with no root only says where the autosave is; pass root= to arm it")
+            return describe(self._ctx)
+        if every is None:
+            raise TypeError("sess.autosave(root, every=N, ...): say after how many optimizer steps it saves")
+        return autosave(self._ctx, root, every=every, model=model, optimizer=optimizer, state=state,
+                        keep_last=keep_last)
+
+    def stop_autosave(self) -> None:
+        """Stop the ranks' autosave (a save under way still finishes)."""
+        self._ctx.check_open()
+        from ..autosave.autosave import stop
+
+        stop(self._ctx)

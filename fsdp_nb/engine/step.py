@@ -1,0 +1,354 @@
+"""One step on each rank: the only hooks fsdp_nb puts on optimizers and models, and what
+the features hear from them, in which order.
+
+A training loop repeats an iteration::
+
+    batch = next(loader)              # the loop draws the next batch
+    loss = model(batch).mean()        # step began: its first training forward
+    loss.backward()
+    optimizer.step()                  # step ended: the iteration's first optimizer step
+    other_optimizer.step()            # step joined: another optimizer, same iteration
+    scheduler.step(); scaler.update() # the loop's own updates
+                                      # boundary: the next training forward, an eval
+                                      # forward, or the cell's end
+
+The :class:`StepOwner` (one per rank, a registry part) holds the hooks: a pre- and a
+post-step hook for every optimizer (torch's global ones), a forward pre-hook on each model
+a feature asks it to watch (the wrapped models; put ahead of FSDP2's own, so the
+parameters are still sharded there), a one-shot global forward pre-hook that finds a
+step's first forward when no watched model is alive (a model the loop built itself), and
+IPython's ``pre_execute`` / ``post_execute`` events, which with the call server's own
+(``call_channel``) mark a cell's (or a ``sess.run`` call's) start and end. No feature
+registers hooks of its own.
+
+What a listener hears (:class:`StepListener`), in the order a rank meets it:
+
+1. ``cell_started()``;
+2. ``boundary(step, at)`` when an iteration ended and the next begins (``at``: ``"forward"``,
+   ``"eval"``), then ``step_began(step)`` at the first training forward (grad enabled),
+   ``forward(module, args, kwargs)`` at each training forward of a watched model
+   (micro-batches too), ``eval_forward(module)`` at a forward with grad disabled;
+3. ``optimizer_stepping(optimizer)`` before every optimizer's step, ``step_ended(step,
+   optimizer)`` after the iteration's first, ``step_joined(step, optimizer)`` after each
+   further one in the same iteration (no training forward between them);
+4. ``boundary(step, "cell end")`` when a cell that did not fail ends after a step, then
+   ``cell_ended(failed)``. A cell that failed tells no boundary: the iteration did not end
+   cleanly, and a step it cut short is no step.
+
+``loaded(extra)`` says a load replaced the run's state (``extra``: its checkpoint's). Steps
+that a save or load takes (torch's ``get_state_dict`` steps an optimizer with no state to
+make it) are no steps: inside :meth:`StepOwner.taking_state` nothing is told.
+
+Within each event the listeners are told in their :attr:`StepListener.order`:
+
+- 10, the async-save gate (``checkpoints.rank_async_saves``): a step or forward waits for
+  the copy of a save still being taken, before anything changes a tensor it copies;
+- 20, the gradient scaler (``models.rank_grad_scaler``): which optimizer steps ran;
+- 30, autosave (``autosave.rank_autosave``): the loaders' positions and the random state
+  at the step's end, the save at the boundary (so the step view counts what it blocks);
+- 40, the step view (``steps.rank_step_timing``);
+- 50, the profile (``steps.rank_step_profile``): after the step view has the step's end,
+  since it exports its trace there;
+- 60, ``fsdp_nb.log`` (``steps.rank_logged``);
+- 70, the memory readings (``memory.rank_memory_kinds``), and 80 a memory measurement
+  (``memory.rank_memory_plan``): what the step left, and where in it the peak fell.
+
+Step numbers count the iterations this rank's owner saw since it was made (from 0); a
+feature keeps its own count from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+from .registry import Part, World, part
+
+__all__ = ["StepListener", "StepOwner", "owner", "taking_state", "training_step"]
+
+log = logging.getLogger("fsdp_nb")
+
+
+class StepListener:
+    """What a feature hears from its rank's step (every method does nothing here)."""
+
+    order: ClassVar[int] = 50
+    """Where it is told among the listeners (lower first; the owner's docstring lists them)."""
+
+    def cell_started(self) -> None:
+        """A cell (or a ``sess.run`` call) starts on this rank."""
+
+    def step_began(self, step: int) -> None:
+        """Iteration ``step``'s first training forward is about to run."""
+
+    def forward(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """A training forward of a watched ``module`` (or the step's first forward of an
+        unwatched one) is about to run, with these arguments."""
+
+    def eval_forward(self, module: Any) -> None:
+        """A forward with grad disabled is about to run: no training step."""
+
+    def optimizer_stepping(self, optimizer: Any) -> None:
+        """``optimizer.step`` is about to change its parameters."""
+
+    def step_ended(self, step: int, optimizer: Any) -> None:
+        """Iteration ``step``'s first optimizer step ran (``optimizer``)."""
+
+    def step_joined(self, step: int, optimizer: Any) -> None:
+        """Another optimizer stepped in iteration ``step``, after the first."""
+
+    def boundary(self, step: int, at: str) -> None:
+        """Iteration ``step`` is over, the loop's own updates done: ``at`` the next
+        training forward (``"forward"``), an eval forward (``"eval"``) or the end of a cell
+        that did not fail (``"cell end"``)."""
+
+    def cell_ended(self, failed: bool) -> None:
+        """The cell (or call) ended; ``failed``: it raised (an error, Ctrl-C)."""
+
+    def loaded(self, extra: dict[str, Any] | None) -> None:
+        """A load replaced the run's state; ``extra``: its checkpoint's (``step`` among them)."""
+
+
+class _Unregister:
+    """A callable undo, held with torch's hook handles (``remove()``)."""
+
+    def __init__(self, undo: Any) -> None:
+        self.remove = undo
+
+
+class StepOwner(Part):
+    """The hooks of one rank's step, and the listeners it tells (see the module docstring)."""
+
+    order = 0  # its iteration is reset before any feature hears of a new group
+
+    def __init__(self) -> None:
+        self.listeners: list[StepListener] = []
+        """Who is told, in their order."""
+        self.steps = 0
+        """Iterations that ended on this rank since the owner was made."""
+        self.in_step = False
+        """A training forward ran and no optimizer step followed yet."""
+        self.pending = False
+        """An iteration ended and its boundary was not told yet."""
+        self.taking = 0
+        """How many saves or loads are taking or giving state now (nested)."""
+        self.in_cell = False
+        """A cell or a call is running."""
+        self.stepped: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        """Optimizer -> its steps this owner saw (not those taken inside ``taking_state``)."""
+        self.watched: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.hooks: list[Any] = []
+        self.once: Any = None
+        self.installed = False
+
+    # -- who listens -----------------------------------------------------------------
+
+    def listen(self, listener: StepListener) -> None:
+        """Tell ``listener`` from now on (idempotent); the hooks go in at the first one."""
+        if listener not in self.listeners:
+            self.listeners.append(listener)
+            self.listeners.sort(key=lambda x: x.order)
+        if not self.installed:
+            self._install()
+
+    def unlisten(self, listener: StepListener) -> None:
+        """Tell ``listener`` no more (the hooks stay; they cost a call and a loop)."""
+        if listener in self.listeners:
+            self.listeners.remove(listener)
+
+    def watch(self, module: Any) -> None:
+        """Put the owner's forward pre-hook on ``module`` (once for its life), ahead of its
+        other hooks (FSDP2's all-gather among them)."""
+        if module in self.watched:
+            return
+        import torch
+
+        self.watched.add(module)
+        self.hooks.append(module.register_forward_pre_hook(
+            torch.compiler.disable(self._watched_forward), prepend=True, with_kwargs=True))
+        if self.once is not None:  # the watched model's own hook finds its steps from now on
+            self.once.remove()
+            self.once = None
+
+    # -- what the features ask --------------------------------------------------------
+
+    @contextmanager
+    def taking_state(self) -> Iterator[None]:
+        """Inside, an optimizer step or a forward is no training step's: a save or load
+        taking or giving state (torch's ``get_state_dict`` steps an optimizer that has no
+        state yet with a learning rate of 0, to make it)."""
+        self.taking += 1
+        try:
+            yield
+        finally:
+            self.taking -= 1
+
+    def optimizer_steps(self, optimizer: Any) -> int:
+        """How many training steps ``optimizer`` took since the owner was made."""
+        return self.stepped.get(optimizer, 0)
+
+    def loaded(self, extra: dict[str, Any] | None) -> None:
+        """A load replaced the run's state: an iteration under way or ending is gone."""
+        self.in_step = self.pending = False
+        for x in list(self.listeners):
+            x.loaded(extra)
+
+    def reformed(self, world: World) -> None:
+        """A new group: a step it cut short is no step, and no boundary is owed."""
+        self.in_step = self.pending = False
+        self._arm_once()
+
+    def closed(self) -> None:
+        self.listeners.clear()
+        if self.once is not None:
+            self.once.remove()
+            self.once = None
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        self.installed = False
+
+    # -- the hooks ------------------------------------------------------------------
+
+    def _install(self) -> None:
+        import torch
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        self.installed = True
+        self.hooks.append(register_optimizer_step_pre_hook(torch.compiler.disable(self._stepping)))
+        self.hooks.append(register_optimizer_step_post_hook(torch.compiler.disable(self._stepped)))
+        try:
+            from IPython import get_ipython
+
+            ip = get_ipython()
+        except ImportError:  # pragma: no cover - engines always have IPython
+            ip = None
+        if ip is not None:
+            for event, fn in (("pre_execute", self.cell_started), ("post_execute", self._post_execute)):
+                ip.events.register(event, fn)
+                self.hooks.append(_Unregister(lambda event=event, fn=fn: ip.events.unregister(event, fn)))
+        self._arm_once()
+
+    def _arm_once(self) -> None:
+        """Arm the one-shot global forward pre-hook that finds the next step's first forward
+        of a model the loop built itself; only while no watched model is alive."""
+        if self.once is not None or not self.installed or len(self.watched):
+            return
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        self.once = register_module_forward_pre_hook(self._first_forward)
+
+    def _first_forward(self, module: Any, args: tuple) -> None:
+        import torch
+
+        if self.taking or not torch.is_grad_enabled():  # an eval forward: stay armed
+            if not self.taking and self.pending:
+                self._boundary("eval")
+            return
+        once, self.once = self.once, None
+        if once is not None:
+            once.remove()  # one call a step: every other module's forward runs without it
+        self._forward(module, args, {})
+
+    def _watched_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self.taking:
+            return
+        import torch
+
+        if not torch.is_grad_enabled():
+            if self.pending:
+                self._boundary("eval")
+            for x in list(self.listeners):
+                x.eval_forward(module)
+            return
+        self._forward(module, args, kwargs)
+
+    def _forward(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self.pending:
+            self._boundary("forward")
+        if not self.in_step:
+            self.in_step = True
+            for x in list(self.listeners):
+                x.step_began(self.steps)
+        for x in list(self.listeners):
+            x.forward(module, args, kwargs)
+
+    def _boundary(self, at: str) -> None:
+        self.pending = False
+        for x in list(self.listeners):
+            x.boundary(self.steps - 1, at)
+
+    def _stepping(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.taking:
+            return
+        for x in list(self.listeners):
+            x.optimizer_stepping(optimizer)
+
+    def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.taking:
+            return
+        self.stepped[optimizer] = self.stepped.get(optimizer, 0) + 1
+        if self.pending and not self.in_step:  # no training forward since the last step: same iteration
+            for x in list(self.listeners):
+                x.step_joined(self.steps - 1, optimizer)
+            return
+        if not self.in_step:  # a step with no forward the owner saw: still a step
+            for x in list(self.listeners):
+                x.step_began(self.steps)
+        step, self.in_step, self.pending = self.steps, False, True
+        self.steps += 1
+        for x in list(self.listeners):
+            x.step_ended(step, optimizer)
+        self._arm_once()
+
+    # -- cells ----------------------------------------------------------------------
+
+    def cell_started(self) -> None:
+        """A cell or a ``sess.run`` call starts (IPython's event, or the call server)."""
+        self.in_cell = True
+        for x in list(self.listeners):
+            x.cell_started()
+
+    def _post_execute(self) -> None:
+        try:
+            from IPython import get_ipython
+
+            ip = get_ipython()
+            failed = ip is not None and not ip.last_execution_succeeded
+        except ImportError:  # pragma: no cover - engines always have IPython
+            failed = False
+        self.cell_ended(failed)
+
+    def cell_ended(self, failed: bool) -> None:
+        """The cell or call ended (``failed``: it raised, Ctrl-C included)."""
+        self.in_cell = False
+        if failed:
+            self.in_step = self.pending = False
+        elif self.pending:
+            self._boundary("cell end")
+        self.in_step = False
+        for x in list(self.listeners):
+            x.cell_ended(failed)
+        self._arm_once()
+
+
+def owner() -> StepOwner:
+    """This rank's step owner."""
+    return part(StepOwner)
+
+
+def taking_state() -> Any:
+    """``owner().taking_state()``: optimizer steps inside are no training steps."""
+    return owner().taking_state()
+
+
+def training_step() -> bool:
+    """Whether an optimizer step now would be the training loop's (no save or load is
+    taking state)."""
+    return owner().taking == 0
