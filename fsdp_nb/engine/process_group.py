@@ -151,9 +151,13 @@ def init(
 
 
 def destroy() -> None:
-    """Leave the process group if this rank is in one."""
+    """Leave the session: close this rank's parts (``registry``), then leave the process
+    group if this rank is in one."""
     import torch.distributed as dist
 
+    from .registry import close
+
+    close()
     if dist.is_available() and dist.is_initialized():
         retire_groups()
         dist.destroy_process_group()

@@ -33,7 +33,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-__all__ = ["RANK", "Part", "Registry", "World", "part"]
+__all__ = ["RANK", "Part", "Registry", "World", "close", "kinds", "part", "reformed"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -141,3 +141,27 @@ RANK = Registry()
 def part(cls: type[P]) -> P:
     """``RANK.get(cls)``: this rank's part of kind ``cls``, made now if it has none."""
     return RANK.get(cls)
+
+
+def kinds() -> list[str]:
+    """The kinds of the parts this rank holds (``RANK.kinds()``; called by the notebook)."""
+    return RANK.kinds()
+
+
+def reformed(rank: int, size: int, joined: tuple[int, ...], every_kind: list[str]) -> list[str]:
+    """Tell this rank's parts its group formed again (``Registry.reformed``); called by the
+    notebook on every rank at once (``fsdp_nb.recovery.regroup``).
+
+    Args:
+        rank: this rank in the new group.
+        size: the new group's size.
+        joined: the ranks that joined with it (new engines).
+        every_kind: the kinds of part any rank holds, in one order on every rank.
+    """
+    generation = 0 if RANK.world is None else RANK.world.generation + 1
+    return RANK.reformed(World(rank, size, tuple(joined), generation), every_kind)
+
+
+def close() -> None:
+    """This rank leaves the session: close its parts (``Registry.close``)."""
+    RANK.close()

@@ -37,6 +37,7 @@ from ..models import rank_wrap as _ew
 from ..runtime import membership, rendezvous
 from ..runtime.phases import PhaseClock
 from . import rank_resize as _er
+from . import regroup
 from .resize_checks import ResizePlan, check
 
 if TYPE_CHECKING:
@@ -171,6 +172,7 @@ def _change(ctx: SessionContext, plan: ResizePlan, folder: str, report: ResizeRe
     clock.mark("state staged")
     new: list[int] = []
     if n < old:
+        regroup.closed(ctx, range(n, old))
         d.gather(d.apply("leave the group", _er.leave, ranks=list(range(n, old))), 60)
         for r in range(n, old):
             ctx.health.forget(r)
@@ -199,6 +201,8 @@ def _change(ctx: SessionContext, plan: ResizePlan, folder: str, report: ResizeRe
             ctx.models[name].summary = summaries[0]
         report.models += (name,)
     clock.mark("models re-sharded")
+    regroup.reformed(ctx, joined=tuple(new))
+    clock.mark("features re-formed")
     report.peak_rss = tuple(d.gather(d.apply("memory peak", _er.memory_peak), 30))
     report.optimizers = {m: o for m, o in plan.optimizers.items() if o}
     report.variables = plan.variables

@@ -23,6 +23,7 @@ from ..engine import namespace as _ns
 from ..runtime import rendezvous
 from ..runtime.phases import PhaseClock
 from ..runtime.shipping import by_value
+from . import regroup
 from .restart_report import RestartReport, RestorePlan, restore_plan
 
 if TYPE_CHECKING:
@@ -33,9 +34,11 @@ __all__ = ["RestartReport", "reform", "restart"]
 log = logging.getLogger("fsdp_nb")
 
 
-def reform(ctx: SessionContext) -> None:
+def reform(ctx: SessionContext, tell: bool = True) -> None:
     """Every rank joins a new process group on a fresh port, keeping the rank order,
-    then DeviceMeshes and FSDP2 modules on the ranks are re-pointed at the new groups."""
+    then DeviceMeshes and FSDP2 modules on the ranks are re-pointed at the new groups.
+    ``tell``: then tell every rank's features (``regroup.reformed``); a restart tells them
+    itself, once the models are built again."""
     if ctx.backend is None:  # set when the group was first formed
         raise RuntimeError("this session's process group was never formed: there is none to re-form")
     d = ctx.plain_dispatcher
@@ -47,6 +50,8 @@ def reform(ctx: SessionContext) -> None:
     parts = d.gather(d.apply("list mesh groups", _health.mesh_partitions), 60)
     union = sorted({rows for ps in parts for rows in ps})
     d.gather(d.apply("rebind meshes", _health.rebind_groups, args=(union,)), 120)
+    if tell:
+        regroup.reformed(ctx)
 
 
 def restart(ctx: SessionContext, restore: str | None = None, drop: tuple[str, ...] = (),
@@ -113,7 +118,7 @@ def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
         clock.mark("engines replaced")
         ctx.health.install(d, dead, nccl=ctx.backend == "nccl")
         clock.mark("health hooks")
-    reform(ctx)
+    reform(ctx, tell=False)
     clock.mark("group re-formed")
     if dead and len(ctx.definitions):
         for failure in ctx.definitions.replay(d, dead):
@@ -127,6 +132,8 @@ def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
         repointed = tuple(sorted({n for names in d.gather(d.apply("re-point optimizers", repoint.repoint,
                                                                   args=(rebuilt,))) for n in names}))
         clock.mark("wraps replayed")
+    regroup.reformed(ctx, joined=tuple(dead))
+    clock.mark("features re-formed")
     ctx.lifecycle.to("ready")
     if setup is not None:
         d.gather(d.apply(f"setup {getattr(setup, '__qualname__', 'function')}", _ns.call_setup,
