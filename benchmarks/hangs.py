@@ -96,7 +96,7 @@ def _question_ms(n: int = 200) -> tuple[float, float]:
     for now in (False, True):
         t0 = _t.perf_counter()
         for _ in range(n):
-            hang_watch.WATCH.state(now=now)
+            hang_watch.watch().state(now=now)
         out.append((_t.perf_counter() - t0) / n * 1e3)
     return out[0], out[1]
 

@@ -112,7 +112,7 @@ def measure(sess, label, do_wrap, size, unit):
                 "wrap_s": secs,
             }
         )
-    sess.execute(f"del {sm.name}\nfrom fsdp_nb.models.rank_wrap import MODELS\nMODELS.pop({sm.name!r})")
+    sess.execute(f"del {sm.name}\nfrom fsdp_nb.models.rank_wrap import wrapped\nwrapped().pop({sm.name!r})")
     sess.run(lambda: __import__("gc").collect())
     return rows
 

@@ -82,7 +82,7 @@ def _assert_recovered(s, before):
     # groups' flight-recorder status) as where it waits now
     # (polled: a rank's recorder may mark its last collective completed just after it returns)
     seen = []
-    assert wait_until(lambda: seen.append(s.run(lambda: hang_watch.WATCH.collective(now=True))) or
+    assert wait_until(lambda: seen.append(s.run(lambda: hang_watch.watch().collective(now=True))) or
                       seen[-1] == [None] * s.world_size, 5), seen[-1]
 
 
@@ -556,7 +556,8 @@ def test_kill_9_idle_engine_then_restart_brings_same_ranks_back(fragile, caplog)
     # and a new standby waits for the next death, unregistered
     assert s.cluster.standby.pid != standby.pid and s.cluster.standby.alive()
     assert len(s.cluster.cluster.engines) == sets + 1 and set(client.ids) - old_ids == set(early)
-    assert list(s.restart_phases) == ["engines replaced", "health hooks", "group re-formed", "definitions replayed"]
+    assert list(s.restart_phases) == ["engines replaced", "health hooks", "group re-formed", "definitions replayed",
+                                      "features re-formed"]
     # the replaced rank has the session's imports and functions again, not its variables
     assert s.run(lambda: (callable(globals().get("fail_step")), "torch" in globals(),
                           "fail_net" in globals())) == [(True, True, False), (True, True, True)]

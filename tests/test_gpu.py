@@ -329,7 +329,7 @@ def test_the_hang_watch_tells_a_straggler_from_the_groups_counts(gsess: fsdp_nb.
     assert recorder == [None if _device(gsess) == "cuda" else "256"] * gsess.world_size
     # the name torch 2.11+ warns about is never set by fsdp_nb (quiet NCCL starts)
     assert gsess.run(lambda: os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")) == [None] * gsess.world_size
-    counts = [{(g.name, g.backend): g.seq for g in got} for got in gsess.run(lambda: hang_watch.WATCH.issued())]
+    counts = [{(g.name, g.backend): g.seq for g in got} for got in gsess.run(lambda: hang_watch.watch().issued())]
     assert all(c == counts[0] for c in counts) and counts[0]
     if gsess.world_size < 2:
         return

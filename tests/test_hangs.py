@@ -74,7 +74,7 @@ def test_mismatched_collectives_are_named_and_the_timeout_leads_with_them(sess):
     assert sess.all_reduce_check() == before and sess.pull("mm_kept") == [10, 11]
     # the cut collectives stay "in flight" in the old groups' recorder status: no rank
     # reports them as where it waits now (a later straggler would be misnamed)
-    assert wait_until(lambda: sess.run(lambda: hang_watch.WATCH.collective(now=True)) == [None, None], 5)
+    assert wait_until(lambda: sess.run(lambda: hang_watch.watch().collective(now=True)) == [None, None], 5)
 
 
 def test_a_rank_that_fails_while_the_other_waits_says_where_the_other_waited(sess):
@@ -164,7 +164,7 @@ def test_a_failure_that_leaves_a_collective_unjoined_reforms_the_group(session_f
         assert "joined a new process group; variables, models and optimizers are kept" in notes
         assert s.all_reduce_check() == 1.0 and s.pull("kept") == [5, 6] and s.state == "ready"
         assert s.run(lambda: os.environ["TORCH_FR_BUFFER_SIZE"]) == ["256", "256"]  # the recorder is on
-        assert wait_until(lambda: s.run(lambda: hang_watch.WATCH.collective(now=True)) == [None, None], 5)
+        assert wait_until(lambda: s.run(lambda: hang_watch.watch().collective(now=True)) == [None, None], 5)
         # a failure that leaves the group in step re-forms nothing
         with pytest.raises(RankError) as info:
             s.execute("if rank == 1:\n    raise ValueError('no collective')\n")

@@ -189,7 +189,7 @@ def test_weights_that_do_not_fit_are_refused_and_leave_nothing_behind(sess, save
     bigger.num_hidden_layers = 3
     with pytest.raises(fsdp_nb.CheckpointError, match=r"missing keys \(9\): model.layers.2"):
         sess.wrap(cls, bigger, name="hf_bad", weights=str(root / "hf"))
-    assert sess.run(lambda: "hf_bad" in __import__("fsdp_nb.models.rank_wrap", fromlist=["MODELS"]).MODELS) == [False, False]
+    assert sess.run(lambda: "hf_bad" in __import__("fsdp_nb.models.rank_wrap", fromlist=["wrapped"]).wrapped()) == [False, False]
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         sess.wrap(cls, config(), name="hf_bad", weights=str(tmp_path / "nothing"))
     with pytest.raises(TypeError, match="brings its own weights"):
@@ -210,4 +210,4 @@ def test_weights_that_carry_code_are_refused_before_any_rank_runs_it(sess, saved
     with pytest.raises(fsdp_nb.UnsafeCheckpointError, match="notes"):
         sess.wrap(cls, config(), name="hf_poisoned", weights=str(tmp_path / "poisoned"))
     assert not ran.exists()  # neither the notebook's check nor any rank unpickled it
-    assert sess.run(lambda: "hf_poisoned" in __import__("fsdp_nb.models.rank_wrap", fromlist=["MODELS"]).MODELS) == [False, False]
+    assert sess.run(lambda: "hf_poisoned" in __import__("fsdp_nb.models.rank_wrap", fromlist=["wrapped"]).wrapped()) == [False, False]

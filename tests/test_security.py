@@ -181,9 +181,10 @@ def test_abort_without_the_key_aborts_nothing(sess):
 
 
 def _watch_dropped() -> int:
-    from fsdp_nb.hangs import rank_hang_watch as hang_watch
+    from fsdp_nb.engine.registry import part
+    from fsdp_nb.hangs.rank_hang_watch import WatchListener
 
-    return hang_watch._LISTENER["link"].dropped
+    return part(WatchListener).state["link"].dropped
 
 
 def test_the_watch_answers_questions_read_out_of_order_once_each(sess):

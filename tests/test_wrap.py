@@ -303,7 +303,7 @@ def test_class_built_never_materializes_whole_model(sess):
         lambda: sum(p.to_local().untyped_storage().nbytes() for p in big.parameters())  # noqa: F821
     )
     assert all(s <= table.total_bytes / 2 + largest_unit for s in stored)
-    sess.execute("del big\nfrom fsdp_nb.models.rank_wrap import MODELS\ndel MODELS['big']")
+    sess.execute("del big\nfrom fsdp_nb.models.rank_wrap import wrapped\ndel wrapped()['big']")
 
 
 # -- binding, engines, notebook classes -----------------------------------------------------
@@ -373,7 +373,7 @@ def test_string_spec_takes_rank0_weights_and_rewrap_replaces(sess):
     first = sess.run(lambda: id(fromstr))  # noqa: F821
     sm = sess.wrap(Net, name="fromstr")  # same name: replaces deliberately
     assert sess.run(lambda: id(fromstr)) != first  # noqa: F821
-    assert sess.run(lambda: sorted(__import__("fsdp_nb.models.rank_wrap", fromlist=["x"]).MODELS)
+    assert sess.run(lambda: sorted(__import__("fsdp_nb.models.rank_wrap", fromlist=["x"]).wrapped())
                     .count("fromstr")) == [1, 1]
     sess.execute("del raw")
 
@@ -433,10 +433,10 @@ BAD = [
 
 @pytest.mark.parametrize("args, kwargs, exc, match", BAD, ids=[m for *_, m in BAD])
 def test_bad_input_is_refused_before_any_work(sess, args, kwargs, exc, match):
-    before = sess.run(lambda: sorted(__import__("fsdp_nb.models.rank_wrap", fromlist=["x"]).MODELS))
+    before = sess.run(lambda: sorted(__import__("fsdp_nb.models.rank_wrap", fromlist=["x"]).wrapped()))
     with pytest.raises(exc, match=match):
         sess.wrap(*args, **kwargs)
-    after = sess.run(lambda: sorted(__import__("fsdp_nb.models.rank_wrap", fromlist=["x"]).MODELS))
+    after = sess.run(lambda: sorted(__import__("fsdp_nb.models.rank_wrap", fromlist=["x"]).wrapped()))
     assert before == after
     assert sess.all_reduce_check() == 1.0
     # the session stays usable: a good wrap still works

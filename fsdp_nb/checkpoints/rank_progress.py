@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from ..engine.registry import Part, part
 from ..wire.calls import PROGRESS_KEY as KEY
 
 __all__ = ["INTERVAL", "add", "finish", "start"]
@@ -23,38 +24,45 @@ log = logging.getLogger("fsdp_nb")
 INTERVAL = 0.2
 """Seconds between publications."""
 
-_count: dict[str, Any] = {"done": 0, "total": 0, "at": 0.0, "on": False}
+
+
+class Progress(Part):
+    """The count of the call running now (the registry's part for progress)."""
+
+    def __init__(self) -> None:
+        self.count: dict[str, Any] = {"done": 0, "total": 0, "at": 0.0, "on": False}
+        """Bytes done and expected, when last published, and whether to publish."""
 
 
 def start(total: int, publish: bool) -> None:
     """Begin counting this call's bytes (``total`` expected on this rank); ``publish``:
     the notebook may draw a bar (else nothing is sent)."""
-    _count.update(done=0, total=int(total), at=0.0,
+    part(Progress).count.update(done=0, total=int(total), at=0.0,
                   on=publish and threading.current_thread() is threading.main_thread())
     _publish()
 
 
 def add(n: int) -> None:
     """``n`` more bytes written or read."""
-    _count["done"] += n
-    if _count["on"] and time.monotonic() - _count["at"] >= INTERVAL:
+    part(Progress).count["done"] += n
+    if part(Progress).count["on"] and time.monotonic() - part(Progress).count["at"] >= INTERVAL:
         _publish()
 
 
 def finish() -> None:
     """The call's work is done: publish the final count."""
     _publish()
-    _count["on"] = False
+    part(Progress).count["on"] = False
 
 
 def _publish() -> None:
-    if not _count["on"] or threading.current_thread() is not threading.main_thread():
+    if not part(Progress).count["on"] or threading.current_thread() is not threading.main_thread():
         return
-    _count["at"] = time.monotonic()
+    part(Progress).count["at"] = time.monotonic()
     try:
         from ipyparallel.datapub import publish_data
 
-        publish_data({KEY: {"done": _count["done"], "total": _count["total"]}})
+        publish_data({KEY: {"done": part(Progress).count["done"], "total": part(Progress).count["total"]}})
     except Exception as exc:  # noqa: BLE001 - not inside an engine (a plain process): nothing to tell
         log.debug("progress not published: %s", exc)
-        _count["on"] = False
+        part(Progress).count["on"] = False

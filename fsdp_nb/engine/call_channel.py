@@ -38,6 +38,7 @@ from typing import Any
 import cloudpickle
 
 from . import interrupts
+from .registry import Part, part
 from .signing import HEADER_BYTES, Link, Refused, engine_key, new_nonce
 
 __all__ = [
@@ -64,9 +65,19 @@ def read_head(data: bytes) -> tuple[bytes, bytes, float | None]:
 
 log = logging.getLogger("fsdp_nb")
 
-_SERVER: _Server | None = None
-_AFTER: list[Any] | None = None
-"""While a call runs on the server: what runs once its reply is sent (``after_reply``)."""
+class CallServing(Part):
+    """This engine's call server (the registry's part for it)."""
+
+    def __init__(self) -> None:
+        self.server: _Server | None = None
+        """The server, once ``serve`` started it."""
+        self.after: list[Any] | None = None
+        """While a call runs on the server: what runs once its reply is sent (``after_reply``)."""
+
+    def closed(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
 
 def after_reply(fn: Any) -> None:
@@ -77,10 +88,11 @@ def after_reply(fn: Any) -> None:
     threads would otherwise compete with the reply for the GIL and the cores, and the
     notebook would wait for them.
     """
-    if _AFTER is None:
+    after = part(CallServing).after
+    if after is None:
         fn()
     else:
-        _AFTER.append(fn)
+        after.append(fn)
 
 
 MAX_REQUEST_BYTES = 1 << 30
@@ -98,15 +110,16 @@ def serve(addr: str) -> tuple[str, bytes]:
 
     Returns its zmq endpoint and its nonce (for the notebook's ``signing.Link``).
     """
-    global _SERVER
-    if _SERVER is None:
-        _SERVER = _Server(addr, engine_key())
-    return _SERVER.endpoint, _SERVER.nonce
+    serving = part(CallServing)
+    if serving.server is None:
+        serving.server = _Server(addr, engine_key())
+    return serving.server.endpoint, serving.server.nonce
 
 
 def dropped() -> int:
     """Requests this engine's call server refused (unsigned, forged, replayed)."""
-    return 0 if _SERVER is None else _SERVER.link.dropped
+    server = part(CallServing).server
+    return 0 if server is None else server.link.dropped
 
 
 class _Server:
@@ -125,6 +138,10 @@ class _Server:
         self.stream = ZMQStream(self.sock)  # the kernel's event loop: the main thread
         self.stream.on_recv(self._on_request, copy=False)
 
+    def close(self) -> None:
+        """Stop serving: the stream leaves the event loop and the socket closes."""
+        self.stream.close()
+
     def _send(self, ident: bytes, frames: list[Any]) -> None:
         try:
             self.sock.send_multipart([ident, *self.link.sign(frames)], copy=False)  # [ident, auth, head, body]
@@ -132,7 +149,6 @@ class _Server:
             log.warning("a call reply could not be sent: %s", exc)
 
     def _on_request(self, frames: list[Any]) -> None:
-        global _AFTER
         try:
             if len(frames) != 3:  # the sender's identity, the signature, the call
                 raise Refused(f"{len(frames) - 1} frames where a signed call has 2")
@@ -142,11 +158,12 @@ class _Server:
             self.link.refused(why, self.endpoint)
             return
         after: list[Any] = []
-        _AFTER = after
+        serving = part(CallServing)
+        serving.after = after
         try:
             self._answer(ident, frames[1].bytes[:HEADER_BYTES], payload.buffer)
         finally:
-            _AFTER = None
+            serving.after = None
             for fn in after:
                 try:
                     fn()

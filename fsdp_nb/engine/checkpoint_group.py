@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, TypeVar
 
+from .registry import Part, World, part
+
 
 class _Answer(Protocol):
     ok: bool
@@ -19,7 +21,6 @@ A = TypeVar("A", bound=_Answer)
 
 __all__ = ["agree", "any_rank", "checkpoint_group", "rank_and_world"]
 
-_GROUP: tuple[Any, Any] | None = None
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -74,12 +75,27 @@ def checkpoint_group() -> Any:
     background write and commit must not interleave with training collectives on
     the default group. Also for one rank: that world may be NCCL too.
     """
-    global _GROUP
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    held = part(CheckpointGroup)
     world = dist.group.WORLD
-    if _GROUP is None or _GROUP[0] is not world:
-        _GROUP = (world, dist.new_group(backend="gloo"))
-    return _GROUP[1]
+    if held.world is not world:
+        held.world, held.group = world, dist.new_group(backend="gloo")
+    return held.group
+
+
+class CheckpointGroup(Part):
+    """This rank's checkpoint group and the world it was made in (the registry's part:
+    a new world makes a new one, on the first checkpoint collective there)."""
+
+    def __init__(self) -> None:
+        self.world: Any = None
+        self.group: Any = None
+
+    def reformed(self, world: World) -> None:
+        self.world = self.group = None
+
+    def closed(self) -> None:
+        self.world = self.group = None

@@ -31,6 +31,7 @@ from ..torch_compat import (
     reset_fsdp_iteration,
     set_mesh_group_names,
 )
+from .registry import Part, part
 from .retired_groups import retire_groups
 
 log = logging.getLogger("fsdp_nb")
@@ -50,7 +51,16 @@ __all__ = [
 STACK_SIGNAL = signal.SIGUSR1
 """The signal that makes an engine dump every thread's stack to its stack file."""
 
-_state: dict[str, Any] = {}
+
+
+class StackFile(Part):
+    """Where this engine writes its stacks on SIGUSR1 (the registry's part for it)."""
+
+    def __init__(self) -> None:
+        self.file: Any = None
+        """The open file faulthandler writes to (None: none registered yet)."""
+        self.path: str | None = None
+        """Its path."""
 
 
 def stack_file(folder: str, pid: int) -> str:
@@ -73,14 +83,15 @@ def install(folder: str) -> str:
     interrupts.install()
     private_folder(folder)
     path = stack_file(folder, os.getpid())
-    old = _state.get("file")
-    if old is not None and _state.get("path") == path:
+    held = part(StackFile)
+    old = held.file
+    if old is not None and held.path == path:
         return path
     fd = private_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     f = os.fdopen(fd, "a", buffering=1)  # lives as long as the engine
     faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
-    old_path = _state.get("path")
-    _state["file"], _state["path"] = f, path
+    old_path = held.path
+    held.file, held.path = f, path
     if old is not None and old_path is not None:
         old.close()
         try:

@@ -28,28 +28,34 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+from .registry import Part, part
+
 __all__ = ["calls", "guarded", "install", "own"]
 
 log = logging.getLogger("fsdp_nb")
 
-_OWN: set[Any] = set()
-"""Code objects of bookkeeping frames: a SIGINT under them (and under no call) is dropped."""
+class Marks(Part):
+    """The frames this engine's SIGINT handler knows (the registry's part for it; marked
+    as the modules that own them are imported, kept for the engine's life)."""
 
-_CALLS: set[Any] = set()
-"""Code objects of the frames that run a request's code inside the ``try`` that turns a
-KeyboardInterrupt into the request's error reply."""
+    def __init__(self) -> None:
+        self.own: set[Any] = set()
+        """Code objects of bookkeeping frames: a SIGINT under them (and under no call) is dropped."""
+        self.calls: set[Any] = set()
+        """Code objects of the frames that run a request's code inside the ``try`` that turns a
+        KeyboardInterrupt into the request's error reply."""
 
 
 def own(*fns: Callable[..., Any]) -> None:
     """Mark ``fns``' frames as bookkeeping: a SIGINT landing under them is dropped,
     unless a call frame is nearer the interrupted one."""
-    _OWN.update(fn.__code__ for fn in fns)
+    part(Marks).own.update(fn.__code__ for fn in fns)
 
 
 def calls(*fns: Callable[..., Any]) -> None:
     """Mark ``fns``' frames as running a request's code: a SIGINT landing under them
     raises KeyboardInterrupt, which they answer as the request's error."""
-    _CALLS.update(fn.__code__ for fn in fns)
+    part(Marks).calls.update(fn.__code__ for fn in fns)
 
 
 def guarded(signum: int, frame: Any) -> None:
@@ -59,11 +65,12 @@ def guarded(signum: int, frame: Any) -> None:
         signum: the signal (SIGINT).
         frame: the frame the signal interrupted; its callers decide (module docstring).
     """
+    marks = part(Marks)
     while frame is not None:
         code = frame.f_code
-        if code in _CALLS:
+        if code in marks.calls:
             break
-        if code in _OWN:
+        if code in marks.own:
             log.warning("SIGINT in the kernel's own handling of a request (%s): dropped "
                         "(the next one reaches the call)", code.co_name)
             return

@@ -9,6 +9,7 @@ from typing import Any
 import cloudpickle
 
 from ..wire.calls import ByValue
+from .registry import Part, part
 
 
 def user_ns() -> dict[str, Any]:
@@ -26,23 +27,20 @@ def user_ns() -> dict[str, Any]:
     return __main__.__dict__
 
 
-class Placement:
-    """Where this engine computes as a rank, as ``process_group.init`` set it. The cells see
-    the device as the engine global ``device``, which they may rebind; fsdp_nb reads it here."""
+class Placement(Part):
+    """Where this engine computes as a rank, as ``process_group.init`` set it (the
+    registry's part for it). The cells see the device as the engine global ``device``,
+    which they may rebind; fsdp_nb reads it here."""
 
     def __init__(self) -> None:
         self.device = "cpu"
         """``"cpu"``, or the rank's ``"cuda:N"``."""
 
 
-PLACEMENT = Placement()
-"""This engine's placement."""
-
-
 def rank_device() -> str:
     """This rank's device (``"cpu"``, ``"cuda:0"``), as the group's formation set it;
     ``"cpu"`` before one is formed."""
-    return PLACEMENT.device
+    return part(Placement).device
 
 
 def ranks_on_host() -> int:

@@ -26,7 +26,8 @@ import logging
 from typing import Any
 
 from ..torch_compat import group_backend, process_groups
-from .signing import Link, Refused, start_listener
+from .registry import part
+from .signing import Link, ListenerState, Refused, start_listener
 
 __all__ = ["ABORT", "MAX_FRAME_BYTES", "abort_nccl", "received", "start"]
 
@@ -37,7 +38,11 @@ ABORT = b"abort"
 MAX_FRAME_BYTES = 4096
 """The largest frame the listener takes (a signed request is under 100 bytes)."""
 
-_LISTENER: dict[str, Any] = {}
+
+
+class AbortListener(ListenerState):
+    """The abort listener's socket and what it has done: ``received`` and ``aborted``
+    counts beside ``signing.start_listener``'s endpoint, nonce and link."""
 
 
 def _is_nccl(backend: Any) -> bool:
@@ -89,8 +94,9 @@ def _handle(sock: Any, link: Link, endpoint: str, frames: list[Any]) -> None:
         link.refused(why, endpoint)
         return
     log.warning("fsdp_nb: aborting NCCL communicators (asked by the notebook)")
-    _LISTENER["aborted"] = _LISTENER.get("aborted", 0) + abort_nccl()
-    _LISTENER["received"] = _LISTENER.get("received", 0) + 1
+    state = part(AbortListener).state
+    state["aborted"] = state.get("aborted", 0) + abort_nccl()
+    state["received"] = state.get("received", 0) + 1
 
 
 def start(addr: str) -> tuple[str, bytes]:
@@ -102,11 +108,12 @@ def start(addr: str) -> tuple[str, bytes]:
 
     Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``).
     """
-    return start_listener(_LISTENER, addr, "nccl-abort", "PULL", MAX_FRAME_BYTES, _handle, "fsdp_nb-nccl-abort")
+    return start_listener(part(AbortListener).state, addr, "nccl-abort", "PULL", MAX_FRAME_BYTES, _handle, "fsdp_nb-nccl-abort")
 
 
 def received() -> tuple[int, int, int]:
     """(abort requests received, NCCL backends aborted, messages refused) by this
     engine's listener."""
-    link = _LISTENER.get("link")
-    return _LISTENER.get("received", 0), _LISTENER.get("aborted", 0), link.dropped if link else 0
+    state = part(AbortListener).state
+    link = state.get("link")
+    return state.get("received", 0), state.get("aborted", 0), link.dropped if link else 0

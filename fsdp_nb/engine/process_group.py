@@ -22,17 +22,34 @@ from datetime import timedelta
 from typing import Any
 
 from ..torch_compat import FLIGHT_RECORDER_ENV
+from .registry import Part, part
 from .retired_groups import retire_groups
 
-_LISTENING: dict[str, socket.socket] = {}
-"""The socket ``listen`` bound for the next group's store (rank 0), until ``init``."""
+
+class StoreSocket(Part):
+    """The socket ``listen`` bound for the next group's store (rank 0), until ``init``
+    (the registry's part for it)."""
+
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+
+    def take(self) -> socket.socket | None:
+        """The socket, which the caller now owns (None: none is bound)."""
+        sock, self.sock = self.sock, None
+        return sock
+
+    def closed(self) -> None:
+        sock = self.take()
+        if sock is not None:
+            sock.close()
 
 
 def listen(addr: str) -> int:
     """Bind a listening socket on ``addr`` (rank 0's ``MASTER_ADDR``) for the next
     group's store; its port. Only the store's rank calls it."""
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    old = _LISTENING.pop("store", None)
+    held = part(StoreSocket)
+    old = held.take()
     if old is not None:
         old.close()
     s = socket.socket(family, socket.SOCK_STREAM)
@@ -42,7 +59,7 @@ def listen(addr: str) -> int:
     except OSError:
         s.close()
         raise
-    _LISTENING["store"] = s
+    held.sock = s
     return s.getsockname()[1]
 
 
@@ -53,7 +70,7 @@ def _store(env: dict[str, str], timeout: timedelta) -> Any:
     addr, port, world = env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"])
     if int(env["RANK"]) != 0:
         return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
-    sock = _LISTENING.pop("store", None)
+    sock = part(StoreSocket).take()
     if sock is None or sock.getsockname()[1] != port:
         raise RuntimeError(f"rank 0 holds no listening socket on port {port} for the group's "
                            "store (process_group.listen was not called first)")
@@ -139,9 +156,10 @@ def init(
         timeout=timeout,
         **kwargs,
     )
-    from .namespace import PLACEMENT, user_ns
+    from .namespace import Placement, user_ns
+    from .registry import part
 
-    PLACEMENT.device = device
+    part(Placement).device = device
     ns = user_ns()
     ns.setdefault("torch", torch)
     ns.setdefault("dist", dist)

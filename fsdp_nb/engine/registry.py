@@ -22,7 +22,8 @@ recovery and ``shutdown`` alike:
    scaler's scale, the autosave's count) it agrees, so a rank that joined holds what a
    rank that stayed holds;
 3. :meth:`Part.closed`: the rank is leaving (``shutdown``, or a ``resize`` that retires
-   it): threads stopped, sockets closed, hooks removed.
+   it): threads stopped, sockets closed, hooks removed. The part stays in the registry,
+   empty: an engine that serves a later session starts it again on first use.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class Part:
         """The group formed again around this rank (see the module docstring)."""
 
     def closed(self) -> None:
-        """This rank is leaving: stop threads, close sockets, remove hooks."""
+        """This rank is leaving: stop threads, close sockets, remove hooks, and be ready to
+        start again on first use (a later session on the same engine)."""
 
 
 P = TypeVar("P", bound=Part)
@@ -131,7 +133,7 @@ class Registry:
                 p.closed()
             except Exception:  # noqa: BLE001 - one part's failure must not keep the others open
                 log.exception("fsdp_nb: closing %s on this rank failed", kind_of(cls))
-        self._parts.clear()
+        self.world = None
 
 
 RANK = Registry()

@@ -14,12 +14,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..torch_compat import flight_recorder
+from .registry import Part, part
 
-__all__ = ["RETIRED", "RetiredGroups", "retire_groups"]
+__all__ = ["RetiredGroups", "retire_groups", "retired"]
 
 
-class RetiredGroups:
-    """The recorder's status keys of the groups this rank has left.
+class RetiredGroups(Part):
+    """The recorder's status keys of the groups this rank has left (the registry's part:
+    :func:`retired`; a test makes its own).
 
     Args:
         recorder: reads the flight recorder (``torch_compat.flight_recorder``).
@@ -37,10 +39,11 @@ class RetiredGroups:
         self.keys.update(str(k) for k in status.get("pg_status") or {})
 
 
-RETIRED = RetiredGroups()
-"""This engine's retired groups (the hang watch's ``WATCH`` reads them)."""
+def retired() -> RetiredGroups:
+    """This engine's retired groups (the hang watch reads them)."""
+    return part(RetiredGroups)
 
 
 def retire_groups() -> None:
-    """This engine's groups retired (:meth:`RetiredGroups.retire` of :data:`RETIRED`)."""
-    RETIRED.retire()
+    """This engine's groups retired (:meth:`RetiredGroups.retire` of :func:`retired`)."""
+    retired().retire()

@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from ..wire.decode import encode
+from .registry import Part, part
 from .signing import Link, Refused, engine_key, new_nonce
 
 __all__ = ["MAX_SUBSCRIPTION_BYTES", "Reading", "dropped", "running", "start"]
@@ -57,8 +58,13 @@ class Reading:
         tensor the training thread may change."""
         raise NotImplementedError
 
-_LOCK = threading.Lock()
-_SAMPLERS: dict[str, _Sampler] = {}
+class Samplers(Part):
+    """This engine's sampler threads, by token (the registry's part for the side channel)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running: dict[str, _Sampler] = {}
+        """Token -> its thread, while it runs (a thread ends when its subscriber goes)."""
 
 
 class _Sampler(threading.Thread):
@@ -132,9 +138,10 @@ class _Sampler(threading.Thread):
         finally:
             sock.close(0)
             ctx.term()
-            with _LOCK:
-                if _SAMPLERS.get(self.token) is self:
-                    del _SAMPLERS[self.token]
+            samplers = part(Samplers)
+            with samplers.lock:
+                if samplers.running.get(self.token) is self:
+                    del samplers.running[self.token]
 
     def _subscribe(self, sock: Any, topic: bytes) -> bool:
         """Apply the subscription just received if its topic is this sampler's token,
@@ -174,28 +181,31 @@ def start(token: str, rank: int, addr: str, interval: float = 1.0, wait_subscrib
         raise TypeError(f"reading must be a side_channel.Reading subclass (what the sampler publishes), got {reading!r}")
     key = engine_key() if key is None else key
     reading.prepare()  # on the main thread (a task): what the readings need first
-    with _LOCK:
-        s = _SAMPLERS.get(token)
+    samplers = part(Samplers)
+    with samplers.lock:
+        s = samplers.running.get(token)
         if s is not None and s.is_alive() and s.endpoint:
             return s.endpoint, s.nonce
         s = _Sampler(token, rank, addr, float(interval), float(wait_subscriber), key, reading)
-        _SAMPLERS[token] = s
+        samplers.running[token] = s
     s.start()
     s._bound.wait(10)
     if s.error is not None or not s.endpoint:
-        with _LOCK:
-            _SAMPLERS.pop(token, None)
+        with samplers.lock:
+            samplers.running.pop(token, None)
         raise RuntimeError(f"memory sampler could not bind on {addr}: {s.error!r}")
     return s.endpoint, s.nonce
 
 
 def dropped() -> int:
     """Subscriptions refused by this engine's samplers that are still running."""
-    with _LOCK:
-        return sum(s.link.dropped for s in _SAMPLERS.values())
+    samplers = part(Samplers)
+    with samplers.lock:
+        return sum(s.link.dropped for s in samplers.running.values())
 
 
 def running() -> list[str]:
     """Tokens of the samplers alive on this engine."""
-    with _LOCK:
-        return [t for t, s in _SAMPLERS.items() if s.is_alive()]
+    samplers = part(Samplers)
+    with samplers.lock:
+        return [t for t, s in samplers.running.items() if s.is_alive()]

@@ -34,9 +34,11 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from .registry import Part
+
 __all__ = [
-    "AUTH_BYTES", "HEADER_BYTES", "Link", "Refused", "cluster_key", "engine_key", "frame_bytes", "frame_digests",
-    "new_nonce", "start_listener",
+    "AUTH_BYTES", "HEADER_BYTES", "Link", "ListenerState", "Refused", "cluster_key", "engine_key", "frame_bytes",
+    "frame_digests", "new_nonce", "start_listener",
 ]
 
 log = logging.getLogger("fsdp_nb")
@@ -214,6 +216,15 @@ def cluster_key(client: Any) -> bytes:
     return key
 
 
+class ListenerState(Part):
+    """A signed listener's endpoint, nonce and link (``start_listener`` keeps them here):
+    each listener's kind of registry part subclasses it. The listener serves for the
+    engine's life, so closing leaves it as it is."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+
+
 def start_listener(state: dict[str, Any], addr: str, purpose: str, sock_type: str, max_bytes: int,
                    handle: Any, name: str, window: int = 0) -> tuple[str, bytes]:
     """The server side of a signed channel, started once per engine: a zmq socket of
@@ -223,7 +234,7 @@ def start_listener(state: dict[str, Any], addr: str, purpose: str, sock_type: st
     endpoint, frames)`` for each message, one at a time, for as long as the engine lives;
     it ends, closing the socket, when the engine's zmq context is terminated.
 
-    ``window``: the link's (``Link``). ``state`` (the caller's module dict) keeps ``endpoint``, ``nonce`` and ``link``; a
+    ``window``: the link's (``Link``). ``state`` (the listener's ``ListenerState.state``) keeps ``endpoint``, ``nonce`` and ``link``; a
     second call finds them there and starts nothing. Returns the endpoint and nonce: what
     the notebook needs for its side of the link.
     """

@@ -34,7 +34,7 @@ so it pays nothing for the recorder either.
 
 What the watch remembers between questions (where the main thread was, when it first
 saw a wait and each group's count) is a :class:`RankWatch`'s, one per engine
-(:data:`WATCH`); a test makes its own, handing it the recorder, the main thread's frame
+(:func:`watch`); a test makes its own, handing it the recorder, the main thread's frame
 and the clock it reads.
 """
 
@@ -51,8 +51,9 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from ..engine.retired_groups import RETIRED, RetiredGroups
-from ..engine.signing import Link, Refused, start_listener
+from ..engine.registry import Part, part
+from ..engine.retired_groups import RetiredGroups, retired
+from ..engine.signing import Link, ListenerState, Refused, start_listener
 from ..engine.stacks import library_dirs
 from ..torch_compat import (
     collective_call,
@@ -65,7 +66,7 @@ from ..torch_compat import (
 from ..wire.decode import encode
 from .wire_hang_state import Collective, Freed, GroupCount, RankState, UserFrame, WatchError
 
-__all__ = ["FREE", "MAX_FRAME_BYTES", "QUERY", "QUERY_NOW", "WATCH", "WINDOW", "RankWatch",
+__all__ = ["FREE", "MAX_FRAME_BYTES", "QUERY", "QUERY_NOW", "WINDOW", "RankWatch", "WatchListener", "watch",
            "main_frame", "start"]
 
 log = logging.getLogger("fsdp_nb")
@@ -85,8 +86,6 @@ WINDOW = 64
 """How far out of order the questions (each on a socket of its own) and their answers may
 arrive and still be taken once (``signing.Link``): a rank whose main thread holds the GIL
 reads two queued questions in either order."""
-_LISTENER: dict[str, Any] = {}
-"""The watch thread's socket: its endpoint, nonce and link (``signing.start_listener``)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -184,14 +183,15 @@ def _recorded(dump: dict[str, Any], flying: dict[str, int]) -> Collective | None
     return best
 
 
-class RankWatch:
+class RankWatch(Part):
     """What this rank's watch thread reads when the notebook asks, and what it remembers
     between two questions.
 
     Args:
         recorder: reads torch's flight recorder (``torch_compat.flight_recorder``):
             ``recorder(collectives)`` -> its JSON dump, or None where it records nothing.
-        retired: the groups this rank has left, whose status the recorder keeps.
+        left: the groups this rank has left, whose status the recorder keeps (default:
+            this engine's, ``retired_groups.retired()``).
         main_thread_frame: the main thread's innermost frame now.
         on_main_thread: whether the caller is the main thread (a call that runs the
             question itself needs no waiting for it to settle).
@@ -200,11 +200,11 @@ class RankWatch:
     """
 
     def __init__(self, *, recorder: Callable[[bool], dict[str, Any] | None] = flight_recorder,
-                 retired: RetiredGroups = RETIRED,
+                 left: RetiredGroups | None = None,
                  main_thread_frame: Callable[[], FrameType | None] = _main_thread_frame,
                  on_main_thread: Callable[[], bool] = lambda: threading.current_thread() is threading.main_thread(),
                  clock: Callable[[], float] = time.time, pause: Callable[[float], None] = time.sleep):
-        self.recorder, self.retired = recorder, retired
+        self.recorder, self.retired = recorder, left if left is not None else retired()
         self.main_thread_frame, self.on_main_thread = main_thread_frame, on_main_thread
         self.clock, self.pause = clock, pause
         self.last: tuple[Any, ...] | None = None
@@ -347,8 +347,13 @@ class RankWatch:
                           dtypes=tuple(str(t.dtype).replace("torch.", "") for t in tensors))
 
 
-WATCH = RankWatch()
-"""This engine's watch: what its thread answers the notebook with."""
+def watch() -> RankWatch:
+    """This engine's watch: what its thread answers the notebook with (the registry's part)."""
+    return part(RankWatch)
+
+
+class WatchListener(ListenerState):
+    """The watch thread's socket: its endpoint, nonce and link (``signing.start_listener``)."""
 
 
 def _answer(payload: bytes) -> bytes:
@@ -357,7 +362,7 @@ def _answer(payload: bytes) -> bytes:
     ``WatchError`` when that failed."""
     try:
         if payload in (QUERY, QUERY_NOW):
-            return encode(WATCH.state(now=payload == QUERY_NOW))
+            return encode(watch().state(now=payload == QUERY_NOW))
         from ..engine.health import close_connections_to
 
         peers = [(str(ip), int(port)) for ip, port in json.loads(payload[len(FREE):])]
@@ -391,5 +396,5 @@ def start(addr: str) -> tuple[str, bytes]:
 
     Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``).
     """
-    return start_listener(_LISTENER, addr, "hang-watch", "ROUTER", MAX_FRAME_BYTES, _handle, "fsdp_nb-hang-watch",
+    return start_listener(part(WatchListener).state, addr, "hang-watch", "ROUTER", MAX_FRAME_BYTES, _handle, "fsdp_nb-hang-watch",
                           WINDOW)

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..engine.namespace import user_ns
 from ..engine.side_channel import Reading
-from ..models.rank_wrap import MODELS, ON_WRAPPED
+from ..models.rank_wrap import on_wrapped, wrapped
 from ..torch_compat import local_tensor
 
 __all__ = ["EVERY", "READINGS", "KindReadings", "MemoryReading", "by_kind"]
@@ -59,17 +59,17 @@ def by_kind(models: Mapping[str, Any] | None = None, namespace: Mapping[str, Any
     wrapped. Main thread only (see the module's docstring).
 
     Args:
-        models: name -> wrapped model (default: this engine's, ``wrap.MODELS``).
+        models: name -> wrapped model (default: this engine's, ``rank_wrap.wrapped()``).
         namespace: where optimizers are looked for (default: the engine's globals).
     """
-    models = MODELS if models is None else models
+    models = wrapped() if models is None else models
     if not models:
         return None
     import torch
 
-    wrapped = [w.module for w in list(models.values())]
-    params = [t for m in wrapped for t in (*m.parameters(), *m.buffers())]
-    grads = [p.grad for m in wrapped for p in m.parameters() if p.grad is not None]
+    modules = [w.module for w in list(models.values())]
+    params = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
     names = user_ns() if namespace is None else namespace
     state = [v for o in list(names.values()) if isinstance(o, torch.optim.Optimizer)
              for s in list(o.state.values()) for v in list(s.values()) if isinstance(v, torch.Tensor)]
@@ -124,7 +124,7 @@ class KindReadings:
     def install(self) -> None:
         """Keep the reading current from now on (idempotent; call on the main thread): a
         post-step hook on every optimizer (``register_optimizer_step_post_hook``),
-        IPython's ``post_execute`` event and ``wrap.ON_WRAPPED``; then read once."""
+        IPython's ``post_execute`` event and ``rank_wrap.on_wrapped()``; then read once."""
         if not self.hooks:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -138,8 +138,8 @@ class KindReadings:
             if ip is not None:
                 ip.events.register("post_execute", self._after_cell)
                 self.hooks.append(lambda: ip.events.unregister("post_execute", self._after_cell))
-            ON_WRAPPED.append(self._after_cell)
-            self.hooks.append(lambda: ON_WRAPPED.remove(self._after_cell))
+            on_wrapped().append(self._after_cell)
+            self.hooks.append(lambda: on_wrapped().remove(self._after_cell))
         self.note(force=True)
 
     def uninstall(self) -> None:

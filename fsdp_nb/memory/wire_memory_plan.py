@@ -10,7 +10,9 @@ job as a JSON line, which the notebook decodes strictly (``fsdp_nb.wire.decode``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from ..models.wire_mesh_plan import MeshPlan
@@ -24,7 +26,7 @@ __all__ = [
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "other")
 """The categories of a plan, in the order it shows them."""
 
-TRACKER_CATEGORIES: dict[str, str] = {
+TRACKER_CATEGORIES: Mapping[str, str] = MappingProxyType({
     "Sharded Param": "parameters",
     "Unsharded Param": "parameters",
     "Buffer": "parameters",
@@ -36,7 +38,7 @@ TRACKER_CATEGORIES: dict[str, str] = {
     "All Gather": "communication",
     "Reduce Scatter": "communication",
     "Temp": "other",
-}
+})
 """torch's tracker category (``_FSDPRefType.value``) -> the plan's category."""
 
 

@@ -1,8 +1,9 @@
 """Engine side of ``sess.wrap``: build, shard and bind a model on this rank.
 
-Registry for other layers (checkpoints, layout, recovery)::
+What other features read (checkpoints, layout, recovery), this rank's part
+:class:`WrappedModels`::
 
-    MODELS[name] -> Wrapped(module, mesh, options)
+    wrapped()[name] -> Wrapped(module, mesh, options)
 
 ``module`` is the FSDP2 module (also the engine global ``name``), ``mesh`` the
 ``DeviceMesh`` it was sharded on (the full mesh: ``("dp",)``, ``("dp_replicate",
@@ -39,6 +40,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..engine.namespace import rank_device, unship, user_ns
+from ..engine.registry import Part, part
+from ..engine.step import owner
 from ..torch_compat import (
     activation_checkpoint,
     local_tensor,
@@ -53,7 +56,7 @@ from .wire_wrap import ShippedWrap, WrapSummary
 from .wire_wrap_options import WrapOptions
 
 __all__ = [
-    "MODELS",
+    "WrappedModels",
     "Wrapped",
     "build",
     "check_classes",
@@ -66,6 +69,8 @@ __all__ = [
     "param_sizes",
     "resolve",
     "shard",
+    "on_wrapped",
+    "wrapped",
     "wrapped_models",
 ]
 
@@ -86,11 +91,25 @@ class Wrapped(NamedTuple):
     from this (``wrapped_models``)."""
 
 
-MODELS: dict[str, Wrapped] = {}
-"""Engine global name -> the wrapped model on this rank."""
-ON_WRAPPED: list[Callable[[], None]] = []
-"""Called, in order, on the main thread after each wrap has put its model in ``MODELS``
-(``memory_kinds`` reads what the new model holds for a live memory view)."""
+class WrappedModels(Part):
+    """The models ``sess.wrap`` built on this rank (the registry's part for wraps)."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, Wrapped] = {}
+        """Engine global name -> the wrapped model on this rank."""
+        self.on_wrapped: list[Callable[[], None]] = []
+        """Called, in order, on the main thread after each wrap has put its model in
+        ``models`` (``memory_kinds`` reads what the new model holds for a live memory view)."""
+
+
+def wrapped() -> dict[str, Wrapped]:
+    """Engine global name -> the wrapped model on this rank."""
+    return part(WrappedModels).models
+
+
+def on_wrapped() -> list[Callable[[], None]]:
+    """What runs on the main thread after each wrap (``WrappedModels.on_wrapped``)."""
+    return part(WrappedModels).on_wrapped
 
 
 def _key(cls: type) -> tuple[str, str]:
@@ -129,7 +148,7 @@ def check_classes(model: Any, options: WrapOptions) -> str | None:
 def name_status(name: str) -> str | None:
     """None if ``name`` is free (or holds a model ``sess.wrap`` bound), else what it is."""
     ns = user_ns()
-    if name in MODELS or name not in ns:
+    if name in wrapped() or name not in ns:
         return None
     return f"holds a {type(ns[name]).__name__}"
 
@@ -277,7 +296,7 @@ def _forget(*names: str) -> None:
     ns = user_ns()
     dropped = 0
     for name in names:
-        old = MODELS.pop(name, None)
+        old = wrapped().pop(name, None)
         if old is not None:
             dropped += 1
             if ns.get(name) is old.module:
@@ -369,13 +388,14 @@ def build(name: str, kind: str, payload: ByValue, plan: MeshPlan, seed: int, ini
             full_sd = None
     gc.collect()
     summary = _summary(model, units, checkpointed, mesh)
-    MODELS[name] = Wrapped(model, mesh, options, summary, ShippedWrap(kind=kind, payload=shipped, plan=plan, seed=seed))
+    wrapped()[name] = Wrapped(model, mesh, options, summary, ShippedWrap(kind=kind, payload=shipped, plan=plan, seed=seed))
     ns[name] = model
+    owner().watch(model)  # the step's hooks: the one forward pre-hook fsdp_nb puts on a model
     if options.mixed_precision == "16-mixed":  # fp16 gradients need loss scaling
         from .rank_grad_scaler import install
 
         install(device.type)
-    for hook in ON_WRAPPED:
+    for hook in list(on_wrapped()):
         hook()
     return summary
 
@@ -411,18 +431,18 @@ def _summary(model: Any, units: list, checkpointed: tuple[str, ...], mesh: Any) 
 
 def get(name: str) -> Wrapped:
     """The registry entry for ``name``, with a clear error when it was not wrapped here."""
-    if name not in MODELS:
-        wrapped = ", ".join(sorted(MODELS)) or "none"
+    if name not in wrapped():
+        held = ", ".join(sorted(wrapped())) or "none"
         raise NameError(
-            f"no model wrapped as {name!r} on this rank (wrapped: {wrapped}); use sess.wrap first"
+            f"no model wrapped as {name!r} on this rank (wrapped: {held}); use sess.wrap first"
         )
-    return MODELS[name]
+    return wrapped()[name]
 
 
 def wrapped_models() -> dict[str, tuple[ShippedWrap | None, WrapSummary | None]]:
     """Name -> (what was shipped, its summary) of every model wrapped on this rank, in wrap
     order: what ``Session.attach`` needs to give a new kernel its ``sess.models``."""
-    return {name: (w.shipped, w.summary) for name, w in MODELS.items()}
+    return {name: (w.shipped, w.summary) for name, w in wrapped().items()}
 
 
 def resolve(name: str) -> Any:

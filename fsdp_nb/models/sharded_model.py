@@ -1,7 +1,7 @@
 """``ShardedModel``: the notebook's handle on a model ``sess.wrap`` sharded.
 
 The module itself lives on the engines (engine global ``name``, registry
-``fsdp_nb.models.rank_wrap.MODELS[name] -> (module, mesh, options)``); this handle asks
+``fsdp_nb.models.rank_wrap.wrapped()[name] -> (module, mesh, options)``); this handle asks
 them for what the notebook wants to see. Shipped to the engines (captured by a
 function given to ``sess.run``) it turns into that rank's FSDP module.
 """

@@ -13,15 +13,26 @@ import io
 import pdb
 import sys
 
+from ..engine.registry import Part, part
 from .wire_postmortem import DebugReply
 
 __all__ = ["close_debugger", "last_failure", "open_debugger", "run_commands", "send"]
 
-_ACTIVE: list[tuple[pdb.Pdb, io.StringIO]] = []
+class Debugging(Part):
+    """The post-mortem open on this rank (the registry's part for ``sess.debug``)."""
+
+    def __init__(self) -> None:
+        self.active: list[tuple[pdb.Pdb, io.StringIO]] = []
+        """The open debugger and what it printed (one at most)."""
+
+    def closed(self) -> None:
+        self.active.clear()
+
+
 """The debugger the notebook is driving on this rank (at most one)."""
 
-_ENDS = {"c", "cont", "continue", "q", "quit", "exit", "n", "next", "s", "step", "r", "return",
-         "unt", "until", "j", "jump", "run", "restart"}
+_ENDS = frozenset({"c", "cont", "continue", "q", "quit", "exit", "n", "next", "s", "step", "r", "return",
+         "unt", "until", "j", "jump", "run", "restart"})
 """Commands that would resume execution: in a post-mortem they end the session."""
 
 
@@ -46,15 +57,16 @@ def open_debugger() -> DebugReply:
     p.setup(None, tb)
     out.write(f"{last_failure()}\n")
     p.print_stack_entry(p.stack[p.curindex])
-    _ACTIVE.append((p, out))
+    part(Debugging).active.append((p, out))
     return DebugReply(_take(out))
 
 
 def send(line: str) -> DebugReply:
     """Run one pdb command line on the open debugger; ``done`` once it ends."""
-    if not _ACTIVE:
+    active = part(Debugging).active
+    if not active:
         return DebugReply("no debugger is open on this rank\n", done=True)
-    p, out = _ACTIVE[0]
+    p, out = active[0]
     word = line.strip().split(" ", 1)[0]
     if word in _ENDS:
         close_debugger()
@@ -66,8 +78,9 @@ def send(line: str) -> DebugReply:
 
 def close_debugger() -> None:
     """End the open debugger, if any (its frames stay in ``sys.last_traceback``)."""
-    while _ACTIVE:
-        p, _ = _ACTIVE.pop()
+    active = part(Debugging).active
+    while active:
+        p, _ = active.pop()
         p.forget()
 
 

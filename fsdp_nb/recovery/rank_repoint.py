@@ -14,21 +14,29 @@ from __future__ import annotations
 from typing import Any
 
 from ..engine.namespace import user_ns
-from ..models.rank_wrap import MODELS
+from ..engine.registry import Part, part
+from ..models.rank_wrap import wrapped
 
 __all__ = ["remember", "repoint"]
 
-_BEFORE: dict[int, tuple[str, str]] = {}
+class Remembered(Part):
+    """Which wrapped model and name each parameter had before ``restart`` rebuilt the models
+    (the registry's part for re-pointing optimizers)."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, tuple[str, str]] = {}
+        """id(parameter) -> (model, parameter name)."""
+
 """id(parameter) -> (model, parameter name), of the models about to be rebuilt. The
 optimizers hold those parameters, so the ids stay theirs until :func:`repoint`."""
 
 
 def remember() -> None:
     """Note which wrapped model and name each of this rank's parameters has."""
-    _BEFORE.clear()
-    for model, wrapped in MODELS.items():
-        for fqn, p in wrapped.module.named_parameters():
-            _BEFORE[id(p)] = (model, fqn)
+    part(Remembered).before.clear()
+    for model, w in wrapped().items():
+        for fqn, p in w.module.named_parameters():
+            part(Remembered).before[id(p)] = (model, fqn)
 
 
 def repoint(fresh: tuple[str, ...] = ()) -> list[str]:
@@ -42,7 +50,7 @@ def repoint(fresh: tuple[str, ...] = ()) -> list[str]:
     """
     import torch
 
-    new = {(model, fqn): p for model, w in MODELS.items() for fqn, p in w.module.named_parameters()}
+    new = {(model, fqn): p for model, w in wrapped().items() for fqn, p in w.module.named_parameters()}
     done = []
     for name, obj in list(user_ns().items()):
         if not isinstance(obj, torch.optim.Optimizer):
@@ -50,15 +58,15 @@ def repoint(fresh: tuple[str, ...] = ()) -> list[str]:
         swap: dict[int, Any] = {}
         for group in obj.param_groups:
             for i, p in enumerate(group["params"]):
-                key = _BEFORE.get(id(p))
+                key = part(Remembered).before.get(id(p))
                 if key is not None and key in new:
                     swap[id(p)] = new[key]
                     group["params"][i] = new[key]
         if swap:
-            kept = {id(p) for p in obj.state if id(p) in swap and _BEFORE[id(p)][0] not in fresh}
+            kept = {id(p) for p in obj.state if id(p) in swap and part(Remembered).before[id(p)][0] not in fresh}
             obj.state.update({swap[id(p)]: s for p, s in list(obj.state.items()) if id(p) in kept})
             for p in [p for p in list(obj.state) if id(p) in swap]:
                 del obj.state[p]
             done.append(name)
-    _BEFORE.clear()
+    part(Remembered).before.clear()
     return sorted(done)

@@ -32,12 +32,13 @@ from ..checkpoints.rank_async_saves import drain
 from ..checkpoints.rank_save import state_bytes
 from ..engine.checkpoint_group import checkpoint_group
 from ..engine.namespace import unship, user_ns
+from ..engine.registry import Part, part
 from ..formats.dcp_reader import safe_reader
 from ..formats.inspect import read_dcp_metadata
 from ..formats.pickles import load_planner
 from ..formats.storage import url_to_fs
 from ..memory.rank_memory_sample import peak_resident, reset_peak_resident
-from ..models.rank_wrap import MODELS, forget_all
+from ..models.rank_wrap import forget_all, wrapped
 from ..torch_compat import local_tensor
 from ..wire.calls import ByValue
 from .wire_resize import OptimizerRecipe, RankSurvey
@@ -52,8 +53,13 @@ OWN_NAMES = frozenset({"In", "Out", "exit", "quit", "get_ipython", "rank", "worl
                        "fsdp_nb"})
 """Engine globals IPython and fsdp_nb bind themselves: never reported as a user's variables."""
 
-_DETACHED: dict[str, Any] = {}
-"""Optimizers ``stage`` detached on this rank, by engine global name, until ``restore``."""
+class Detached(Part):
+    """Optimizers ``stage`` detached on this rank, until ``restore`` (the registry's part
+    for a resize)."""
+
+    def __init__(self) -> None:
+        self.optimizers: dict[str, Any] = {}
+        """Engine global name -> the optimizer."""
 
 
 def _optimizers() -> dict[str, Any]:
@@ -78,7 +84,7 @@ def _owner(optim: Any, owners: dict[int, str]) -> tuple[str | None, str | None]:
 def survey(models: tuple[str, ...]) -> RankSurvey:
     """What this rank holds that a resize carries (the optimizers of ``models``) or leaves
     (every other variable the user made)."""
-    owners = {id(p): name for name in models for p in MODELS[name].module.parameters()}
+    owners = {id(p): name for name in models for p in wrapped()[name].module.parameters()}
     optimizers: dict[str, list[str]] = {name: [] for name in models}
     problems = []
     for oname, optim in sorted(_optimizers().items()):
@@ -104,7 +110,7 @@ def recipe(oname: str, model: str) -> tuple[OptimizerRecipe, str | None]:
     import torch
 
     optim = user_ns()[oname]
-    names = {id(p): fqn for fqn, p in MODELS[model].module.named_parameters()}
+    names = {id(p): fqn for fqn, p in wrapped()[model].module.named_parameters()}
     groups = tuple({k: v for k, v in g.items() if k != "params"} for g in optim.param_groups)
     fqns = tuple(tuple(names[id(p)] for p in g["params"]) for g in optim.param_groups)
     cls = type(optim)
@@ -131,7 +137,7 @@ def state_size(optimizers: dict[str, tuple[str, ...]]) -> int:
     ns = user_ns()
     total = 0
     for name, onames in optimizers.items():
-        module = MODELS[name].module
+        module = wrapped()[name].module
         total += sum(local_tensor(t).nbytes for t in [*module.parameters(), *module.buffers()])
         for o in onames:
             total += sum(local_tensor(v).nbytes for st in ns[o].state.values() for v in st.values()
@@ -197,7 +203,7 @@ def stage(folder: str, optimizers: dict[str, tuple[str, ...]]) -> int:
     ns = user_ns()
     written = 0
     for name, onames in optimizers.items():
-        sd = _state(MODELS[name].module, [ns[o] for o in onames])
+        sd = _state(wrapped()[name].module, [ns[o] for o in onames])
         written += state_bytes(sd)
         path = os.path.join(folder, name)
         writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=False)
@@ -208,7 +214,7 @@ def stage(folder: str, optimizers: dict[str, tuple[str, ...]]) -> int:
         os.chmod(path, 0o700)
     for onames in optimizers.values():
         for o in onames:
-            optim = _DETACHED[o] = ns[o]
+            optim = part(Detached).optimizers[o] = ns[o]
             optim.state.clear()
             for g in optim.param_groups:
                 g["params"] = []
@@ -220,10 +226,10 @@ def leave() -> None:
     """A retiring rank: drop its wrapped models and detached optimizers, leave the group."""
     from ..engine.process_group import destroy
 
-    for o in list(_DETACHED):
+    for o in list(part(Detached).optimizers):
         user_ns().pop(o, None)
-    _DETACHED.clear()
-    forget_all(tuple(MODELS))
+    part(Detached).optimizers.clear()
+    forget_all(tuple(wrapped()))
     destroy()
 
 
@@ -269,7 +275,7 @@ def restore(name: str, folder: str, recipes: tuple[OptimizerRecipe, ...]) -> int
         set_optimizer_state_dict,
     )
 
-    model = MODELS[name].module
+    model = wrapped()[name].module
     params = dict(model.named_parameters())
     ns = user_ns()
     path = os.path.join(folder, name)
@@ -278,7 +284,7 @@ def restore(name: str, folder: str, recipes: tuple[OptimizerRecipe, ...]) -> int
     sd: dict[str, Any] = {"model": get_model_state_dict(model)}
     fill: list[tuple[Any, str, dict[str, Any] | None]] = []
     for i, rec in enumerate(recipes):
-        optim = _DETACHED.pop(rec.name, None)
+        optim = part(Detached).optimizers.pop(rec.name, None)
         if optim is not None and rec.name in ns and ns[rec.name] is optim:
             for g, fqns in zip(optim.param_groups, rec.fqns):
                 g["params"] = [params[f] for f in fqns]

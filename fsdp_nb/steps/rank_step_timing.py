@@ -43,7 +43,7 @@ from typing import Any
 from ..engine.checkpoint_group import rank_and_world
 from ..engine.side_channel import Reading
 from ..engine.step import training_step
-from ..models.rank_wrap import MODELS, ON_WRAPPED
+from ..models.rank_wrap import on_wrapped, wrapped
 from . import rank_logged as logged
 from .rank_step_events import DeviceSteps
 from .wire_step_times import RankSteps
@@ -111,7 +111,7 @@ def start(keep: int) -> None:
     _TIMING = t
     _hook_models()
     _arm(t)
-    ON_WRAPPED.append(_hook_models)
+    on_wrapped().append(_hook_models)
     try:
         from IPython import get_ipython
 
@@ -175,7 +175,7 @@ def _hook_models() -> None:
     t = _TIMING
     if t is None:
         return
-    for w in MODELS.values():
+    for w in wrapped().values():
         if w.module not in t.hooked:
             t.hooked.add(w.module)
             t.hooks.append(w.module.register_forward_pre_hook(
@@ -312,8 +312,8 @@ def stop() -> None:
         once, t.once = t.once, None
     for h in [*t.hooks, *([once] if once is not None else [])]:
         h.remove()
-    if _hook_models in ON_WRAPPED:
-        ON_WRAPPED.remove(_hook_models)
+    if _hook_models in on_wrapped():
+        on_wrapped().remove(_hook_models)
 
 
 class StepsReading(Reading):

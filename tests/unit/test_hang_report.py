@@ -137,7 +137,7 @@ class _Recorder:
 
 
 def _watch(recorder, frame=None, main=False, retired=None):
-    return RankWatch(recorder=recorder, retired=retired or RetiredGroups(recorder),
+    return RankWatch(recorder=recorder, left=retired or RetiredGroups(recorder),
                      main_thread_frame=lambda: frame, on_main_thread=lambda: main, pause=lambda s: None)
 
 

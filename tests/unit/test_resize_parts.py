@@ -116,7 +116,7 @@ def test_optimizer_recipe_builds_the_same_optimizer(monkeypatch):
     model = torch.nn.Linear(3, 2)
     optim = torch.optim.AdamW([{"params": [model.weight], "lr": 0.5}, {"params": [model.bias], "weight_decay": 0.0}],
                               lr=0.1, betas=(0.8, 0.9))
-    monkeypatch.setitem(ew.MODELS, "m", ew.Wrapped(model, None, None))
+    monkeypatch.setitem(ew.wrapped(), "m", ew.Wrapped(model, None, None))
     monkeypatch.setitem(user_ns(), "opt", optim)
     rec, problem = recipe("opt", "m")
     assert problem is None and rec.fqns == (("weight",), ("bias",))
@@ -179,8 +179,8 @@ def test_survey_carries_a_models_optimizers_and_leaves_the_rest(monkeypatch):
     from fsdp_nb.recovery.rank_resize import survey
 
     a, b, old = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-    monkeypatch.setitem(ew.MODELS, "a", ew.Wrapped(a, None, None))
-    monkeypatch.setitem(ew.MODELS, "b", ew.Wrapped(b, None, None))
+    monkeypatch.setitem(ew.wrapped(), "a", ew.Wrapped(a, None, None))
+    monkeypatch.setitem(ew.wrapped(), "b", ew.Wrapped(b, None, None))
     ns = user_ns()
     for name, value in {"opt_a": torch.optim.SGD(a.parameters(), lr=0.1),
                         "stale": torch.optim.SGD(old.parameters(), lr=0.1),  # a model wrapped again since
