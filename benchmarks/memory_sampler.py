@@ -34,10 +34,10 @@ def sample_cost(n: int) -> float:
     from fsdp_nb.memory import rank_memory_kinds as memory_kinds
     from fsdp_nb.memory.rank_memory_sample import read
 
-    read(0, memory_kinds.READINGS.kept())
+    read(0, memory_kinds.readings().kept())
     t0 = _t.perf_counter()
     for i in range(n):
-        read(0, memory_kinds.READINGS.kept(), seq=i)
+        read(0, memory_kinds.readings().kept(), seq=i)
     return (_t.perf_counter() - t0) / n
 
 

@@ -18,6 +18,7 @@ from .errors import (
     RankTimeoutError,
     ResizeError,
     SessionClosedError,
+    SessionUnfinishedError,
     UnsafeCheckpointError,
 )
 
@@ -112,6 +113,7 @@ __all__ = [
     "Session",
     "SessionClosedError",
     "SessionContext",
+    "SessionUnfinishedError",
     "ShardedModel",
     "StepProfile",
     "StepsView",

@@ -72,6 +72,14 @@ class SessionContext:
     """The ranks' autosave (``sess.autosave``), re-armed by ``restart``; None when off."""
     last_autosave: AutosaveSpec | None = None
     """The last autosave armed, kept after it stops: where ``restore="latest"`` looks."""
+    suspended_autosave: AutosaveSpec | None = None
+    """An autosave a restart suspended (it rebuilt the models at their initial weights, and
+    restored nothing): the next ``restart(restore=...)`` arms it again; None when none is."""
+    after_call: list[Callable[[SessionContext, bool], None]] = field(default_factory=list)
+    """Run after every user call (``sess.run``, ``sess.execute``, ``%%px``) while the session
+    is ready, told whether it succeeded on every rank (``runtime.calls``): what a feature
+    must do on every rank once a cell ended on all of them (the autosave writes a save
+    that fell due at the cell's last step). A feature adds itself and removes itself."""
     keeper: Keeper | None = None
     """The session record and watchdog (None for a connected session not kept alive)."""
     last_memory: dict[int, MemorySample] = field(default_factory=dict)
@@ -102,7 +110,8 @@ class SessionContext:
 
     @property
     def state(self) -> str:
-        """``starting``, ``ready``, ``degraded``, ``recovering``, ``failed`` or ``closed``."""
+        """``starting``, ``ready``, ``degraded``, ``unfinished`` (a restart stopped part way:
+        calls are refused until a restart runs to its end), ``failed`` or ``closed``."""
         return self.lifecycle.state
 
     @property
@@ -145,7 +154,9 @@ class SessionFacts:
 
     @property
     def state(self) -> str:
-        """``ready``, ``degraded`` (a rank died: ``restart()``), ``closed``, ``failed`` (or ``starting``)."""
+        """``ready``, ``degraded`` (a rank died: ``restart()``), ``unfinished`` (a restart
+        stopped part way: every call is refused, saying where, until ``restart()`` runs to its
+        end), ``closed``, ``failed`` (or ``starting``)."""
         return self._ctx.state
 
     @property

@@ -8,10 +8,12 @@ arguments stay ``TypeError`` / ``ValueError``, as Python's own calls raise them.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "add_note",
     "CheckpointError",
     "hide_frame",
     "CorruptCheckpointError",
@@ -22,6 +24,7 @@ __all__ = [
     "RankTimeoutError",
     "ResizeError",
     "SessionClosedError",
+    "SessionUnfinishedError",
     "UnsafeCheckpointError",
     "WireError",
 ]
@@ -129,6 +132,13 @@ class SessionClosedError(FsdpNbError, RuntimeError):
     """The session was shut down; start a new one with ``fsdp_nb.Session()``."""
 
 
+class SessionUnfinishedError(FsdpNbError, RuntimeError):
+    """A ``sess.restart()`` stopped part way (its ``setup`` failed on a rank, say), so the
+    ranks may not hold what the training cell needs: every call is refused, the message
+    naming the step that failed and how to mend it, until ``sess.restart()`` runs to its
+    end."""
+
+
 class CheckpointError(FsdpNbError, RuntimeError):
     """A checkpoint cannot be used: incomplete, wrong keys or shapes, unknown format."""
 
@@ -159,6 +169,38 @@ class WireError(FsdpNbError, ValueError):
     should fill: a field missing, one nobody knows, or a value of the wrong type. The
     notebook and the engines then run different versions of fsdp_nb; the message names
     the type and the field (``fsdp_nb.wire.decode``)."""
+
+
+def add_note(exc: BaseException, text: str) -> None:
+    """Add ``text`` to ``exc`` as a note, shown below its message wherever it is shown.
+
+    Python 3.11+ has ``BaseException.add_note``, which the traceback prints. Python 3.10,
+    the oldest fsdp_nb supports, has neither the method nor a traceback that prints
+    ``__notes__``: there the note is appended to the error's text (its one message
+    argument), so ``str(exc)`` and the traceback show it, and kept in ``__notes__`` as
+    3.11 keeps it, for code that reads them.
+
+    Args:
+        exc: the error about to be raised.
+        text: the note (may hold several lines).
+    """
+    if sys.version_info >= (3, 11):
+        exc.add_note(text)
+    else:
+        _note_in_text(exc, text)
+
+
+def _note_in_text(exc: BaseException, text: str) -> None:
+    """``add_note`` where ``BaseException.add_note`` is missing (Python 3.10): ``text`` kept
+    in ``__notes__`` and appended to the message that ``str(exc)`` shows."""
+    notes = getattr(exc, "__notes__", None)
+    exc.__notes__ = [*(notes if isinstance(notes, list) else []), text]  # type: ignore[attr-defined]
+    if len(exc.args) == 1 and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{text}",)
+    elif not exc.args:
+        exc.args = (text,)
+    else:  # several arguments: str(exc) shows them as a tuple, the note as its last item
+        exc.args = (*exc.args, text)
 
 
 def hide_frame(excinfo: Any = None) -> bool:

@@ -248,7 +248,7 @@ class Session(SessionFacts, SessionCheckpoints, SessionAutosave, SessionRecovery
         if not callable(fn):
             raise TypeError(f"run() needs a callable, got {type(fn).__name__}")
         return calls.run(self.dispatcher, fn, args, kwargs, timeout, checks.check_hang_after(hang_after),
-                         self._ctx.merge_output)
+                         self._ctx.merge_output, ctx=self._ctx)
 
     def execute(self, code: str, *, ranks: Sequence[int] | None = None, output: str | None = "all",
                 timeout: float | None = None, hang_after: float | None = None) -> None:
@@ -282,7 +282,7 @@ class Session(SessionFacts, SessionCheckpoints, SessionAutosave, SessionRecovery
         replies = calls.execute(self.dispatcher, code, timeout, ranks=None if ranks is None else targets,
                                 echoed=checks.check_output(output, targets), silent=silent,
                                 merged=self._ctx.merge_output and output != "each",
-                                hang_after=checks.check_hang_after(hang_after))
+                                hang_after=checks.check_hang_after(hang_after), ctx=self._ctx)
         if ranks is None:  # on every rank: a rank that joins later is given its definitions
             self._ctx.definitions.note_code(code)
         return replies

@@ -84,7 +84,7 @@ ASYNC_ON_CUDA_ONLY_WORLD = textwrap.dedent(
     from fsdp_nb.checkpoints.wire_checkpoint import LoadSpec, SaveSpec
     from fsdp_nb.formats.metadata import base_metadata
     from fsdp_nb.formats.storage import options_for
-    from fsdp_nb.engine import async_saves, checkpoint_save as cio, checkpoint_load
+    from fsdp_nb.checkpoints import rank_async_saves as async_saves, rank_save as cio, rank_load as checkpoint_load
     from fsdp_nb.engine.namespace import user_ns
 
     torch.manual_seed(0)

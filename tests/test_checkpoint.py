@@ -458,9 +458,10 @@ def test_async_save_commits_staged_state(sess, tmp_path):
 
 HOLD_STAGING = """
 import sys as _sys, threading as _th, time as _time
-from fsdp_nb.engine import async_saves as _as
+from fsdp_nb.checkpoints import rank_async_saves as _as
 _staging_go = _th.Event()
-_waited_before = _as.waited_s
+from fsdp_nb.engine.registry import part as _part
+_waited_before = _part(_as.AsyncSaves).waited_s
 _stager = _as.stager(False)
 _plain_stage = _stager._stage
 def _held_stage(sd, **kw):
@@ -501,7 +502,7 @@ def test_async_save_returns_before_the_copy_and_the_next_step_waits_for_it(sess,
         sess.execute("held_step('ck_h')")  # training goes on: its step waits for the copy
         assert not same(snapshot(sess, "ck_h"), s0)
         assert h.wait().valid
-        sess.execute("_waited = _as.waited_s - _waited_before")
+        sess.execute("_waited = _part(_as.AsyncSaves).waited_s - _waited_before")
         assert all(w > 0 for w in sess.pull("_waited"))  # each rank's step did wait
     finally:
         sess.execute("_staging_go.set(); del _stager._stage")
@@ -541,7 +542,7 @@ def test_async_save_writes_at_a_lower_cpu_priority(sess, tmp_path):
 
 
 STAGED_BUFFERS = """
-from fsdp_nb.engine import async_saves as _as
+from fsdp_nb.checkpoints import rank_async_saves as _as
 _cache = _as.stager(False)._state_dict_stager._cached_storage_mapping
 _mine = [*ck_r.parameters(), *(v for st in ck_r_opt.state.values() for v in st.values() if v.dim())]
 _mine = [t.to_local() if hasattr(t, "to_local") else t for t in _mine]

@@ -216,7 +216,8 @@ def test_autosave_counts_the_loops_steps_only(sess, run_model, tmp_path):
     """Plain SGD has no state, so each save's ``get_state_dict`` steps it (at lr 0) to make
     some: those steps are not the loop's, and the count stays the loop's."""
     root = tmp_path / "auto"
-    sess.execute("rs_sgd = torch.optim.SGD(rs_model.parameters(), lr=0.01)")
+    # the loop's optimizer from now on (an optimizer of the model that autosave leaves out is refused)
+    sess.execute("rs_sgd = rs_opt = torch.optim.SGD(rs_model.parameters(), lr=0.01)")
     try:
         sess.autosave(str(root), every=2, model=run_model, optimizer="rs_sgd", keep_last=None)
         sess.execute("for _ in range(7):\n    rs_model(torch.ones(2, 8)).sum().backward(); rs_sgd.step(); rs_sgd.zero_grad()")

@@ -31,9 +31,10 @@ def prof_steps(n, slow_rank=None):
 
 
 def _capture_left():
-    from fsdp_nb.steps import rank_step_profile as step_profile
+    from fsdp_nb.engine.registry import part
+    from fsdp_nb.steps.rank_step_profile import Profiling
 
-    return step_profile._CAPTURE
+    return part(Profiling).capture
 
 
 def _rank_traces() -> list[str]:
@@ -50,7 +51,7 @@ def test_a_profile_merges_every_ranks_steps_into_one_private_trace_split_into_pa
         (tmp_path / "steps.json").write_text("left world-readable")  # a file already there, 0644
         os.chmod(tmp_path / "steps.json", 0o644)
         prof = sess.profile(steps=3, path=str(tmp_path / "steps.json"))
-        with pytest.raises(RuntimeError, match=r"3 optimizer steps have not all run \(rank 0: 0, rank 1: 0\)"):
+        with pytest.raises(RuntimeError, match=r"3 steps have not all run \(rank 0: 0, rank 1: 0 run so far\)"):
             _ = prof.trace
         sess.execute("prof_steps(4, slow_rank=1)")
         path = prof.trace

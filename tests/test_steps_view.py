@@ -79,7 +79,7 @@ def stepped(sess):
         for v in views.made:
             v.close()
         sess.run(_stop)
-        sess.execute("from fsdp_nb.engine import logged as _lg; _lg.clear()")
+        sess.execute("from fsdp_nb.steps import rank_logged as _lg; _lg.clear()")
         forget_models(sess, "sv_net", optimizers=("sv_opt", "sv_x", "sv_loop"))
 
 

@@ -1,9 +1,17 @@
 """``sess.autosave``: the ranks save the run themselves, every N optimizer steps.
 
-Checked here before any rank is asked; then every rank arms its hooks
+Checked here before any rank is asked; then every rank arms it
 (``fsdp_nb.autosave.rank_autosave``) and the spec is kept on the session context, so that
 ``restart`` re-arms it on the rebuilt objects, going on from the restored step, and
-``restart(restore="latest")`` knows where to look (:func:`latest`).
+``restart(restore="latest")`` knows where to look (:func:`latest`). While it is armed,
+the session calls :func:`finish_cell` after each user call (``SessionContext.after_call``),
+so a save that fell due at a cell's last step is written at the cell's end.
+
+A restart that rebuilds the models at their initial weights without restoring a
+checkpoint (a plain ``sess.restart()`` after a dead engine, or the session's own restart
+after a rank that did not return) suspends it (:func:`suspend`): saving the rebuilt
+models would put initial weights over the run's checkpoints. The next
+``restart(restore=...)`` arms it again from the restored step.
 """
 
 from __future__ import annotations
@@ -13,7 +21,13 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoints.arguments import check_optimizer, check_state, model_name, raise_outcomes
+from ..checkpoints.arguments import (
+    check_optimizer,
+    check_state,
+    model_name,
+    optimizer_group,
+    raise_outcomes,
+)
 from ..checkpoints.async_saves import wait_pending
 from ..errors import CheckpointError
 from ..formats.listing import list_checkpoints
@@ -24,9 +38,14 @@ from .wire_autosave import AutosaveSpec, AutosaveState
 if TYPE_CHECKING:
     from ..context import SessionContext
 
-__all__ = ["Autosaving", "arm", "autosave", "describe", "latest", "stop"]
+__all__ = ["Autosaving", "adopt", "arm", "autosave", "describe", "finish_cell", "latest", "stop", "suspend"]
 
 log = logging.getLogger("fsdp_nb")
+
+SUSPENDED = ("suspended: a restart rebuilt the models at their initial weights, which it must not save over the "
+             "run's checkpoints; sess.restart(restore='latest', setup=...) restores the run and arms it again from "
+             "the restored step (sess.stop_autosave() forgets it)")
+"""What a suspended autosave says (``sess.autosave()``, the restart's report)."""
 
 
 @dataclass(frozen=True)
@@ -39,23 +58,31 @@ class Autosaving:
     """Optimizer steps between saves."""
     model: str
     """The model saved."""
-    optimizer: str
-    """Its optimizer, whose steps are counted."""
+    optimizers: tuple[str, ...]
+    """Its optimizers, whose steps are counted."""
     state: tuple[str, ...]
     """Engine globals kept per rank with each rank's random state."""
     keep_last: int | None
     """How many checkpoints are kept under ``root`` (None: all)."""
     ranks: tuple[AutosaveState | None, ...] = ()
-    """Each rank's step count and last save when asked (``sess.autosave()``), by rank;
-    None for a rank whose engine is dead."""
+    """Each rank's step count, last committed save and save in flight when asked
+    (``sess.autosave()``), by rank; None for a rank whose engine is dead."""
+    loaders: tuple[str, ...] = ()
+    """Engine globals the loop draws batches from, taken at each step's end."""
+    suspended: bool = False
+    """A restart rebuilt the models: no rank saves until ``restart(restore=...)`` arms it again."""
 
     def __repr__(self) -> str:
         kept = f", keeping the last {self.keep_last}" if self.keep_last else ""
-        named = ", ".join([self.model, self.optimizer, *self.state, "each rank's random state"])
+        named = ", ".join([self.model, *self.optimizers, *self.loaders, *self.state, "each rank's random state"])
         where = ""
-        if self.ranks and self.ranks[0] is not None:
+        if self.suspended:
+            where = f"; {SUSPENDED}"
+        elif self.ranks and self.ranks[0] is not None:
             r0 = self.ranks[0]
             where = f"; at step {r0.step}, last save {r0.saved or 'none yet'}"
+            if r0.writing:
+                where += f", writing {r0.writing}"
             failed = [r.failed for r in self.ranks if r is not None and r.failed]
             if failed:
                 where += f"; a save FAILED: {failed[0]}"
@@ -69,27 +96,52 @@ def _positive(name: str, value: Any, none_ok: bool = False) -> None:
         raise ValueError(f"{name} must be a positive int{' or None' if none_ok else ''}, got {value!r}")
 
 
-def autosave(ctx: SessionContext, root: str, *, every: int, model: Any, optimizer: str,
-             state: list[str] | tuple[str, ...] | None = None, keep_last: int | None = None) -> Autosaving:
-    """Arm the ranks to save ``model``, ``optimizer`` and ``state`` under ``root`` after
-    every ``every``-th optimizer step (``Session.autosave``); each argument is checked
-    before any rank is asked, and each rank checks the names before any hook is set."""
+def _optimizers(optimizer: Any) -> tuple[str, ...]:
+    if isinstance(optimizer, (list, tuple)):
+        return optimizer_group(optimizer)
+    optim = check_optimizer(optimizer)
+    if optim is None:
+        raise TypeError("autosave counts the optimizer's steps: pass optimizer='<its engine global name>' "
+                        "(or a list of them, when several step the model's parameters)")
+    return (optim,)
+
+
+def _loaders(loaders: Any, state: tuple[str, ...]) -> tuple[str, ...]:
+    if loaders is None:
+        return ()
+    if isinstance(loaders, str) or not isinstance(loaders, (list, tuple)):
+        raise TypeError(f"loaders must be a list of engine global names (loaders=['loader']), got {loaders!r}")
+    names = check_state(list(loaders))
+    if both := [n for n in names if n in state]:
+        raise ValueError(
+            f"{', '.join(map(repr, both))} is named in both loaders= and state=: a loader is taken at the step's "
+            "end, the rest at the iteration's boundary; name it once (loaders= if the loop draws batches from it)"
+        )
+    return names
+
+
+def autosave(ctx: SessionContext, root: str, *, every: int, model: Any, optimizer: str | list[str] | tuple[str, ...],
+             state: list[str] | tuple[str, ...] | None = None, loaders: list[str] | tuple[str, ...] | None = None,
+             keep_last: int | None = None) -> Autosaving:
+    """Arm the ranks to save ``model``, its ``optimizer`` (one or several), ``loaders`` and
+    ``state`` under ``root`` after every ``every``-th optimizer step (``Session.autosave``);
+    each argument is checked before any rank is asked, and each rank checks the names
+    before it arms."""
     if not isinstance(root, str) or not root:
         raise TypeError(f"root must be a folder path or fsspec URL (str), got {root!r}")
     _positive("every", every)
     _positive("keep_last", keep_last, none_ok=True)
     name = model_name(model)
-    optim = check_optimizer(optimizer)
-    if optim is None:
-        raise TypeError("autosave counts the optimizer's steps: pass optimizer='<its engine global name>'")
+    optims = _optimizers(optimizer)
     names = check_state(state)
+    loader_names = _loaders(loaders, names)
     url_to_fs(root)
     wait_pending(ctx)
     meta = {k: v for k, v in base_metadata({}, "sharded").items() if k in ("format", "kind", "versions")}
-    spec = AutosaveSpec(root=root, storage_options=options_for(root), every=every, model=name, optimizer=optim,
-                        state=names, keep_last=keep_last, run=uuid.uuid4().hex[:8], meta=meta)
+    spec = AutosaveSpec(root=root, storage_options=options_for(root), every=every, model=name, optimizers=optims,
+                        state=names, loaders=loader_names, keep_last=keep_last, run=uuid.uuid4().hex[:8], meta=meta)
     arm(ctx, spec)
-    return Autosaving(root, every, name, optim, names, keep_last)
+    return Autosaving(root, every, name, optims, names, keep_last, loaders=loader_names)
 
 
 def arm(ctx: SessionContext, spec: AutosaveSpec) -> None:
@@ -98,38 +150,95 @@ def arm(ctx: SessionContext, spec: AutosaveSpec) -> None:
 
     d = ctx.dispatcher
     raise_outcomes(d.gather(d.apply("arm autosave", engine_autosave.arm, args=(spec,))))
-    ctx.autosave = ctx.last_autosave = spec
+    adopt(ctx, spec)
+
+
+def adopt(ctx: SessionContext, spec: AutosaveSpec | None) -> None:
+    """Keep ``spec``, armed on the ranks, as the session's autosave (None: none is), and
+    finish each user call with :func:`finish_cell` while it is armed."""
+    ctx.autosave = spec
+    ctx.suspended_autosave = None
+    if spec is None:
+        _unhook(ctx)
+        return
+    ctx.last_autosave = spec
+    if finish_cell not in ctx.after_call:
+        ctx.after_call.append(finish_cell)
+
+
+def _unhook(ctx: SessionContext) -> None:
+    if finish_cell in ctx.after_call:
+        ctx.after_call.remove(finish_cell)
+
+
+def finish_cell(ctx: SessionContext, ok: bool) -> None:
+    """After a user call (``SessionContext.after_call``): ``ok``, it succeeded on every
+    rank, so a save that fell due at its last step is written now, where every rank has
+    it due at one step (else it is dropped on every rank); after a failed call a due
+    save is dropped on every rank (``rank_autosave.finish_cell``). One call to the ranks
+    when no save is due, two when one is."""
+    from . import rank_autosave as engine_autosave
+
+    if ctx.autosave is None:
+        return
+    d = ctx.dispatcher
+    due = d.gather(d.apply("autosave at the cell's end", engine_autosave.finish_cell, args=(ok,), fast=True))
+    if not ok or all(step is None for step in due):
+        return
+    if len(set(due)) == 1:
+        d.gather(d.apply(f"autosave of step {due[0]}", engine_autosave.write_due, args=(due[0],), fast=True))
+        return
+    why = f"the ranks did not all have it due at the cell's end (their steps: {due})"
+    d.gather(d.apply("drop the autosave due", engine_autosave.drop_due, args=(why,), fast=True))
 
 
 def stop(ctx: SessionContext) -> None:
-    """Disarm every rank's autosave (its saves still being written finish)."""
+    """Disarm every rank's autosave (its saves still being written finish), or forget a
+    suspended one."""
     from . import rank_autosave as engine_autosave
 
-    d = ctx.dispatcher
-    d.gather(d.apply("stop autosave", engine_autosave.disarm))
-    ctx.autosave = None
+    if ctx.autosave is not None:
+        d = ctx.dispatcher
+        d.gather(d.apply("stop autosave", engine_autosave.disarm))
+    adopt(ctx, None)
+
+
+def suspend(ctx: SessionContext) -> None:
+    """Disarm every rank's autosave and keep its spec, suspended, for the next
+    ``restart(restore=...)`` to arm again (the models were rebuilt at initial weights)."""
+    from . import rank_autosave as engine_autosave
+
+    spec = ctx.autosave or ctx.suspended_autosave
+    d = ctx.plain_dispatcher
+    d.gather(d.apply("suspend autosave", engine_autosave.disarm))
+    adopt(ctx, None)
+    ctx.suspended_autosave = spec
 
 
 def describe(ctx: SessionContext) -> Autosaving | None:
-    """The session's autosave with each rank's step count and last save (None: off)."""
+    """The session's autosave with each rank's step count, last committed save and save in
+    flight; a suspended one says so (None: off)."""
     from . import rank_autosave as engine_autosave
 
-    spec = ctx.autosave
+    spec = ctx.autosave or ctx.suspended_autosave
     if spec is None:
         return None
-    d = ctx.dispatcher
-    dead = set(ctx.cluster.dead_ranks())  # a degraded session: what the live ranks say
-    live = [r for r in range(ctx.world_size) if r not in dead]
-    said = dict(zip(live, d.gather(d.apply("autosave status", engine_autosave.status, ranks=live))))
-    ranks = tuple(said.get(r) for r in range(ctx.world_size))
-    return Autosaving(spec.root, spec.every, spec.model, spec.optimizer, spec.state, spec.keep_last, ranks)
+    ranks: tuple[AutosaveState | None, ...] = ()
+    if ctx.autosave is not None:
+        d = ctx.dispatcher
+        dead = set(ctx.cluster.dead_ranks())  # a degraded session: what the live ranks say
+        live = [r for r in range(ctx.world_size) if r not in dead]
+        said = dict(zip(live, d.gather(d.apply("autosave status", engine_autosave.status, ranks=live))))
+        ranks = tuple(said.get(r) for r in range(ctx.world_size))
+    return Autosaving(spec.root, spec.every, spec.model, spec.optimizers, spec.state, spec.keep_last, ranks,
+                      spec.loaders, suspended=ctx.autosave is None)
 
 
 def latest(ctx: SessionContext) -> str:
     """The newest valid checkpoint under the autosave's root (``restart(restore="latest")``),
-    the running one's or the last one's (a restart that rebuilt the models stops it);
-    CheckpointError saying why there is none."""
-    spec = ctx.autosave or ctx.last_autosave  # a stopped autosave's checkpoints are still there
+    the running one's, a suspended one's or the last one's; CheckpointError saying why
+    there is none."""
+    spec = ctx.autosave or ctx.suspended_autosave or ctx.last_autosave  # a stopped one's checkpoints are still there
     if spec is None:
         raise CheckpointError(
             "restore='latest' means the newest checkpoint sess.autosave(...) wrote, but this session has had no "

@@ -1,211 +1,369 @@
 """Saving the run from the ranks themselves, every N optimizer steps (``sess.autosave``).
 
-A hook on the optimizer's ``step`` counts steps on every rank; they count alike, as every
-rank steps in the same cell. After every N-th step the save is due. What the loop draws
-before the next forward is taken right then, after the N-th step: each rank's random
-state, and the state of each named object that is iterable (a ``StatefulDataLoader``, a
-sampler; the loop takes the next batch before that forward). The rest is taken at the
-next forward of the model (a forward pre-hook that runs before FSDP2's own, while the
-parameters are still sharded): the iteration boundary, where the scheduler has stepped
-and the scaler has updated. A run resumed from it goes on bit for bit.
+The rank's step owner (``fsdp_nb.engine.step``) tells the armed autosave (:class:`Armed`,
+a listener of order 30) where the loop is. An iteration in which one of the autosave's
+optimizers stepped is counted; the ranks count alike, as every rank steps in the same
+cell. After every N-th the save is due, and it is taken in two parts:
 
-Each save is an async save of ``checkpoint_save`` (``<root>/step-<N>``, ``keep_last``):
-training waits for the copy, and first for the previous save's write when it has not
-finished (``begin`` drains it). A failed save is logged on the rank and kept for
-:func:`status`; training goes on.
+1. at the step's end (``step_ended``), before the loop draws its next batch: each rank's
+   random state and the position of each loader (``loaders=``, and a torch ``DataLoader``
+   or ``Sampler`` named in ``state=``), so a resume draws that batch again;
+2. at the iteration's boundary (the next training or eval forward, where the scheduler
+   has stepped and the scaler has updated): the model, its optimizers and the other
+   ``state=`` objects, and the save is written.
+
+A cell that ends on a due step is a boundary too, but a rank cannot know in its own
+post-execute hook that every other rank's cell succeeded, and the save runs collectives.
+So the notebook, after a user call that succeeded on every rank, asks every rank
+(:func:`finish_cell`) whether a save is due, and has every rank write it
+(:func:`write_due`) where all have it due at one step; after a failed call each drops it. A save still due at the next cell's
+first forward (no notebook told the ranks) is written there.
+
+Each save is an async save of ``checkpoint_save`` (``<root>/step-<N>``, ``keep_last``),
+a job of the autosave's own (``rank_async_saves``): training waits for the copy, and
+first for the previous save's write when it has not finished. A failed save is logged on
+the rank and kept for :func:`status`; training goes on. The armed autosave lives in this
+rank's :class:`Autosave` part; when the group forms again the ranks agree on its count
+and whether a save is due (:meth:`Autosave.reformed`), so no rank is left alone in a
+save's collectives.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import posixpath
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ..checkpoints import rank_async_saves as async_saves
-from ..checkpoints.rank_async_saves import async_wait
-from ..checkpoints.rank_run_state import capture, check_objects, per_rank, rng_state
+from ..checkpoints.rank_run_state import capture, check_objects, is_torch_loader, rng_state
 from ..checkpoints.rank_save import named_objects, save
 from ..checkpoints.wire_checkpoint import Outcome, SaveSpec
-from ..engine.checkpoint_group import agree, rank_and_world
+from ..engine.checkpoint_group import agree, checkpoint_group, rank_and_world
 from ..engine.namespace import user_ns
-from ..engine.step import StepListener, owner, training_step
+from ..engine.registry import Part, World, part
+from ..engine.step import StepListener, owner
 from ..errors import UnsafeCheckpointError
 from ..formats.metadata import base_metadata
 from ..formats.run_state import RNG, decode, encode, run_meta, state_file
+from .rank_autosave_checks import left_out_optimizers, loader_lookalikes, refusal
 from .wire_autosave import AutosaveSpec, AutosaveState
 
-__all__ = ["arm", "armed_spec", "disarm", "status"]
+__all__ = [
+    "Armed", "Autosave", "agreed", "arm", "armed_spec", "disarm", "drop_due", "finish_cell", "status", "write_due",
+]
 
 log = logging.getLogger("fsdp_nb")
 
 
 @dataclass(eq=False)
-class _Armed(StepListener):
+class Armed(StepListener):
+    """An autosave armed on this rank: what it counts, what it took, what it wrote."""
+
+    order: ClassVar[int] = 30
     spec: AutosaveSpec
+    loaders: tuple[str, ...]
+    """Engine globals taken at the step's end: ``spec.loaders`` and each torch loader or
+    sampler ``spec.state`` names."""
+    state: tuple[str, ...]
+    """The other ``spec.state`` objects, taken at the boundary."""
     step: int
-    handles: list[Any] = field(default_factory=list)
     due: bool = False
+    counted: int = -1
+    """The owner's iteration last counted (one count per iteration, however many of the
+    autosave's optimizers step in it)."""
     early: dict[str, Any] = field(default_factory=dict)
-    """State of the iterable named objects, taken just after the step that made a save due."""
+    """The loaders' states and the random state, taken at the end of the step that made a
+    save due (an exception there: the taking failed, reported by the save)."""
     saved: str | None = None
+    """The last save committed."""
+    writing: str | None = None
+    """The save in flight (its job not collected yet)."""
     token: str | None = None
+    """That save's job."""
     failed: str | None = None
     blocked_s: float = 0.0
-    """Seconds training waited in this rank's autosave hooks (the save's call and the
-    staging copy the next step waits for are what ``waited`` adds)."""
+    """Seconds training waited in this rank's autosave (the save's call; the staging
+    copy the next step waits for is what ``waited`` adds)."""
     waited_before: float = 0.0
     branch: int = 0
     """Loads since arming: a save after one gets a temporary folder of its own, never the one
     an abandoned save of the same step number left (every rank loads alike, so they agree)."""
 
+    # -- what the step owner tells -----------------------------------------------------
+
+    def step_ended(self, step: int, optimizer: Any) -> None:
+        self._stepped(step, optimizer)
+
+    def step_joined(self, step: int, optimizer: Any) -> None:
+        self._stepped(step, optimizer)
+
+    def boundary(self, step: int, at: str) -> None:
+        if at != "cell end":  # a cell's end: the notebook calls finish_cell once every rank's cell ended well
+            self.write_due()
+
+    def step_began(self, step: int) -> None:
+        self.write_due()  # still due at the next cell's first forward: no notebook told the ranks
+
+    def eval_forward(self, module: Any) -> None:
+        self.write_due()
+
+    def cell_ended(self, failed: bool) -> None:
+        if failed:
+            self.drop("the cell failed on this rank")
+
     def loaded(self, extra: dict[str, Any] | None) -> None:
-        """A load changed this rank's model and optimizer (``loaded``)."""
-        loaded(extra)
+        """A load changed this rank's model and optimizer: a save that was due would keep
+        the loaded state under the old step, so it is dropped, and the count goes on from
+        the loaded checkpoint's step (``extra["step"]``). ``sess.load`` refuses, in the
+        notebook, a checkpoint without one while an autosave is armed."""
+        self.due, self.early = False, {}
+        self.branch += 1
+        step = (extra or {}).get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            self.step = step
+        else:
+            log.warning("autosave: the checkpoint loaded keeps no step (extra['step']); the count stays at %d",
+                        self.step)
 
+    # -- counting and saving ---------------------------------------------------------
 
-_ARMED: _Armed | None = None
-
-
-def _outside_graphs(hook: Callable[..., None]) -> Callable[..., None]:
-    """``hook`` run eagerly even inside a compiled module's call (``compile=True`` with no
-    unit compiles the whole model, its hooks included): a save is no graph."""
-    import torch
-
-    return torch.compiler.disable(hook)
-
-
-def arm(spec: AutosaveSpec) -> Outcome:
-    """Count ``spec.optimizer``'s steps on this rank and save after every ``spec.every``-th
-    (replacing an earlier autosave). Every rank checks the names, then the ranks agree:
-    all arm, or none does and each keeps what it had (the same failed outcome on each)."""
-    global _ARMED
-    async_saves.drain()  # an earlier autosave's collectives end before the agreement's
-    mine = None
-    try:
-        model, optim = named_objects(spec.model, spec.optimizer)
-        check_objects(spec.state)
-        # a state_dict a load would refuse would fail every save: refused now, by name. Not a
-        # loader's: a StatefulDataLoader's state_dict() can start an iterator, which moves it
-        ns = user_ns()
-        plain = [n for n in spec.state if not per_rank(ns[n])]
-        decode(encode(capture(plain, False, None)), spec.root, state_file(rank_and_world()[0]))
-    except (NameError, TypeError, UnsafeCheckpointError) as exc:
-        mine = Outcome.failed(exc)
-    bad = agree(mine)
-    if bad is not None:
-        return bad
-    disarm()
-    armed = _Armed(spec, spec.start_step, waited_before=async_saves.waited_s)
-    # the hooks run outside a compiled forward (compile=True): a save is no graph
-    armed.handles = [
-        optim.register_step_post_hook(_outside_graphs(lambda *_: _stepped(armed))),
-        model.register_forward_pre_hook(_outside_graphs(lambda *_: _boundary(armed)), prepend=True),
-    ]
-    # the staging gate on the model's forward is there before the first save, which starts
-    # inside a forward whose hooks are already chosen (a buffer must not change mid-copy)
-    async_saves.gate(model if any(True for _ in model.buffers()) else None, optim)
-    _ARMED = armed
-    owner().listen(armed)
-    return Outcome()
-
-
-def loaded(extra: dict[str, Any] | None) -> None:
-    """A load changed this rank's model and optimizer: a save that was due would keep the
-    loaded state under the old step, so it is dropped, and the count goes on from the
-    loaded checkpoint's step (``extra["step"]``) where it has one."""
-    a = _ARMED
-    if a is None:
-        return
-    a.due, a.early = False, {}
-    a.branch += 1
-    step = (extra or {}).get("step")
-    if isinstance(step, int) and not isinstance(step, bool):
-        a.step = step
-
-
-def disarm() -> int | None:
-    """Stop saving on this rank; the step count it had reached (None: none was armed)."""
-    global _ARMED
-    armed, _ARMED = _ARMED, None
-    if armed is None:
-        return None
-    owner().unlisten(armed)
-    for h in armed.handles:
-        h.remove()
-    if armed.due:  # step N ran, and the forward that would have saved it never came
-        log.warning("autosave stopped with the save of step %d due and not written (it is written at the next "
-                    "forward); the last one written is %s", armed.step, armed.saved or "none")
-    return armed.step
-
-
-def armed_spec() -> AutosaveSpec | None:
-    """The autosave armed on this rank, counting on from where it is (None: none is): what
-    a kernel that attaches to these engines takes back as its session's autosave."""
-    import dataclasses
-
-    a = _ARMED
-    return None if a is None else dataclasses.replace(a.spec, start_step=a.step)
-
-
-def status() -> AutosaveState | None:
-    """Where this rank's autosave is (None: none is armed)."""
-    a = _ARMED
-    if a is None:
-        return None
-    return AutosaveState(step=a.step, saved=a.saved, failed=a.failed,
-                         blocked_s=a.blocked_s + async_saves.waited_s - a.waited_before)
-
-
-def _stepped(armed: _Armed) -> None:
-    if not training_step():  # a save's or load's own step (an optimizer without state)
-        return
-    armed.step += 1
-    if armed.step % armed.spec.every == 0:
-        armed.due = True
+    def _stepped(self, step: int, optimizer: Any) -> None:
+        if step == self.counted or not self._mine(optimizer):
+            return
+        self.counted = step
+        self.step += 1
+        if self.step % self.spec.every:
+            return
+        self.due = True
         # what the loop draws next (the next batch, random draws before the forward) must
         # come again on a resume: the loaders' positions and the random state, taken now.
         # A failure is kept for the save, whose ranks agree on it
         ns = user_ns()
         try:
-            armed.early = {n: copy.deepcopy(ns[n].state_dict()) for n in armed.spec.state if per_rank(ns[n])}
-            armed.early[RNG] = rng_state()
+            self.early = {n: copy.deepcopy(ns[n].state_dict()) for n in self.loaders}
+            self.early[RNG] = rng_state()
         except Exception as exc:  # noqa: BLE001 - reported by the save at the boundary, agreed by every rank
-            armed.early = {RNG: exc}
+            self.early = {RNG: exc}
 
+    def _mine(self, optimizer: Any) -> bool:
+        ns = user_ns()
+        return any(ns.get(n) is optimizer for n in self.spec.optimizers)
 
-def _boundary(armed: _Armed) -> None:
-    if not armed.due:
-        return
-    armed.due = False
-    t0 = time.perf_counter()
-    try:
-        _save(armed)
-    finally:
-        armed.blocked_s += time.perf_counter() - t0
+    def drop(self, why: str) -> None:
+        """Drop a save that is due, saying why (every rank drops it alike)."""
+        if self.due:
+            log.warning("autosave: the save of step %d is dropped, not written: %s; the last save written is %s",
+                        self.step, why, self.saved or "none")
+        self.due, self.early = False, {}
 
+    def write_due(self) -> None:
+        """Write the save that is due, if one is (at an iteration boundary)."""
+        if not self.due:
+            return
+        self.due = False
+        t0 = time.perf_counter()
+        try:
+            self._save()
+        finally:
+            self.blocked_s += time.perf_counter() - t0
 
-def _save(armed: _Armed) -> None:
-    spec = armed.spec
-    if armed.token is not None:  # the last save's outcome, before the next one starts
-        out = async_wait(armed.token)
-        if not out.ok:
-            armed.failed = out.message
+    def collect(self, wait: bool) -> None:
+        """The outcome of the save in flight, once done (``wait``: block until it is)."""
+        if self.token is None or not (wait or async_saves.async_done(self.token)):
+            return
+        out = async_saves.async_wait(self.token)
+        if out.ok:
+            self.saved = self.writing
+        else:
+            self.failed = out.message
             log.warning("autosave: %s", out.message)
-    url = posixpath.join(spec.root.rstrip("/"), f"step-{armed.step}")
-    meta = {**base_metadata({"step": armed.step}, "sharded"), **spec.meta, **run_meta(spec.state)}
-    save_spec = SaveSpec(
-        url=url, storage_options=spec.storage_options, model=spec.model, optimizer=spec.optimizer,
-        state=spec.state, rng=True, sharded=True, async_save=True, keep_last=spec.keep_last,
-        token=f"{spec.run}b{armed.branch}s{armed.step}", meta=meta, check_exists=False, layout="fsdp_nb",
-    )
-    out = save(save_spec, taken=armed.early)
-    armed.early = {}
-    if out.ok:
-        armed.saved, armed.token = url, save_spec.token
-    else:
-        armed.failed, armed.token = out.message, None
-        log.warning("autosave at step %d: %s", armed.step, out.message)
+        self.writing = self.token = None
+
+    def _save(self) -> None:
+        spec = self.spec
+        self.collect(wait=True)  # the last save's outcome, before the next one starts
+        url = posixpath.join(spec.root.rstrip("/"), f"step-{self.step}")
+        kept = (*self.loaders, *self.state)
+        meta = {**base_metadata({"step": self.step}, "sharded"), **spec.meta, **run_meta(kept)}
+        save_spec = SaveSpec(
+            url=url, storage_options=spec.storage_options, model=spec.model, optimizer=spec.optimizers[0],
+            optimizers=spec.optimizers if len(spec.optimizers) > 1 else (), state=kept, rng=True, sharded=True,
+            async_save=True, keep_last=spec.keep_last, token=f"{spec.run}b{self.branch}s{self.step}", meta=meta,
+            check_exists=False, layout="fsdp_nb",
+        )
+        out = save(save_spec, taken=self.early)
+        self.early = {}
+        if out.ok:
+            self.writing, self.token = url, save_spec.token
+        else:
+            self.failed = out.message
+            log.warning("autosave at step %d: %s", self.step, out.message)
+
+    def state_now(self) -> AutosaveState:
+        """Where it is: the count, the last committed save, the one in flight."""
+        self.collect(wait=False)
+        waited = part(async_saves.AsyncSaves).waited_s - self.waited_before
+        return AutosaveState(step=self.step, saved=self.saved, writing=self.writing, failed=self.failed,
+                             blocked_s=self.blocked_s + waited, due=self.due)
+
+
+class Autosave(Part):
+    """This rank's autosave, when one is armed (the registry's part). Its lifecycle runs
+    after the checkpoint group's (order 60), whose group it agrees over."""
+
+    order = 60
+
+    def __init__(self) -> None:
+        self.armed: Armed | None = None
+
+    def arm(self, armed: Armed) -> None:
+        """Arm ``armed`` in place of an earlier autosave."""
+        self.disarm()
+        self.armed = armed
+        owner().listen(armed)
+
+    def disarm(self) -> Armed | None:
+        """Stop the armed autosave (None: none was); its save in flight still finishes."""
+        armed, self.armed = self.armed, None
+        if armed is None:
+            return None
+        owner().unlisten(armed)
+        armed.collect(wait=False)
+        if armed.token is not None:  # still writing: nobody will collect it now
+            async_saves.orphan(armed.token)
+        armed.drop("the autosave stopped")
+        return armed
+
+    def reformed(self, world: World) -> None:
+        """The group formed again: the ranks agree on the autosave (over the checkpoint
+        group, so none is left alone in a later save's collectives; :func:`agreed`)."""
+        a = self.armed
+        mine = None if a is None else (a.spec.run, a.step, a.due, a.branch)
+        held: list[Any] = [mine]
+        if world.size > 1:
+            import torch.distributed as dist
+
+            held = [None] * world.size
+            dist.all_gather_object(held, mine, group=checkpoint_group())
+        if a is None:
+            return
+        same, step, due, branch = agreed(held)
+        if not same:
+            log.warning("autosave: the ranks hold different autosaves after the group formed again: stopped on "
+                        "every rank (a restart arms the session's autosave again)")
+            self.disarm()
+            return
+        if step != a.step:
+            log.warning("autosave: the ranks had counted %s steps when the group formed again (a failure cut a step "
+                        "short on some): counting on from %d on every rank", sorted({h[1] for h in held}), step)
+        if not due:
+            a.drop("the group formed again and not every rank had it due at the same step")
+        a.step, a.branch = step, branch
+
+    def closed(self) -> None:
+        self.disarm()
+
+
+def agreed(held: list[tuple[str, int, bool, int] | None]) -> tuple[bool, int, bool, int]:
+    """What the ranks agree on, from each rank's ``(run, step, due, branch)`` (None: no
+    autosave armed there): (whether every rank holds the same autosave; the step to count
+    on from, the highest any reached; whether a save stays due, only where it is due on
+    every rank at one step; the branch, the highest). Ranks that hold different autosaves
+    (a rank that joined holds none) all stop theirs, for the notebook to arm again."""
+    if len({h[0] if h else None for h in held}) > 1 or any(h is None for h in held):
+        return False, 0, False, 0
+    steps = {h[1] for h in held if h}
+    return (True, max(steps), len(steps) == 1 and all(h[2] for h in held if h),
+            max(h[3] for h in held if h))
+
+
+def _autosave() -> Autosave:
+    return part(Autosave)
+
+
+def arm(spec: AutosaveSpec) -> Outcome:
+    """Count the iterations in which ``spec.optimizers`` step on this rank and save after
+    every ``spec.every``-th (replacing an earlier autosave). Every rank checks the names
+    (and refuses an object it cannot place, by name), then the ranks agree: all arm, or
+    none does and each keeps what it had (the same failed outcome on each)."""
+    async_saves.drain()  # an earlier autosave's collectives end before the agreement's
+    mine = None
+    loaders: tuple[str, ...] = ()
+    try:
+        model = named_objects(spec.model, None)[0]
+        optims = [named_objects(spec.model, o)[1] for o in spec.optimizers]
+        check_objects((*spec.loaders, *spec.state))
+        ns = user_ns()
+        if problem := refusal(spec, loader_lookalikes(spec.state), left_out_optimizers(model, optims, spec)):
+            raise problem
+        loaders = (*spec.loaders, *(n for n in spec.state if is_torch_loader(ns[n])))
+        # a state_dict a load would refuse would fail every save: refused now, by name. Not a
+        # loader's: a StatefulDataLoader's state_dict() can start an iterator, which moves it
+        plain = [n for n in spec.state if n not in loaders]
+        decode(encode(capture(plain, False, None)), spec.root, state_file(rank_and_world()[0]))
+    except (NameError, TypeError, ValueError, UnsafeCheckpointError) as exc:
+        mine = Outcome.failed(exc)
+    bad = agree(mine)
+    if bad is not None:
+        return bad
+    saves = part(async_saves.AsyncSaves)
+    owner().listen(saves)  # the staging gate hears every step from the first save on
+    owner().watch(model)  # its forwards are the iteration's boundary
+    _autosave().arm(Armed(spec, loaders, tuple(n for n in spec.state if n not in loaders), spec.start_step,
+                          waited_before=saves.waited_s))
+    return Outcome()
+
+
+def disarm() -> int | None:
+    """Stop saving on this rank; the step count it had reached (None: none was armed)."""
+    armed = _autosave().disarm()
+    return None if armed is None else armed.step
+
+
+def finish_cell(ok: bool) -> int | None:
+    """A user call ended on every rank, ``ok``: it succeeded on each (called by the
+    notebook on every rank at once). After a failed call a save that is due is dropped;
+    after one that succeeded, the step of the save due here (None: none is). No
+    collective: a save still writing in the background runs its own on the checkpoint
+    group, and gloo pairs collectives by the order they are issued in. The notebook then
+    calls :func:`write_due` on every rank where every rank had it due at that step, else
+    :func:`drop_due`."""
+    a = _autosave().armed
+    if a is None:
+        return None
+    if not ok:
+        a.drop("the cell failed on some rank")
+        return None
+    return a.step if a.due else None
+
+
+def write_due(step: int) -> None:
+    """Write the save due at ``step`` (every rank has it due there, the notebook found):
+    the cell's end is the iteration's boundary."""
+    a = _autosave().armed
+    if a is not None and a.due and a.step == step:
+        a.write_due()
+
+
+def drop_due(why: str) -> None:
+    """Drop a save that is due, saying ``why`` (the ranks did not all have it due)."""
+    a = _autosave().armed
+    if a is not None:
+        a.drop(why)
+
+
+def armed_spec() -> AutosaveSpec | None:
+    """The autosave armed on this rank, counting on from where it is (None: none is): what
+    a kernel that attaches to these engines takes back as its session's autosave."""
+    a = _autosave().armed
+    return None if a is None else dataclasses.replace(a.spec, start_step=a.step)
+
+
+def status() -> AutosaveState | None:
+    """Where this rank's autosave is (None: none is armed)."""
+    a = _autosave().armed
+    return None if a is None else a.state_now()

@@ -28,51 +28,69 @@ class SessionAutosave:
         *,
         every: int | None = None,
         model: ShardedModel | str = "model",
-        optimizer: str = "optimizer",
+        optimizer: str | list[str] = "optimizer",
         state: list[str] | tuple[str, ...] | None = None,
+        loaders: list[str] | tuple[str, ...] | None = None,
         keep_last: int | None = 3,
     ) -> Autosaving | None:
         """Save the run from the ranks every ``every`` optimizer steps, with no code in the
         training loop; with no arguments, where the autosave is.
 
         Each save is an async save of a sharded checkpoint, ``<root>/step-<N>``, with the
-        model, the optimizer, each ``state`` engine global and each rank's random state
-        (``save``'s ``state``), taken at the iteration boundary: the first forward after
-        every ``every``-th ``optimizer.step()``, when the scheduler and scaler have
-        stepped (a loader's position is taken right after the step, before the loop
-        draws the next batch). Training waits while the ranks copy their shards, and
-        first for the previous autosave's write when it has not finished.
-        A dead engine then costs the steps since the last committed save (``every``, or
-        up to twice that when it died while the last save was being written):
-        ``restart(restore="latest", setup=...)``. One model (with its optimizer) per
-        autosave; calling it again counts from step 0.
+        model, its optimizers, each ``loaders`` and ``state`` engine global and each rank's
+        random state (``save``'s ``state``). It is taken in two parts: at the end of every
+        ``every``-th step (its first ``optimizer.step()``), before the loop draws the next
+        batch, each rank's random state and the position of each loader; at the iteration
+        boundary (the next forward, when the scheduler and scaler have stepped, or the end
+        of a cell that succeeded on every rank) the rest, and the save is written. Training
+        waits while the ranks copy their shards, and first for the previous autosave's
+        write when it has not finished. A dead engine then costs the steps since the last
+        committed save (``every``, or up to twice that when it died while the last save
+        was being written): ``restart(restore="latest", setup=...)``. One model (with its
+        optimizers) per autosave; calling it again counts from step 0.
+
+        An object it cannot place is refused by name before anything changes: in
+        ``state``, one of another class than torch's ``DataLoader`` / ``Sampler`` that
+        draws batches (``__iter__``, ``__next__``, ``next()``, ``get_batch()``,
+        ``next_batch()``), which belongs in ``loaders``; an optimizer of the model's
+        parameters that ``optimizer`` leaves out. A ``sess.load`` while it is armed of a
+        checkpoint that keeps no ``extra["step"]`` is refused too (the count would go on
+        from a step the run is not at).
 
         Args:
             root: the folder (path or fsspec URL) of the ``step-<N>`` checkpoints. None:
                 change nothing, return where the running autosave is (each rank's step
-                count and last save; None when off). Calling again replaces it;
-                :meth:`stop_autosave` stops it.
+                count, last committed save and a save in flight; a suspended one says so;
+                None when off). Calling again replaces it; :meth:`stop_autosave` stops it.
             every: optimizer steps between saves (required with ``root``).
             model: the ``ShardedModel`` (or engine global name) saved.
-            optimizer: the engine global name of its optimizer, whose steps are counted.
-            state: engine globals with ``state_dict()`` to keep per rank (scheduler,
-                ``scaler``, loader).
+            optimizer: the engine global name of its optimizer, or a list of them when
+                several step the model's parameters (``["opt_emb", "opt_rest"]``): an
+                iteration in which one of them steps is counted, and all are saved.
+            state: engine globals with ``state_dict()`` to keep per rank, taken at the
+                iteration boundary (a scheduler, ``scaler``); a torch ``DataLoader`` or
+                ``Sampler`` here is taken as a loader.
+            loaders: engine globals the training loop draws its batches from, with
+                ``state_dict()`` and ``load_state_dict()`` (your own loader class, a
+                ``StatefulDataLoader``): each rank's position is taken at the end of the
+                step, before the loop draws the next batch, so a resume draws it again.
             keep_last: keep the newest this many checkpoints under ``root`` (None: all).
         """
         self._ctx.check_open()
         from ..autosave.autosave import autosave, describe
 
         if root is None:
-            if every is not None or state is not None:
+            if every is not None or state is not None or loaders is not None:
                 raise TypeError("sess.autosave() with no root only says where the autosave is; pass root= to arm it")
             return describe(self._ctx)
         if every is None:
             raise TypeError("sess.autosave(root, every=N, ...): say after how many optimizer steps it saves")
-        return autosave(self._ctx, root, every=every, model=model, optimizer=optimizer, state=state,
+        return autosave(self._ctx, root, every=every, model=model, optimizer=optimizer, state=state, loaders=loaders,
                         keep_last=keep_last)
 
     def stop_autosave(self) -> None:
-        """Stop the ranks' autosave (a save under way still finishes)."""
+        """Stop the ranks' autosave (a save under way still finishes), or forget a
+        suspended one."""
         self._ctx.check_open()
         from ..autosave.autosave import stop
 

@@ -20,10 +20,16 @@ class AutosaveSpec:
     """Save after every this many optimizer steps."""
     model: str
     """Engine global name of the wrapped model."""
-    optimizer: str
-    """Engine global name of its optimizer, whose steps are counted."""
+    optimizers: tuple[str, ...]
+    """Engine global names of its optimizers (one, or each of several that step parts of
+    its parameters): an iteration in which any of them steps is counted, and all are saved."""
     state: tuple[str, ...] = ()
-    """Engine globals kept per rank beside the shards (``sess.save(state=)``)."""
+    """Engine globals kept per rank beside the shards (``sess.save(state=)``), taken at the
+    iteration's boundary; a torch ``DataLoader`` or ``Sampler`` among them is taken as a
+    loader."""
+    loaders: tuple[str, ...] = ()
+    """Engine globals the loop draws batches from, kept per rank too, taken at the step's
+    end, before the loop draws the next batch."""
     keep_last: int | None = None
     """Keep the newest this many checkpoints under ``root``."""
     run: str
@@ -41,9 +47,14 @@ class AutosaveState:
     step: int
     """Optimizer steps counted, ``start_step`` included."""
     saved: str | None
-    """The last checkpoint this rank started (its commit may still be under way)."""
+    """The last save committed (rank 0's; another rank's: the last whose part it finished
+    writing, rank 0 committing it); None: none yet."""
     failed: str | None
     """What went wrong with the last save that failed, if one did."""
+    writing: str | None = None
+    """A save still in flight (written in the background; it may yet fail)."""
+    due: bool = False
+    """A save is due and not yet taken (the next boundary or the cell's end writes it)."""
     blocked_s: float = 0.0
     """Seconds training on this rank was held by its autosaves: the saves' calls at the
     iteration boundary and the waits of later steps for their staging copies."""

@@ -14,7 +14,7 @@ from .wire_checkpoint import Outcome
 
 __all__ = [
     "check_layout", "check_optimizer", "check_shared_state", "check_state", "check_titan_loader", "model_name", "models_and_optimizers",
-    "raise_outcomes",
+    "optimizer_group", "raise_outcomes", "several_optimizers",
 ]
 
 
@@ -43,13 +43,14 @@ def model_name(model: Any) -> str:
 
 def models_and_optimizers(model: Any, optimizer: Any) -> tuple[str, str | None, tuple[tuple[str, str | None], ...]]:
     """(the first model's name, its optimizer's, every (model, optimizer) pair when there
-    are several) of what a save or load was given: one model and optimizer, or a list of
-    models with a list of as many optimizers (None where a model has none)."""
+    are several) of what a save or load was given: one model and optimizer, one model and
+    a list of its optimizers (the first here; :func:`several_optimizers` gives them all),
+    or a list of models with a list of as many optimizers (None where a model has none)."""
     from ..formats.layouts import check_part_names
 
     if not isinstance(model, (list, tuple)):
-        if isinstance(optimizer, (list, tuple)):
-            raise TypeError(f"optimizer is a list, {list(optimizer)!r}, for one model: pass one name, or a list of models")
+        if isinstance(optimizer, (list, tuple)):  # several optimizers of the one model (optimizer_group)
+            return model_name(model), optimizer_group(optimizer)[0], ()
         return model_name(model), check_optimizer(optimizer), ()
     names = [model_name(m) for m in model]
     if not names:
@@ -72,6 +73,29 @@ def models_and_optimizers(model: Any, optimizer: Any) -> tuple[str, str | None, 
         return names[0], optims[0], ()
     check_part_names(names)
     return names[0], optims[0], tuple(zip(names, optims))
+
+
+def several_optimizers(model: Any, optimizer: Any) -> tuple[str, ...]:
+    """Of one ``model`` given a list of optimizers (its parameters split among several, as
+    an embedding's and the rest's): their names, checked (``SaveSpec.optimizers``); else
+    ``()``: one optimizer, or a list of models (``models_and_optimizers``)."""
+    if isinstance(model, (list, tuple)) or not isinstance(optimizer, (list, tuple)):
+        return ()
+    names = optimizer_group(optimizer)
+    return names if len(names) > 1 else ()
+
+
+def optimizer_group(optimizer: list[Any] | tuple[Any, ...]) -> tuple[str, ...]:
+    """A list of optimizers of one model as engine global names: TypeError / ValueError
+    naming an entry that is not one, or a name given twice, before any rank is asked."""
+    if not optimizer:
+        raise ValueError("optimizer is an empty list: name the model's optimizer, or each of them")
+    if any(o is None for o in optimizer):
+        raise TypeError(f"optimizer holds None, {list(optimizer)!r}: for one model, name each of its optimizers")
+    names = tuple(o for o in (check_optimizer(o) for o in optimizer) if o is not None)
+    if len(set(names)) != len(names):
+        raise ValueError(f"optimizer names an optimizer twice: {list(names)}")
+    return names
 
 
 def check_optimizer(optimizer: Any) -> str | None:

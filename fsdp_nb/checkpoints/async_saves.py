@@ -8,28 +8,41 @@ or ``shutdown`` of that session waits for it first (:func:`wait_pending`).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
+from ..errors import CheckpointError
 from ..formats.info import CheckpointInfo
 from .arguments import raise_outcomes
-from .wire_checkpoint import SaveProgress
+from .wire_checkpoint import Outcome, SaveProgress
 
 if TYPE_CHECKING:
     from ..context import SessionContext
 
+log = logging.getLogger("fsdp_nb")
+
 __all__ = ["AsyncCheckpoint", "register", "wait_pending"]
 
 def wait_pending(ctx: SessionContext) -> None:
-    """Finish every async save of ``sess`` still running (commits them)."""
+    """Finish every async save of ``sess`` still running (commits them), before a call
+    whose collectives must not meet theirs. A save that failed is its handle's to raise
+    (``wait()``, again and again): here it is logged, naming the save, and the call goes
+    on, so a save that a dead engine cut short does not stand in the way of the
+    ``restart`` that brings the run back."""
     for h in list(ctx.saves):
-        h.wait()
+        try:
+            h.wait()
+        except CheckpointError as exc:
+            log.warning("fsdp_nb: the async save to %s failed (its handle's wait() raises it): %s", h.path, exc)
 
 
 class AsyncCheckpoint:
     """A checkpoint being copied and written in the background on the ranks.
 
     The handle comes back as soon as the ranks hold the state dict; the CPU copy
-    (staging) runs in the background, and the optimizer's next step waits for it.
+    (staging) runs in the background, and every optimizer's next step (and a forward of
+    the model while its buffers are copied) waits for it. The save is this handle's: an
+    autosave running meanwhile waits for it, and leaves its outcome to ``wait()``.
 
     ``done()`` and ``progress()`` (phase, bytes written) ask the ranks without blocking;
     ``wait()`` blocks until every rank finished and rank 0 committed, then returns the
@@ -102,8 +115,7 @@ class AsyncCheckpoint:
             try:
                 outs = d.gather(d.apply("checkpoint async_wait", jobs.async_wait, args=(self.token,)), timeout)
                 self._finished = True
-                raise_outcomes(outs)
-                self._info = next((o.info for o in outs if o.info is not None), None)
+                self._info = self._committed(outs)
             except BaseException as exc:  # kept for later wait() calls, then re-raised
                 if self._finished:
                     self._error = exc
@@ -114,8 +126,35 @@ class AsyncCheckpoint:
                         self._ctx.saves.remove(self)
         if self._error is not None:
             raise self._error
-        assert self._info is not None
+        if self._info is None:  # pragma: no cover - _committed gives one or raises
+            raise CheckpointError(f"the async save to {self.path!r} has no description")
         return self._info
+
+    def _committed(self, outs: list[Outcome]) -> CheckpointInfo:
+        """The info of the committed save, from the ranks' outcomes: the first failure is
+        raised; ranks that do not know the save (their engines were replaced by a restart)
+        are answered by the checkpoint itself, complete or not."""
+        unknown = [r for r, o in enumerate(outs) if not o.ok and o.error is LookupError]
+        raise_outcomes([o for r, o in enumerate(outs) if r not in unknown])
+        info = next((o.info for o in outs if o.info is not None), None)
+        if unknown and info is None:
+            from ..formats.inspect import inspect
+            from ..formats.storage import options_for
+
+            try:
+                found: CheckpointInfo | None = inspect(self.path, storage_options=options_for(self.path))
+            except FileNotFoundError:
+                found = None
+            if found is None or not found.valid:
+                raise CheckpointError(
+                    f"the async save to {self.path!r} is lost: rank(s) {', '.join(map(str, unknown))} do not know it "
+                    "(a restart replaced their engines while it was written, or it was collected already), and "
+                    f"{self.path!r} is {'not there' if found is None else 'not complete: ' + str(found.problem)}"
+                )
+            info = found
+        if info is None:
+            raise CheckpointError(f"the async save to {self.path!r} finished, but rank 0 described no checkpoint")
+        return info
 
     def __repr__(self) -> str:
         return f"<AsyncCheckpoint {self.path!r}: {self.phase}, the ranks were held {self.blocked_s:.3f} s>"

@@ -15,14 +15,20 @@ from typing import TYPE_CHECKING, Any
 
 from ..display.progress import check_progress, follow, may_show
 from ..formats.storage import options_for, url_to_fs
-from .arguments import check_state, check_titan_loader, models_and_optimizers, raise_outcomes
+from .arguments import (
+    check_state,
+    check_titan_loader,
+    models_and_optimizers,
+    raise_outcomes,
+    several_optimizers,
+)
 from .async_saves import wait_pending
 from .wire_checkpoint import LoadSpec
 
 if TYPE_CHECKING:
     from ..context import SessionContext
 
-__all__ = ["check_trainer_state", "fill_weights", "load"]
+__all__ = ["check_autosave_step", "check_trainer_state", "fill_weights", "load"]
 
 
 def load(
@@ -30,7 +36,7 @@ def load(
     path: str,
     model: Any,
     *,
-    optimizer: str | list[str | None] | None = None,
+    optimizer: str | list[str | None] | tuple[str, ...] | None = None,
     state: list[str] | tuple[str, ...] | None = None,
     rng: bool | None = None,
     strict: bool = True,
@@ -70,6 +76,7 @@ def load(
         check_trainer_state(path, names, ctx.world_size, weights_only, ctx.models.get(name))
     wait_pending(ctx)
     spec = LoadSpec(url=path, storage_options=options_for(path), model=name, optimizer=optim, parts=parts,
+                    optimizers=several_optimizers(model, optimizer),
                     state=names, rng=rng,
                     strict=strict,
                     verify=verify, report_progress=may_show(progress), weights_only=weights_only, fill=fill)
@@ -79,6 +86,38 @@ def load(
         outs = d.gather(pending)
     raise_outcomes(outs)
     return outs[0].extra or {}
+
+
+def check_autosave_step(ctx: SessionContext, path: str) -> None:
+    """Refuse, before any rank reads, a ``sess.load`` of a checkpoint that keeps no step
+    (``extra["step"]``) while an autosave is armed: the autosave counts on from the loaded
+    step, and without one its next ``step-<N>`` folder would name a step the run is not
+    at. ``restart``'s own restore is not checked here: it arms the autosave again from the
+    step it restored.
+
+    Args:
+        ctx: the session (``ctx.autosave``: the autosave armed, if one is).
+        path: the checkpoint to load.
+    """
+    from ..errors import CheckpointError
+    from ..formats.inspect import inspect
+
+    spec = ctx.autosave
+    if spec is None:
+        return
+    try:
+        info = inspect(path, storage_options=options_for(path))
+    except FileNotFoundError:
+        return  # the ranks say so, as for any load
+    step = info.extra.get("step")
+    if isinstance(step, int) and not isinstance(step, bool):
+        return
+    raise CheckpointError(
+        f"sess.load({path!r}) while the autosave to {spec.root!r} is armed: the checkpoint keeps no step "
+        "(extra['step']), and the autosave counts on from the step a load brings back, so its next step-<N> "
+        "folder would name a step the run is not at. Nothing was loaded. Stop the autosave first "
+        "(sess.stop_autosave()), load, then arm it again; or save checkpoints with extra={'step': N}"
+    )
 
 
 def fill_weights(ctx: SessionContext, path: str, name: str) -> None:

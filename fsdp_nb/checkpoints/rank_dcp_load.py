@@ -5,7 +5,8 @@ Trainer), torchtitan, OLMo-core and Accelerate (``formats.layouts``): the
 layout says under which keys the model and optimizer are stored, and where the rest of
 the trainer's state is; it is returned as ``extra``. DCP reads and reshards; the
 checked reader reads and verifies this rank's items, and once every rank has, reads
-them again (from the page cache) into the model's own shards.
+them again (from the page cache; a remote store's, from the copy it fetched once) into
+the model's own shards.
 """
 
 from __future__ import annotations

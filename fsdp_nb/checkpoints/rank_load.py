@@ -24,7 +24,7 @@ from ..engine.step import owner, taking_state
 from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ..formats.fullfile import full_suffix, read_full
 from ..formats.keys import optim_key
-from ..formats.run_state import RNG
+from ..formats.run_state import RNG, state_file
 from ..formats.safetensors_layout import (
     PieceReader,
     Stored,
@@ -46,8 +46,8 @@ from .rank_load_checks import (
     shape_problems,
     shapes,
 )
-from .rank_run_state import read_part, restore
-from .rank_save import begin, named_objects, state_bytes
+from .rank_run_state import cuda_rng_problem, read_part, restore
+from .rank_save import begin, named_objects, optimizer_list, state_bytes
 from .wire_checkpoint import LoadSpec, Outcome
 
 __all__ = ["load"]
@@ -80,13 +80,7 @@ def _load(spec: LoadSpec) -> Outcome:
     t0 = time.perf_counter()
     # this rank's own part (random state, named objects) is read and checked with the
     # rest, before anything changes, and given back once the model and optimizer are
-    problem: str | None = None
-    cls: type[BaseException] = CheckpointError
-    part, rng = None, False
-    try:
-        part, rng = read_part(spec, fs, p, isdir, *rank_and_world())
-    except CheckpointError as exc:
-        problem, cls = str(exc), type(exc)
+    part, rng, problem, cls = _own_part(spec, fs, p, isdir)
     bad = agree_problem(problem, cls)
     if bad:
         return bad
@@ -120,6 +114,22 @@ def _load(spec: LoadSpec) -> Outcome:
     return out
 
 
+def _own_part(spec: LoadSpec, fs: Any, p: str, isdir: bool,
+              ) -> tuple[dict[str, Any] | None, bool, str | None, type[BaseException]]:
+    """This rank's own part of the checkpoint at ``p`` (``read_part``), whether to put its
+    random state back, and the problem that refuses the load (None) and its class: a
+    CheckpointError of ``read_part``, or a CUDA random state this rank cannot place."""
+    rank, ws = rank_and_world()
+    try:
+        part, rng = read_part(spec, fs, p, isdir, rank, ws)
+    except CheckpointError as exc:
+        return None, False, str(exc), type(exc)
+    problem = None
+    if rng and part is not None:
+        problem = cuda_rng_problem(part.get(RNG), f"checkpoint {spec.url!r}: file {state_file(rank)!r}")
+    return part, rng, problem, CheckpointError
+
+
 def _load_parts(spec: LoadSpec, fs: Any, p: str) -> Outcome:
     """Several models (``spec.parts``) from the DCP folder ``p``, one after another, each
     from the part of its own name; the first failure ends it (earlier ones stay loaded)."""
@@ -148,7 +158,7 @@ def _load_safetensors(spec: LoadSpec, fs: Any, p: str, model: Any, optim: Any) -
     except CorruptCheckpointError as exc:
         problem, cls = str(exc), CorruptCheckpointError
     if problem is None:
-        msd, osd = get_state_dict(model, [optim] if optim is not None else [])
+        msd, osd = get_state_dict(model, optimizer_list(optim))
         exp_o = None if optim is None else {
             optim_key(fqn, key): tuple(v.shape) for fqn, key, v in optim_entries(osd) if isinstance(v, torch.Tensor)}
         problem, usable = match(

@@ -115,5 +115,5 @@ def apply_read(model: Any, optim: Any, msd: dict | None, osd: dict | None, stric
                 msd[dup] = msd[src]
         set_model_state_dict(model, msd, options=opts)
     if optim is not None and osd is not None:  # the callers read one whenever there is an optimizer
-        set_optimizer_state_dict(model, [optim], osd, options=opts)
+        set_optimizer_state_dict(model, optim if isinstance(optim, list) else [optim], osd, options=opts)
     return Outcome(extra=meta.get("extra", {}), world_size=meta.get("world_size"))

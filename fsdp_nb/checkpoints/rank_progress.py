@@ -17,7 +17,7 @@ from typing import Any
 from ..engine.registry import Part, part
 from ..wire.calls import PROGRESS_KEY as KEY
 
-__all__ = ["INTERVAL", "add", "finish", "start"]
+__all__ = ["INTERVAL", "add", "counted", "finish", "start"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -42,9 +42,29 @@ def start(total: int, publish: bool) -> None:
     _publish()
 
 
+def counted(done: int, total: int, finished: bool = False) -> int:
+    """The bytes done that a count shows against ``total`` (this rank's tensor bytes):
+    ``done``, the bytes of files written or read so far, at most ``total``; ``total``
+    once the rank's part is ``finished``.
+
+    The files hold more than the tensors (each stored item's framing, pickled items such
+    as an optimizer's ``param_groups``, ``.metadata``), and a resharded load reads whole
+    stored items past its own shard: counted as they go, the bytes passed ``total`` near
+    the end, and a save's progress showed more bytes written than its total. A rank
+    whose replicated tensors another rank wrote writes fewer: ``finished`` says it is done.
+
+    Args:
+        done: file bytes written or read so far.
+        total: the tensor bytes expected on this rank.
+        finished: this rank's part is written (or read).
+    """
+    return int(total) if finished else max(0, min(int(done), int(total)))
+
+
 def add(n: int) -> None:
-    """``n`` more bytes written or read."""
-    part(Progress).count["done"] += n
+    """``n`` more bytes written or read (counted up to the total: ``counted``)."""
+    count = part(Progress).count
+    count["done"] = counted(count["done"] + n, count["total"])
     if part(Progress).count["on"] and time.monotonic() - part(Progress).count["at"] >= INTERVAL:
         _publish()
 

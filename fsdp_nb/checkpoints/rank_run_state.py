@@ -3,8 +3,8 @@
 ``sess.save(state=[...])`` names engine globals that have ``state_dict()`` and
 ``load_state_dict()``: an LR scheduler, a gradient scaler, a ``StatefulDataLoader``, a
 user's own object. :func:`capture` takes their states and this rank's random state
-(Python's ``random``, NumPy's global generator, torch's CPU generator and every CUDA
-device's) at the moment the save is called; :func:`restore` puts them back after a load
+(Python's ``random``, NumPy's global generator, torch's CPU generator and the rank's
+own CUDA device's) at the moment the save is called; :func:`restore` puts them back after a load
 has set the model and optimizer, so the next step draws the same dropout masks and
 batches as the run that was saved. The file format is ``fsdp_nb.formats.run_state``.
 """
@@ -24,7 +24,8 @@ from ..formats.run_state import RNG, RUN_STATE, read, state_file
 from .wire_checkpoint import LoadSpec
 
 __all__ = [
-    "capture", "check_objects", "per_rank", "read_part", "restore", "rng_state", "set_rng_state",
+    "LOADER_METHODS", "capture", "check_objects", "cuda_rng_problem", "is_torch_loader", "loader_method",
+    "per_rank", "read_part", "restore", "rng_state", "set_rng_state",
 ]
 
 log = logging.getLogger("fsdp_nb")
@@ -49,19 +50,48 @@ def check_objects(names: Iterable[str]) -> None:
             )
 
 
+LOADER_METHODS = ("__iter__", "__next__", "next", "next_batch", "get_batch")
+"""The methods a loop draws batches through: an object with one of them may be a data
+loader, whose position a resume must take before the loop draws the next batch."""
+
+
 def per_rank(obj: Any) -> bool:
-    """Whether ``obj`` is a data loader or sampler (iterable): its position is its rank's
-    own, and the loop moves it before the next forward. A module (an EMA kept in an
-    ``nn.ModuleList``) or a plain container is iterable too, and is not one: its state is
-    taken with the model's, after the loop's own updates."""
+    """Whether ``obj`` is iterable as a data loader or sampler is: its position is its
+    rank's own (another trainer's layout, which keeps one copy, refuses it). A module (an
+    EMA kept in an ``nn.ModuleList``) or a plain container is iterable too, and is not one."""
     import torch
 
     return hasattr(obj, "__iter__") and not isinstance(obj, torch.nn.Module | dict | list | tuple | set)
 
 
+def is_torch_loader(obj: Any) -> bool:
+    """Whether ``obj`` is a torch ``DataLoader`` (torchdata's ``StatefulDataLoader`` is
+    one) or ``Sampler``: a loader by its class, whatever else it has."""
+    from torch.utils.data import DataLoader, Sampler
+
+    return isinstance(obj, DataLoader | Sampler)
+
+
+def loader_method(obj: Any) -> str | None:
+    """The first of :data:`LOADER_METHODS` that ``obj`` has (None: none, or ``obj`` is a
+    module, an optimizer, a scheduler or a plain container, which a loop does not draw
+    batches from: an EMA kept in an ``nn.ModuleList`` iterates too)."""
+    import torch
+
+    if isinstance(obj, torch.nn.Module | torch.optim.Optimizer | torch.optim.lr_scheduler.LRScheduler
+                  | dict | list | tuple | set | str | bytes):
+        return None
+    return next((m for m in LOADER_METHODS if callable(getattr(obj, m, None))), None)
+
+
 def rng_state() -> dict[str, Any]:
     """This rank's random state: Python's, NumPy's global generator (when NumPy is
-    imported), torch's CPU generator and each CUDA device's (when CUDA was initialised)."""
+    imported), torch's CPU generator and its own CUDA device's (when CUDA was initialised).
+
+    The CUDA state is the rank's current device's alone, ``{"device": index, "state":
+    ByteTensor}``, not every visible device's by index: a rank that loads it may see
+    fewer devices, or another index (``CUDA_VISIBLE_DEVICES`` per task), and takes it
+    onto its own current device (``set_rng_state``)."""
     import sys
 
     import torch
@@ -70,12 +100,62 @@ def rng_state() -> dict[str, Any]:
     if "numpy" in sys.modules:
         out["numpy"] = _numpy_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
+        index = torch.cuda.current_device()
+        out["cuda"] = {"device": int(index), "state": torch.cuda.get_rng_state(index)}
     return out
 
 
+def cuda_rng_problem(saved: dict[str, Any] | None, what: str) -> str | None:
+    """Why the CUDA random state in ``saved`` (a state :func:`rng_state` took, or None)
+    cannot be put back on this rank, or None when it can (or there is none to put back).
+
+    A checkpoint written before the rank's own device was kept alone holds a list, one
+    state per device its rank saw. One entry is the rank's; as many entries as this rank
+    sees devices are the devices it saw (its current device's entry is taken). Any other
+    count cannot say which device was the rank's: refused, rather than guessed.
+
+    Args:
+        saved: the random state read back (its ``"cuda"`` entry is looked at).
+        what: the checkpoint and file it came from, for the message.
+    """
+    import torch
+
+    cuda = (saved or {}).get("cuda")
+    if cuda is None or not torch.cuda.is_available():
+        return None
+    try:
+        _cuda_entry(cuda)
+    except (LookupError, TypeError) as exc:
+        return (f"{what}: its CUDA random state cannot be put back on this rank ({exc}); load it with "
+                "rng=False, which leaves this rank's random state as it is")
+    return None
+
+
+def _cuda_entry(cuda: Any) -> Any:
+    """The one CUDA generator state in ``cuda`` (the ``"cuda"`` entry of a saved random
+    state) that belongs on this rank's current device; LookupError when an old list
+    cannot say which, TypeError when it is neither form."""
+    import torch
+
+    if isinstance(cuda, dict) and isinstance(cuda.get("state"), torch.Tensor):
+        return cuda["state"]
+    if isinstance(cuda, list | tuple) and cuda and all(isinstance(t, torch.Tensor) for t in cuda):
+        if len(cuda) == 1:
+            return cuda[0]
+        seen = torch.cuda.device_count()
+        if len(cuda) == seen:  # the devices its rank saw, as this rank sees them
+            return cuda[torch.cuda.current_device()]
+        raise LookupError(
+            f"it holds one state for each of the {len(cuda)} devices its rank saw, as fsdp_nb wrote them before "
+            f"it kept the rank's own device alone, and this rank sees {seen}: which one was the rank's "
+            "is not recorded")
+    raise TypeError(f"it is a {type(cuda).__name__}, neither one device's state nor a list of them")
+
+
 def set_rng_state(saved: dict[str, Any]) -> None:
-    """Put back a state :func:`rng_state` took."""
+    """Put back a state :func:`rng_state` took. Its CUDA state goes onto this rank's
+    current device, whichever index it was taken on (``cuda_rng_problem`` says first
+    when it cannot)."""
     import torch
 
     if "python" in saved:
@@ -89,7 +169,7 @@ def set_rng_state(saved: dict[str, Any]) -> None:
     if "torch" in saved:
         torch.set_rng_state(saved["torch"])
     if "cuda" in saved and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["cuda"])
+        torch.cuda.set_rng_state(_cuda_entry(saved["cuda"]), torch.cuda.current_device())
 
 
 def _python_state() -> tuple[int, list[int], float | None]:

@@ -15,8 +15,9 @@ model tensor is touched.
   0 only (the others hold nothing), which writes one ``.pt`` / ``.safetensors``.
 - async: the call returns once every rank holds its state dict; DCP's async save (the
   CPU copy of this rank's shards, then the write) and the commit run in a background
-  job that starts once the call has answered (``call_channel.after_reply``), and the
-  optimizer's next step waits for the copy (``fsdp_nb.checkpoints.rank_async_saves``).
+  job that starts once the call has answered (``call_channel.after_reply``), and every
+  optimizer's next step (and the forward of a saved model whose buffers are copied) waits
+  for the copy (``fsdp_nb.checkpoints.rank_async_saves``).
 - checkpoint collectives (DCP's planning, the commit's gather, load's agreement) run
   on a dedicated gloo group (``checkpoint_group``), as torchtitan's do: it has the CPU
   backend DCP's async save requires on NCCL worlds, and background writes never
@@ -55,7 +56,7 @@ from .wire_checkpoint import LoadSpec, Outcome, SaveProgress, SaveSpec
 
 log = logging.getLogger("fsdp_nb")
 
-__all__ = ["begin", "named_objects", "save", "state_bytes"]
+__all__ = ["begin", "named_objects", "optimizer_list", "save", "state_bytes"]
 
 _FAILED = "!failed"  # the entry a rank's written files carry when it could not write them
 
@@ -90,12 +91,22 @@ def begin(spec: SaveSpec | LoadSpec) -> tuple[Any, Any] | Outcome:
     drain()
     try:
         objects = named_objects(spec.model, spec.optimizer)
+        if spec.optimizers:  # one model, several optimizers: saved and loaded together
+            objects = (objects[0], [named_objects(spec.model, o)[1] for o in spec.optimizers])
         for model, optim in spec.parts[1:]:
             named_objects(model, optim)
         check_objects(spec.state)
     except (NameError, TypeError) as exc:
         return Outcome.failed(exc)
     return objects
+
+
+def optimizer_list(optim: Any) -> list[Any]:
+    """``optim`` as the list torch's ``get_state_dict`` takes: ``[]`` for None, a list of
+    several optimizers of one model as it is (``SaveSpec.optimizers``), else ``[optim]``."""
+    if optim is None:
+        return []
+    return list(optim) if isinstance(optim, list) else [optim]
 
 
 def _own(spec: SaveSpec, taken: dict[str, Any] | None) -> tuple[bytes | None, dict[str, Any]]:
@@ -163,6 +174,8 @@ def _model_meta(model: Any, spec: SaveSpec, saved: list[tuple[Any, Any]]) -> dic
     meta.update(world_size=ws, mesh=mesh)
     if not spec.parts:  # one model: what it is; several: each in meta[PARTS]
         meta.update(**_part_meta(model, spec.optimizer), **hugging_face_meta(model), model=spec.model)
+        if spec.optimizers:  # several optimizers of the one model: each by name (``optimizer``: the first)
+            meta["optimizers"] = list(spec.optimizers)
     else:
         meta[PARTS] = {name: {**_part_meta(m, o), **hugging_face_meta(m)} for (name, o), (m, _) in zip(spec.parts, saved)}
     return meta
@@ -245,7 +258,7 @@ def _to_write(spec: SaveSpec, saved: list[tuple[Any, Any]], shared: dict[str, An
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     flat = StateDictOptions(flatten_optimizer_state_dict=spec.layout == "torchtitan")  # as torchtitan keeps it
-    states = [get_state_dict(m, [o] if o is not None else [], options=flat) for m, o in saved]
+    states = [get_state_dict(m, optimizer_list(o), options=flat) for m, o in saved]
     if spec.parts:
         sd = {name: {"model": msd, **({"optim": osd} if o is not None else {})}
               for (name, o), (msd, osd) in zip(spec.parts, states)}
@@ -304,8 +317,8 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float, part: bytes
     # cores against the reply for tens of ms on a busy host. Training waits on
     # ``staged`` before it changes a saved tensor.
     staged: Future = Future()
-    hold_until_staged(staged, [(m, o, bool(set(msd) - {n for n, _ in m.named_parameters()}))
-                               for (m, o), (msd, _) in zip(saved, states)])
+    hold_until_staged(staged, [(m, bool(set(msd) - {n for n, _ in m.named_parameters()}))
+                               for (m, _), (msd, _) in zip(saved, states)])
     blocked = time.perf_counter() - t0
 
     def finish() -> Outcome:
@@ -330,7 +343,8 @@ def _save_sharded(spec: SaveSpec, model: Any, optim: Any, t0: float, part: bytes
         return out
 
     def job() -> None:
-        submit(spec.token, finish, progress, lambda: recorder.written)
+        submit(spec.token, finish, progress,
+               lambda: progress_feed.counted(recorder.written, progress.total, progress.phase == "committing"))
 
     job() if now else after_reply(job)
     return Outcome(blocked=blocked, pending=True)
@@ -373,7 +387,7 @@ def _save_full(spec: SaveSpec, model: Any, optim: Any, t0: float) -> Outcome:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    msd, osd = get_state_dict(model, [optim] if optim is not None else [], options=opts)
+    msd, osd = get_state_dict(model, optimizer_list(optim), options=opts)
     meta = _model_meta(model, spec, [(model, optim)])
     rank, _ = rank_and_world()
     if rank != 0:

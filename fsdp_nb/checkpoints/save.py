@@ -26,6 +26,7 @@ from .arguments import (
     check_titan_loader,
     models_and_optimizers,
     raise_outcomes,
+    several_optimizers,
 )
 from .async_saves import AsyncCheckpoint, register, wait_pending
 from .wire_checkpoint import SaveSpec
@@ -41,7 +42,7 @@ def save(
     path: str,
     model: Any,
     *,
-    optimizer: str | list[str | None] | None = None,
+    optimizer: str | list[str | None] | tuple[str, ...] | None = None,
     state: list[str] | tuple[str, ...] | None = None,
     extra: dict[str, Any] | None = None,
     sharded: bool = True,
@@ -103,6 +104,7 @@ def save(
     wait_pending(ctx)
     spec = SaveSpec(
         url=path, storage_options=options_for(path), model=name, optimizer=optim, parts=parts, state=names, rng=rng,
+        optimizers=several_optimizers(model, optimizer),
         sharded=sharded, async_save=async_save, keep_last=keep_last, token=uuid.uuid4().hex[:12], meta=meta,
         check_exists=not overwrite, report_progress=may_show(progress) and not async_save, layout=layout,
     )

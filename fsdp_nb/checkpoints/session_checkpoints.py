@@ -28,7 +28,7 @@ class SessionCheckpoints:
         path: str,
         model: ShardedModel | str | list[ShardedModel | str],
         *,
-        optimizer: str | list[str | None] | None = None,
+        optimizer: str | list[str | None] | tuple[str, ...] | None = None,
         state: list[str] | tuple[str, ...] | None = None,
         extra: dict[str, Any] | None = None,
         sharded: bool = True,
@@ -48,8 +48,10 @@ class SessionCheckpoints:
             model: the ``ShardedModel`` from ``wrap``, or the engine global name of an
                 FSDP2 module; or a list of them (a teacher and a student, a GAN's two),
                 each stored under its own name in one sharded checkpoint.
-            optimizer: the engine global name of its ``torch.optim`` optimizer; with a
-                list of models, a list of as many (None for a model without one).
+            optimizer: the engine global name of its ``torch.optim`` optimizer; for one
+                model whose parameters several optimizers step, a list of their names
+                (kept together, loaded back with the same list); with a list of models, a
+                list of as many (None for a model without one).
             state: engine globals with ``state_dict()`` / ``load_state_dict()`` to keep
                 (an LR scheduler, the ``scaler``, a ``StatefulDataLoader``, your own
                 object). In fsdp_nb's layout each rank's copy goes in its own file
@@ -85,7 +87,7 @@ class SessionCheckpoints:
         path: str,
         model: ShardedModel | str | list[ShardedModel | str],
         *,
-        optimizer: str | list[str | None] | None = None,
+        optimizer: str | list[str | None] | tuple[str, ...] | None = None,
         state: list[str] | tuple[str, ...] | None = None,
         rng: bool | None = None,
         strict: bool = True,
@@ -101,7 +103,8 @@ class SessionCheckpoints:
             model: the ``ShardedModel`` (or engine global name) to load into; of a
                 checkpoint holding several models, the one saved under its name. A list
                 loads several, one after another (a failure leaves the earlier loaded).
-            optimizer: the engine global name of the optimizer to load too; with a list
+            optimizer: the engine global name of the optimizer to load too; the list of
+                them a model was saved with (several optimizers of one model); with a list
                 of models, a list of as many (None for a model without one).
             state: engine globals that take back their saved ``state_dict`` (each rank
                 its own copy): names the save's ``state=`` kept.
@@ -122,9 +125,14 @@ class SessionCheckpoints:
                 ``.pt`` files) with torch's weights-only unpickler only; one that could
                 run code is refused (``fsdp_nb.UnsafeCheckpointError``) before anything
                 is loaded. False trusts them, as plain ``torch.load`` does: arbitrary code.
+
+        While an autosave is armed, a checkpoint that keeps no ``extra["step"]`` is refused
+        (``CheckpointError``) before anything loads: the autosave counts on from the loaded
+        step (``check_autosave_step``).
         """
         self._ctx.check_open()
-        from .load import load
+        from .load import check_autosave_step, load
 
+        check_autosave_step(self._ctx, path)
         return load(self._ctx, path, model, optimizer=optimizer, state=state, rng=rng, strict=strict, verify=verify,
                     progress=progress, weights_only=weights_only)

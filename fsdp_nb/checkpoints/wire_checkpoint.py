@@ -41,6 +41,10 @@ class _Target:
     """Several models in one checkpoint (a teacher and a student; a GAN): each model's
     engine global name and its optimizer's (or None), ``model`` / ``optimizer`` being the
     first; each is stored under its own name (``formats.parts``). Empty: one model."""
+    optimizers: tuple[str, ...] = ()
+    """Of one model whose parameters several optimizers step (an embedding's and the
+    rest's): every one of them, saved and loaded together (torch's ``get_state_dict``
+    with a list), ``optimizer`` being the first. Empty: ``optimizer`` alone."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,6 +136,7 @@ class SaveProgress:
     rank 0 commits), ``"done"`` (this rank's part finished; on rank 0: committed) or
     ``"failed"``. Summed over the ranks: ``"committed"`` once every rank is done."""
     written: int = 0
-    """Bytes this rank has written so far."""
+    """Bytes this rank has written so far, counted against ``total``: at most it, and
+    ``total`` once written (``rank_progress.counted``)."""
     total: int = 0
     """Bytes of tensor data this rank staged (what it will write, files' framing aside)."""

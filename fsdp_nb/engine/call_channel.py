@@ -12,8 +12,12 @@ socket binds to the address the notebook gives (loopback when the notebook is on
 host) and refuses frames over ``MAX_REQUEST_BYTES`` (zmq drops the sender); the
 notebook sends larger calls through ipyparallel.
 
-A request is ``[signature, cloudpickle of (fn, args)]``; its signed header (sender and
-counter, unique) is the call's id. ``fn(*args)`` runs with SIGINT raising
+A request is ``[signature, cloudpickle of (fn, args, cell)]``; its signed header (sender
+and counter, unique) is the call's id. ``cell`` says whether the call is the user's own
+(``sess.run``): the rank's step owner is then told that a cell started and ended around
+it (``fsdp_nb.engine.step``), as IPython tells it around a ``%%px`` cell, so a step's
+time never counts the pause between two calls. The session's own calls (``push``,
+``pull``, an async save and its polls) are no cell. ``fn(*args)`` runs with SIGINT raising
 ``KeyboardInterrupt`` (as in a cell, so Ctrl-C and the recovery's interrupt reach it;
 not in the server's own bookkeeping: ``interrupts``), its printed lines travel back as
 they are written (``[signature, head, text]``, the head saying stdout or stderr), then
@@ -40,6 +44,7 @@ import cloudpickle
 from . import interrupts
 from .registry import Part, part
 from .signing import HEADER_BYTES, Link, Refused, engine_key, new_nonce
+from .step import owner
 
 __all__ = [
     "ERROR", "MAX_REQUEST_BYTES", "OK", "STDERR", "STDOUT", "after_reply", "dropped", "head",
@@ -178,8 +183,17 @@ class _Server:
         try:
             signal.signal(signal.SIGINT, interrupts.guarded)
             sys.stdout, sys.stderr = out, err
-            fn, args = cloudpickle.loads(payload)
-            result = _invoke(fn, args)
+            fn, args, cell = _request(cloudpickle.loads(payload))
+            if cell:
+                _tell(lambda: owner().cell_started())
+            try:
+                result = _invoke(fn, args)
+            except BaseException:
+                if cell:
+                    _tell(lambda: owner().cell_ended(True))
+                raise
+            if cell:
+                _tell(lambda: owner().cell_ended(False))
             status, body = OK, _dumps(result)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the notebook
             sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
@@ -191,6 +205,27 @@ class _Server:
             out.flush()
             err.flush()
         self._send(ident, [head(call_id, status, time.time()), body])
+
+
+def _request(loaded: Any) -> tuple[Any, tuple, bool]:
+    """``(fn, args, cell)`` of a request's unpickled call; a TypeError (the call's error)
+    for anything else."""
+    if not (isinstance(loaded, tuple) and len(loaded) == 3 and isinstance(loaded[1], tuple)
+            and isinstance(loaded[2], bool)):
+        raise TypeError("a call must be (fn, args, cell): this engine runs another version of fsdp_nb "
+                        "than the notebook's")
+    return loaded
+
+
+def _tell(event: Any) -> None:
+    """Tell the rank's features that a user's call started or ended. A feature that fails
+    there is reported on the call's stderr and logged, as IPython reports a failing
+    event callback around a cell: the call itself is not its failure."""
+    try:
+        event()
+    except Exception:  # noqa: BLE001 - reported like IPython's "Error in callback"
+        log.exception("fsdp_nb: a feature failed at a call's start or end")
+        traceback.print_exc()
 
 
 def _invoke(fn: Any, args: tuple) -> Any:

@@ -4,13 +4,19 @@ A save or load checks everything it can on every rank first; each rank's finding
 agreed (:func:`agree`) so that every rank goes on, or every rank stops with the same
 outcome, and none is left alone in a collective. They run on a gloo group of their own
 (:func:`checkpoint_group`), as torchtitan's checkpointer does.
+
+An async save's write and commit run in a background thread, so one rank may issue the
+commit's collective on this group long before another (its files took longer). That is
+the checkpoint's own business, not the training's: the hang watch names the group as
+the checkpoint group (:data:`DESC`) and never counts its collectives as ones the training
+waits in (``fsdp_nb.hangs``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, TypeVar
 
-from .registry import Part, World, part
+from .registry import RANK, Part, World, part
 
 
 class _Answer(Protocol):
@@ -19,8 +25,11 @@ class _Answer(Protocol):
 
 A = TypeVar("A", bound=_Answer)
 
-__all__ = ["agree", "any_rank", "checkpoint_group", "rank_and_world"]
+__all__ = ["DESC", "agree", "any_rank", "checkpoint_group", "current_group", "rank_and_world"]
 
+DESC = "checkpoint"
+"""The checkpoint group's description (``group_desc``): how the hang watch knows it and
+names it."""
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -82,8 +91,16 @@ def checkpoint_group() -> Any:
     held = part(CheckpointGroup)
     world = dist.group.WORLD
     if held.world is not world:
-        held.world, held.group = world, dist.new_group(backend="gloo")
+        held.world, held.group = world, dist.new_group(backend="gloo", group_desc=DESC)
     return held.group
+
+
+def current_group() -> Any:
+    """The checkpoint group this world made (None: none yet). Never makes one: another
+    thread than the main one asks (the hang watch's), and making a group is a collective
+    of every rank."""
+    held = RANK.find(CheckpointGroup)
+    return None if held is None else held.group
 
 
 class CheckpointGroup(Part):

@@ -196,9 +196,15 @@ def _drop_references(groups: list[Any]) -> int:
 
 
 def _meshes() -> list[Any]:
+    """This rank's live DeviceMeshes of the world as it is now: a mesh over ranks this
+    world does not have belongs to a world a resize left (torch's caches of DTensor
+    shardings keep such meshes alive after their models are gone), and has no group to
+    be pointed at."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    return _instances(DeviceMesh)
+    world = dist.get_world_size() if dist.is_initialized() else None
+    return [m for m in _instances(DeviceMesh) if world is None or int(m.mesh.max()) < world]
 
 
 def _instances(*classes: type) -> list[Any]:

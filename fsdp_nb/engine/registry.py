@@ -20,7 +20,8 @@ recovery and ``shutdown`` alike:
    :func:`fsdp_nb.engine.checkpoint_group.checkpoint_group`) line up on every rank. A
    part drops what belonged to the old group, and where the ranks must agree (the
    scaler's scale, the autosave's count) it agrees, so a rank that joined holds what a
-   rank that stayed holds;
+   rank that stayed holds. A part whose own work there can fail on one rank does it
+   before its collective and takes the outcome into it, so no rank is left waiting;
 3. :meth:`Part.closed`: the rank is leaving (``shutdown``, or a ``resize`` that retires
    it): threads stopped, sockets closed, hooks removed. The part stays in the registry,
    empty: an engine that serves a later session starts it again on first use.
@@ -63,7 +64,8 @@ class Part:
 
     order: ClassVar[int] = 50
     """Where the part is told in the lifecycle among the others (lower first): parts whose
-    ``reformed`` runs collectives, or that others read there, say so by their order."""
+    ``reformed`` runs collectives, or that others read there, say so by their order. A
+    part that is also a step listener (``fsdp_nb.engine.step``) has one order for both."""
 
     def reformed(self, world: World) -> None:
         """The group formed again around this rank (see the module docstring)."""

@@ -59,12 +59,23 @@ class Reading:
         raise NotImplementedError
 
 class Samplers(Part):
-    """This engine's sampler threads, by token (the registry's part for the side channel)."""
+    """This engine's sampler threads, by token (the registry's part for the side channel).
+
+    A re-formed group keeps them: each publishes what its reading reads, and a reading
+    says itself what the new group changed (the step view's epoch). A rank that leaves
+    stops them.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.running: dict[str, _Sampler] = {}
         """Token -> its thread, while it runs (a thread ends when its subscriber goes)."""
+
+    def closed(self) -> None:
+        """Stop every sampler (each closes its socket within an interval)."""
+        with self.lock:
+            for s in self.running.values():
+                s.stopping.set()
 
 
 class _Sampler(threading.Thread):
@@ -81,6 +92,8 @@ class _Sampler(threading.Thread):
         self.error: BaseException | None = None
         self.samples_sent = 0
         self._bound = threading.Event()
+        self.stopping = threading.Event()
+        """Set when the rank leaves: the thread ends at its next look."""
 
     def run(self) -> None:
         import psutil
@@ -109,7 +122,7 @@ class _Sampler(threading.Thread):
         started = time.monotonic()
         next_tick = time.monotonic()
         try:
-            while True:
+            while not self.stopping.is_set():
                 wait_ms = max(0, int((next_tick - time.monotonic()) * 1000))
                 if sock.poll(wait_ms, zmq.POLLIN):
                     msg = sock.recv()

@@ -30,7 +30,10 @@ What a listener hears (:class:`StepListener`), in the order a rank meets it:
    (micro-batches too), ``eval_forward(module)`` at a forward with grad disabled;
 3. ``optimizer_stepping(optimizer)`` before every optimizer's step, ``step_ended(step,
    optimizer)`` after the iteration's first, ``step_joined(step, optimizer)`` after each
-   further one in the same iteration (no training forward between them);
+   further one in the same iteration (no training forward between them, and the
+   iteration had one). Where the owner saw no forward at all (no model it watches, and a
+   one-shot hook that found none), each optimizer step is a step of its own:
+   ``boundary(step, "step")``, ``step_began``, ``step_ended``;
 4. ``boundary(step, "cell end")`` when a cell that did not fail ends after a step, then
    ``cell_ended(failed)``. A cell that failed tells no boundary: the iteration did not end
    cleanly, and a step it cut short is no step.
@@ -43,7 +46,8 @@ Within each event the listeners are told in their :attr:`StepListener.order`:
 
 - 10, the async-save gate (``checkpoints.rank_async_saves``): a step or forward waits for
   the copy of a save still being taken, before anything changes a tensor it copies;
-- 20, the gradient scaler (``models.rank_grad_scaler``): which optimizer steps ran;
+- 20, the gradient scaler (``models.rank_grad_scaler``): it counts a skipped step by
+  :meth:`StepOwner.optimizer_steps`, and drops a scaled step that a failed cell cut short;
 - 30, autosave (``autosave.rank_autosave``): the loaders' positions and the random state
   at the step's end, the save at the boundary (so the step view counts what it blocks);
 - 40, the step view (``steps.rank_step_timing``);
@@ -102,8 +106,9 @@ class StepListener:
 
     def boundary(self, step: int, at: str) -> None:
         """Iteration ``step`` is over, the loop's own updates done: ``at`` the next
-        training forward (``"forward"``), an eval forward (``"eval"``) or the end of a cell
-        that did not fail (``"cell end"``)."""
+        training forward (``"forward"``), an eval forward (``"eval"``), the end of a cell
+        that did not fail (``"cell end"``), or the next optimizer step of a loop whose
+        forwards the owner does not see (``"step"``)."""
 
     def cell_ended(self, failed: bool) -> None:
         """The cell (or call) ended; ``failed``: it raised (an error, Ctrl-C)."""
@@ -133,6 +138,9 @@ class StepOwner(Part):
         """A training forward ran and no optimizer step followed yet."""
         self.pending = False
         """An iteration ended and its boundary was not told yet."""
+        self.forwarded = False
+        """The iteration that ended last had a training forward (a later optimizer step with
+        no forward between joins it; without one, it is a step of its own)."""
         self.taking = 0
         """How many saves or loads are taking or giving state now (nested)."""
         self.in_cell = False
@@ -143,6 +151,13 @@ class StepOwner(Part):
         self.hooks: list[Any] = []
         self.once: Any = None
         self.installed = False
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        """Pickled, the owner is "this rank's owner" (:func:`owner`), by reference: its hooks
+        sit in torch's global hook dicts, which the step wrapper torch puts on an
+        optimizer's class reads, so cloudpickling an optimizer class defined in a notebook
+        (a resize's recipe) reaches it, and its weak references cannot be pickled."""
+        return owner, ()
 
     # -- who listens -----------------------------------------------------------------
 
@@ -294,10 +309,13 @@ class StepOwner(Part):
         if self.taking:
             return
         self.stepped[optimizer] = self.stepped.get(optimizer, 0) + 1
-        if self.pending and not self.in_step:  # no training forward since the last step: same iteration
-            for x in list(self.listeners):
-                x.step_joined(self.steps - 1, optimizer)
-            return
+        if self.pending and not self.in_step:
+            if self.forwarded:  # no training forward since the last step, which had one: same iteration
+                for x in list(self.listeners):
+                    x.step_joined(self.steps - 1, optimizer)
+                return
+            self._boundary("step")  # the owner sees no forward of this loop: each step its own
+        self.forwarded = self.in_step
         if not self.in_step:  # a step with no forward the owner saw: still a step
             for x in list(self.listeners):
                 x.step_began(self.steps)

@@ -25,6 +25,7 @@ its local one, and a base of ours shared by both would sit in a diamond.
   filled, straight into each target that takes the stored bytes as they are (a
   contiguous CPU tensor of the same dtype, the usual FSDP shard): one copy, where
   ``dcp.load`` makes two (into the tensor ``torch.load`` allocates, then the target).
+  A remote store has no page cache: its items are fetched once and held (``item_files``).
   Both passes cut the items into runs that the reader threads read at once.
 - without it (offline consolidate and export, a resize, ``read_items``), stream: each
   item read into one reused buffer, checked where checksums are recorded, and copied
@@ -45,12 +46,13 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..torch_compat import dcp_load_into, dcp_metadata_path, fsspec_reader, narrow_tensor_by_index
 from .checksums import ChecksumMismatch
 from .helper_threads import LazyPool
+from .item_files import ItemFiles
 from .item_scan import ItemScanner, unwritten_buffer
 from .item_tensor import tensor_from_item
 from .pickles import is_weights_only, load_planner
@@ -147,6 +149,9 @@ def reader_classes() -> tuple[type, type]:
         """DCP's reader of a local folder, reading through ``checked`` with ``readers``
         threads at once."""
 
+        remote = False
+        """Read through the page cache: a second pass costs no transfer."""
+
         def __init__(self, path: str, checked: CheckedRead, readers: int) -> None:
             super().__init__(path)
             self.checked, self.readers = checked, readers
@@ -161,6 +166,9 @@ def reader_classes() -> tuple[type, type]:
         """DCP's reader of a URL (``storage_options``: its file system's), reading through
         ``checked`` with one thread (``readers``): a remote store's client keeps its own
         connections."""
+
+        remote = True
+        """Each item fetched once per read (``item_files``), as no page cache keeps it."""
 
         def __init__(self, url: str, checked: CheckedRead, **storage_options: Any) -> None:
             super().__init__(url, **storage_options)
@@ -224,39 +232,43 @@ class CheckedRead:
         decoded = [(req, md) for req, md in items if _transformed(md)]
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
-        if self.before_commit is None:
-            self._check_stored(reader, decoded)
-            self._stream(reader, planner, plain)
-        elif not self._check_then_copy(reader, planner, plain, decoded, self.before_commit):
-            return done
+        files = ItemFiles(reader, keep=self.before_commit is not None)
+        try:
+            if self.before_commit is None:
+                self._check_stored(files, decoded)
+                self._stream(files, planner, plain)
+            elif not self._check_then_copy(files, planner, plain, decoded, self.before_commit):
+                return done
+        finally:
+            files.close()
         if decoded:
             dcp_read(dataclasses.replace(plan, items=[req for req, _ in decoded]), planner).wait()
         return done
 
-    def _stream(self, reader: Any, planner: LoadPlanner, items: Requests) -> None:
+    def _stream(self, files: ItemFiles, planner: LoadPlanner, items: Requests) -> None:
         """Each item read into one reused buffer, checked and copied into its target at
         once: one copy less than ``torch.load`` of the checked bytes, and no new
         allocation per item."""
         scanner = ItemScanner()
-        for stream, md, key, reqs in _opened(reader, items):
+        for stream, md, key, reqs in files.opened(items):
             self._count(md)
             view = scanner.scan(stream, md, self._want(key), whole=True)
             for req in reqs:
                 _commit(planner, req, _item(planner, req, md, view))
 
-    def _check_then_copy(self, reader: Any, planner: LoadPlanner, plain: Requests, decoded: Requests,
+    def _check_then_copy(self, files: ItemFiles, planner: LoadPlanner, plain: Requests, decoded: Requests,
                          before_commit: Callable[[bool], bool]) -> bool:
         """Every item read, checked and (``plain``) its shape matched; every rank told;
         then the ``plain`` items read again and copied into their targets. Nothing is
         copied when any rank failed (a failure here raises, DCP reports it on every rank).
         Whether they were copied. Both passes split the items into runs that
-        ``reader.readers`` threads read at once."""
-        runs = _runs(plain, reader.readers)
+        ``files.readers`` threads read at once."""
+        runs = _runs(plain, files.readers)
         failure: BaseException | None = None
         direct: dict[int, int] = {}
         try:
-            self._check_stored(reader, decoded)
-            for found in _each(functools.partial(self._check_run, reader, planner), runs):
+            self._check_stored(files, decoded)
+            for found in _each(functools.partial(self._check_run, files, planner), runs):
                 direct.update(found)
         except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
             failure = exc
@@ -266,10 +278,10 @@ class CheckedRead:
         if not everyone:
             log.info("another rank could not read its part of the checkpoint: nothing loaded here")
             return False
-        _each(functools.partial(self._copy_run, reader, planner, direct), runs)
+        _each(functools.partial(self._copy_run, files, planner, direct), runs)
         return True
 
-    def _check_run(self, reader: Any, planner: LoadPlanner, run: Requests) -> dict[int, int]:
+    def _check_run(self, files: ItemFiles, planner: LoadPlanner, run: Requests) -> dict[int, int]:
         """Read and check every item of ``run``, and match the shapes its requests ask
         for; raise at the first failure. Each item goes through an ``ItemScanner``, which
         keeps only what the shapes need. Returns, for each request (by ``id``) that can be
@@ -278,7 +290,7 @@ class CheckedRead:
 
         scanner = ItemScanner()
         direct: dict[int, int] = {}
-        for stream, md, key, reqs in _opened(reader, run):
+        for stream, md, key, reqs in files.opened(run):
             self._count(md)
             view = scanner.scan(stream, md, self._want(key), whole=reqs[0].type == LoadItemType.BYTE_IO)
             for req in reqs:
@@ -287,12 +299,12 @@ class CheckedRead:
                     direct[id(req)] = start
         return direct
 
-    def _copy_run(self, reader: Any, planner: LoadPlanner, direct: dict[int, int], run: Requests) -> None:
+    def _copy_run(self, files: ItemFiles, planner: LoadPlanner, direct: dict[int, int], run: Requests) -> None:
         """The copy pass over ``run`` (checked already): each request in ``direct`` read
         straight into its target, the others' items read again into one reused buffer
         and copied from it."""
         buf = unwritten_buffer(0)
-        for stream, md, _key, reqs in _opened(reader, run):
+        for stream, md, _key, reqs in files.opened(run):
             view = None
             for req in reqs:
                 start = direct.get(id(req))
@@ -308,11 +320,11 @@ class CheckedRead:
                         raise ChecksumMismatch(f"file {md.relative_path!r} is shorter than when it was checked")
                 _commit(planner, req, _item(planner, req, md, view))
 
-    def _check_stored(self, reader: Any, items: Requests) -> None:
+    def _check_stored(self, files: ItemFiles, items: Requests) -> None:
         """Count the items DCP's own read decodes, and check their stored bytes where the
         checkpoint records checksums (raise at the first failure)."""
         scanner = ItemScanner()
-        for stream, md, key, _reqs in _opened(reader, items):
+        for stream, md, key, _reqs in files.opened(items):
             self._count(md)
             if self.checks is not None:
                 scanner.scan(stream, md, self._want(key), whole=True)
@@ -337,19 +349,6 @@ class CheckedRead:
 def _transformed(sinfo: Any) -> bool:
     """Whether stored item ``sinfo`` carries a stream transform (older metadata has no field)."""
     return bool(getattr(sinfo, "transform_descriptors", None))
-
-
-def _opened(reader: Any, items: Requests) -> Iterator[tuple[Any, Any, tuple[str, int], list[ReadItem]]]:
-    """``(open file, stored item, its (file, offset), the requests for it)`` for every
-    stored item of ``items``, from ``reader``'s folder, file by file, each file front to back."""
-    per_file: dict[str, dict[tuple[str, int], tuple[Any, list[ReadItem]]]] = {}
-    for req, md in sorted(items, key=lambda rm: (rm[1].relative_path, rm[1].offset)):
-        key = (md.relative_path, int(md.offset))
-        per_file.setdefault(md.relative_path, {}).setdefault(key, (md, []))[1].append(req)
-    for relative_path, stored in per_file.items():
-        with reader.fs.create_stream(reader.fs.concat_path(reader.path, relative_path), "rb") as stream:
-            for key, (md, reqs) in stored.items():
-                yield stream, md, key, reqs
 
 
 def _runs(items: Requests, k: int) -> list[Requests]:

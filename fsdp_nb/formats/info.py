@@ -117,6 +117,10 @@ class CheckpointInfo:
     saved_from: tuple[str | None, str | None] = (None, None)
     """The engine global names of the model and the optimizer fsdp_nb saved it from
     (what ``restart(restore=)`` loads it back into); ``(None, None)`` when unknown."""
+    optimizers: tuple[str, ...] = ()
+    """Of one model saved with several optimizers (``optimizer=[...]``, an autosave's
+    ``optimizer=`` list): the engine global name of each, the one in ``saved_from`` first;
+    empty otherwise."""
     run_state: dict[int, tuple[str, ...]] = field(default_factory=dict)
     """Rank -> what its own file (``train/rank{r}.pt``) keeps: ``"rng"`` (its random
     state) and each engine global the save's ``state=`` named (``formats.run_state``)."""

@@ -56,6 +56,8 @@ def read_dcp_metadata(fs: Any, path: str, url: str, record: dict | None = None,
         return load_dcp_metadata(data, weights_only)
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(f"checkpoint {url!r}: {exc}") from None
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"checkpoint {url!r}: {exc}") from None
     except RefusedGlobal as exc:
         raise UnsafeCheckpointError(f"checkpoint {url!r}: file '.metadata': {exc}; {TRUST_HINT}") from None
     except Exception as exc:  # any parse failure is a corrupt file, named
@@ -301,4 +303,5 @@ def _with_meta(url, kind, valid, problem, meta, infos, files, source, layout=Non
         tied=dict(meta.get("tied") or {}),
         run_state={r: tuple(meta.get(RUN_STATE) or ()) for f in files if (r := rank_of_state_file(f)) is not None},
         saved_from=(_str_or_none(meta.get("model")), _str_or_none(meta.get("optimizer"))),
+        optimizers=tuple(o for o in meta.get("optimizers") or () if isinstance(o, str)),
     )

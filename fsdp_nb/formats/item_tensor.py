@@ -4,7 +4,8 @@ DCP stores each tensor item as a ``torch.save`` archive (an uncompressed zip). T
 checked reader has the item's bytes in memory anyway (it checksums them), so rather
 than ``torch.load`` copying them into a new storage, the tensor is built over them:
 the zip's directory locates the storage record, the pickle (read with torch's
-weights-only unpickler) gives dtype, shape and strides. Anything unusual (a
+weights-only unpickler, once ``pickle_counts`` found no call by a count in it) gives
+dtype, shape and strides. Anything unusual (a
 compressed record, big-endian data, a zip64 archive) falls back to ``zipfile``, then
 to ``torch.load`` of a copy.
 
@@ -23,7 +24,9 @@ import struct
 import zipfile
 from typing import Any
 
+from ..errors import UnsafeCheckpointError
 from ..torch_compat import weights_only_unpickler
+from .pickle_counts import count_problem
 
 __all__ = ["MAX_LAYOUTS", "item_layout", "kept_edges_suffice", "tensor_from_item"]
 
@@ -78,12 +81,24 @@ def tensor_from_item(view: memoryview) -> Any:
         records = _records(view)
         if records is not None:
             return _over_records(view, records)
+    except UnsafeCheckpointError:
+        raise
     except (KeyError, ValueError, NotImplementedError, RuntimeError, struct.error) as exc:
         log.debug("an item's zip read again by zipfile (%s: %s)", type(exc).__name__, exc)
     try:
         return _over(view)
     except (zipfile.BadZipFile, KeyError, ValueError, NotImplementedError, struct.error):
+        _refuse_counts(view)
         return torch.load(io.BytesIO(bytes(view)), map_location="cpu", weights_only=True)
+
+
+def _refuse_counts(data: Any) -> None:
+    """UnsafeCheckpointError when the item's pickle asks torch's weights-only unpickler for
+    memory by a count (``pickle_counts``), before it is unpickled."""
+    call = count_problem(data)
+    if call is not None:
+        raise UnsafeCheckpointError(f"a stored tensor item holds a pickle that asks for memory by a count ({call}), "
+                                    "which no tensor needs: refused before anything was allocated")
 
 
 def kept_edges_suffice(view: memoryview, edge: int) -> bool:
@@ -163,6 +178,7 @@ def item_layout(pickled: bytes) -> tuple[str, Any, int, tuple[int, ...], tuple[i
     pickle is one tensor over one storage."""
     import torch
 
+    _refuse_counts(pickled)
     Unpickler = weights_only_unpickler()  # noqa: N806 - the class, by its name
     keys: list[tuple[str, int]] = []
 
@@ -209,7 +225,9 @@ def _over(view: memoryview) -> Any:
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         return torch.storage.TypedStorage(wrap_storage=raw, dtype=dtype, _internal=True)
 
-    up = Unpickler(io.BytesIO(zf.read(pkl)), encoding="utf-8")
+    pickled = zf.read(pkl)
+    _refuse_counts(pickled)
+    up = Unpickler(io.BytesIO(pickled), encoding="utf-8")
     up.persistent_load = storage
     tensor = up.load()
     if not isinstance(tensor, torch.Tensor):

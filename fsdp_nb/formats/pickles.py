@@ -15,7 +15,10 @@ no other class, no function):
 - the planners (``load_planner``, ``full_load_planner``) load BYTE_IO items
   weights-only too, whichever reader reads them;
 - ``.metadata`` goes through the restricted unpickler (``restricted``), its size is
-  capped and the file names it gives must stay inside the folder.
+  capped and the file names it gives must stay inside the folder;
+- before torch's weights-only unpickler takes a pickle, ``refuse_counts`` refuses one
+  that asks it for memory by a count (``bytearray(1610612736)``, ``torch.ByteTensor(n)``:
+  ``pickle_counts``), which it would otherwise allocate.
 
 ``weights_only=False`` (``sess.load``, ``consolidate``, ``export_safetensors``,
 ``restart(restore=...)``) is the explicit opt-in for a checkpoint from someone the
@@ -34,7 +37,7 @@ from ..torch_compat import empty_state_dict_planner, set_element
 
 __all__ = [
     "TRUST_HINT", "full_load_planner", "is_weights_only", "load_bytes", "load_item", "load_planner", "load_pt",
-    "refuse_code",
+    "refuse_code", "refuse_counts",
 ]
 
 TRUST_HINT = ("if you trust whoever wrote this checkpoint, pass weights_only=False "
@@ -60,6 +63,7 @@ def load_item(data: bytes | memoryview, item: str, file: str, url: str | None = 
     import torch
 
     where = f"checkpoint {url!r}: " if url else ""
+    refuse_counts(data, f"{where}item {item!r} in file {file!r}")
     try:
         return torch.load(io.BytesIO(bytes(data)), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -91,6 +95,9 @@ def load_pt(fs: Any, path: str, url: str, weights_only: bool = True) -> Any:
 
     from .storage import is_local
 
+    if weights_only:
+        with fs.open(path, "rb") as f:
+            refuse_counts(f, f"checkpoint {url!r}: file {posixpath.basename(path)!r}")
     try:
         if is_local(fs):
             return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
@@ -110,12 +117,27 @@ def load_bytes(data: bytes, what: str, weights_only: bool = True) -> Any:
 
     import torch
 
+    if weights_only:
+        refuse_counts(data, what)
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as exc:
         if weights_only and _refused(exc):
             raise _unsafe(what, exc) from None
         raise CorruptCheckpointError(f"{what} is corrupt ({exc})") from exc
+
+
+def refuse_counts(data: Any, what: str) -> None:
+    """Raise :class:`UnsafeCheckpointError` naming ``what`` when the pickle in ``data``
+    (bytes, or a binary file at its start) asks torch's weights-only unpickler for memory
+    by a count (``bytearray(1610612736)``: ``pickle_counts``), before it takes any."""
+    from .pickle_counts import count_problem
+
+    call = count_problem(data)
+    if call is not None:
+        raise UnsafeCheckpointError(
+            f"{what} holds a pickle that asks for memory by a count ({call}), which no tensor or value "
+            f"of a checkpoint needs: nothing was allocated or loaded; {TRUST_HINT}")
 
 
 def _refused(exc: BaseException) -> bool:
@@ -146,19 +168,27 @@ def refuse_code(fs: Any, path: str, url: str, md: Any,
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     from .checksums import ChecksumMismatch, check_item
+    from .item_files import read_ranges
+    from .storage import is_local
 
     byte_keys = {k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
     items = sorted(((si.relative_path, int(si.offset), int(si.length), idx.fqn)
                     for idx, si in (md.storage_data or {}).items()
                     if idx.fqn in byte_keys and not getattr(si, "transform_descriptors", None)))
     opened: dict[str, Any] = {}
+    remote = not is_local(fs)  # each item's exact range: a remote file's read-ahead fetches far past it
+    fetched = {file: read_ranges(fs, posixpath.join(path, file), [(o, n) for f, o, n, _ in items if f == file])
+               for file in {f for f, *_ in items}} if remote else {}
     try:
         for file, offset, length, fqn in items:
-            f = opened.get(file)
-            if f is None:
-                f = opened[file] = fs.open(posixpath.join(path, file), "rb")
-            f.seek(offset)
-            data = f.read(length)
+            if remote:
+                data = fetched[file].pop(0)
+            else:
+                f = opened.get(file)
+                if f is None:
+                    f = opened[file] = fs.open(posixpath.join(path, file), "rb")
+                f.seek(offset)
+                data = f.read(length)
             try:
                 if checks is not None:
                     want = checks.get((file, offset))

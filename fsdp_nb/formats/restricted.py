@@ -18,7 +18,7 @@ import os
 import pickle
 from typing import Any
 
-from ..errors import UnsafeCheckpointError
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from ..torch_compat import DCP_METADATA_GLOBALS
 
 __all__ = [
@@ -40,10 +40,16 @@ ALLOWED: dict[str, frozenset[str]] = {
     **DCP_METADATA_GLOBALS,
     "collections": frozenset({"OrderedDict"}),
     "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}),
-    "builtins": frozenset({"set", "frozenset", "tuple", "list", "dict", "bytes", "bytearray", "slice"}),
+    "builtins": frozenset({"set", "frozenset", "tuple", "list", "dict", "slice"}),
 }
 """module -> names the restricted unpickler may resolve (dtypes are allowed separately):
-torch's metadata classes (``torch_compat.DCP_METADATA_GLOBALS``) and the plain containers."""
+torch's metadata classes (``torch_compat.DCP_METADATA_GLOBALS``) and the plain containers.
+
+Never a callable that allocates by a count: ``bytes`` and ``bytearray`` are left out
+because ``bytearray(1610612736)``, a 30-byte pickle, fills 1.5 GiB before anything could
+be checked (DCP's writers never name them: a pickle holds bytes as its own opcodes).
+Everything here, called with a number, raises or builds a small object (a test calls
+each one so), and a container is only as large as the pickle that lists its items."""
 
 
 class RefusedGlobal(pickle.UnpicklingError):
@@ -76,13 +82,28 @@ def read_capped(fs: Any, path: str) -> bytes:
 def load_dcp_metadata(data: bytes, weights_only: bool = True) -> Any:
     """DCP ``Metadata`` from ``.metadata`` bytes: unpickled with the restricted unpickler
     (plain ``pickle`` when ``weights_only`` is False: a trusted checkpoint), then its file
-    names checked (``check_paths``)."""
+    names checked (``check_paths``).
+
+    Args:
+        data: the file's bytes (``read_capped``).
+        weights_only: restricted unpickling (False: plain, which can run code).
+
+    Raises ``UnsafeCheckpointError`` (too large, or files outside the folder),
+    ``RefusedGlobal`` (a class or function it does not allow), ``CorruptCheckpointError``
+    (it holds something other than DCP's ``Metadata``)."""
     if len(data) > max_metadata_bytes():
         raise UnsafeCheckpointError(
             f"file '.metadata' is over the {max_metadata_bytes()} bytes fsdp_nb reads; raise "
             f"{MAX_METADATA_ENV} if this checkpoint's metadata is really that large"
         )
     md = _Restricted(io.BytesIO(data)).load() if weights_only else pickle.loads(data)
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(md, Metadata):
+        raise CorruptCheckpointError(
+            f"file '.metadata' holds a {type(md).__module__}.{type(md).__qualname__}, not "
+            "torch.distributed.checkpoint's Metadata (not a DCP checkpoint, or damaged)"
+        )
     check_paths(md)
     return md
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..errors import CheckpointError, UnsafeCheckpointError
 from ..torch_compat import PICKLED_TENSOR
+from .pickle_counts import count_problem
 
 __all__ = ["LOADER", "decode", "encode", "is_encoded"]
 
@@ -103,6 +104,9 @@ def _storage(data: bytes) -> Any:
 
     if not isinstance(data, bytes):
         raise _Refused(f"gives a tensor's storage a {type(data).__name__}, not its bytes")
+    call = count_problem(data)
+    if call is not None:
+        raise _Refused(f"holds a tensor storage whose pickle asks for memory by a count ({call})")
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

@@ -43,16 +43,27 @@ class Session(Protocol):
 
 
 __all__ = [
-    "PxArgs", "activate_px", "active_session", "deactivate_px", "fsdp_command", "parse_px", "register",
+    "TARGET", "PxArgs", "PxTarget", "activate_px", "active_session", "deactivate_px", "fsdp_command", "parse_px", "register",
 ]
 
-_active: weakref.ReferenceType[Session] | None = None
-_kind: type[Session] | None = None
+class PxTarget:
+    """What the magics point at, held in one object (no module-level name is rebound): the
+    session ``%%px`` runs on and the class ``%fsdp start`` / ``attach`` make."""
+
+    def __init__(self) -> None:
+        self.active: weakref.ReferenceType[Session] | None = None
+        """The session ``%%px`` targets, weakly: the magics keep no session alive."""
+        self.kind: type[Session] | None = None
+        """The session class (``fsdp_nb.Session``) that ``register`` was handed."""
+
+
+TARGET = PxTarget()
+"""The process's one ``PxTarget``: an IPython kernel has one ``%%px``."""
 
 
 def active_session() -> Session | None:
     """The session ``%%px`` targets, if it is still open."""
-    sess = _active() if _active is not None else None
+    sess = TARGET.active() if TARGET.active is not None else None
     return sess if sess is not None and sess.state != "closed" else None
 
 
@@ -67,8 +78,7 @@ def _ipython():
 
 def activate_px(sess: Session) -> None:
     """Make ``%%px`` and ``%px`` target ``sess`` (inside IPython; a no-op elsewhere)."""
-    global _active
-    _active = weakref.ref(sess)
+    TARGET.active = weakref.ref(sess)
     ip = _ipython()
     if ip is not None:
         register(ip, type(sess))
@@ -76,9 +86,8 @@ def activate_px(sess: Session) -> None:
 
 def deactivate_px(sess: Session) -> None:
     """Forget ``sess`` as the ``%%px`` target if it was."""
-    global _active
-    if _active is not None and _active() is sess:
-        _active = None
+    if TARGET.active is not None and TARGET.active() is sess:
+        TARGET.active = None
 
 
 def _show_results(replies: list[Any], ranks: list[int] | None = None) -> None:
@@ -259,16 +268,15 @@ _COMMANDS: dict[str, Callable[[str, list[str], dict[str, Any]], Any]] = {
 
 
 def _session_class() -> type[Session]:
-    if _kind is None:  # pragma: no cover - the magics are registered by one of the two
+    if TARGET.kind is None:  # pragma: no cover - the magics are registered by one of the two
         raise RuntimeError("load the magics with `%load_ext fsdp_nb`")
-    return _kind
+    return TARGET.kind
 
 
 def register(ip: Any, session_class: type[Session]) -> None:
     """Add ``%fsdp``, ``%px`` and ``%%px`` to IPython ``ip``; ``%fsdp start`` and
     ``attach`` make sessions of ``session_class`` (``%load_ext fsdp_nb`` passes
     ``fsdp_nb.Session``; a session passes its own class when it activates)."""
-    global _kind
-    _kind = session_class
+    TARGET.kind = session_class
     if "PxMagics" not in {type(m).__name__ for m in ip.magics_manager.registry.values()}:
         ip.register_magics(PxMagics)

@@ -3,7 +3,11 @@
 Pure functions over what each rank's watch thread told (a :class:`~fsdp_nb.hangs.wire_hang_state.RankState`):
 ``hang_report`` turns them into one line per rank, mismatches and missing ranks first,
 for the live diagnosis, the status widget and the errors of a timeout, a Ctrl-C or a
-recovery.
+recovery. The checkpoint group's counts are the checkpoint's own business: an async
+save commits there from a background thread, one rank well ahead of another while its
+files are still being written. They never make a rank wait in, or miss, a collective of
+the training's, nor a group out of step; :func:`saving` names them as what they are,
+under a diagnosis of the training's.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass, field
 
 from .wire_hang_state import Collective, GroupCount, RankState, UserFrame, WatchError
 
-__all__ = ["HangReport", "ahead", "hang_report", "out_of_step"]
+__all__ = ["HangReport", "ahead", "hang_report", "out_of_step", "saving"]
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<fn>\S+)')
 
@@ -25,7 +29,8 @@ class HangReport:
 
     lines: tuple[str, ...] = ()
     """One line per rank (mismatches, then ranks missing from the collective, then the
-    ranks waiting in it); empty when no rank waits in a collective."""
+    ranks waiting in it, then any save running on the checkpoint group meanwhile); empty
+    when no rank waits in a collective of the training's."""
     waited: float = 0.0
     """The longest any rank has waited in its collective, in seconds."""
     waiting: tuple[int, ...] = ()
@@ -51,6 +56,8 @@ class HangReport:
 
 
 def _group(desc: str) -> str:
+    if desc == "checkpoint":  # fsdp_nb.engine.checkpoint_group.DESC
+        return "the checkpoint group"
     return "the default group" if desc in ("default_pg", "", "0") else f"group {desc}"
 
 
@@ -129,9 +136,45 @@ def hang_report(states: Answers, stopped: set[int] | None = None, running: set[i
         if frame is not None:
             line += f", from {frame.function} ({frame.where})"
         lines.append(line)
+    lines += saving(states)  # what the checkpoint group does meanwhile, named as such
     return HangReport(lines=tuple(lines), waited=max(waited.values()), waiting=tuple(sorted(coll)),
                       missing=tuple(missing), stalled=tuple(silent), mismatch=bool(mismatch_lines),
                       stopped=tuple(r for r in silent if r in stopped))
+
+
+def _counts(states: Answers, checkpoint: bool) -> list[dict[int, GroupCount]]:
+    """Each group's counts by rank, of the checkpoint group (``checkpoint``) or of every
+    other group, for the members that answered (a group some member did not answer for
+    is left out: nothing to compare with)."""
+    counts: dict[tuple[str, str], dict[int, GroupCount]] = {}
+    for r, st in states.items():
+        for g in st.issued if isinstance(st, RankState) else ():
+            if g.checkpoint == checkpoint:
+                counts.setdefault((g.name, g.backend), {})[r] = g
+    out = []
+    for by_rank in counts.values():
+        members = set(next(iter(by_rank.values())).ranks or by_rank)
+        by_rank = {r: g for r, g in by_rank.items() if r in members}
+        if members <= set(by_rank):
+            out.append(by_rank)
+    return out
+
+
+def saving(states: Answers) -> list[str]:
+    """A line for each rank ahead of others on the checkpoint group: a save or load whose
+    collectives run in the background (an async save's commit waits there for every rank's
+    files). Not a collective of the training's: it never makes a hang, nor a group out of
+    step, and it is named under a diagnosis of the training's for what it is."""
+    lines = []
+    for by_rank in _counts(states, checkpoint=True):
+        low = min(g.seq for g in by_rank.values())
+        behind = sorted(r for r, g in by_rank.items() if g.seq == low)
+        for r, g in sorted(by_rank.items()):
+            if g.seq > low:
+                lines.append(f"rank {r} is {g.seq - low} collective(s) ahead on the checkpoint group, waiting for "
+                             f"rank(s) {', '.join(map(str, behind))}: a save or load in the background (an async "
+                             "save still writing), not the training's")
+    return lines
 
 
 def ahead(states: Answers) -> dict[int, Collective]:
@@ -139,17 +182,11 @@ def ahead(states: Answers) -> dict[int, Collective]:
     collectives (``hangs.rank_hang_watch.RankWatch.issued``): in a group whose members issued
     different counts, collective ``lowest + 1`` cannot complete, and every member that
     issued it waits in it (since its count last changed); the op is not known from a
-    count. Where the flight recorder is off (NCCL), this is what names a hang."""
-    counts: dict[tuple[str, str], dict[int, GroupCount]] = {}
-    for r, st in states.items():
-        for g in st.issued if isinstance(st, RankState) else ():
-            counts.setdefault((g.name, g.backend), {})[r] = g
+    count. Where the flight recorder is off (NCCL), this is what names a hang. The
+    checkpoint group's counts are left out (:func:`saving`)."""
     out: dict[int, Collective] = {}
-    for by_rank in counts.values():
+    for by_rank in _counts(states, checkpoint=False):
         members = set(next(iter(by_rank.values())).ranks or by_rank)
-        by_rank = {r: g for r, g in by_rank.items() if r in members}
-        if not members <= set(by_rank):  # a member did not answer: nothing to compare with
-            continue
         low = min(g.seq for g in by_rank.values())
         for r, g in by_rank.items():
             if g.seq > low and r not in out:

@@ -2,23 +2,35 @@
 
 The dispatcher's hang watch (``fsdp_nb.hangs.hang_watch``) hands each new diagnosis
 to a :class:`HangView`: in a notebook it is one output of the running cell, updated in
-place at every refresh and turned into a one-line note when the collective completes;
-in a script it goes to stderr, each time it says something new (the waiting times
-alone changing do not count).
+place at every refresh and turned into a one-line note saying how it ended (the
+collective completed, or the call was cut off by its ``timeout=``, interrupted, or
+failed: then the collective did not complete); in a script it goes to stderr, each
+time it says something new (the waiting times alone changing do not count).
 """
 
 from __future__ import annotations
 
 import re
 import sys
-from typing import Any
+from typing import Any, Protocol
 
 from ..display.progress import in_notebook
 from .hang_report import HangReport
 
-__all__ = ["HangView", "diagnosis_text"]
+__all__ = ["COMPLETED", "HangShow", "HangView", "diagnosis_text"]
 
 _SECONDS = re.compile(r"\d+ s\b")
+
+COMPLETED = "the collective completed"
+"""How a diagnosed wait ended when nothing cut the call off."""
+
+
+class HangShow(Protocol):
+    """Where a call's diagnosis is shown (the dispatcher's ``hang_view``)."""
+
+    def __call__(self, what: str, report: HangReport | None, ended: str = COMPLETED) -> None:
+        """Show ``report`` for call ``what``; None: take it down, ``ended`` saying how the
+        wait ended."""
 
 
 def diagnosis_text(what: str, report: HangReport) -> str:
@@ -39,10 +51,11 @@ class HangView:
         self.text = ""
         """The diagnosis last shown."""
 
-    def __call__(self, what: str, report: HangReport | None) -> None:
-        """Show ``report`` for call ``what``; None: its collective completed."""
+    def __call__(self, what: str, report: HangReport | None, ended: str = COMPLETED) -> None:
+        """Show ``report`` for call ``what``; None: the wait is over, ``ended`` saying how
+        (``COMPLETED``, or the call cut off by its timeout, interrupted, failed)."""
         if report is None:
-            self._resolved(what)
+            self._resolved(what, ended)
             return
         text = diagnosis_text(what, report)
         self.waited, self.text = report.waited, text
@@ -61,8 +74,8 @@ class HangView:
             sys.stderr.flush()
             self.said = key
 
-    def _resolved(self, what: str) -> None:
-        note = f"fsdp_nb: {what}: the collective completed (it had waited {self.waited:.0f} s)"
+    def _resolved(self, what: str, ended: str) -> None:
+        note = f"fsdp_nb: {what}: {ended} (it had waited {self.waited:.0f} s)"
         if self.handle is not None:  # what was seen stays, with how it ended
             self.handle.update({"text/plain": f"{self.text}\n{note}"}, raw=True)
         elif self.said is not None:

@@ -19,18 +19,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..engine.signing import Link, Refused
-from ..errors import WireError
+from ..errors import DeadRankError, RankError, RankTimeoutError, WireError
 from ..runtime.listeners import start_listeners
 from ..wire.decode import loads
 from . import rank_hang_watch as _watch
 from .hang_report import HangReport, hang_report
+from .hang_view import COMPLETED, HangShow
 from .wire_hang_state import Freed, RankState, WatchError
 
 if TYPE_CHECKING:
     from ..runtime.cluster import EngineCluster
     from ..runtime.dispatch import Dispatcher
 
-__all__ = ["HangWatch", "Watching"]
+__all__ = ["HangWatch", "Watching", "how_it_ended"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -59,7 +60,7 @@ class HangWatch:
         """(rank, what) already logged: a rank's thread that keeps failing is said once."""
 
     def watching(self, what: str, started: float, hang_after: float, notify: Callable[..., None],
-                 view: Callable[[str, HangReport | None], None] | None) -> Watching:
+                 view: HangShow | None) -> Watching:
         """One call's watch (:class:`Watching`), for the dispatcher's gather loop.
 
         Args:
@@ -178,7 +179,8 @@ class Watching:
     """One call's watch: ask every rank where it is each ``tick`` seconds while the call
     runs; once some rank has waited in a collective ``hang_after`` seconds, show the
     diagnosis (``view``) and tell the observers (``notify``), again when it changes or
-    ``every`` seconds later, and say so when the collective completes.
+    ``every`` seconds later, and say how the wait ended (:meth:`end`): the collective
+    completed, or the call was cut off by its timeout, interrupted or failed first.
 
     A rank's wait is counted from the first question that found it waiting (or, with the
     flight recorder, from the collective's own start), so asking from the call's start
@@ -194,7 +196,7 @@ class Watching:
     """Seconds between two showings of an unchanged diagnosis."""
 
     def __init__(self, watch: HangWatch, what: str, started: float, hang_after: float,
-                 notify: Callable[..., None], view: Callable[[str, HangReport | None], None] | None):
+                 notify: Callable[..., None], view: HangShow | None):
         self.watch, self.what, self.hang_after = watch, what, hang_after
         self.notify, self.view = notify, view
         self.next = started + min(self.tick, hang_after)
@@ -231,14 +233,38 @@ class Watching:
         """Whether ``report`` says what the diagnosis on display says, shown under ``every`` ago."""
         return self.shown is not None and _who(report) == _who(self.shown) and now - self.shown_at < self.every
 
-    def end(self) -> None:
-        """The call ended or its collective completed: take the diagnosis down."""
+    def end(self, error: BaseException | None = None) -> None:
+        """The call ended or its collective completed: take the diagnosis down, saying how
+        (``error``: what ended the call, None when it returned or the collective completed
+        while it ran; :func:`how_it_ended`)."""
         if self.shown is None:
             return
         self.shown = None
-        self.notify(self.what, "hang-cleared", note="the collective completed")
+        ended = how_it_ended(error)
+        self.notify(self.what, "hang-cleared", note=ended)
         if self.view is not None:
-            self.view(self.what, None)
+            self.view(self.what, None, ended)
+
+
+def how_it_ended(error: BaseException | None) -> str:
+    """How a diagnosed wait ended, in words: the collective completed (``error`` None), or
+    the call ended first, which it did not (cut off by its ``timeout=``, Ctrl-C, a rank's
+    error or death)."""
+    if error is None:
+        return COMPLETED
+    if isinstance(error, RankTimeoutError):
+        why = "the call was cut off by its timeout="
+    elif isinstance(error, KeyboardInterrupt):
+        why = "the call was interrupted (Ctrl-C)"
+    elif isinstance(error, DeadRankError):
+        why = "a rank died"
+    elif isinstance(error, RankError) and error.collateral:
+        why = (f"the call failed on rank(s) {', '.join(str(r) for r in error.ranks if r not in error.collateral)}"
+               " and the others were stopped")
+    else:  # every rank returned (its error, or one raised in the notebook): the wait ended, somehow
+        failed = f" on rank(s) {', '.join(map(str, error.ranks))}" if isinstance(error, RankError) else ""
+        return f"the call ended with {type(error).__name__}{failed}"
+    return f"{why}: the collective did not complete"
 
 
 def _who(report: HangReport) -> tuple[Any, ...]:

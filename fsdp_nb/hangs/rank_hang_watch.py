@@ -15,7 +15,8 @@ peers are blocked too (mismatched collectives) then returns, as when a peer leav
 What a rank is in comes from three sources, cheapest first, none of which costs a
 collective anything: each process group's count of issued collectives
 (``issued``: a member that issued fewer than the others is missing from the next
-one; read only when the notebook asks), the main thread's frame inside
+one; read only when the notebook asks; the checkpoint group's are marked as its own,
+since an async save commits there from a background thread), the main thread's frame inside
 ``torch.distributed`` (a synchronous collective names its op and tensors there), and
 torch's flight recorder where the ranks run with it (``TORCH_FR_BUFFER_SIZE``): each
 group's last enqueued and last completed collective, and, for one in flight, its op,
@@ -51,6 +52,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from ..engine.checkpoint_group import DESC as CHECKPOINT
+from ..engine.checkpoint_group import current_group
 from ..engine.registry import Part, part
 from ..engine.retired_groups import RetiredGroups, retired
 from ..engine.signing import Link, ListenerState, Refused, start_listener
@@ -159,7 +162,8 @@ def _in_flight(status: dict[str, Any], retired: set[str]) -> dict[str, int]:
 
 def _recorded(dump: dict[str, Any], flying: dict[str, int]) -> Collective | None:
     """The oldest of the ``flying`` collectives that the recorder's ``dump`` has a record
-    of (None: none)."""
+    of (None: none). One on the checkpoint group is left out: an async save's, in its
+    background thread, not one the main thread waits in (that one its frame shows)."""
     entries = dump.get("entries") or []
     groups = _group_names(dump.get("pg_config") or {})
     best: Collective | None = None
@@ -171,11 +175,13 @@ def _recorded(dump: dict[str, Any], flying: dict[str, int]) -> Collective | None
         if not (named or same):
             continue
         e = (named or same)[-1]
+        desc = str((tuple(e.get("process_group") or ()) + ("", ""))[1])
+        desc, ranks = groups.get(str(pg), (desc or str(pg), None))
+        if desc == CHECKPOINT:  # the recorder's own key for a group, not torch's group name
+            continue
         since = int(e.get("time_created_ns") or 0) / 1e9
         if best is not None and since >= best.since:
             continue
-        desc = str((tuple(e.get("process_group") or ()) + ("", ""))[1])
-        desc, ranks = groups.get(str(pg), (desc or str(pg), None))
         best = Collective(op=str(e.get("profiling_name", "")).split(":", 1)[-1], desc=desc or "default_pg",
                           group_ranks=ranks, seq=enq, since=since,
                           shapes=tuple(tuple(x) for x in e.get("input_sizes") or []),
@@ -266,6 +272,7 @@ class RankWatch(Part):
         except (RuntimeError, AttributeError, ImportError):
             return ()
         at, out, seen = self.clock(), [], set()
+        saving = current_group()
         for pg in groups:
             try:
                 name = str(pg.group_name)
@@ -280,7 +287,7 @@ class RankWatch(Part):
                 if self.counts.get(key, (None,))[0] != seq:
                     self.counts[key] = (seq, at)
                 out.append(GroupCount(name=name, desc=desc, ranks=ranks, backend=backend, seq=seq,
-                                      since=self.counts[key][1]))
+                                      since=self.counts[key][1], checkpoint=pg is saving))
         for key in set(self.counts) - seen:  # groups destroyed since
             del self.counts[key]
         return tuple(out)

@@ -54,6 +54,10 @@ class GroupCount:
     """Collectives issued so far."""
     since: float
     """Unix time this count was first seen on this rank."""
+    checkpoint: bool = False
+    """The checkpoint group's (``fsdp_nb.engine.checkpoint_group``): saves and loads, whose
+    async writes and commits run in a background thread; never a collective the
+    training waits in."""
 
 
 @dataclass(frozen=True, kw_only=True)

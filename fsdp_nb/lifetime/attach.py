@@ -144,11 +144,12 @@ def rebuild_models(ctx: SessionContext) -> None:
 def adopt_autosave(ctx: SessionContext) -> None:
     """Take back the autosave the engines still run (``sess.autosave``), so that this
     kernel's ``sess.autosave()`` shows it and ``restart(restore="latest")`` finds its
-    checkpoints."""
+    checkpoints (``autosave.adopt``: a cell's end writes a save due then, as before)."""
     from ..autosave import rank_autosave as engine_autosave
+    from ..autosave.autosave import adopt
 
     dead = set(ctx.cluster.dead_ranks())
     live = [r for r in range(ctx.world_size) if r not in dead]
     if live:
         d = ctx.plain_dispatcher
-        ctx.autosave = d.gather(d.apply("autosave", engine_autosave.armed_spec, ranks=live[:1]))[0]
+        adopt(ctx, d.gather(d.apply("autosave", engine_autosave.armed_spec, ranks=live[:1]))[0])

@@ -64,6 +64,7 @@ def form(
     ctx.recovering.policy = RecoveringPolicy(ctx, grace=grace)  # it needs the context it recovers
     ctx.recovering.watch, ctx.recovering.hang_view = ctx.health.watch, HangView()
     ctx.recovering.hang_after = HANG_AFTER
+    ctx.recovering.lifecycle = ctx.lifecycle  # an unfinished restart refuses calls until mended
     clock = clock or PhaseClock()
     try:
         if not formed:

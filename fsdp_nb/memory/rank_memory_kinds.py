@@ -1,16 +1,17 @@
-"""What this rank holds by kind (parameters, gradients, optimizer state), read on the
-main thread only and kept for the memory sampler's thread.
+"""What this rank holds by kind (parameters, gradients, optimizer state), read on the main
+thread only and kept for the memory sampler's thread.
 
 The sampler used to read the tensors from its own thread while the main thread trained,
 and that crashed engines: about one quickstart in twenty on 2 busy cores lost a rank to
 a SIGSEGV in ``untyped_storage()`` (``THPVariable_storage``) on the sampler's thread; a
 thread reading them every 2 ms through an FSDP2 training loop crashed a rank at once.
 A tensor that the training step changes is not safe to read from another thread. So the
-sampler never touches one. :meth:`KindReadings.note` reads them on the main thread: after each
-optimizer step (a hook on every optimizer, at most once per ``EVERY`` seconds), at the
-end of each cell, after a wrap and when a feed starts; :meth:`KindReadings.kept` hands the
-sampler the last reading. The engine's readings are :data:`READINGS`; a test makes its own,
-handing it the models, the namespace and the clock it reads.
+sampler never touches one. :meth:`KindReadings.note` reads them on the main thread: at
+each step's end (the rank's step owner tells it, order 70: at most once per ``EVERY``
+seconds), at the end of each cell (or ``sess.run`` call), when a feed starts and when the
+group forms again; :meth:`KindReadings.kept` hands the sampler the last reading. The
+engine's readings are its :class:`MemoryKinds` part's (:func:`readings`); a test makes
+its own, handing it the models, the namespace and the clock it reads.
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from ..engine.namespace import user_ns
+from ..engine.registry import Part, World, part
 from ..engine.side_channel import Reading
-from ..models.rank_wrap import on_wrapped, wrapped
+from ..engine.step import StepListener, owner
+from ..models.rank_wrap import wrapped
 from ..torch_compat import local_tensor
 
-__all__ = ["EVERY", "READINGS", "KindReadings", "MemoryReading", "by_kind"]
+__all__ = ["EVERY", "KindReadings", "MemoryKinds", "MemoryReading", "by_kind", "readings"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -76,8 +79,9 @@ def by_kind(models: Mapping[str, Any] | None = None, namespace: Mapping[str, Any
     return _bytes(params), _bytes(grads), _bytes(state)
 
 
-class KindReadings:
-    """The last reading of what this rank holds by kind, made on the main thread.
+class KindReadings(StepListener):
+    """The last reading of what this rank holds by kind, made on the main thread; kept
+    current, once installed, by the step owner's events.
 
     Args:
         read: makes a reading (default: :func:`by_kind` of this engine's models).
@@ -85,6 +89,8 @@ class KindReadings:
         clock: seconds, monotonic.
         on_main_thread: whether the caller is the main thread (only it reads tensors).
     """
+
+    order: ClassVar[int] = 70
 
     def __init__(self, read: Callable[[], tuple[int, int, int] | None] = by_kind, every: float = EVERY,
                  clock: Callable[[], float] = time.monotonic,
@@ -94,8 +100,8 @@ class KindReadings:
         """The last reading (None: none yet, or no model wrapped)."""
         self.at = float("-inf")
         """When it was made (``clock``)."""
-        self.hooks: list[Any] = []
-        """What :meth:`install` registered, to undo (``uninstall``)."""
+        self.installed = False
+        """Whether the step owner tells it (``install``)."""
 
     def note(self, force: bool = False) -> None:
         """Make a reading now and keep it, if this is the main thread and (unless
@@ -115,45 +121,50 @@ class KindReadings:
         """The last reading (:meth:`note`): safe from any thread, as it touches no tensor."""
         return self.value
 
-    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def step_ended(self, step: int, optimizer: Any) -> None:
         self.note()
 
-    def _after_cell(self, *_: Any) -> None:
+    def step_joined(self, step: int, optimizer: Any) -> None:
+        self.note()
+
+    def cell_ended(self, failed: bool) -> None:
+        self.note(force=True)
+
+    def loaded(self, extra: dict[str, Any] | None) -> None:
         self.note(force=True)
 
     def install(self) -> None:
-        """Keep the reading current from now on (idempotent; call on the main thread): a
-        post-step hook on every optimizer (``register_optimizer_step_post_hook``),
-        IPython's ``post_execute`` event and ``rank_wrap.on_wrapped()``; then read once."""
-        if not self.hooks:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            self.hooks.append(register_optimizer_step_post_hook(self._after_step))
-            try:
-                from IPython import get_ipython
-
-                ip = get_ipython()
-            except ImportError:  # pragma: no cover - engines always have IPython
-                ip = None
-            if ip is not None:
-                ip.events.register("post_execute", self._after_cell)
-                self.hooks.append(lambda: ip.events.unregister("post_execute", self._after_cell))
-            on_wrapped().append(self._after_cell)
-            self.hooks.append(lambda: on_wrapped().remove(self._after_cell))
+        """Keep the reading current from now on (idempotent; call on the main thread): the
+        rank's step owner tells it each step's end and each cell's; then read once."""
+        owner().listen(self)
+        self.installed = True
         self.note(force=True)
 
     def uninstall(self) -> None:
-        """Undo :meth:`install`: no more readings after steps, cells or wraps."""
-        for hook in reversed(self.hooks):
-            if hasattr(hook, "remove"):  # torch's hook handle
-                hook.remove()
-            else:
-                hook()
-        self.hooks.clear()
+        """Undo :meth:`install`: no more readings after steps or cells."""
+        owner().unlisten(self)
+        self.installed = False
 
 
-READINGS = KindReadings()
-"""This engine's readings: what its memory samples carry."""
+class MemoryKinds(Part):
+    """This rank's readings by kind (the registry's part): what its memory samples carry."""
+
+    def __init__(self) -> None:
+        self.readings = KindReadings()
+
+    def reformed(self, world: World) -> None:
+        """The models may have been rebuilt or re-sharded: read again, if a feed reads them."""
+        if self.readings.installed:
+            self.readings.note(force=True)
+
+    def closed(self) -> None:
+        self.readings.uninstall()
+        self.readings.value = None
+
+
+def readings() -> KindReadings:
+    """This engine's readings (its :class:`MemoryKinds` part's)."""
+    return part(MemoryKinds).readings
 
 
 class MemoryReading(Reading):
@@ -164,10 +175,10 @@ class MemoryReading(Reading):
 
     @classmethod
     def prepare(cls) -> None:
-        """Keep :data:`READINGS` current from now on (main thread)."""
-        READINGS.install()
+        """Keep this engine's readings current from now on (main thread)."""
+        readings().install()
 
     def read(self, rank: int, seq: int, process: Any) -> Any:
         from .rank_memory_sample import read
 
-        return read(rank, READINGS.kept(), seq=seq, process=process)
+        return read(rank, readings().kept(), seq=seq, process=process)

@@ -27,9 +27,10 @@ import logging
 import math
 import os
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
 from ..engine.namespace import rank_device, unship, user_ns
+from ..engine.step import StepListener, owner
 from ..models.rank_wrap import construct, get, mesh_of, shard
 from ..models.wire_mesh_plan import MeshPlan
 from ..models.wire_wrap_options import WrapOptions
@@ -76,14 +77,22 @@ def _takes_optimizer(fn: Any) -> bool:
         return False
 
 
-class PeakPlace:
+class PeakPlace(StepListener):
     """Where a step's memory peak fell: the FSDP unit that ran and the phase. The tracker
-    tells :meth:`on_peak` each time the peak rises; the optimizer's step hooks
-    (:meth:`watch`) say when the optimizer runs, which the tracker does not name."""
+    tells :meth:`on_peak` each time the peak rises; the rank's step owner tells it when
+    the optimizer steps (order 80), which the tracker does not name.
 
-    def __init__(self, units: set[str]):
+    Args:
+        units: the FQNs of the model's FSDP units (``""``: the root).
+        optimizer: the step's optimizer (None: any optimizer's step is the optimizer phase).
+    """
+
+    order: ClassVar[int] = 80
+
+    def __init__(self, units: set[str], optimizer: Any = None):
         self.units = units
         """The FQNs of the model's FSDP units (``""``: the root)."""
+        self.optimizer = optimizer
         self.unit = ""
         """The unit running when the peak fell (``"(optimizer step)"`` in the optimizer)."""
         self.phase = "forward"
@@ -100,16 +109,23 @@ class PeakPlace:
         inside = sorted((n for n in names if n in self.units), key=lambda n: n.count(".") + bool(n))
         self.unit, self.phase = (inside[-1] if inside else ""), ("backward" if backward else "forward")
 
-    def watch(self, optimizer: Any) -> list[Any]:
-        """Follow ``optimizer``'s steps; the hooks' handles (``remove()`` each when done)."""
+    def _ours(self, optimizer: Any) -> bool:
+        return self.optimizer is None or optimizer is self.optimizer
 
-        def started(*_: Any) -> None:
+    def optimizer_stepping(self, optimizer: Any) -> None:
+        if self._ours(optimizer):
             self.in_optimizer = True
 
-        def ended(*_: Any) -> None:
+    def step_ended(self, step: int, optimizer: Any) -> None:
+        if self._ours(optimizer):
             self.in_optimizer = False
 
-        return [optimizer.register_step_pre_hook(started), optimizer.register_step_post_hook(ended)]
+    def step_joined(self, step: int, optimizer: Any) -> None:
+        if self._ours(optimizer):
+            self.in_optimizer = False
+
+    def cell_ended(self, failed: bool) -> None:
+        self.in_optimizer = False  # a step that raised: no post-step event came
 
 
 def run_step(model: Any, optimizer: Any, step: Any, batch: Any, steps: int, units: set[str],
@@ -119,8 +135,9 @@ def run_step(model: Any, optimizer: Any, step: Any, batch: Any, steps: int, unit
 
     ``units``: the FQNs of the model's FSDP units (``""``: the root), for naming where
     the peak fell."""
-    place = PeakPlace(units)
-    hooks = place.watch(optimizer) if optimizer is not None else []
+    place = PeakPlace(units, optimizer)
+    if optimizer is not None:
+        owner().listen(place)
     whole = step is not None and _takes_optimizer(step)
     tracker = fsdp_memory_tracker(model, optimizer, place.on_peak)
     try:
@@ -140,8 +157,7 @@ def run_step(model: Any, optimizer: Any, step: Any, batch: Any, steps: int, unit
                 tracker.reset_mod_stats()  # per-module stats hold one step; the peak is kept
             peak = tracker.get_tracker_snapshot("peak")
     finally:
-        for h in hooks:
-            h.remove()
+        owner().unlisten(place)
     dev = next((d for d in peak if d.type == device_type), next(iter(peak), None))
     snap = dict(peak.get(dev, {})) if dev is not None else {}
     total = int(snap.pop("Total", 0))

@@ -13,18 +13,37 @@ so a training cell reads as the docs' does::
 
 ``sess.save(state=["scaler"])`` keeps its state with the rest of the run; ``skipped``
 counts the steps it skipped for inf / NaN gradients, and is saved with it.
+
+The rank's part for it (:class:`GradScaling`, in the rank's registry) keeps the ranks'
+scalers alike through the session's life:
+
+- a step the scaler skipped is one the step owner did not see run: the scaler asks the
+  owner how many steps the optimizer took (``owner().optimizer_steps``), before and after,
+  and puts no hook of its own on the optimizer;
+- a cell that fails (an error, Ctrl-C) and a group formed again drop a step the scaler
+  had begun and not updated (:meth:`CountingScaler.forget_step`): a step cut short is no
+  step, and torch's scaler would refuse the next ``unscale_`` or ``step``;
+- when the group forms again (``restart``, ``resize``, a recovery), every rank ends with
+  the same scaler state (:meth:`GradScaling.reformed`): the ranks that stayed keep the
+  run's (the lowest such rank's, agreed over the checkpoint group), a rank that joined
+  gets exactly that, and every scaler reduces over the session's group as it is now.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from ..engine.checkpoint_group import checkpoint_group, rank_and_world
 from ..engine.namespace import user_ns
+from ..engine.registry import RANK, Part, World, part
+from ..engine.step import StepListener, StepOwner, owner
 
-__all__ = ["SCALER", "CountingScaler", "forget", "install"]
+__all__ = ["SCALER", "CountingScaler", "GradScaling", "Offer", "choose", "current", "install"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -36,29 +55,33 @@ class CountingScaler(ShardedGradScaler):
     """torch's ``ShardedGradScaler`` that counts the optimizer steps it skipped.
 
     A step is skipped when the optimizer's ``step`` did not run (inf or NaN in some rank's
-    gradients): seen through the optimizer's public step hook, so no extra device sync.
+    gradients): the rank's step owner counts the steps that ran, so the scaler needs no
+    hook and no extra device sync. It reduces its inf / NaN check over the default group
+    (``process_group=None``): the session's group as it is now, after any re-form.
+
+    Args:
+        device: the device type its scale lives on (``"cuda"``, ``"cpu"``).
+        **kwargs: ``ShardedGradScaler``'s (``init_scale``, ``growth_interval``, ...).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, device: str = "cuda", **kwargs: Any) -> None:
+        kwargs.setdefault("process_group", None)
+        super().__init__(device=device, **kwargs)
+        self.device_type = device
+        """The device type it was made for (a rank that joins makes its own alike)."""
         self.skipped = 0
         """Optimizer steps skipped for inf / NaN gradients since the scaler was made (or
         as loaded with its state)."""
+        self.begun = False
+        """A step began (gradients unscaled, an optimizer stepped) and ``update`` has not
+        ended it yet."""
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """``ShardedGradScaler.step``, counting a step it skips in ``skipped``."""
-        ran = False
-
-        def seen(*_: Any) -> None:
-            nonlocal ran
-            ran = True
-
-        handle = optimizer.register_step_post_hook(seen)
-        try:
-            out = super().step(optimizer, *args, **kwargs)
-        finally:
-            handle.remove()
-        if self.is_enabled() and not ran:
+        steps = _owner()
+        before = steps.optimizer_steps(optimizer)
+        out = super().step(optimizer, *args, **kwargs)
+        if self.is_enabled() and steps.optimizer_steps(optimizer) == before:
             self.skipped += 1
         return out
 
@@ -69,9 +92,25 @@ class CountingScaler(ShardedGradScaler):
         not the user's loop, and it is harmless (the inverse scale is replicated)."""
         import warnings
 
+        self.begun = True  # before torch marks the optimizer unscaled, which it does before its all-reduce
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning)
             super().unscale_(optimizer)
+
+    def update(self, new_scale: Any = None) -> None:
+        """``ShardedGradScaler.update``: the step ends (``new_scale``: torch's, a scale to set)."""
+        super().update(new_scale)
+        self.begun = False
+
+    def forget_step(self) -> bool:
+        """Drop what this scaler holds of a step begun and not updated (each optimizer's
+        stage and inf check): ``update`` with the scale it has, which drops them and leaves
+        the scale and its growth count as they are. The next ``unscale_`` and ``step`` then
+        run as at an iteration's start. Returns whether a step had begun."""
+        if not self.begun:
+            return False
+        self.update(self.get_scale())
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state (scale, growth tracker, factors) and ``skipped``."""
@@ -84,24 +123,139 @@ class CountingScaler(ShardedGradScaler):
         super().load_state_dict(state)
 
 
-def install(device_type: str) -> None:
-    """Bind a :class:`CountingScaler` for ``device_type`` to the engine global ``scaler``,
-    unless one is there already (a second fp16 model shares the run's scale)."""
+class ScalerSteps(StepListener):
+    """What the scaler hears from the rank's step owner: that a cell failed."""
+
+    order = 20
+
+    def cell_ended(self, failed: bool) -> None:
+        """A failed cell drops the scaler's step it cut short (:meth:`CountingScaler.forget_step`)."""
+        scaler = current()
+        if failed and scaler is not None and scaler.forget_step():
+            log.info("fsdp_nb: the cell failed inside a step of the gradient scaler: that step is dropped, "
+                     "the next one starts afresh")
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What one rank brings to the agreement of :meth:`GradScaling.reformed`."""
+
+    stayed: bool
+    """The rank was in the group before (it did not join with this formation)."""
+    state: dict[str, Any]
+    """Its scaler's state (:meth:`CountingScaler.state_dict`)."""
+    device: str
+    """Its scaler's device type."""
+
+
+def choose(offers: Sequence[Offer | None]) -> int | None:
+    """The rank whose scaler state every rank takes (``offers``: each rank's, None where
+    it has no scaler): the lowest rank that stayed with one (the run's scale), else the
+    lowest that has one (every rank is new), else None (no rank has a scaler)."""
+    held = [r for r, o in enumerate(offers) if o is not None]
+    stayed = [r for r, o in enumerate(offers) if o is not None and o.stayed]
+    first = stayed or held
+    return first[0] if first else None
+
+
+class GradScaling(Part):
+    """The rank's part for the gradient scaler: its step listener, and the agreement of
+    the ranks' scalers when the group forms again."""
+
+    order = 60
+    """After the checkpoint group's part (50) has dropped the old group: the agreement
+    runs on a checkpoint group of the new one."""
+
+    def __init__(self) -> None:
+        self.steps = ScalerSteps()
+        """Listens to the rank's step owner while the rank has a scaler."""
+
+    def reformed(self, world: World) -> None:
+        """Every rank ends with the same scaler state (see the module docstring): one
+        ``all_gather_object`` on the checkpoint group, made on every rank that holds this
+        part (every rank, once any rank has one)."""
+        mine, offer = current(), None
+        if mine is not None:
+            mine.process_group = None  # the group as it is now, whatever it was before
+            try:  # nothing may keep this rank from the agreement's collective: the others wait in it
+                mine.forget_step()  # a step the re-form cut short is no step
+                offer = Offer(world.rank not in world.joined, mine.state_dict(), mine.device_type)
+            except Exception:  # noqa: BLE001 - logged; this rank then takes the state the others agree on
+                log.exception("fsdp_nb: this rank's gradient scaler could not offer its state; it takes the others'")
+        offers = _gather(offer)
+        source = choose(offers)
+        if source is None:  # no rank has a scaler
+            return
+        chosen = offers[source]
+        if chosen is None:  # choose() names a rank with an offer
+            return
+        if mine is None:
+            mine = _bind(chosen.device)
+            if mine is None:
+                return
+        if chosen.state:
+            mine.load_state_dict(chosen.state)
+        owner().listen(self.steps)
+        if world.rank == source and any(o is None or o.state != chosen.state for o in offers):
+            log.info("fsdp_nb: every rank's gradient scaler now holds rank %d's state (scale %s)", source,
+                     chosen.state.get("scale"))
+
+    def closed(self) -> None:
+        found = RANK.find(StepOwner)
+        if found is not None:
+            found.unlisten(self.steps)
+
+
+def _gather(offer: Offer | None) -> list[Offer | None]:
+    """Every rank's offer, in rank order: one ``all_gather_object`` on the checkpoint group
+    (none for one rank, or outside a group)."""
+    import torch.distributed as dist
+
+    _, ws = rank_and_world()
+    if ws == 1:
+        return [offer]
+    offers: list[Offer | None] = [None] * ws
+    dist.all_gather_object(offers, offer, group=checkpoint_group())
+    return offers
+
+
+def _owner() -> StepOwner:
+    """The rank's step owner, told about the scaler (its hooks count the optimizer steps
+    the scaler asks about: the first listener installs them)."""
+    own = owner()
+    steps = part(GradScaling).steps
+    if steps not in own.listeners:
+        own.listen(steps)
+    return own
+
+
+def current() -> CountingScaler | None:
+    """This rank's scaler: the engine global ``scaler`` if it is a :class:`CountingScaler`
+    (None: the rank has none, or the name holds something else)."""
+    found = user_ns().get(SCALER)
+    return found if isinstance(found, CountingScaler) else None
+
+
+def _bind(device_type: str) -> CountingScaler | None:
+    """A new :class:`CountingScaler` bound to ``scaler``, unless the name holds something
+    else (None then, and a warning in the rank's log)."""
     ns = user_ns()
-    if isinstance(ns.get(SCALER), ShardedGradScaler):
-        return
     if SCALER in ns:
         log.warning("the engine global %r is a %s: a 16-mixed wrap leaves it and makes no gradient scaler",
                     SCALER, type(ns[SCALER]).__name__)
+        return None
+    made = ns[SCALER] = CountingScaler(device=device_type)
+    return made
+
+
+def install(device_type: str) -> None:
+    """Bind a :class:`CountingScaler` for ``device_type`` to the engine global ``scaler``,
+    unless one is there already (a second fp16 model shares the run's scale; a
+    ``ShardedGradScaler`` of the user's own is left alone), and let the scaler listen to
+    the rank's steps."""
+    found = user_ns().get(SCALER)
+    if isinstance(found, ShardedGradScaler) and not isinstance(found, CountingScaler):
         return
-    ns[SCALER] = CountingScaler(device=device_type)
-
-
-def forget() -> None:
-    """Drop this rank's ``scaler`` (one :func:`install` made) before ``restart`` rebuilds
-    the models: every rank then makes a new one with the rebuilt ``"16-mixed"`` model, so
-    all ranks scale alike (a survivor's scale next to a new rank's would reduce gradients
-    scaled differently); a restore with ``state=["scaler"]`` then gives back the run's."""
-    ns = user_ns()
-    if isinstance(ns.get(SCALER), CountingScaler):
-        del ns[SCALER]
+    if not isinstance(found, CountingScaler) and _bind(device_type) is None:
+        return
+    owner().listen(part(GradScaling).steps)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from ..engine import health as _health
 from ..engine.stacks import fold_stacks
-from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError, hide_frame
+from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError, add_note, hide_frame
 from ..hangs.hang_report import HangReport, out_of_step
 from ..memory.out_of_memory import explain
 from ..runtime.dispatch import FailurePolicy, Pending
@@ -89,8 +89,8 @@ class RecoveringPolicy(FailurePolicy):
         err = RankError(pending.what, list(failures) + collateral, self.ctx.world_size,
                         collateral=[f.rank for f in collateral], summary=summary)
         if report.lines:
-            err.add_note("While the other ranks waited:" + "".join(f"\n  {line}" for line in report.lines))
-        err.add_note(note)
+            add_note(err, "While the other ranks waited:" + "".join(f"\n  {line}" for line in report.lines))
+        add_note(err, note)
         raise err
 
     def summarize(self, failures: list[RankFailure]) -> list[str]:
@@ -144,7 +144,7 @@ class RecoveringPolicy(FailurePolicy):
             "restore=<checkpoint>, with setup= remaking what cells made, brings the trained run back." + why,
         )
         if others:
-            err.add_note("Other ranks failed as a consequence:\n" + "\n".join(map(str, others)))
+            add_note(err, "Other ranks failed as a consequence:\n" + "\n".join(map(str, others)))
         raise err
 
     def on_timeout(self, pending: Pending, running: list[int], timeout: float) -> None:
@@ -154,7 +154,7 @@ class RecoveringPolicy(FailurePolicy):
         note = self._recover(pending, running, interrupt=True, cause="timeout")
         err = RankTimeoutError(pending.what, timeout, running, diagnosis=report.lines,
                                stacks={r: fold_stacks(s) for r, s in found.items()})
-        err.add_note(note)
+        add_note(err, note)
         raise err
 
     # the diagnosis -----------------------------------------------------------------
@@ -194,7 +194,8 @@ class RecoveringPolicy(FailurePolicy):
         try:
             note = self._recover_or_raise(pending, running, interrupt=interrupt, cause=cause)
         except Exception as exc:  # noqa: BLE001 - the original error must still reach the user
-            self.ctx.lifecycle.to("degraded")
+            if self.ctx.state != "unfinished":  # a restart that stopped part way keeps saying where
+                self.ctx.lifecycle.to("degraded")
             note = (
                 f"fsdp_nb could not recover the session ({cause}): {type(exc).__name__}: {exc}. "
                 "Call sess.restart()."

@@ -38,6 +38,8 @@ from ..formats.inspect import read_dcp_metadata
 from ..formats.pickles import load_planner
 from ..formats.storage import url_to_fs
 from ..memory.rank_memory_sample import peak_resident, reset_peak_resident
+from ..models.rank_grad_scaler import SCALER
+from ..models.rank_grad_scaler import current as current_scaler
 from ..models.rank_wrap import forget_all, wrapped
 from ..torch_compat import local_tensor
 from ..wire.calls import ByValue
@@ -83,7 +85,9 @@ def _owner(optim: Any, owners: dict[int, str]) -> tuple[str | None, str | None]:
 
 def survey(models: tuple[str, ...]) -> RankSurvey:
     """What this rank holds that a resize carries (the optimizers of ``models``) or leaves
-    (every other variable the user made)."""
+    (every other variable the user made). The gradient scaler of a ``"16-mixed"`` wrap is
+    neither: every rank of the new world holds it alike (its registry part agrees on it,
+    ``models.rank_grad_scaler.GradScaling``), a new rank too."""
     owners = {id(p): name for name in models for p in wrapped()[name].module.parameters()}
     optimizers: dict[str, list[str]] = {name: [] for name in models}
     problems = []
@@ -94,6 +98,8 @@ def survey(models: tuple[str, ...]) -> RankSurvey:
         elif model is not None:
             optimizers[model].append(oname)
     carried = set(models) | {o for os_ in optimizers.values() for o in os_}
+    if current_scaler() is not None:
+        carried.add(SCALER)
     variables = sorted(
         k for k, v in user_ns().items()
         if not k.startswith("_") and k not in OWN_NAMES and k not in carried

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..engine import health as _health
 from ..engine import namespace as _ns
+from ..errors import add_note
 from ..runtime import rendezvous
 from ..runtime.phases import PhaseClock
 from ..runtime.shipping import by_value
 from . import regroup
-from .restart_report import RestartReport, RestorePlan, restore_plan
+from .restart_report import Progress, RestartReport, RestorePlan, restore_plan, stopped_at
 
 if TYPE_CHECKING:
     from ..context import SessionContext
@@ -76,16 +77,34 @@ def restart(ctx: SessionContext, restore: str | None = None, drop: tuple[str, ..
     replaced rank will lack is refused before anything changes, as is a replay that
     cannot be done (``check_replayable``). A model wrapped from a notebook instance can
     only come back through ``restore``; ``drop`` names wraps to forget instead. An
-    autosave is re-armed on the rebuilt objects, counting on from the restored step.
+    autosave is re-armed on the rebuilt objects, counting on from the restored step; a
+    restart that rebuilt the models without ``restore`` suspends it (``_rearm``), and the
+    next ``restart(restore=...)`` arms it again.
     The time of each phase is kept in ``sess.restart_phases``. Afterwards, failed or
     not, the session record learns the new engines' pids and a standby engine is
     launched for the next death if this one was used.
+
+    A restart that fails once it began to change the session (its ``setup`` raised on a
+    rank, say) leaves the session ``unfinished``: every call is refused, naming the step
+    that failed and how to mend it, until a restart runs to its end (``restart`` itself,
+    ``shutdown`` and ``status`` are allowed). One refused by its checks changes nothing.
     """
     ctx.check_open()
     if setup is not None and not inspect.isfunction(setup):
         raise TypeError(f"setup must be a function (def or lambda, run on every rank), got {setup!r}")
+    mending, why = ctx.state == "unfinished", ctx.lifecycle.why
+    if mending:  # this restart may mend it: its own calls (a restore's load) must go through
+        ctx.lifecycle.to("degraded")
+    progress = Progress()
     try:
-        return _restart(ctx, restore, drop, setup)
+        return _restart(ctx, restore, drop, setup, progress)
+    except BaseException as exc:
+        if ctx.state != "closed":
+            if progress.changed:
+                _unfinished(ctx, progress, exc)
+            elif mending:  # refused before it changed anything: still as the last one left it
+                ctx.lifecycle.to("unfinished", why)
+        raise
     finally:
         if ctx.state != "closed":
             if ctx.keeper is not None:
@@ -94,9 +113,8 @@ def restart(ctx: SessionContext, restore: str | None = None, drop: tuple[str, ..
 
 
 def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
-             setup: Callable[[], Any] | None) -> RestartReport:
+             setup: Callable[[], Any] | None, progress: Progress) -> RestartReport:
     from ..checkpoints.load import load
-    from ..models import rank_grad_scaler as grad_scaler
     from ..models.wrap import check_replayable, replay_wraps
     from . import rank_repoint as repoint
 
@@ -114,39 +132,47 @@ def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
     rebuilt: tuple[str, ...] = ()
     repointed: tuple[str, ...] = ()
     if dead:
+        progress.at("replace the dead engines")
         ctx.cluster.replace(dead)
         clock.mark("engines replaced")
+        progress.at("install the health hooks")
         ctx.health.install(d, dead, nccl=ctx.backend == "nccl")
         clock.mark("health hooks")
+    progress.at("re-form the group")
     reform(ctx, tell=False)
     clock.mark("group re-formed")
     if dead and len(ctx.definitions):
+        progress.at("replay the definitions")
         for failure in ctx.definitions.replay(d, dead):
             log.warning("restart: a definition did not run on the new engine: %s", failure)
         clock.mark("definitions replayed")
     if dead and ctx.wraps:
+        progress.at("rebuild the wrapped models")
         d.gather(d.apply("remember parameters", repoint.remember))
-        d.gather(d.apply("forget the gradient scaler", grad_scaler.forget))  # remade alike on every rank
         restored = set() if plan is None else {plan.model, *(m for m, _ in plan.parts)}
         rebuilt = tuple(n for n in replay_wraps(ctx, drop, d) if n not in restored)
         repointed = tuple(sorted({n for names in d.gather(d.apply("re-point optimizers", repoint.repoint,
                                                                   args=(rebuilt,))) for n in names}))
         clock.mark("wraps replayed")
+    progress.at("re-form the features")  # after the wraps are built, before setup and restore
     regroup.reformed(ctx, joined=tuple(dead))
     clock.mark("features re-formed")
-    ctx.lifecycle.to("ready")
     if setup is not None:
+        progress.at("setup")
         d.gather(d.apply(f"setup {getattr(setup, '__qualname__', 'function')}", _ns.call_setup,
                          args=(by_value(setup),)))
         clock.mark("setup ran")
     if plan is not None:
+        progress.at("restore")
         if plan.parts:
             load(ctx, plan.path, [m for m, _ in plan.parts], optimizer=[o for _, o in plan.parts], state=plan.state,
                  rng=plan.rng or None)
         else:
             load(ctx, plan.path, plan.model, optimizer=plan.optimizer, state=plan.state, rng=plan.rng or None)
         clock.mark("checkpoint loaded")
-    autosave = _rearm(ctx, plan, bool(dead) or setup is not None)
+    progress.at("re-arm the autosave")
+    autosave = _rearm(ctx, plan, bool(dead))
+    ctx.lifecycle.to("ready")
     report = RestartReport(replaced=tuple(dead), rebuilt=rebuilt, restored=plan, repointed=repointed,
                            setup=setup is not None, autosave=autosave, survivors=tuple(
                                r for r in everyone if r not in dead))
@@ -155,21 +181,35 @@ def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
     return report
 
 
-def _rearm(ctx: SessionContext, plan: RestorePlan | None, rebuilt: bool) -> str:
-    """Arm the session's autosave again where its hooks were lost or its count must go
-    back to the restored step; what became of it, in words."""
-    from ..autosave.autosave import arm, stop
+def _unfinished(ctx: SessionContext, progress: Progress, exc: BaseException) -> None:
+    """A restart failed after it began to change the session: leave it ``unfinished``
+    (the recovering dispatcher refuses every call, naming the step, until a restart runs
+    to its end) and say so in the error. The ranks' registries are consistent then: a
+    step before the features were re-formed left them as the last group had them, which
+    no call reaches before the next restart re-forms them."""
+    why = stopped_at(progress.step, exc)
+    ctx.lifecycle.to("unfinished", why)
+    add_note(exc, f"The session is left unfinished: {why}. Until then every call is refused.")
+    ctx.dispatcher.notify("restart", "degraded", tuple(range(ctx.world_size)), note=why)
 
-    spec = ctx.autosave
+
+def _rearm(ctx: SessionContext, plan: RestorePlan | None, rebuilt: bool) -> str:
+    """Arm the session's autosave (a suspended one too) again where its count must go back
+    to the restored step; suspend it where the models were ``rebuilt`` at their initial
+    weights and nothing was restored (saving them would put initial weights over the run's
+    checkpoints); what became of it, in words."""
+    from ..autosave.autosave import SUSPENDED, arm, suspend
+
+    spec = ctx.autosave or ctx.suspended_autosave
     if spec is None:
         return ""
     if plan is not None:
         # a run token of its own: its saves never reuse a temporary folder the run before
         # the restart may have left half written under the same step number
+        again = " (it was suspended)" if ctx.autosave is None else ""
         arm(ctx, dataclasses.replace(spec, start_step=plan.step or 0, run=uuid.uuid4().hex[:8]))
-        return f"autosave goes on from step {plan.step or 0}"
-    if rebuilt:
-        stop(ctx)
-        return ("autosave stopped (the models were rebuilt from initialisation): call sess.autosave again, into a "
-                "new folder (restore='latest' still finds its last checkpoint)")
+        return f"autosave goes on from step {plan.step or 0}{again}"
+    if rebuilt or ctx.autosave is None:
+        suspend(ctx)
+        return f"autosave {SUSPENDED}"
     return "autosave goes on"

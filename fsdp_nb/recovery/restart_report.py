@@ -6,7 +6,8 @@ replaced rank would lack for that load (its cells' optimizer, scheduler, loader)
 refused before any engine is touched, naming ``setup=`` as the way to make them.
 :class:`RestartReport` is ``restart``'s result: which ranks were replaced, which models
 were built again from initialisation, what came back from the checkpoint, what the
-surviving ranks kept.
+surviving ranks kept. A restart that fails part way says where it stopped and how to
+mend it (:func:`stopped_at`), which the session keeps as its ``unfinished`` state.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, RankError
 from ..formats.inspect import inspect
 from ..formats.run_state import RNG
 from ..formats.storage import options_for
@@ -23,7 +24,7 @@ from ..formats.storage import options_for
 if TYPE_CHECKING:
     from ..context import SessionContext
 
-__all__ = ["RestartReport", "RestorePlan", "restore_plan"]
+__all__ = ["Progress", "RestartReport", "RestorePlan", "restore_plan", "stopped_at"]
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,9 @@ class RestorePlan:
     model: str
     """The wrapped model it is loaded into: the one it was saved from, else the only one
     wrapped, else (a checkpoint that does not say) the last wrapped."""
-    optimizer: str | None
-    """Its optimizer's engine global, when the checkpoint keeps one."""
+    optimizer: str | tuple[str, ...] | None
+    """Its optimizer's engine global, when the checkpoint keeps one; each of them, when it
+    was saved with several (an autosave's ``optimizer=[...]``)."""
     state: tuple[str, ...]
     """Engine globals each rank takes back from its own file."""
     rng: bool
@@ -52,7 +54,9 @@ class RestorePlan:
         parts = []
         for model, optimizer in self.parts or ((self.model, self.optimizer),):
             parts.append(f"model {model!r}")
-            if optimizer:
+            if isinstance(optimizer, tuple):
+                parts.append(f"optimizers {', '.join(map(repr, optimizer))}")
+            elif optimizer:
                 parts.append(f"optimizer {optimizer!r}")
         parts += [repr(n) for n in self.state]
         if self.rng:
@@ -103,7 +107,7 @@ def restore_plan(ctx: SessionContext, restore: str | None, dead: list[int],
         (model, saved_optim), parts = parts[0], parts if len(parts) > 1 else ()
     kept = sorted({n for names_ in info.run_state.values() for n in names_})
     state = tuple(n for n in kept if n != RNG)
-    optims = [o for _, o in parts] if parts else [saved_optim]
+    optims: list[str | None] = [o for _, o in parts] if parts else [*info.optimizers] or [saved_optim]
     needed = [o for o in optims if o] + list(state)
     if state and info.world_size != ctx.world_size:
         raise CheckpointError(
@@ -119,7 +123,8 @@ def restore_plan(ctx: SessionContext, restore: str | None, dead: list[int],
             f"global {needed[0]}; {needed[0]} = ...), and restart loads their saved state into them. "
             "Nothing was changed."
         )
-    return RestorePlan(path, model, saved_optim, state, RNG in kept and info.world_size == ctx.world_size,
+    several = info.optimizers if info.optimizers and not parts else None  # one model's optimizers, loaded together
+    return RestorePlan(path, model, several or saved_optim, state, RNG in kept and info.world_size == ctx.world_size,
                        info.step, parts)
 
 
@@ -174,3 +179,38 @@ class RestartReport:
 
     def __repr__(self) -> str:
         return "<restart\n  " + "\n  ".join(self.lines()) + "\n>"
+
+
+@dataclass
+class Progress:
+    """How far a ``restart`` got: the step it is in, for what a failure leaves behind."""
+
+    step: str = ""
+    """The step under way (``"setup"``, ``"restore"``, ``"rebuild the wrapped models"``...)."""
+    changed: bool = False
+    """Whether it began to change the session (every check before passed)."""
+
+    def at(self, step: str) -> None:
+        """The restart begins ``step``."""
+        self.step, self.changed = step, True
+
+
+def stopped_at(step: str, exc: BaseException) -> str:
+    """Where a failed restart stopped, why, and how to mend it, in one sentence: what the
+    session's ``unfinished`` state says to every call it refuses.
+
+    Args:
+        step: the step that failed (:attr:`Progress.step`).
+        exc: its error (a ``RankError`` names each failing rank).
+    """
+    if isinstance(exc, RankError) and exc.failures:
+        cause = "; ".join(f"{step} on rank {f.rank}: {f.ename}: {f.evalue}" for f in exc.failures[:4])
+    else:
+        cause = f"{step}: {type(exc).__name__}" + (f": {str(exc).splitlines()[0]}" if str(exc) else "")
+    if step == "setup":
+        mend = ("the ranks may lack what setup makes. Call sess.restart(setup=...) again, with a setup that runs "
+                "on every rank: a new engine holds the session's imports, classes and functions, not the values "
+                "cells made there (make them in setup)")
+    else:
+        mend = "call sess.restart() again (with the same restore= and setup=) to finish it"
+    return f"sess.restart() stopped at its step {step!r} ({cause}); {mend}"

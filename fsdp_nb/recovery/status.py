@@ -85,6 +85,8 @@ class SessionStatus:
     """Unix time it was read."""
     events: tuple[str, ...] = ()
     """The latest calls' failures and recoveries, oldest first (the live widget's log)."""
+    why: str = ""
+    """For an ``unfinished`` session: the restart step that failed and how to mend it."""
 
     HEADER = ("rank", "engine", "host", "pid", "device", "state", "queued", "activity")
 
@@ -132,6 +134,8 @@ class SessionStatus:
         """A plain-text table (above ``COMPACT`` ranks a strip, and rows only for the ranks
         neither busy nor idle), then each busy rank's stack."""
         lines = [f"session {self.state}, backend {self.backend}, {len(self.ranks)} ranks"]
+        if self.why:
+            lines.append(self.why)
         if self.compact:
             lines += [self._counts(), text_strip(self._cells())]
         shown = self._shown()
@@ -167,6 +171,7 @@ class SessionStatus:
             f"<div class='fsdp-nb-status'><b>Session</b> <code>{html.escape(self.state)}</code>, "
             f"backend <code>{html.escape(self.backend)}</code>, {len(self.ranks)} ranks "
             f"<small>(at {when})</small>"
+            + (f"<br>{html.escape(self.why)}" if self.why else "")
             + (f"<br><small>{html.escape(self._counts())}</small>" + html_strip(self._cells(), cls="fsdp-nb-status-strip")
                if self.compact else "")
             + (f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>" if rows else "")
@@ -195,7 +200,7 @@ def read_status(ctx: SessionContext, *, with_stacks: bool = True) -> SessionStat
         RankStatus(r, eid, c.hosts[r] or "?", c.pids[r], devices[r], states[r], queued[r], found.get(r))
         for r, eid in enumerate(c.engine_ids)
     )
-    return SessionStatus(ctx.state, ctx.backend or "?", ranks)
+    return SessionStatus(ctx.state, ctx.backend or "?", ranks, why=ctx.lifecycle.why)
 
 
 def _queued(client: Any, engine_ids: Sequence[int]) -> list[int]:

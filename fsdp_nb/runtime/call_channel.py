@@ -15,6 +15,11 @@ one (or a replaced engine, until it has one) keeps the ipyparallel path, and so 
 a call whose pickled request is over the server's ``MAX_REQUEST_BYTES``. Every message
 both ways is signed with the cluster's key (``engine.signing``): a reply that is not
 the engine's is dropped before it is unpickled.
+
+Each request says, inside its signed payload, whether it is the user's own call
+(``sess.run``: :attr:`CallChannel.cells`), which the engine then treats as a cell (its
+step owner hears the call start and end), or one of the session's own (``push``,
+``pull``, an async save and its polls), which is no cell.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import ipyparallel as ipp
 import zmq
 
 from ..engine import call_channel as engine_side
+from ..engine import namespace as _ns
 from ..engine.signing import HEADER_BYTES, Link, Refused, frame_digests
 
 if TYPE_CHECKING:
@@ -90,6 +96,10 @@ class CallResult:
 
 class CallChannel:
     """A DEALER socket per engine to its call server, used from one thread at a time."""
+
+    cells: tuple[Any, ...] = (_ns.call,)
+    """The functions whose calls are the user's own (``sess.run`` sends ``namespace.call``):
+    each runs as a cell on the ranks. Every other call is the session's own."""
 
     def __init__(self, cluster: EngineCluster):
         self.cluster = cluster
@@ -192,9 +202,10 @@ class CallChannel:
         when a pickled call is larger than the servers take: it goes through ipyparallel."""
         payloads: dict[int, tuple[bytes, bytes]] = {}
         """id(args) -> its pickled call and that payload's digest (hashed once)."""
+        cell = any(fn is f for f in self.cells)
         for args in args_by_rank:
             if id(args) not in payloads:
-                payload = cloudpickle.dumps((fn, tuple(args)))
+                payload = cloudpickle.dumps((fn, tuple(args), cell))
                 payloads[id(args)] = payload, frame_digests([payload])[0]
         if max(len(p) for p, _ in payloads.values()) > engine_side.MAX_REQUEST_BYTES:
             return None

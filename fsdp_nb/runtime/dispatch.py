@@ -12,20 +12,22 @@ failure policy (``FailurePolicy``).
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError, hide_frame
+from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError, add_note, hide_frame
 from .call_channel import CallChannel
 from .cluster import EngineCluster
+from .lifecycle import Lifecycle
 from .results import Pending, RankResult, completed, failure, per_rank
 from .terminal import CtrlC, Echo
 
 if TYPE_CHECKING:  # the hang watch sits above the runtime: the session hands one in
-    from ..hangs.hang_report import HangReport
+    from ..hangs.hang_view import HangShow
     from ..hangs.hang_watch import HangWatch, Watching
 
 __all__ = ["CallEvent", "Dispatcher", "FailurePolicy", "Pending"]
@@ -116,9 +118,12 @@ class Dispatcher:
         self.hang_after: float | None = None
         """Seconds a call runs before the watch starts asking (the session's ``hang_after``;
         None: never)."""
-        self.hang_view: Callable[[str, HangReport | None], None] | None = None
-        """Shows a call's live diagnosis (None: take it down): in place in a notebook, on
-        stderr in a script."""
+        self.hang_view: HangShow | None = None
+        """Shows a call's live diagnosis (None: take it down, saying how the call ended): in
+        place in a notebook, on stderr in a script."""
+        self.lifecycle: Lifecycle | None = None
+        """The session's state, asked before each call is sent (``Lifecycle.check_usable``:
+        a session whose restart stopped part way refuses calls); None: never asked."""
 
     def notify(self, what: str, phase: str, ranks: Sequence[int] = (), *,
                failures: Sequence[RankFailure] = (), note: str = "") -> None:
@@ -152,6 +157,8 @@ class Dispatcher:
         publishes no progress data: that travels through ipyparallel only).
         """
         ranks = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
+        if self.lifecycle is not None:
+            self.lifecycle.check_usable(what)
         self._check_alive(what, ranks)
         rank_args = [args_by_rank[i] if args_by_rank is not None else args for i in range(len(ranks))]
         channel = self.channel
@@ -183,6 +190,8 @@ class Dispatcher:
         ``Out`` value, history or execution count (as ipyparallel's ``view.execute``
         sends it: fewer messages); printed output and errors come back either way."""
         ranks = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
+        if self.lifecycle is not None:
+            self.lifecycle.check_usable("execute")
         self._check_alive("execute", ranks)
         with CtrlC() as ctrl_c, self._sending("execute", ranks):  # as in apply
             ar = self.cluster.ranks_view(ranks).execute(code, block=False, silent=silent)
@@ -231,8 +240,8 @@ class Dispatcher:
                 self.policy.on_interrupt(pending, running)
                 raise
             finally:
-                if watching is not None:
-                    watching.end()
+                if watching is not None:  # how the call ended: a timeout, Ctrl-C or failure is no completion
+                    watching.end(sys.exc_info()[1])
 
     def _gather(self, pending: Pending, timeout: float | None, ctrl_c: CtrlC,
                 watching: Watching | None = None) -> list[Any]:
@@ -304,7 +313,7 @@ class Dispatcher:
             self.notify(pending.what, "failed", failures=failures)
             err = RankError(pending.what, failures, self.cluster.world_size, summary=self.policy.summarize(failures))
             for note in self.policy.on_failure(pending, failures):
-                err.add_note(note)
+                add_note(err, note)
             raise err
         self.notify(pending.what, "done")
         return [pending.results[r].get() for r in sorted(pending.results)]

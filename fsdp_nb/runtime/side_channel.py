@@ -75,8 +75,6 @@ class SampleFeed:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._zmq: Any = None
-        """The receiver's zmq context (None until started)."""
 
     # -- data -------------------------------------------------------------------
 
@@ -118,17 +116,17 @@ class SampleFeed:
                                      functools.partial(_ms.start, reading=self.reading), args))
         self.endpoints = [ep for ep, _ in started]
         key = cluster.key
-        self._zmq = zmq.Context()
+        zctx = zmq.Context()  # the receiver thread's own: it alone terminates it, once its sockets are closed
         subs = []
         for rank, (ep, nonce) in enumerate(started):
             link = Link(key, "memory", nonce, "client")
-            sub = self._zmq.socket(zmq.SUB)
+            sub = zctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, link.pack(self.token.encode()))
             sub.connect(ep)
             subs.append((sub, link, rank))
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, args=(subs,), daemon=True,
+        self._stop = stop = threading.Event()  # each receiver its own: a new start never revives an old one
+        self._thread = threading.Thread(target=self._run, args=(subs, zctx, stop), daemon=True,
                                         name=f"fsdp_nb-{self.reading.name}-feed-{self.token[:8]}")
         self._thread.start()
         self.ctx.lifecycle.on_close(self.close)
@@ -136,8 +134,9 @@ class SampleFeed:
             self.ctx.recovering.observers.append(self._follow)
         return self
 
-    follows: tuple[str, ...] = ("resize",)
-    """The recoveries after which the feed subscribes again to the (new) ranks."""
+    follows: tuple[str, ...] = ("resize", "restart")
+    """The recoveries after which the feed subscribes again to the (new) ranks: those that
+    replace engines (a replaced rank's sampler died with it)."""
 
     def _follow(self, event: Any) -> None:
         """After a recovery in ``follows``, sample the new world's ranks (new samplers, a new
@@ -158,13 +157,16 @@ class SampleFeed:
         """What the ranks need before the feed subscribes again after a recovery (nothing here)."""
 
     def close(self) -> None:
-        """Stop receiving; the engines' samplers end when they see the unsubscribe."""
+        """Stop receiving; the engines' samplers end when they see the unsubscribe. A
+        receiver still busy after 5 s (a listener that is slow to draw) ends on its own,
+        closing its sockets and its zmq context."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
         self._thread = None
 
-    def _run(self, subs: list[tuple[Any, Link, int]]) -> None:
+    def _run(self, subs: list[tuple[Any, Link, int]], zctx: Any, stop: threading.Event) -> None:
+        """The receiver thread: ``subs`` on ``zctx``, its own, until ``stop`` is set."""
         import zmq
 
         poller = zmq.Poller()
@@ -175,10 +177,10 @@ class SampleFeed:
         next_tick = time.monotonic() + self.interval
         fresh = False
         try:
-            while not self._stop.is_set() and getattr(self.ctx, "state", "ready") != "closed":
+            while not stop.is_set() and getattr(self.ctx, "state", "ready") != "closed":
                 wait = max(0.0, min(next_tick - time.monotonic(), 0.25))
                 for sub, _ in poller.poll(int(wait * 1000)):
-                    while True:
+                    while not stop.is_set():  # once stopped, what came is no longer this feed's
                         try:
                             frames = sub.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
@@ -197,7 +199,7 @@ class SampleFeed:
         finally:
             for sub, _, _ in subs:
                 sub.close(0)
-            self._zmq.term()
+            zctx.term()
 
     def _store(self, frames: list[bytes], link: Link, rank: int) -> bool:
         """Keep the sample in ``frames`` (``[topic, signed sample]`` from ``rank``'s

@@ -1,11 +1,15 @@
 """Scalars a rank logs while it trains (``fsdp_nb.log(loss=..., lr=...)``), for the step
 view's live curves.
 
-``log`` keeps each name's last ``KEEP`` values in this rank's memory: a dict lookup and
-a deque append, cheap enough for every step. A CPU tensor is read at once. A GPU tensor
-is copied (one element, on its stream) and read as a number only when the step view's
-sampler thread publishes the curves (``latest``), so logging a loss does not make a GPU
-rank wait for its kernels. A DTensor gives this rank's local value.
+``log`` keeps each name's last ``KEEP`` values in this rank's :class:`Logged` part: a dict
+lookup and a deque append, cheap enough for every step. A CPU tensor is read at once. A
+GPU tensor is copied (one element, on its stream) and read as a number only when the step
+view's sampler thread publishes the curves (``latest``), so logging a loss does not make a
+GPU rank wait for its kernels. A DTensor gives this rank's local value.
+
+It hears nothing of the step (no step event changes what was logged). When the group
+forms again (restart, resize, recovery) every rank's curves start afresh, as the step
+view's window does, so a rank that joined and the ranks that stayed line up.
 """
 
 from __future__ import annotations
@@ -14,14 +18,40 @@ import collections
 import threading
 from typing import Any
 
-__all__ = ["KEEP", "clear", "count", "latest", "log"]
+from ..engine.registry import Part, World, part
+from ..engine.step import StepListener, owner
+
+__all__ = ["KEEP", "Logged", "clear", "count", "latest", "log"]
 
 KEEP = 200
 """Values kept per name on each rank (the newest)."""
 
-_LOCK = threading.Lock()
-_VALUES: dict[str, collections.deque[Any]] = {}
-_COUNT = 0
+
+class Logged(Part, StepListener):
+    """What ``fsdp_nb.log`` kept on this rank (the registry's part), and the step's listener
+    that forgets it when the run's timeline changes under it: a load (the run went back or
+    elsewhere) and a new group (a restart or resize: the ranks' curves start together)."""
+
+    order = 60
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.values: dict[str, collections.deque[Any]] = {}
+        """Name -> its newest values, oldest first (a number, or a GPU tensor not read yet)."""
+        self.count = 0
+        """Calls of ``log`` that kept something."""
+        owner().listen(self)
+
+    def loaded(self, extra: dict[str, Any] | None) -> None:
+        """A load replaced the run's state: the values logged before belong to another
+        timeline."""
+        clear()
+
+    def reformed(self, world: World) -> None:
+        clear()
+
+    def closed(self) -> None:
+        clear()
 
 
 def log(**scalars: Any) -> None:
@@ -50,13 +80,13 @@ def log(**scalars: Any) -> None:
             continue
         raise TypeError(f"fsdp_nb.log: {name}= must be a number or a one-element tensor, "
                         f"got {type(value).__name__}" + (f" of {numel()} elements" if callable(numel) else ""))
-    global _COUNT
-    with _LOCK:
-        _COUNT += 1
+    held = part(Logged)
+    with held.lock:
+        held.count += 1
         for name, value in kept.items():
-            q = _VALUES.get(name)
+            q = held.values.get(name)
             if q is None:
-                q = _VALUES[name] = collections.deque(maxlen=KEEP)
+                q = held.values[name] = collections.deque(maxlen=KEEP)
             q.append(value)
 
 
@@ -64,12 +94,13 @@ def latest() -> dict[str, list[float]]:
     """Each logged name's kept values, oldest first, as numbers (a tensor is read once, the
     first time it is asked for, and kept as its number; one that is not finite stays
     ``nan`` or ``inf``, as the loop logged it)."""
-    with _LOCK:
-        kept = {name: list(q) for name, q in _VALUES.items()}
+    held = part(Logged)
+    with held.lock:
+        kept = {name: list(q) for name, q in held.values.items()}
     read = {id(v): float(v.float().item()) for vs in kept.values() for v in vs if not isinstance(v, float)}
     if read:
-        with _LOCK:  # keep the numbers: the tensors are not read again
-            for q in _VALUES.values():
+        with held.lock:  # keep the numbers: the tensors are not read again
+            for q in held.values.values():
                 for i, v in enumerate(q):
                     if id(v) in read and not isinstance(v, float):
                         q[i] = read[id(v)]
@@ -78,10 +109,11 @@ def latest() -> dict[str, list[float]]:
 
 def count() -> int:
     """How many calls of ``log`` kept something (the side channel sends news only)."""
-    return _COUNT
+    return part(Logged).count
 
 
 def clear() -> None:
     """Forget every logged value on this rank."""
-    with _LOCK:
-        _VALUES.clear()
+    held = part(Logged)
+    with held.lock:
+        held.values.clear()

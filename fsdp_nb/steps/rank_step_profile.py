@@ -1,15 +1,26 @@
-"""This rank's deep look at the next optimizer steps (``sess.profile(steps=N)``).
+"""This rank's deep look at the next training iterations (``sess.profile(steps=N)``).
 
 Call order, on every rank:
 
 1. ``arm(spec)`` (the notebook's ``sess.profile``): ``torch.profiler`` starts on the
-   thread that runs cells, and a global optimizer post-step hook counts steps.
-2. The training cell runs. After the N-th optimizer step (any optimizer's) the hook stops
-   the profiler, exports its Chrome trace to a private temporary file, reads it into
-   memory and removes the file; the hook then removes itself. On a GPU it first waits
-   for the device, so the steps' kernels are in the trace.
+   thread that runs cells, and the rank's :class:`Profiling` part listens to its step
+   owner (``fsdp_nb.engine.step``, order 50: after the step view; no hook of its own).
+2. The training cell runs. Each iteration counts once, its optimizer steps together (a
+   second optimizer's step joins the first's): a step's window runs from the step
+   before's end to the end of its iteration's last optimizer step. At the boundary after
+   the N-th (the next training forward, an eval forward, or the cell's end) the profiler
+   stops, so every optimizer step of that iteration is in the trace and nothing after
+   it is; the Chrome trace is exported to a private temporary file, read into memory and
+   the file removed. On a GPU each step's end first waits for the device, so its kernels
+   are in the trace.
 3. ``take(token)`` (the notebook reads the result): the trace leaves the rank, with each
    step's window. Nothing of it stays on the rank. ``discard()`` drops an unfinished one.
+
+A capture also ends, the profiler off and what it recorded dropped, when a cell fails
+before its N steps ran (an eval cell after it would be profiled, and the trace would
+grow) or when the group forms again (restart, resize, a recovery: a window across it
+would count the recovery as the step's). ``take`` then says which, and after how many
+steps.
 
 The trace's ``ts`` count microseconds from its ``baseTimeNanoseconds``; ``take`` moves them
 to the Unix epoch, the clock every rank of a host shares (across hosts, as well as their
@@ -26,13 +37,14 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ..engine.checkpoint_group import rank_and_world
+from ..engine.registry import Part, World, part
+from ..engine.step import StepListener, owner
 from .wire_profile import ProfileSpec, RankTrace
 
-__all__ = ["arm", "discard", "take"]
+__all__ = ["Profiling", "arm", "discard", "take"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -41,26 +53,101 @@ KINETO_LOG_LEVEL = "KINETO_LOG_LEVEL"
 rank where it is not set; 4 shows the library's errors, 0 everything."""
 
 
-@dataclass
-class _Capture:
-    spec: ProfileSpec
-    profiler: Any
-    hook: Any = None
-    ends_ns: list[int] = field(default_factory=list)
-    thread: int = 0
-    trace: dict[str, Any] | None = None
+class _Capture(StepListener):
+    """One profile being taken on this rank: told by the step owner."""
+
+    order: ClassVar[int] = 50
+
+    def __init__(self, spec: ProfileSpec, profiler: Any) -> None:
+        self.spec, self.profiler = spec, profiler
+        self.ends_ns: list[int] = []
+        """Each profiled step's end (Unix ns): its iteration's last optimizer step."""
+        self.thread = 0
+        self.trace: dict[str, Any] | None = None
+        self.ended = ""
+        """Why the capture ended before its steps ran ("": it did not)."""
+
+    @property
+    def running(self) -> bool:
+        return self.trace is None and not self.ended
+
+    def step_ended(self, step: int, optimizer: Any) -> None:
+        if self.running and len(self.ends_ns) < self.spec.steps:
+            self.ends_ns.append(_now_ns())
+            self.thread = threading.get_native_id()
+
+    def step_joined(self, step: int, optimizer: Any) -> None:
+        """A second optimizer's step in the iteration: the step now ends after it."""
+        if self.running and self.ends_ns and len(self.ends_ns) <= self.spec.steps:
+            self.ends_ns[-1] = _now_ns()
+
+    def boundary(self, step: int, at: str) -> None:
+        if self.running and len(self.ends_ns) >= self.spec.steps:
+            self.finish()
+
+    def cell_ended(self, failed: bool) -> None:
+        if not (failed and self.running):
+            return
+        if len(self.ends_ns) >= self.spec.steps:  # the steps ran; what failed came after them
+            self.finish()
+        else:
+            self.end(f"a cell failed after {len(self.ends_ns)} of its {self.spec.steps} steps")
+
+    def finish(self) -> None:
+        """The steps ran: stop the profiler and keep its trace."""
+        owner().unlisten(self)
+        self.trace = _export(self.profiler)
+
+    def end(self, why: str) -> None:
+        """End the capture before its steps ran: the profiler stops, what it recorded is
+        dropped, and ``take`` says ``why``."""
+        owner().unlisten(self)
+        self.ended = why
+        try:
+            self.profiler.stop()
+        except RuntimeError as exc:  # already stopped by torch: nothing is left to drop
+            log.debug("profiler stop: %s", exc)
+        self.profiler = None
+        log.info("fsdp_nb: the profile %s ended: %s", self.spec.token, why)
 
 
-_CAPTURE: _Capture | None = None
+def _now_ns() -> int:
+    """Now (Unix ns), once this rank's device has run what was launched (on a GPU)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # the step's kernels end in the trace, not after it
+    return time.time_ns()
+
+
+class Profiling(Part):
+    """This rank's profile being taken or waiting to be read (the registry's part)."""
+
+    def __init__(self) -> None:
+        self.capture: _Capture | None = None
+
+    def reformed(self, world: World) -> None:
+        """A capture under way ends: a step across the re-forming is no step's (a trace
+        already taken stays, to be read)."""
+        c = self.capture
+        if c is not None and c.running:
+            c.end(f"the group formed again (a restart, resize or recovery) after {len(c.ends_ns)} of its "
+                  f"{c.spec.steps} steps")
+
+    def closed(self) -> None:
+        discard()
 
 
 def arm(spec: ProfileSpec) -> None:
-    """Start profiling this rank until ``spec.steps`` optimizer steps have run."""
+    """Start profiling this rank until ``spec.steps`` iterations have run (replacing any
+    earlier profile).
+
+    Args:
+        spec: the profile, as every rank receives it.
+    """
     import torch
-    from torch.optim.optimizer import register_optimizer_step_post_hook
     from torch.profiler import ProfilerActivity, profile
 
-    global _CAPTURE
     discard()
     # kineto prints "USDT: profiler_start" (and its stages) to each rank's stderr at every
     # start and stop; a user who sets the variable on the engines sees them
@@ -68,23 +155,8 @@ def arm(spec: ProfileSpec) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_initialized() else [])
     capture = _Capture(spec, profile(activities=activities))
     capture.profiler.start()
-    capture.hook = register_optimizer_step_post_hook(lambda *_: _stepped(capture))
-    _CAPTURE = capture
-
-
-def _stepped(capture: _Capture) -> None:
-    """The optimizer post-step hook: count the step; after the last, end the capture."""
-    if capture.trace is not None or capture is not _CAPTURE:
-        return
-    import torch
-
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # the step's kernels end in the trace, not after it
-    capture.ends_ns.append(time.time_ns())
-    capture.thread = threading.get_native_id()
-    if len(capture.ends_ns) >= capture.spec.steps:
-        capture.hook.remove()
-        capture.trace = _export(capture.profiler)
+    part(Profiling).capture = capture
+    owner().listen(capture)
 
 
 def _export(profiler: Any) -> dict[str, Any]:
@@ -102,15 +174,19 @@ def _export(profiler: Any) -> dict[str, Any]:
 
 def take(token: str) -> RankTrace:
     """This rank's trace for profile ``token`` once its steps have run (it then leaves the
-    rank), or how many have run so far."""
-    global _CAPTURE
+    rank); else how many have run so far, and why the capture ended if it did.
+
+    Args:
+        token: the profile's (``ProfileSpec.token``).
+    """
+    held = part(Profiling)
     rank = rank_and_world()[0]
-    capture = _CAPTURE
+    capture = held.capture
     if capture is None or capture.spec.token != token:
         return RankTrace(rank=rank, token="", steps_run=0, done=False)
     if capture.trace is None:
-        return RankTrace(rank=rank, token=token, steps_run=len(capture.ends_ns), done=False)
-    _CAPTURE = None
+        return RankTrace(rank=rank, token=token, steps_run=len(capture.ends_ns), done=False, ended=capture.ended)
+    held.capture = None
     trace = capture.trace
     base = float(trace.get("baseTimeNanoseconds", 0)) / 1000.0
     events = [e for e in trace.get("traceEvents", []) if isinstance(e, dict)]
@@ -126,13 +202,8 @@ def take(token: str) -> RankTrace:
 
 
 def discard() -> None:
-    """Stop and drop an unfinished capture (a new ``arm``, or the notebook gave up)."""
-    global _CAPTURE
-    capture, _CAPTURE = _CAPTURE, None
-    if capture is None or capture.trace is not None:
-        return
-    capture.hook.remove()
-    try:
-        capture.profiler.stop()
-    except RuntimeError as exc:  # already stopped by torch: nothing is left to drop
-        log.debug("profiler stop: %s", exc)
+    """Stop and drop this rank's profile, taken or not (a new ``arm``, or the rank leaves)."""
+    held = part(Profiling)
+    capture, held.capture = held.capture, None
+    if capture is not None and capture.running:
+        capture.end("discarded")

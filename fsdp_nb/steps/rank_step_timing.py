@@ -1,54 +1,64 @@
-"""Where each optimizer step's time goes on this rank, measured while it trains (``sess.steps()``).
+"""Where each step's time goes on this rank, measured while it trains (``sess.steps()``).
 
 Call order, on every rank:
 
-1. ``start(window)`` (the first ``sess.steps()``): a global optimizer post-step hook, a
-   forward pre-hook on every wrapped model (and each one wrapped later), a one-shot
-   global forward pre-hook that finds a step's first forward of any module (a model the
-   loop built itself, not through ``sess.wrap``; it removes itself at once and is armed
-   again when the step ends), and a sampling thread.
-2. Each optimizer step (the post-step hook) closes a step: its time from the step
-   before's end (or the cell's start: an IPython ``pre_execute`` hook); ``other`` from there to the first forward of a wrapped model; and the
-   rest, from that forward to the step's end, split by the sampler's counts into compute
-   and collective.
-3. ``window()`` (the notebook reads the view), or ``live(rank, seq)`` (the side
-   channel's sampler thread, once a second while a cell trains): the last ``window``
-   steps, with what ``fsdp_nb.log`` kept (``steps.rank_logged``).
-4. ``stop()``: hooks and thread gone.
+1. ``start(keep, view)`` (each ``sess.steps()``): the rank's :class:`StepTiming` part
+   listens to its step owner (``fsdp_nb.engine.step``, order 40: no hook of its own) and
+   starts a sampling thread. Each view is named by its token; the rank keeps the most
+   steps any view asks for.
+2. The owner tells it a cell's start (IPython's, or a ``sess.run`` call's), each step's
+   first forward, each forward of a watched model and each step's end. A step runs from
+   the step before's end (or the cell's start: the pause between cells is no step's) to
+   the end of its iteration's optimizer steps (a second optimizer's joins it); ``other``
+   is the time before its first forward, and the rest, from that forward to its end, is
+   split by the sampler's counts into compute and collective.
+3. ``window()`` (the notebook reads the view), or the side channel's sampler thread
+   (``StepsReading``, once a second while a cell trains): the last steps, with what
+   ``fsdp_nb.log`` kept (``steps.rank_logged``).
+4. ``stop(view)``: that view is done; the last one's end stops the measurement.
 
-The first wrapped model a step calls counts that step's batch: the leading dimension of
-its first tensor argument is its samples, and an integer tensor of two or more
-dimensions (token ids) counts its first two as tokens.
+When the group forms again (restart, resize, a recovery: ``reformed``) the ranks agree
+on the views measuring and on a new **epoch**, and every rank's window starts afresh, so
+no rank's mean mixes steps from both sides of it, and a rank that joined measures as the
+others do.
+
+The first model a step calls counts that step's batch (a watched, wrapped model takes
+over from a model the loop built itself): the leading dimension of its first tensor
+argument is its samples, and an integer tensor of two or more dimensions (token ids)
+counts its first two as tokens.
 
 The sampler looks at the training thread's innermost Python frame every ``INTERVAL``
-seconds (``sys._current_frames``): in ``torch/distributed`` (FSDP's all-gathers and
-reduce-scatters and their waits, any ``dist`` call) it counts a collective; in a data
-loader (``torch/utils/data``, ``torchdata``) it counts other; anywhere else inside the
-model part, compute. On a CPU rank a collective blocks the thread, so this is where its
-time goes. On a GPU the host runs ahead of the device, so these host clocks do not say
-where the device's time went; the view says so (``device``).
+seconds (``sys._current_frames``): in ``torch/distributed`` on a line that issues a
+collective or waits for one, it counts a collective; in a data loader (``torch/utils/data``,
+``torchdata``) it counts other; anywhere else (FSDP's copies in and out of its
+communication buffers included), compute. On a CPU rank a collective blocks the thread,
+so this is where its time goes. On a GPU the host runs ahead of the device, so these host
+clocks do not say where the device's time went: there the parts come from CUDA events
+(``steps.rank_step_events``).
 """
 
 from __future__ import annotations
 
 import collections
+import linecache
 import logging
+import re
 import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from ..engine.checkpoint_group import rank_and_world
+from ..engine.checkpoint_group import checkpoint_group, rank_and_world
+from ..engine.registry import Part, World, part
 from ..engine.side_channel import Reading
-from ..engine.step import training_step
-from ..models.rank_wrap import on_wrapped, wrapped
+from ..engine.step import StepListener, StepOwner, owner
 from . import rank_logged as logged
 from .rank_step_events import DeviceSteps
 from .wire_step_times import RankSteps
 
-__all__ = ["INTERVAL", "StepsReading", "count", "live", "start", "stop", "window"]
+__all__ = ["COLLECTIVE", "COMPUTE", "INTERVAL", "OTHER", "StepTiming", "StepsReading", "count", "frame_kind",
+           "line_kind", "live", "start", "stop", "window"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -57,187 +67,170 @@ INTERVAL = 0.01
 CPU rank (the thread sleeps on an event between steps and cells, so an idle rank pays
 nothing, and on a GPU rank, whose parts come from CUDA events). Each look takes the GIL
 from the training thread: at 5 ms a small, Python-bound CPU loop ran about 3% slower."""
-_COLLECTIVE = ("/torch/distributed/",)
+COMPUTE, COLLECTIVE, OTHER = 0, 1, 2
+"""What a look at the training thread counts."""
+_DISTRIBUTED = "/torch/distributed/"
 _DATA = ("/torch/utils/data/", "/torchdata/")
+_CALLED = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
+_COLLECTIVE_CALL = re.compile(
+    r"_*(wait|all_?gather|allgather|reduce_?scatter|all_?reduce|allreduce|broadcast|barrier|monitored_barrier"
+    r"|all_?to_?all|alltoall|i?send|i?recv|batch_isend_irecv|gather|scatter|reduce)", re.I)
 
 
-@dataclass
-class _Timing:
-    keep: int
-    steps: collections.deque = field(default_factory=collections.deque)
-    last_end: float = field(default_factory=time.perf_counter)
-    first_forward: float | None = None
-    batch_model: Any = None
-    """A weak reference to the model whose batches this step counts (None: none yet)."""
-    samples: int = 0
-    tokens: int = 0
-    forwarded: bool = False
-    """A forward ran since the last optimizer step (a second optimizer's step joins the step)."""
-    last_forwarded: bool = False
-    parameters: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
-    thread: int | None = None
-    counts: list[int] = field(default_factory=lambda: [0, 0, 0])  # compute, collective, other
-    count: int = 0
-    hooks: list[Any] = field(default_factory=list)
-    hooked: weakref.WeakSet = field(default_factory=weakref.WeakSet)
-    sampler: threading.Thread | None = None
-    active: threading.Event = field(default_factory=threading.Event)
-    once: Any = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    device_name: str = "cpu"
-    device: DeviceSteps = field(default_factory=lambda: DeviceSteps(0))
-    """CUDA events at each step's first forward and end (nothing on a CPU rank)."""
-    running: bool = True
-
-
-_TIMING: _Timing | None = None
-
-
-def start(keep: int) -> None:
-    """Measure this rank's steps from now on, keeping the last ``keep`` (idempotent: a
-    second call keeps the larger of the two).
+def line_kind(source: str) -> int:
+    """What a frame in ``torch/distributed`` counts, by its current line: ``COLLECTIVE``
+    when the line calls a collective or a wait (``work.wait()``, ``group.allreduce(...)``,
+    ``dist.all_gather_into_tensor(...)``), else ``COMPUTE`` (FSDP's copy-in and copy-out,
+    its buffers, a DTensor's dispatch).
 
     Args:
-        keep: how many of the newest steps to keep (each view reads its own last window).
+        source: the line's source text.
     """
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    global _TIMING
-    if _TIMING is not None:
-        _TIMING.keep = _TIMING.device.keep = max(_TIMING.keep, keep)  # each view takes its own window
-        return
-    t = _Timing(keep=keep, device=DeviceSteps(keep))
-    t.hooks.append(register_optimizer_step_post_hook(lambda *_: _stepped(t)))
-    _TIMING = t
-    _hook_models()
-    _arm(t)
-    on_wrapped().append(_hook_models)
-    try:
-        from IPython import get_ipython
-
-        ip = get_ipython()
-    except ImportError:  # pragma: no cover - engines always have IPython
-        ip = None
-    if ip is not None:  # a cell's first step starts with the cell, not at the last step of the cell before
-        for event, fn in (("pre_execute", lambda: _cell_started(t)), ("post_execute", lambda: _cell_ended(t))):
-            ip.events.register(event, fn)
-            t.hooks.append(_Unregister(lambda event=event, fn=fn: ip.events.unregister(event, fn)))
-    t.sampler = threading.Thread(target=_sample, args=(t,), name="fsdp_nb-step-sampler", daemon=True)
-    t.sampler.start()
+    for name in _CALLED.findall(source):
+        last = name.rsplit(".", 1)[-1]
+        if "copy" not in last.lower() and _COLLECTIVE_CALL.match(last):
+            return COLLECTIVE
+    return COMPUTE
 
 
-class _Unregister:
-    """A callable undo, held with the torch hook handles (``remove()``)."""
+def frame_kind(frame: Any, lines: dict[tuple[str, int], int]) -> int:
+    """What a look at the training thread counts when its innermost frame is ``frame``:
+    ``COLLECTIVE`` in ``torch/distributed`` on a line that issues or waits for a
+    collective (``line_kind``), ``OTHER`` in a data loader, else ``COMPUTE``.
 
-    def __init__(self, undo: Any) -> None:
-        self.remove = undo
-
-
-def _cell_started(t: _Timing) -> None:
-    t.last_end, t.first_forward, t.forwarded = time.perf_counter(), None, False
-    t.device.cell_started()
-    t.active.clear()
-    _arm(t)
-
-
-def _cell_ended(t: _Timing) -> None:
-    """A forward with no optimizer step after it (an eval cell) ends with its cell: the
-    sampler goes back to sleep."""
-    t.first_forward = None
-    t.active.clear()
+    Args:
+        frame: the frame (``f_code.co_filename``, ``f_lineno``).
+        lines: (file, line) -> its kind, filled as lines are first seen (each read once).
+    """
+    name = frame.f_code.co_filename.replace("\\", "/")
+    if _DISTRIBUTED in name:
+        key = (name, frame.f_lineno)
+        kind = lines.get(key)
+        if kind is None:
+            kind = lines[key] = line_kind(linecache.getline(name, frame.f_lineno))
+        return kind
+    return OTHER if any(p in name for p in _DATA) else COMPUTE
 
 
-def _arm(t: _Timing) -> None:
-    """Arm the one-shot global forward pre-hook that finds the step's first forward of a
-    model the loop built itself; only while no model is wrapped (a wrapped model's own
-    hook finds it, and no other module can take its place)."""
-    from torch.nn.modules.module import register_module_forward_pre_hook
+class _Window(StepListener):
+    """The steps a rank measures: told by its step owner, read from any thread."""
 
-    with t.lock:
-        if t.once is None and t.running and not len(t.hooked):
-            t.once = register_module_forward_pre_hook(lambda m, args: _first(t, m, args))
+    order: ClassVar[int] = 40
 
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.steps: collections.deque[tuple] = collections.deque()
+        """(number, seconds, compute, collective, other, samples, tokens), oldest first."""
+        self.count = 0
+        """Steps measured in this window (the next step's number)."""
+        self.last_end = time.perf_counter()
+        self.first_forward: float | None = None
+        self.batch_model: Any = None
+        """A weak reference to the model whose batches this step counts (None: none yet)."""
+        self.taken = False
+        """A forward of this step has named its batch's model."""
+        self.samples = self.tokens = 0
+        self.parameters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.thread: int | None = None
+        self.counts = [0, 0, 0]
+        """Looks at the training thread this step: compute, collective, other."""
+        self.lines: dict[tuple[str, int], int] = {}
+        """(file, line) in ``torch/distributed`` -> what a look there counts (read once)."""
+        self.active = threading.Event()
+        self.running = True
+        self.device_name = "cpu"
+        self.device = DeviceSteps(keep)
+        """CUDA events at each step's first forward and end (nothing on a CPU rank)."""
+        self.sampler = threading.Thread(target=self._sample, name="fsdp_nb-step-sampler", daemon=True)
 
-def _first(t: _Timing, module: Any, args: tuple) -> None:
-    import torch
+    def afresh(self) -> None:
+        """Start the window again: the steps kept so far belonged to the group before."""
+        self.active.clear()
+        self.steps.clear()
+        self.count, self.last_end, self.first_forward = 0, time.perf_counter(), None
+        self.batch_model, self.taken, self.samples, self.tokens = None, False, 0, 0
+        self.device = DeviceSteps(self.keep)
 
-    if not torch.is_grad_enabled():  # an eval forward does not start a training step: stay armed
-        return
-    with t.lock:
-        once, t.once = t.once, None
-    if once is not None:
-        once.remove()  # one call a step: every other module's forward runs without it
-    if t.first_forward is None and module not in t.hooked:  # a wrapped model's own hook counts it
-        _forward(t, module, args, {})
+    # -- what the step owner tells ------------------------------------------------------
 
+    def cell_started(self) -> None:
+        self.last_end, self.first_forward = time.perf_counter(), None
+        self.device.cell_started()
+        self.active.clear()
 
-def _hook_models() -> None:
-    t = _TIMING
-    if t is None:
-        return
-    for w in wrapped().values():
-        if w.module not in t.hooked:
-            t.hooked.add(w.module)
-            t.hooks.append(w.module.register_forward_pre_hook(
-                lambda m, args, kwargs: _forward(t, m, args, kwargs), prepend=True, with_kwargs=True))
+    def step_began(self, step: int) -> None:
+        self.first_forward = time.perf_counter()
+        self.thread = threading.get_ident()
+        self.counts = [0, 0, 0]
+        self.taken = False
+        if self.device_name == "cpu":  # a GPU rank's parts come from CUDA events: no sampling
+            self.active.set()
+        self.device.forward()
 
+    def forward(self, module: Any, args: tuple, kwargs: dict) -> None:
+        batch = self.batch_model() if self.batch_model is not None and self.taken else None
+        watched = part(StepOwner).watched
+        if batch is None or (module in watched and batch not in watched):  # a wrapped model takes over
+            self.batch_model, self.samples, self.tokens, batch = weakref.ref(module), 0, 0, module
+            self.taken = True
+            if module not in self.parameters:
+                self.parameters[module] = sum(p.numel() for p in module.parameters())  # global numel (DTensor)
+        if module is batch:  # each forward of the step's model (micro-batches too)
+            x = next((a for a in (*args, *kwargs.values()) if hasattr(a, "shape") and hasattr(a, "is_floating_point")),
+                     None)
+            if x is not None and x.dim() >= 1:
+                self.samples += int(x.shape[0])
+                if x.dim() >= 2 and not x.is_floating_point() and not x.is_complex():
+                    self.tokens += int(x.shape[0]) * int(x.shape[1])
 
-def _forward(t: _Timing, module: Any, args: tuple, kwargs: dict) -> None:
-    import torch
+    def step_ended(self, step: int, optimizer: Any) -> None:
+        now = time.perf_counter()
+        start_model = self.first_forward if self.first_forward is not None else now
+        other, model = start_model - self.last_end, now - start_model
+        comp, coll, oth = self.counts
+        seen = comp + coll + oth
+        coll_s = model * coll / seen if seen else 0.0
+        oth_s = model * oth / seen if seen else 0.0
+        self.steps.append((self.count, now - self.last_end, model - coll_s - oth_s, coll_s, other + oth_s,
+                           self.samples, self.tokens))
+        while len(self.steps) > self.keep:
+            self.steps.popleft()
+        self.device.stepped(self.count)
+        self.count += 1
+        if self.device_name == "cpu":
+            self.device_name = _device_name()
+        self.last_end, self.first_forward, self.samples, self.tokens = now, None, 0, 0
+        self.active.clear()
 
-    if not torch.is_grad_enabled():  # an eval forward is not part of a training step
-        return
-    batch = t.batch_model() if t.batch_model is not None else None
-    if t.first_forward is None:
-        t.first_forward = time.perf_counter()
-        t.thread = threading.get_ident()
-        t.counts = [0, 0, 0]
-        if t.device_name == "cpu":  # a GPU rank's parts come from CUDA events: no sampling
-            t.active.set()
-        t.device.forward()
-        batch = None
-    if batch is None or (module in t.hooked and batch not in t.hooked):  # a wrapped model takes over
-        t.batch_model, t.samples, t.tokens, batch = weakref.ref(module), 0, 0, module
-        if module not in t.parameters:
-            t.parameters[module] = sum(p.numel() for p in module.parameters())  # global numel (DTensor)
-    t.forwarded = True
-    if module is batch:  # each forward of the step's model (micro-batches too)
-        x = next((a for a in (*args, *kwargs.values()) if hasattr(a, "shape") and hasattr(a, "is_floating_point")), None)
-        if x is not None and x.dim() >= 1:
-            t.samples += int(x.shape[0])
-            if x.dim() >= 2 and not x.is_floating_point() and not x.is_complex():
-                t.tokens += int(x.shape[0]) * int(x.shape[1])
+    def step_joined(self, step: int, optimizer: Any) -> None:
+        """A second optimizer's step in the same iteration: the step now ends after it,
+        its time counted as compute."""
+        now = time.perf_counter()
+        if self.steps:
+            i, seconds, comp, coll, oth, samples, tokens = self.steps[-1]
+            self.steps[-1] = (i, seconds + now - self.last_end, comp + now - self.last_end, coll, oth, samples, tokens)
+        self.last_end = now
+        self.device.joined()
 
+    def cell_ended(self, failed: bool) -> None:
+        """A forward with no optimizer step after it (an eval cell, a failed step) ends with
+        its cell: the sampler goes back to sleep."""
+        self.first_forward = None
+        self.active.clear()
 
-def _stepped(t: _Timing) -> None:
-    if not training_step():  # a save's or load's own step (an optimizer without state)
-        return
-    now = time.perf_counter()
-    if not t.forwarded and t.last_forwarded and t.steps:  # a second optimizer's step: the same iteration
-        i, seconds, comp, coll, oth, samples, tokens = t.steps[-1]
-        t.steps[-1] = (i, seconds + now - t.last_end, comp + now - t.last_end, coll, oth, samples, tokens)
-        t.last_end = now
-        t.device.joined()
-        return
-    seconds = now - t.last_end
-    start_model = t.first_forward if t.first_forward is not None else now
-    other = start_model - t.last_end
-    model = now - start_model
-    comp, coll, oth = t.counts
-    seen = comp + coll + oth
-    coll_s = model * coll / seen if seen else 0.0
-    oth_s = model * oth / seen if seen else 0.0
-    t.steps.append((t.count, seconds, model - coll_s - oth_s, coll_s, other + oth_s, t.samples, t.tokens))
-    while len(t.steps) > t.keep:
-        t.steps.popleft()
-    t.device.stepped(t.count)
-    t.count += 1
-    if t.device_name == "cpu":
-        t.device_name = _device_name()
-    t.last_end, t.first_forward, t.samples, t.tokens = now, None, 0, 0
-    t.last_forwarded, t.forwarded = t.forwarded, False
-    t.active.clear()
-    _arm(t)
+    # -- the sampler ----------------------------------------------------------------------
+
+    def _sample(self) -> None:
+        """The sampling thread: where the training thread is, while a step's model part runs."""
+        while self.running:
+            if not self.active.wait(0.5):  # between steps: asleep until a forward starts one
+                continue
+            time.sleep(INTERVAL)
+            if self.first_forward is None or self.thread is None:
+                continue
+            frame = sys._current_frames().get(self.thread)
+            if frame is not None:
+                self.counts[frame_kind(frame, self.lines)] += 1
 
 
 def _device_name() -> str:
@@ -249,43 +242,115 @@ def _device_name() -> str:
     return "cpu"
 
 
-def _sample(t: _Timing) -> None:
-    """The sampling thread: where the training thread is, while a step's model part runs."""
-    while t.running:
-        if not t.active.wait(0.5):  # between steps: asleep until a forward starts one
-            continue
-        time.sleep(INTERVAL)
-        if t.first_forward is None or t.thread is None:
-            continue
-        frame = sys._current_frames().get(t.thread)
-        if frame is None:
-            continue
-        name = frame.f_code.co_filename.replace("\\", "/")
-        kind = 1 if any(p in name for p in _COLLECTIVE) else 2 if any(p in name for p in _DATA) else 0
-        t.counts[kind] += 1
+class StepTiming(Part):
+    """This rank's step view: the views measuring, their window, its epoch (the registry's part)."""
+
+    def __init__(self) -> None:
+        self.views: dict[str, int] = {}
+        """View token -> the steps it keeps. Measuring while any view is here."""
+        self.epoch = 0
+        """Which formation of the group the window belongs to, agreed by every rank."""
+        self.window: _Window | None = None
+
+    def start(self, keep: int, view: str = "") -> None:
+        """Measure for ``view``, keeping at least its last ``keep`` steps (idempotent)."""
+        self.views[view] = max(keep, self.views.get(view, 0))
+        keep = max(self.views.values())
+        w = self.window
+        if w is None:
+            w = self.window = _Window(keep)
+            w.sampler.start()
+        w.keep = w.device.keep = keep
+        owner().listen(w)
+
+    def stop(self, view: str | None = None) -> None:
+        """``view`` is done (None: every view); the last one stops the measurement."""
+        if view is None:
+            self.views.clear()
+        else:
+            self.views.pop(view, None)
+        if self.views:
+            return
+        w, self.window = self.window, None
+        if w is None:
+            return
+        owner().unlisten(w)
+        w.running = False
+        w.active.set()  # the sampler sees it stopped now
+
+    def reformed(self, world: World) -> None:
+        """Every rank agrees on the views measuring and a new epoch; every window starts afresh."""
+        views, epoch = self._agree()
+        self.epoch = epoch + 1
+        for view, keep in views.items():
+            self.start(keep, view)
+        if self.window is not None:
+            self.window.afresh()
+
+    def _agree(self) -> tuple[dict[str, int], int]:
+        """The views and the highest epoch of every rank (one gather on the checkpoint group)."""
+        import torch.distributed as dist
+
+        mine = (dict(self.views), self.epoch)
+        size = rank_and_world()[1]
+        every: list[Any] = [mine]
+        if size > 1:
+            every = [None] * size
+            dist.all_gather_object(every, mine, group=checkpoint_group())
+        views: dict[str, int] = {}
+        for vs, _ in every:
+            for view, keep in vs.items():
+                views[view] = max(keep, views.get(view, 0))
+        return views, max(e for _, e in every)
+
+    def closed(self) -> None:
+        self.stop()
+        self.epoch = 0
+
+
+def start(keep: int, view: str = "") -> None:
+    """Measure this rank's steps from now on for ``view``, keeping at least its last
+    ``keep`` (idempotent: the rank keeps the most any view asks for).
+
+    Args:
+        keep: how many of the newest steps to keep (each view reads its own last window).
+        view: the view's token (``""``: a view with none).
+    """
+    part(StepTiming).start(keep, view)
+
+
+def stop(view: str | None = None) -> None:
+    """``view`` stops measuring on this rank (None: every view); the measurement ends
+    with the last one.
+
+    Args:
+        view: the view's token, as ``start`` had it.
+    """
+    part(StepTiming).stop(view)
 
 
 def count() -> int:
-    """Steps measured on this rank since ``start`` (0 when not measuring)."""
-    t = _TIMING
-    return t.count if t is not None else 0
+    """Steps measured on this rank in the current window (0 when not measuring)."""
+    w = part(StepTiming).window
+    return w.count if w is not None else 0
 
 
 def window() -> RankSteps:
-    """This rank's last steps (none when ``start`` was not called)."""
+    """This rank's last steps (none when not measuring)."""
     return live(rank_and_world()[0])
 
 
 def live(rank: int, seq: int = 0) -> RankSteps:
     """This rank's last steps and its logged scalars, as the side channel's sampler thread
-    publishes them (``seq``: which of its messages). Reads only what the hooks wrote: a
-    copy of the kept steps, and the logged values.
+    publishes them (``seq``: which of its messages). Reads only what the owner's events
+    wrote: a copy of the kept steps, and the logged values.
 
     Args:
         rank: this rank, written in the message.
         seq: the message's number within its sampler (0: read through the task queue).
     """
-    t = _TIMING
+    timing = part(StepTiming)
+    t = timing.window
     rows = list(t.steps) if t is not None else []
     cols = list(zip(*rows)) if rows else [()] * 7
     model = t.batch_model() if t is not None and t.batch_model is not None else None
@@ -297,37 +362,22 @@ def live(rank: int, seq: int = 0) -> RankSteps:
                      parameters=t.parameters.get(model, 0) if t is not None and model is not None else 0,
                      device="cpu" if name == "cpu" else "cuda", device_name=name, logged=logged.latest(), seq=seq,
                      device_index=list(dev[0]), device_seconds=list(dev[1]), device_other=list(dev[2]),
-                     device_model=list(dev[3]))
-
-
-def stop() -> None:
-    """Stop measuring on this rank."""
-    global _TIMING
-    t, _TIMING = _TIMING, None
-    if t is None:
-        return
-    t.running = False
-    t.active.set()  # the sampler sees it stopped now
-    with t.lock:
-        once, t.once = t.once, None
-    for h in [*t.hooks, *([once] if once is not None else [])]:
-        h.remove()
-    if _hook_models in on_wrapped():
-        on_wrapped().remove(_hook_models)
+                     device_model=list(dev[3]), epoch=timing.epoch)
 
 
 class StepsReading(Reading):
     """What the step view's sampler publishes: this rank's last steps and logged scalars
-    (``live``), only when a step ended or a scalar was logged since the last it sent."""
+    (``live``), only when a step ended, a scalar was logged or the window started afresh
+    since the last it sent."""
 
     name = "steps"
 
     def __init__(self) -> None:
-        self.sent: tuple[int, int] | None = None
-        """(steps, logged calls) when it last sent."""
+        self.sent: tuple[int, int, int] | None = None
+        """(epoch, steps, logged calls) when it last sent."""
 
     def read(self, rank: int, seq: int, process: Any) -> Any:
-        news = (count(), logged.count())
+        news = (part(StepTiming).epoch, count(), logged.count())
         if news == self.sent:
             return None
         self.sent = news

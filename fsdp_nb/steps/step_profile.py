@@ -1,4 +1,4 @@
-"""``sess.profile(steps=N)``: torch.profiler on every rank for the next N optimizer steps,
+"""``sess.profile(steps=N)``: torch.profiler on every rank for the next N training steps,
 the ranks' traces merged into one Chrome trace file, split into parts per rank.
 
 Call it before a training cell; read the result once the steps have run::
@@ -34,11 +34,13 @@ __all__ = ["SessionProfiling", "StepProfile"]
 
 
 class StepProfile:
-    """The profile of N optimizer steps on every rank: read it once they have run.
+    """The profile of N training steps on every rank: read it once they have run.
 
     Reading ``trace``, ``parts`` or showing it before every rank has run its N steps
     raises RuntimeError naming how far each rank is; read it again after the training cell.
-    ``sess.profile`` makes it.
+    A profile whose capture ended early (a cell that failed before its steps ran, or the
+    group formed again: restart, resize, recovery) raises RuntimeError saying so, on each
+    rank. ``sess.profile`` makes it.
 
     Args:
         ctx: the session context whose ranks profile.
@@ -54,23 +56,24 @@ class StepProfile:
     def _collect(self) -> list[RankTrace]:
         if self._parts is None:
             d = self._ctx.dispatcher
-            for t in d.gather(d.apply("profile: take the traces", _esp.take, args=(self._spec.token,))):
+            answers = d.gather(d.apply("profile: take the traces", _esp.take, args=(self._spec.token,)))
+            for t in answers:
                 if t.done:
                     self._got[t.rank] = t
-                elif t.rank not in self._got and not t.token:
-                    raise RuntimeError(f"rank {t.rank} holds no trace of this profile: a later sess.profile or a "
-                                       "restart replaced it; profile again")
-            missing = {t.rank: t.steps_run for t in self._peek() if t.rank not in self._got}
-            if missing:
-                far = ", ".join(f"rank {r}: {n}" for r, n in sorted(missing.items()))
-                raise RuntimeError(f"the profile's {self._spec.steps} optimizer steps have not all run ({far}); "
+            waiting = [t for t in answers if t.rank not in self._got]
+            ended = [t for t in waiting if t.ended or not t.token]
+            if ended:
+                why = "; ".join(f"rank {t.rank}: {t.ended}" if t.ended else
+                                f"rank {t.rank} holds no trace of it (a later sess.profile or a restart replaced it)"
+                                for t in ended)
+                raise RuntimeError(f"the profile of {self._spec.steps} steps ended before they all ran ({why}); "
+                                   "its profilers are off: profile again")
+            if waiting:
+                far = ", ".join(f"rank {t.rank}: {t.steps_run}" for t in waiting)
+                raise RuntimeError(f"the profile's {self._spec.steps} steps have not all run ({far} run so far); "
                                    "run the training cell, then read the profile again")
             self._write()
         return [self._got[r] for r in sorted(self._got)]
-
-    def _peek(self) -> list[RankTrace]:
-        ranks = range(self._ctx.world_size)
-        return [self._got.get(r) or RankTrace(rank=r, token=self._spec.token, steps_run=0, done=False) for r in ranks]
 
     def _write(self) -> None:
         from .step_trace import merge_traces
@@ -126,15 +129,17 @@ class SessionProfiling:
     _ctx: SessionContext
 
     def profile(self, steps: int = 3, *, path: str | None = None) -> StepProfile:
-        """Profile the next ``steps`` optimizer steps on every rank with torch.profiler.
+        """Profile the next ``steps`` training steps on every rank with torch.profiler.
 
         Call it before a training cell; it returns at once. Once the steps have run, the
         result gives the merged trace (``.trace``), each rank's split into parts
         (``.parts``, the table it shows) and a picture of one step. A later call replaces
-        an unfinished profile.
+        an unfinished profile. A cell that fails before the steps ran, or a restart,
+        resize or recovery, ends the profile (the profilers stop); reading it says so.
 
         Args:
-            steps: optimizer steps to profile (any optimizer's step counts), 1 to 100.
+            steps: training steps (iterations) to profile, 1 to 100: an iteration's
+                optimizer steps count once, however many optimizers step in it.
             path: where to write the merged trace (default: a new private temporary
                 folder). The file is 0600.
         """

@@ -5,8 +5,12 @@ Each profiled step of a rank (its window: from the step before's end to its own)
 by the union of intervals, as HolisticTraceAnalysis splits a GPU's time, so overlapping
 events are never counted twice:
 
-- **communication**: every event whose name is a collective's (NCCL kernels, gloo's work,
-  ``c10d::`` ops, FSDP's all-gather and reduce-scatter steps and waits), on any thread;
+- **communication**: on a GPU, the device's collective kernels (NCCL's): the host's spans
+  of a collective only launch it. On a CPU, every span whose name is a collective's
+  (gloo's work on its threads; on the training thread ``c10d::`` ops, FSDP's all-gather
+  and reduce-scatter steps and their waits), less the operators the training thread runs
+  inside them (a copy into or out of a buffer is compute, not communication). A span
+  named for a copy (FSDP's copy-in and copy-out) is never communication;
 - **compute**: on a GPU, the device's other kernels and copies; on a CPU, the training
   thread's other operators, less the time that thread spent in communication (blocked in
   a wait, it computes nothing);
@@ -22,16 +26,17 @@ gives it nothing to split) and brings pandas and plotly with it.
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["COMMUNICATION", "StepParts", "lanes", "merge_traces", "step_parts", "union"]
+__all__ = ["COMMUNICATION", "StepParts", "communication", "lanes", "merge_traces", "step_parts", "union"]
 
 COMMUNICATION = re.compile(
     r"nccl|gloo:|c10d::|all_?gather|reduce_?scatter|all_?reduce|broadcast|all_?to_?all|rs_wait|ag_wait", re.I)
-"""Names of the events that are communication."""
+"""Names of the events that are communication (unless they name a copy: ``communication``)."""
 _DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 Interval = tuple[float, float]
 
@@ -102,6 +107,25 @@ def _subtract(xs: Sequence[Interval], ys: Sequence[Interval]) -> list[Interval]:
     return out
 
 
+def communication(event: dict[str, Any]) -> bool:
+    """Whether ``event``'s name is a collective's (and not a copy's: FSDP's
+    ``all_gather_copy_in`` and ``all_gather_copy_out`` move data between tensors on this
+    rank).
+
+    Args:
+        event: a trace event.
+    """
+    name = str(event.get("name", ""))
+    return bool(COMMUNICATION.search(name)) and "copy" not in name.lower()
+
+
+def _within(merged: Sequence[Interval], starts: Sequence[float], span: Interval) -> bool:
+    """Whether ``span`` lies inside one interval of the merged, sorted ``merged`` (whose
+    starts are ``starts``)."""
+    i = bisect.bisect_right(starts, span[0]) - 1
+    return i >= 0 and merged[i][1] >= span[1]
+
+
 def lanes(events: Iterable[dict[str, Any]], window: Interval, thread: int) -> tuple[list[Interval], list[Interval]]:
     """(compute, communication) of one rank within ``window``, merged and clipped.
 
@@ -111,31 +135,29 @@ def lanes(events: Iterable[dict[str, Any]], window: Interval, thread: int) -> tu
         thread: the training thread's id (the one that stepped the optimizer).
     """
     lo, hi = window
-    compute: list[Interval] = []
-    comm: list[Interval] = []
-    thread_comm: list[Interval] = []
-    device = False
     spans = []
     for e in events:
         if e.get("ph") != "X" or not isinstance(e.get("dur"), int | float):
             continue
-        a, b = max(float(e["ts"]), lo), min(float(e["ts"]) + float(e["dur"]), hi)
-        if a >= b:
-            continue
-        spans.append((e, (a, b)))
-        device = device or e.get("cat") in _DEVICE_CATS
-    for e, span in spans:
-        is_comm = bool(COMMUNICATION.search(str(e.get("name", ""))))
-        if is_comm:
-            comm.append(span)
-            if e.get("tid") == thread:
-                thread_comm.append(span)
-        elif (e.get("cat") in _DEVICE_CATS) if device else (e.get("cat") == "cpu_op" and e.get("tid") == thread):
-            compute.append(span)
-    merged_compute = union(compute)
-    if not device:  # a thread blocked in a wait computes nothing
-        merged_compute = _subtract(merged_compute, union(thread_comm))
-    return merged_compute, union(comm)
+        whole = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        if max(whole[0], lo) < min(whole[1], hi):
+            spans.append((e, whole))
+
+    def clip(w: Interval) -> Interval:
+        return max(w[0], lo), min(w[1], hi)
+
+    if any(e.get("cat") in _DEVICE_CATS for e, _ in spans):  # the device's own kernels say it
+        on_device = [(e, w) for e, w in spans if e.get("cat") in _DEVICE_CATS]
+        return (union(clip(w) for e, w in on_device if not communication(e)),
+                union(clip(w) for e, w in on_device if communication(e)))
+    collectives = [(e, w) for e, w in spans if communication(e)]
+    waits = union(w for e, w in collectives if e.get("tid") == thread)  # unclipped, to find what is inside
+    ops = [w for e, w in spans if e.get("cat") == "cpu_op" and e.get("tid") == thread and not communication(e)]
+    starts = [a for a, _ in waits]
+    inside = union(clip(w) for w in ops if _within(waits, starts, w))  # host work within a collective: compute
+    thread_comm = _subtract(union(clip(w) for w in waits), inside)
+    compute = union([*_subtract(union(clip(w) for w in ops), union(clip(w) for w in waits)), *inside])
+    return compute, union([*thread_comm, *(clip(w) for e, w in collectives if e.get("tid") != thread)])
 
 
 def step_parts(rank: int, events: list[dict[str, Any]], windows: Sequence[Interval], thread: int) -> StepParts:

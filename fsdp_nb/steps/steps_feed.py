@@ -23,19 +23,19 @@ class StepsFeed(SampleFeed):
         ctx: the session context whose ranks publish.
         interval: seconds between two messages of a rank while its steps end.
         window: the steps each rank keeps (a rank that joins later is started with it).
+        view: the token of the view it feeds (``StepsView.token``).
     """
 
     reading = StepsReading
     sample = RankSteps
 
-    def __init__(self, ctx: SessionContext, *, interval: float = 1.0, window: int = 20):
+    def __init__(self, ctx: SessionContext, *, interval: float = 1.0, window: int = 20, view: str = ""):
         super().__init__(ctx, interval=interval, history=2)
-        self.window = window
-
-    follows = ("resize", "restart")
+        self.window, self.view = window, view
 
     def _rejoined(self) -> None:
-        """Measure on the ranks that joined (a replaced rank's steps are gone with it)."""
+        """Make sure the view measures on every rank of the new world (the ranks agreed on
+        it already when the group formed again: ``StepTiming.reformed``)."""
         from .steps_view import start_measuring
 
-        start_measuring(self.ctx, self.window)
+        start_measuring(self.ctx, self.window, self.view)

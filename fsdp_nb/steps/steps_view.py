@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import statistics
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -97,10 +98,14 @@ class StepsView:
     Args:
         ctx: the session context whose ranks measure.
         window: the last this many steps make each rank's means.
+        token: names the view on the ranks (default: a new one), so that stopping it
+            leaves the other views measuring.
     """
 
-    def __init__(self, ctx: SessionContext, window: int) -> None:
+    def __init__(self, ctx: SessionContext, window: int, token: str | None = None) -> None:
         self._ctx, self.window = ctx, window
+        self.token = token or uuid.uuid4().hex
+        """Names this view's measurement on the ranks (``rank_step_timing.start``)."""
         self.ranks: dict[int, RankParts] = {}
         """Rank -> its mean step over the window, split into parts."""
         self.stragglers: list[Straggler] = []
@@ -126,7 +131,11 @@ class StepsView:
 
         Args:
             got: each rank's last steps (``RankSteps``), as the ranks measured them.
+                Only those of the newest epoch are taken: after a restart, resize or
+                recovery a rank that has not sent since is left out until it does.
         """
+        newest = max((g.epoch for g in got), default=0)
+        got = [g for g in got if g.epoch == newest]
         every = got
         got = [_on_device(g) for g in got]  # a GPU rank: its steps as the device ran them (CUDA events)
         got = [_last(g, self.window) for g in got if g.seconds]  # ranks with steps; each view its own window
@@ -289,22 +298,26 @@ def check_window(window: object) -> int:
     return window
 
 
-def start_measuring(ctx: SessionContext, window: int) -> None:
-    """Start (or keep) the measurement on every rank, keeping at least the last ``window`` steps.
+def start_measuring(ctx: SessionContext, window: int, view: str = "") -> None:
+    """Start (or keep) the measurement on every rank for ``view``, keeping at least its
+    last ``window`` steps.
 
     Args:
         ctx: the session context whose ranks measure.
-        window: the steps each rank keeps (the largest any view asked for).
+        window: the steps the view reads (each rank keeps the most any view asks for).
+        view: the view's token (``StepsView.token``).
     """
     d = ctx.dispatcher
-    d.gather(d.apply("steps: start", _est.start, args=(window,)))
+    d.gather(d.apply("steps: start", _est.start, args=(window, view)))
 
 
-def stop_measuring(ctx: SessionContext) -> None:
-    """Stop the measurement on every rank: hooks and sampling thread gone.
+def stop_measuring(ctx: SessionContext, view: str | None = None) -> None:
+    """``view`` stops measuring on every rank; the measurement ends there (listener and
+    sampling thread gone) once no view is left.
 
     Args:
         ctx: the session context whose ranks measure.
+        view: the view's token (None: every view).
     """
     d = ctx.dispatcher
-    d.gather(d.apply("steps: stop", _est.stop))
+    d.gather(d.apply("steps: stop", _est.stop, args=(view,)))

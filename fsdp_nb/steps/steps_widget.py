@@ -121,10 +121,11 @@ class StepsWidget(StaticForm, W.VBox):
         super().close()
 
     def stop(self) -> None:
-        """Stop measuring on every rank (its hooks and thread go) and close the widget; a
-        later ``sess.steps()`` starts again from no steps."""
+        """Stop this view's measurement on every rank and close the widget. Other open
+        views go on measuring; once none is left the ranks stop (their listener and
+        sampling thread go), and a later ``sess.steps()`` starts again from no steps."""
         self.close()
-        stop_measuring(self._ctx)
+        stop_measuring(self._ctx, self.view.token)
 
 
 def steps_widget(ctx: SessionContext, *, window: int = 20, interval: float = 1.0) -> StepsWidget:
@@ -136,8 +137,8 @@ def steps_widget(ctx: SessionContext, *, window: int = 20, interval: float = 1.0
         interval: seconds between two updates while steps end.
     """
     check_window(window)
-    start_measuring(ctx, window)
     view = StepsView(ctx, window)
-    feed = StepsFeed(ctx, interval=interval, window=window)
+    start_measuring(ctx, window, view.token)
+    feed = StepsFeed(ctx, interval=interval, window=window, view=view.token)
     feed.start()
     return StepsWidget(view, feed, ctx)

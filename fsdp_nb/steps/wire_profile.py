@@ -1,4 +1,4 @@
-"""A deep look at the next optimizer steps on every rank (``sess.profile``): what the ranks
+"""A deep look at the next training steps on every rank (``sess.profile``): what the ranks
 receive, and what each gives back once its steps have run."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ class ProfileSpec:
     """One ``sess.profile`` call, as every rank receives it."""
 
     steps: int
-    """Optimizer steps to profile (any optimizer's step counts), from the next one on."""
+    """Training steps to profile, from the next one on: iterations, each counted once
+    however many optimizers step in it."""
     token: str
     """Names this profile: a rank asked for another one's trace answers that it has none."""
 
@@ -32,7 +33,7 @@ class RankTrace:
     token: str
     """The ``ProfileSpec.token`` it traced for ("" when it holds none)."""
     steps_run: int
-    """Profiled optimizer steps run so far."""
+    """Profiled steps run so far."""
     done: bool
     """Whether all the steps ran and the trace is here (it then leaves the rank)."""
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -44,3 +45,6 @@ class RankTrace:
     """The thread that stepped the optimizer (the training loop's), as the trace names it."""
     host: str = ""
     """The rank's host name."""
+    ended: str = ""
+    """Why the capture ended before its steps ran, in words ("a cell failed after 1 of its
+    5 steps"; "": it did not). Its profiler is off, and what it recorded was dropped."""

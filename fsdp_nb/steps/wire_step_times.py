@@ -14,7 +14,8 @@ class RankSteps:
     rank: int
     """The rank that measured."""
     index: list[int]
-    """Each step's number, counted from the view's start on this rank."""
+    """Each step's number, counted from the view's start on this rank, or from the
+    group's last formation (``epoch``)."""
     seconds: list[float]
     """Each step: from the end of the optimizer step before to the end of its own."""
     compute: list[float]
@@ -48,3 +49,7 @@ class RankSteps:
     """Its device idle before its first forward (the host loading data, Python)."""
     device_model: list[float] = field(default_factory=list)
     """Its forward, backward, optimizer step and the collectives FSDP2 overlaps with them."""
+    epoch: int = 0
+    """Which formation of the group these steps belong to (every rank agrees on it): a
+    restart, resize or recovery starts every rank's window afresh under a new one, and a
+    view never mixes two."""

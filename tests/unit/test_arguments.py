@@ -90,7 +90,7 @@ def test_fsdp_magic_refuses_unknown_verbs_and_bad_usage_before_doing_anything():
 def test_status_without_a_session_says_so(capsys, monkeypatch):
     from fsdp_nb.frontends import magics
 
-    monkeypatch.setattr(magics, "_active", None)  # a session another test opened is not this one's
+    monkeypatch.setattr(magics.TARGET, "active", None)  # a session another test opened is not this one's
     assert fsdp_command("status") is None
     assert "no fsdp_nb session" in capsys.readouterr().out
 

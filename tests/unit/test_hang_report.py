@@ -353,7 +353,7 @@ def _watching(silent):
     watch.asked = []
     shown = []
     w = Watching(watch, "run", started=0.0, hang_after=1.0, notify=lambda *a, **k: None,
-                 view=lambda what, report: shown.append(report))
+                 view=lambda what, report, ended="": shown.append(report))
     w.every = float("inf")  # an unchanged diagnosis is never shown again: a pause on a loaded host changes nothing
     return w, watch.asked, shown
 

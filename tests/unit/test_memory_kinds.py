@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fsdp_nb.engine.step import owner
 from fsdp_nb.memory.rank_memory_kinds import KindReadings, by_kind
 
 PARAMS = (16 * 8 + 8) * 4
@@ -55,9 +56,10 @@ def test_every_optimizer_step_refreshes_the_reading_at_most_once_per_interval(wr
     model, ns, clock, readings = wrapped
     opt = torch.optim.AdamW(model.parameters())
     ns["opt"] = opt
+    owner().cell_started()  # an iteration an earlier test left is over
     readings.install()
-    readings.install()  # idempotent: one hook
-    assert len([h for h in readings.hooks if hasattr(h, "remove")]) == 1 and readings.kept() == (PARAMS, 0, 0)
+    readings.install()  # idempotent: told once
+    assert owner().listeners.count(readings) == 1 and readings.kept() == (PARAMS, 0, 0)
     model(torch.randn(4, 16)).sum().backward()
     clock.now += readings.every / 2
     opt.step()  # within ``every`` of the install's reading: not read again
@@ -68,11 +70,13 @@ def test_every_optimizer_step_refreshes_the_reading_at_most_once_per_interval(wr
     assert got is not None and got[:2] == (PARAMS, PARAMS)  # the gradients
     assert got[2] >= 2 * PARAMS  # AdamW's two moments (and its step counts)
     readings.uninstall()
+    assert readings not in owner().listeners
     clock.now += 10 * readings.every
     model(torch.randn(4, 16)).sum().backward()
     opt.zero_grad(set_to_none=True)
     opt.step()
-    assert readings.kept() == got  # no hook left: nothing read
+    owner().cell_ended(False)
+    assert readings.kept() == got  # no longer told: nothing read
 
 
 def test_no_model_wrapped_reads_nothing():

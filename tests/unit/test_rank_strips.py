@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from fsdp_nb.engine.registry import part
 from fsdp_nb.memory.memory_widget import MemorySnapshot
 from fsdp_nb.memory.wire_memory_sample import MemorySample
 from fsdp_nb.recovery.status import RankStatus, SessionStatus
@@ -111,7 +112,7 @@ def test_log_keeps_numbers_and_one_element_tensors_and_refuses_the_rest():
         logged.log(name="x")
     assert logged.count() == before + 1  # a refused call keeps nothing, not even its good values
     assert logged.latest() == {"loss": [2.5], "lr": [1e-3], "step": [3.0]}
-    assert all(isinstance(v, float) for v in logged._VALUES["loss"])  # read once, kept as a number
+    assert all(isinstance(v, float) for v in part(logged.Logged).values["loss"])  # read once, kept as a number
     for i in range(logged.KEEP + 5):
         logged.log(lr=float(i))
     assert len(logged.latest()["lr"]) == logged.KEEP and logged.latest()["lr"][-1] == logged.KEEP + 4

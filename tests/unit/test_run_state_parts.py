@@ -153,7 +153,7 @@ def test_latest_needs_an_autosave_and_a_report_says_what_came_back():
     healthy = RestartReport(replaced=(), rebuilt=(), restored=None, repointed=(), setup=False, autosave="",
                             survivors=(0, 1))
     assert healthy.line().startswith("no engine had died: every rank kept its variables")
-    on = Autosaving("ck", 4, "model", "opt", ("loader",), 2,
+    on = Autosaving("ck", 4, "model", ("opt",), ("loader",), 2,
                     (AutosaveState(step=9, saved="ck/step-8", failed=None),
                      AutosaveState(step=9, saved="ck/step-8", failed="disk full")))
     assert repr(on) == ("<autosave of model, opt, loader, each rank's random state to ck every 4 optimizer steps, "
@@ -161,7 +161,7 @@ def test_latest_needs_an_autosave_and_a_report_says_what_came_back():
 
 
 def test_several_models_and_their_optimizers_are_checked_before_any_rank_is_asked():
-    from fsdp_nb.checkpoints.arguments import models_and_optimizers
+    from fsdp_nb.checkpoints.arguments import models_and_optimizers, several_optimizers
     from fsdp_nb.formats.layouts import choose_part
 
     assert models_and_optimizers("m", "o") == ("m", "o", ())
@@ -169,8 +169,14 @@ def test_several_models_and_their_optimizers_are_checked_before_any_rank_is_aske
     assert models_and_optimizers(["s"], ["so"]) == ("s", "so", ())
     with pytest.raises(TypeError, match="with 2 models, optimizer is a list of as many"):
         models_and_optimizers(["s", "t"], "so")
-    with pytest.raises(TypeError, match="optimizer is a list.*for one model"):
-        models_and_optimizers("s", ["so"])
+    # one model with several optimizers: saved and loaded together (several_optimizers)
+    assert models_and_optimizers("s", ["emb", "rest"]) == ("s", "emb", ())
+    assert several_optimizers("s", ["emb", "rest"]) == ("emb", "rest") and several_optimizers("s", ["so"]) == ()
+    assert several_optimizers(["s", "t"], ["so", None]) == () == several_optimizers("s", "so")
+    with pytest.raises(TypeError, match="for one model, name each of its optimizers"):
+        models_and_optimizers("s", ["so", None])
+    with pytest.raises(ValueError, match="names an optimizer twice"):
+        several_optimizers("s", ["so", "so"])
     with pytest.raises(ValueError, match="names a model twice"):
         models_and_optimizers(["s", "s"], None)
     with pytest.raises(ValueError, match="names an optimizer twice"):

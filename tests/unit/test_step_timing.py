@@ -1,26 +1,32 @@
 """A rank's step measurement (``steps.rank_step_timing``) driven directly on CPU, no engines:
 which model counts the batch, what an eval forward or a second optimizer does, and that
-``stop`` leaves no hook behind."""
+``stop`` leaves the step owner's listeners as they were."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
-from torch.nn.modules import module as torch_module
 
+from fsdp_nb.engine.registry import part
+from fsdp_nb.engine.step import owner
 from fsdp_nb.steps import rank_step_timing as step_timing
+from fsdp_nb.steps.rank_logged import Logged
 
 
 @pytest.fixture
 def timing():
-    hooks = dict(torch_module._global_forward_pre_hooks)
+    listeners = list(owner().listeners)
+    owner().cell_started()  # as IPython tells the rank's owner: an iteration of an earlier test is over
     step_timing.start(10)
     try:
         yield step_timing
     finally:
+        owner().cell_ended(False)
         step_timing.stop()
-        assert dict(torch_module._global_forward_pre_hooks) == hooks  # the one-shot hook went too
+        # what the test left listening is only fsdp_nb.log's part, which listens for the run's life
+        assert [x for x in owner().listeners if x not in listeners and not isinstance(x, Logged)] == []
+        assert part(step_timing.StepTiming).window is None
 
 
 class Lm(nn.Module):
@@ -59,10 +65,14 @@ def test_a_second_optimizers_step_joins_the_iteration(timing):
         assert got.compute[i] + got.collective[i] + got.other[i] == pytest.approx(got.seconds[i])
 
 
-def test_steps_with_no_model_are_each_a_step(timing):
+def test_steps_with_no_model_are_each_a_step_one_a_cell(timing):
+    """With no forward between them, optimizer steps are one iteration (the step owner's
+    rule: a second optimizer's step joins the first's); a cell's end ends it."""
     opt = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
     for _ in range(3):
+        owner().cell_started()
         opt.step()
+        owner().cell_ended(False)
     assert len(timing.window().seconds) == 3 and timing.count() == 3
 
 
@@ -126,11 +136,13 @@ def test_a_cells_start_reaches_a_gpu_ranks_events_and_a_second_optimizer_does_no
     from fsdp_nb.steps.rank_step_events import DeviceSteps
 
     clock = iter([-0.01, 0.0, 0.10, 60.0, 60.01, 60.03, 60.07])  # end, forward, end, cell, joined, forward, end
-    dev = timing._TIMING.device = DeviceSteps(keep=5, event=lambda: FakeEvent(next(clock)))
+    window = part(timing.StepTiming).window
+    assert window is not None
+    dev = window.device = DeviceSteps(keep=5, event=lambda: FakeEvent(next(clock)))
     dev.stepped(0)
     dev.forward()
     dev.stepped(1)
-    timing._cell_started(timing._TIMING)  # IPython's pre_execute, on the rank's main thread
+    owner().cell_started()  # IPython's pre_execute (or a sess.run call's start), on the rank's main thread
     assert dev.since is not None and dev.since.at == 60.0
     dev.joined()  # a second optimizer's step, the cell's first act: step 1 stays as it was
     dev.forward()

@@ -262,3 +262,71 @@ def test_no_class_of_the_package_overrides_a_private_method_of_torch():
             if any(o.split(".")[0] == "torch" for o in owners):
                 found.append(f"{cls.__module__}.{cls.__qualname__}.{attr}")
     assert len(ours) > 100 and found == []
+
+
+# -- the rank's state lives in its registry ---------------------------------------------------
+
+_CONSTANT_CALLS = frozenset({"frozenset", "tuple", "Struct", "getLogger", "compile", "TypeVar", "MappingProxyType"})
+"""Calls whose result a module may hold at its top: immutable values, a logger, a type variable."""
+
+
+def _constant(node: ast.expr) -> bool:
+    """Whether ``node``, the value of a module-level assignment, makes no mutable object: a
+    literal, a tuple of constants, a name or attribute (an alias), a type expression, or a
+    call of ``_CONSTANT_CALLS``."""
+    if isinstance(node, (ast.Constant, ast.Name, ast.Attribute, ast.Subscript)):
+        return True
+    if isinstance(node, ast.Tuple):
+        return all(_constant(e.value if isinstance(e, ast.Starred) else e) for e in node.elts)
+    if isinstance(node, (ast.BinOp, ast.UnaryOp)):
+        return all(_constant(n) for n in ast.iter_child_nodes(node) if isinstance(n, ast.expr))
+    if isinstance(node, ast.Call):
+        f = node.func
+        return (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")) in _CONSTANT_CALLS
+    return False
+
+
+def _rank_side_files() -> list[Path]:
+    return sorted(p for p in ROOT.rglob("*.py") if p.relative_to(ROOT).parts[0] == "engine"
+                  or (p.parent.name in FEATURES and p.name.startswith(("rank_", "wire_"))))
+
+
+def test_no_module_rebinds_a_global():
+    rebinds = [f"{p.relative_to(ROOT)}:{n.lineno} global {', '.join(n.names)}"
+               for p in sorted(ROOT.rglob("*.py")) for n in ast.walk(ast.parse(p.read_text()))
+               if isinstance(n, ast.Global)]
+    assert rebinds == []
+
+
+def test_the_rank_side_holds_no_mutable_state_but_the_registry():
+    """Every rank-side module (engine/, rank_*, wire_*) keeps what changes in a part of the
+    rank's registry (``fsdp_nb.engine.registry.RANK``, the one exception)."""
+    held = []
+    for p in _rank_side_files():
+        for n in ast.parse(p.read_text()).body:
+            if not isinstance(n, (ast.Assign, ast.AnnAssign)) or n.value is None:
+                continue
+            names = [t.id for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)]
+            if names in (["__all__"], ["RANK"]) or _constant(n.value):
+                continue
+            held.append(f"{p.relative_to(ROOT)}:{n.lineno} {', '.join(names)} = {ast.unparse(n.value)[:60]}")
+    assert held == []
+    registry = (ROOT / "engine" / "registry.py").read_text()
+    assert "\nRANK = Registry()\n" in registry
+
+
+def test_no_feature_hooks_an_optimizer_or_a_model_but_the_step_owner():
+    """The step owner (``engine/step.py``) holds the only hooks on optimizers, modules and
+    IPython's cell events; a feature listens to it."""
+    hooks = ("register_step_pre_hook", "register_step_post_hook", "register_forward_pre_hook",
+             "register_forward_hook", "register_optimizer_step_pre_hook", "register_optimizer_step_post_hook",
+             "register_module_forward_pre_hook", "register_full_backward_hook")
+    found = []
+    for p in sorted(ROOT.rglob("*.py")):
+        if p == ROOT / "engine" / "step.py":
+            continue
+        for n in ast.walk(ast.parse(p.read_text())):
+            name = n.attr if isinstance(n, ast.Attribute) else n.id if isinstance(n, ast.Name) else ""
+            if name in hooks or (name == "register" and "events" in ast.unparse(n)):
+                found.append(f"{p.relative_to(ROOT)}:{n.lineno} {name}")
+    assert found == []
