@@ -80,6 +80,12 @@ def plain_dcp_load(path: str) -> None:
     set_state_dict(gpt, [gpt_opt], model_state_dict=sd["model"], optim_state_dict=sd["optim"])  # noqa: F821
 
 
+def _make_opt() -> None:
+    """``restart``'s setup: the optimizer a new engine lacks (its saved state is then loaded)."""
+    global gpt_opt
+    gpt_opt = torch.optim.AdamW(gpt.parameters(), lr=1e-4)  # noqa: F821 - engine globals
+
+
 def session_side(n: int, backend: str, device: str, steps: int, warmup: int, folder: str) -> dict:
     kwargs, batch, seq = SIZES[device]
     res: dict = {}
@@ -125,7 +131,7 @@ def session_side(n: int, backend: str, device: str, steps: int, warmup: int, fol
             sess.all_reduce_check()
         except fsdp_nb.DeadRankError:
             pass
-        res["restart_restore_s"], _ = timed(lambda: sess.restart(restore=ours))
+        res["restart_restore_s"], _ = timed(lambda: sess.restart(restore=ours, setup=_make_opt))
         res["restart_phases"] = dict(sess.restart_phases)
         res["restart_took_standby"] = standby is not None and sess.ranks[0].pid == standby.pid
     finally:

@@ -49,9 +49,10 @@ nitpick_ignore_regex = [
     ("py:class", r"(ipp|W|np|dist|dcp)\..*"),
     # the session's internals (its context's parts) and the mixins the façade is made of
     ("py:class", r"fsdp_nb\.(runtime|lifetime)\..*"),
-    ("py:class", r"fsdp_nb\.(context\.SessionFacts|checkpoint\.session_checkpoints\.SessionCheckpoints|"
-                 r"models\.session_planning\.SessionPlanning|frontends\.widgets\.session_widgets\.SessionWidgets|"
-                 r"models\.step_profile\.SessionProfiling|frontends\.widgets\._render\.StaticForm)"),
+    ("py:class", r"fsdp_nb\.(context\.SessionFacts|checkpoints\.session_checkpoints\.SessionCheckpoints|"
+                 r"autosave\.session_autosave\.SessionAutosave|recovery\.session_recovery\.SessionRecovery|"
+                 r"memory\.session_planning\.SessionPlanning|frontends\.session_widgets\.SessionWidgets|"
+                 r"steps\.step_profile\.SessionProfiling|display\.widget_parts\.StaticForm)"),
 ]
 
 myst_enable_extensions = ["colon_fence", "deflist"]

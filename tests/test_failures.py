@@ -83,7 +83,7 @@ def _assert_recovered(s, before):
     # (polled: a rank's recorder may mark its last collective completed just after it returns)
     seen = []
     assert wait_until(lambda: seen.append(s.run(lambda: hang_watch.watch().collective(now=True))) or
-                      seen[-1] == [None] * s.world_size, 5), seen[-1]
+                      seen[-1] == [None] * s.world_size, 20), seen[-1]  # the recorder lags on a loaded machine
 
 
 @pytest.fixture

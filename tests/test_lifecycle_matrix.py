@@ -313,8 +313,9 @@ def second_optimizer(scene1):
     check(event, "async save", lambda: async_committed(handle, before, tmp))
 
     def both_optimizers_come_back() -> None:  # a resume from the autosave brings both back
+        assert wait_until(lambda: (last_saved(s)[1] or "").endswith("step-4"), 60), s.autosave()
         step, saved = last_saved(s)
-        assert step == 4 and saved is not None and saved.endswith("step-4"), (step, saved)
+        assert step == 4 and saved is not None, (step, saved)
         ahead = train(s, 2)
         s.load(saved, "mx", optimizer=list(scene1.opts), state=["mx_sched", "scaler", "mx_batches"])
         assert train(s, 2) == ahead
@@ -448,48 +449,37 @@ def sigkill_restart(scene2):
     return scene
 
 
-@pytest.fixture(scope="module")
-def resize_up(sigkill_restart):
-    scene = sigkill_restart
-    s, tmp, event = scene.s, scene.tmp, "resize up"
+def resized(scene: Scene, n: int, event: str) -> Scene:
+    """Resize ``scene``'s session to ``n`` ranks with an async save of the user's and a
+    profile under way, an autosave armed and a step view open, then check each feature."""
+    s, tmp = scene.s, scene.tmp
     prof = s.profile(steps=4)
     before = s.models["mx"].state_dict()
-    handle = s.save(str(tmp / "users-async-up"), "mx", optimizer="mx_opt", async_save=True)
-    report = s.resize(3)
+    handle = s.save(str(tmp / f"users-async-{n}"), "mx", optimizer="mx_opt", async_save=True)
+    report = s.resize(n)
     s.execute(NEW_RANKS)
     check(event, "async save", lambda: async_committed(handle, before, tmp))
 
-    def stopped_by_name() -> None:  # its checkpoints keep 2 ranks' own state: it stops, saying so
+    def stopped_by_name() -> None:  # its checkpoints keep the old world's own state: it stops, saying so
         assert s.autosave() is None
         assert "scaler" not in report.variables, report
-        arm_autosave(s, str(tmp / "auto3"), scene.opts)  # armed again on 3 ranks, it goes on
+        arm_autosave(s, str(tmp / f"auto{n}"), scene.opts)  # armed again on the new world, it goes on
         autosave_goes_on(s)
 
     check(event, "autosave", stopped_by_name)
     check(event, "profile", lambda: pytest.raises(RuntimeError, lambda: prof.trace))
-    scene.goes_on(event, 3, autosave=False)
+    scene.goes_on(event, n, autosave=False)
     return scene
+
+
+@pytest.fixture(scope="module")
+def resize_up(sigkill_restart):
+    return resized(sigkill_restart, 3, "resize up")
 
 
 @pytest.fixture(scope="module")
 def resize_down(resize_up):
-    scene = resize_up
-    s, tmp, event = scene.s, scene.tmp, "resize down"
-    prof = s.profile(steps=4)
-    before = s.models["mx"].state_dict()
-    handle = s.save(str(tmp / "users-async-down"), "mx", optimizer="mx_opt", async_save=True)
-    s.resize(2)
-    check(event, "async save", lambda: async_committed(handle, before, tmp))
-
-    def stopped_by_name() -> None:
-        assert s.autosave() is None
-        arm_autosave(s, str(tmp / "auto2"), scene.opts)
-        autosave_goes_on(s)
-
-    check(event, "autosave", stopped_by_name)
-    check(event, "profile", lambda: pytest.raises(RuntimeError, lambda: prof.trace))
-    scene.goes_on(event, 2, autosave=False)
-    return scene
+    return resized(resize_up, 2, "resize down")
 
 
 # -- scene 3: a kernel restart, and attach --------------------------------------------------

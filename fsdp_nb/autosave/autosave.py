@@ -182,13 +182,23 @@ def finish_cell(ctx: SessionContext, ok: bool) -> None:
     if ctx.autosave is None:
         return
     d = ctx.dispatcher
-    due = d.gather(d.apply("autosave at the cell's end", engine_autosave.finish_cell, args=(ok,), fast=True))
-    if not ok or all(step is None for step in due):
+    said = d.gather(d.apply("autosave at the cell's end", engine_autosave.finish_cell, args=(ok,), fast=True))
+    held = [s for s in said if s is not None]
+    if not held:
         return
-    if len(set(due)) == 1:
-        d.gather(d.apply(f"autosave of step {due[0]}", engine_autosave.write_due, args=(due[0],), fast=True))
+    steps = {step for step, _ in held}
+    if len(held) < len(said) or len(steps) > 1:  # a failure on one rank left the counts apart
+        log.warning("fsdp_nb: the ranks' autosave counts differ after the call (%s): every rank counts on from %d",
+                    [s[0] if s else None for s in said], max(steps))
+        d.gather(d.apply("autosave count", engine_autosave.count_from, args=(max(steps),), fast=True))
         return
-    why = f"the ranks did not all have it due at the cell's end (their steps: {due})"
+    if not ok or not any(due for _, due in held):
+        return
+    step = held[0][0]
+    if all(due for _, due in held):
+        d.gather(d.apply(f"autosave of step {step}", engine_autosave.write_due, args=(step,), fast=True))
+        return
+    why = "the ranks did not all have it due at the cell's end"
     d.gather(d.apply("drop the autosave due", engine_autosave.drop_due, args=(why,), fast=True))
 
 

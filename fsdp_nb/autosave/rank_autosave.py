@@ -105,8 +105,10 @@ class Armed(StepListener):
         if at != "cell end":  # a cell's end: the notebook calls finish_cell once every rank's cell ended well
             self.write_due()
 
-    def step_began(self, step: int) -> None:
-        self.write_due()  # still due at the next cell's first forward: no notebook told the ranks
+    def cell_started(self) -> None:
+        # a save still due from an earlier cell: the notebook did not find every rank had it
+        # due at the cell's end (or could not ask): no rank writes it on its own
+        self.drop("it fell due at the end of an earlier call, and the ranks did not all agree to write it")
 
     def eval_forward(self, module: Any) -> None:
         self.write_due()
@@ -150,8 +152,12 @@ class Armed(StepListener):
             self.early = {RNG: exc}
 
     def _mine(self, optimizer: Any) -> bool:
-        ns = user_ns()
-        return any(ns.get(n) is optimizer for n in self.spec.optimizers)
+        """Whether ``optimizer`` ends an iteration for this autosave: the last of its
+        optimizers, as the loop steps them (``optimizer=`` lists them in that order). With
+        one optimizer, or several that step together (no training forward between them),
+        that is every iteration; in a loop that steps one, runs a forward, then steps the
+        next (a GAN's discriminator, then its generator), a save never falls between them."""
+        return user_ns().get(self.spec.optimizers[-1]) is optimizer
 
     def drop(self, why: str) -> None:
         """Drop a save that is due, saying why (every rank drops it alike)."""
@@ -251,6 +257,11 @@ class Autosave(Part):
             dist.all_gather_object(held, mine, group=checkpoint_group())
         if a is None:
             return
+        a.collect(wait=False)  # a save of the old group: collected if it ended; if not, abandoned below
+        if a.token is not None and async_saves.abandoned(a.token):
+            a.failed = f"the save of {a.writing} was cut off when the group formed again"
+            log.warning("autosave: %s", a.failed)
+            a.writing = a.token = None
         same, step, due, branch = agreed(held)
         if not same:
             log.warning("autosave: the ranks hold different autosaves after the group formed again: stopped on "
@@ -324,21 +335,33 @@ def disarm() -> int | None:
     return None if armed is None else armed.step
 
 
-def finish_cell(ok: bool) -> int | None:
+def finish_cell(ok: bool) -> tuple[int, bool] | None:
     """A user call ended on every rank, ``ok``: it succeeded on each (called by the
-    notebook on every rank at once). After a failed call a save that is due is dropped;
-    after one that succeeded, the step of the save due here (None: none is). No
+    notebook on every rank at once). After a failed call a save that is due is dropped.
+    Returns (this rank's count, whether a save is due here; None: no autosave armed). No
     collective: a save still writing in the background runs its own on the checkpoint
     group, and gloo pairs collectives by the order they are issued in. The notebook then
-    calls :func:`write_due` on every rank where every rank had it due at that step, else
-    :func:`drop_due`."""
+    calls :func:`write_due` on every rank where every rank had it due at one step, else
+    :func:`drop_due`, and :func:`count_from` where the counts differ (a failure on one
+    rank inside an optimizer's step, with no collective after it, leaves them apart)."""
     a = _autosave().armed
     if a is None:
         return None
     if not ok:
         a.drop("the cell failed on some rank")
-        return None
-    return a.step if a.due else None
+    return a.step, a.due
+
+
+def count_from(step: int) -> None:
+    """Count on from ``step`` on this rank (the ranks' counts differed after a call: the
+    notebook gives every rank the highest), with no save due."""
+    a = _autosave().armed
+    if a is not None:
+        if a.step != step:
+            log.warning("autosave: this rank had counted %d steps and another more: counting on from %d",
+                        a.step, step)
+        a.drop("the ranks' counts differed")
+        a.step = step
 
 
 def write_due(step: int) -> None:

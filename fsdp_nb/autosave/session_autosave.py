@@ -65,8 +65,10 @@ class SessionAutosave:
             every: optimizer steps between saves (required with ``root``).
             model: the ``ShardedModel`` (or engine global name) saved.
             optimizer: the engine global name of its optimizer, or a list of them when
-                several step the model's parameters (``["opt_emb", "opt_rest"]``): an
-                iteration in which one of them steps is counted, and all are saved.
+                several step the model's parameters (``["opt_emb", "opt_rest"]``), in the
+                order the loop steps them: an iteration ends when the last one steps (so a
+                loop that steps one, runs a forward, then steps the next, a GAN's, is
+                never saved between them), and all are saved.
             state: engine globals with ``state_dict()`` to keep per rank, taken at the
                 iteration boundary (a scheduler, ``scaler``); a torch ``DataLoader`` or
                 ``Sampler`` here is taken as a loader.

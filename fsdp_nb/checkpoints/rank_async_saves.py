@@ -36,8 +36,8 @@ from ..torch_compat import kept_open_stager
 from .wire_checkpoint import Outcome, SaveProgress
 
 __all__ = [
-    "AsyncSaves", "async_done", "async_progress", "async_wait", "copied", "drain", "hold_until_staged", "orphan",
-    "stager", "submit", "wait_staged",
+    "AsyncSaves", "abandoned", "async_done", "async_progress", "async_wait", "copied", "drain", "hold_until_staged",
+    "orphan", "stager", "submit", "wait_staged",
 ]
 
 log = logging.getLogger("fsdp_nb")
@@ -151,6 +151,10 @@ class AsyncSaves(Part, StepListener):
             return Outcome.failed(
                 f"this rank knows no async save {token!r}: its outcome was collected already, or this rank's "
                 "engine is not the one that started it (a restart replaced it)", LookupError)
+        if job.abandoned and not job.future.done():  # its collectives belong to a group that is gone
+            self.jobs.pop(token, None)
+            return Outcome.failed(f"the async save {token!r} was still running when the group formed again: "
+                                  "abandoned, it cannot commit")
         out = _outcome(job.future)
         self.jobs.pop(token, None)
         return out
@@ -211,7 +215,7 @@ class AsyncSaves(Part, StepListener):
         owner().unlisten(self)
         if self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)
-        self.executor, self.staging = None, None
+        self.executor, self.staging, self.copier = None, None, None  # the stager's buffers go with it
         self.buffered = weakref.WeakSet()
         self.jobs.clear()
 
@@ -259,6 +263,13 @@ def async_done(token: str) -> bool:
     True for a token it does not know (:func:`async_wait` then says why)."""
     job = _saves().jobs.get(token)
     return job is None or job.future.done()
+
+
+def abandoned(token: str) -> bool:
+    """Whether async save ``token`` was still running when the group formed again, and was
+    left to end on its own (it cannot commit)."""
+    job = _saves().jobs.get(token)
+    return job is not None and job.abandoned and not job.future.done()
 
 
 def async_wait(token: str) -> Outcome:

@@ -112,7 +112,10 @@ class CheckpointGroup(Part):
         self.group: Any = None
 
     def reformed(self, world: World) -> None:
-        self.world = self.group = None
+        import torch.distributed as dist
+
+        if self.world is not (dist.group.WORLD if dist.is_initialized() else None):  # one of the old group's
+            self.world = self.group = None
 
     def closed(self) -> None:
         self.world = self.group = None

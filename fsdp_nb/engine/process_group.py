@@ -173,9 +173,9 @@ def destroy() -> None:
     group if this rank is in one."""
     import torch.distributed as dist
 
-    from .registry import close
+    from .registry import RANK
 
-    close()
+    RANK.close()
     if dist.is_available() and dist.is_initialized():
         retire_groups()
         dist.destroy_process_group()

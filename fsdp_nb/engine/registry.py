@@ -8,13 +8,14 @@ the rank side is mutable at module level, and no module rebinds a global:
 ``tests/unit/test_structure.py`` keeps it so.
 
 Every part has the same small lifecycle. The session drives it through one path
-(``fsdp_nb.recovery.regroup``) at a session's start, ``restart``, ``resize``, a
-recovery and ``shutdown`` alike:
+(``fsdp_nb.recovery.regroup``, its rank half ``fsdp_nb.recovery.rank_regroup``) for a
+``restart``, a ``resize`` and a recovery's re-form alike, and a rank closes its parts as
+it leaves the group (``fsdp_nb.engine.process_group.destroy``):
 
-1. made (``__init__``, no arguments): on first use, or when the group forms around a
-   rank that lacks a kind another rank holds (:meth:`Registry.reformed`);
+1. made (``__init__``, no arguments, no side effects): on first use, or when the group
+   forms around a rank that lacks a kind another rank holds (:meth:`Registry.make`);
 2. :meth:`Part.reformed`: the group formed again around this rank (a new group after a
-   failure, a restart, a resize; the first group too). Every rank is told, the ranks
+   failure, a restart, a resize). Every rank is told, the ranks
    that stayed and those that joined, part by part in one order
    (:attr:`Part.order`, then the kind's name), so collectives a part runs there (on
    :func:`fsdp_nb.engine.checkpoint_group.checkpoint_group`) line up on every rank. A
@@ -22,8 +23,8 @@ recovery and ``shutdown`` alike:
    scaler's scale, the autosave's count) it agrees, so a rank that joined holds what a
    rank that stayed holds. A part whose own work there can fail on one rank does it
    before its collective and takes the outcome into it, so no rank is left waiting;
-3. :meth:`Part.closed`: the rank is leaving (``shutdown``, or a ``resize`` that retires
-   it): threads stopped, sockets closed, hooks removed. The part stays in the registry,
+3. :meth:`Part.closed`: the rank is leaving (a ``resize`` that retires it, the shutdown
+   of engines the session does not own): threads stopped, sockets closed, hooks removed. The part stays in the registry,
    empty: an engine that serves a later session starts it again on first use.
 """
 
@@ -35,7 +36,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-__all__ = ["RANK", "Part", "Registry", "World", "close", "kinds", "part", "reformed"]
+__all__ = ["RANK", "Part", "Registry", "World", "part"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -49,10 +50,7 @@ class World:
     size: int
     """How many ranks the group has."""
     joined: tuple[int, ...] = ()
-    """The ranks that joined with this formation (new engines of a restart or resize;
-    every rank at a session's start)."""
-    generation: int = 0
-    """How many times the group has formed on this rank before (0: the first)."""
+    """The ranks that joined with this formation (new engines of a restart or resize)."""
 
 
 class Part:
@@ -110,21 +108,33 @@ class Registry:
         """The kinds of the parts this rank holds (``module:qualname``)."""
         return [kind_of(cls) for cls in list(self._parts)]
 
-    def reformed(self, world: World, kinds: list[str] | tuple[str, ...] = ()) -> list[str]:
-        """The group formed around this rank: make every part of ``kinds`` (the kinds
-        every rank holds, gathered by the notebook) this rank lacks, then tell every part,
-        in order. Returns the kinds told, in that order (the same on every rank)."""
+    def make(self, kinds: list[str] | tuple[str, ...]) -> None:
+        """Make every part of ``kinds`` (``module:qualname``) this rank lacks: what a rank
+        that joined needs before the group's parts are told, so it is told what the others
+        are. Raises what importing or making one raised."""
         for kind in kinds:
             module, _, name = kind.partition(":")
             found: Any = importlib.import_module(module)
             for attr in name.split("."):
                 found = getattr(found, attr)
             self.get(found)
+
+    def reformed(self, world: World) -> list[str]:
+        """The group formed around this rank: tell every part, in order; the kinds told,
+        in that order (the same on every rank that made the same kinds). A part that raises
+        is logged and the later parts are still told, so no rank stops short of a later
+        part's collective; then a RuntimeError names every part that failed."""
         self.world = world
-        told = []
+        told, failed = [], []
         for cls, p in sorted(list(self._parts.items()), key=lambda kv: (kv[1].order, kind_of(kv[0]))):
-            p.reformed(world)
+            try:
+                p.reformed(world)
+            except Exception as exc:  # noqa: BLE001 - named once every part was told
+                log.exception("fsdp_nb: %s failed as the group formed again", kind_of(cls))
+                failed.append(f"{kind_of(cls)}: {type(exc).__name__}: {exc}")
             told.append(kind_of(cls))
+        if failed:
+            raise RuntimeError("rank parts failed as the group formed again: " + "; ".join(failed))
         return told
 
     def close(self) -> None:
@@ -146,26 +156,3 @@ def part(cls: type[P]) -> P:
     """``RANK.get(cls)``: this rank's part of kind ``cls``, made now if it has none."""
     return RANK.get(cls)
 
-
-def kinds() -> list[str]:
-    """The kinds of the parts this rank holds (``RANK.kinds()``; called by the notebook)."""
-    return RANK.kinds()
-
-
-def reformed(rank: int, size: int, joined: tuple[int, ...], every_kind: list[str]) -> list[str]:
-    """Tell this rank's parts its group formed again (``Registry.reformed``); called by the
-    notebook on every rank at once (``fsdp_nb.recovery.regroup``).
-
-    Args:
-        rank: this rank in the new group.
-        size: the new group's size.
-        joined: the ranks that joined with it (new engines).
-        every_kind: the kinds of part any rank holds, in one order on every rank.
-    """
-    generation = 0 if RANK.world is None else RANK.world.generation + 1
-    return RANK.reformed(World(rank, size, tuple(joined), generation), every_kind)
-
-
-def close() -> None:
-    """This rank leaves the session: close its parts (``Registry.close``)."""
-    RANK.close()

@@ -25,7 +25,9 @@ What a listener hears (:class:`StepListener`), in the order a rank meets it:
 
 1. ``cell_started()``;
 2. ``boundary(step, at)`` when an iteration ended and the next begins (``at``: ``"forward"``,
-   ``"eval"``), then ``step_began(step)`` at the first training forward (grad enabled),
+   ``"eval"``), then ``step_began(step)`` at the first training forward (grad enabled and
+   the module in training mode; a forward under ``no_grad`` or after ``model.eval()`` is an
+   evaluation),
    ``forward(module, args, kwargs)`` at each training forward of a watched model
    (micro-batches too), ``eval_forward(module)`` at a forward with grad disabled;
 3. ``optimizer_stepping(optimizer)`` before every optimizer's step, ``step_ended(step,
@@ -33,12 +35,15 @@ What a listener hears (:class:`StepListener`), in the order a rank meets it:
    further one in the same iteration (no training forward between them, and the
    iteration had one). Where the owner saw no forward at all (no model it watches, and a
    one-shot hook that found none), each optimizer step is a step of its own:
-   ``boundary(step, "step")``, ``step_began``, ``step_ended``;
+   ``boundary(step, "step")`` (before it changes anything), ``step_began``, ``step_ended``;
 4. ``boundary(step, "cell end")`` when a cell that did not fail ends after a step, then
    ``cell_ended(failed)``. A cell that failed tells no boundary: the iteration did not end
    cleanly, and a step it cut short is no step.
 
-``loaded(extra)`` says a load replaced the run's state (``extra``: its checkpoint's). Steps
+``loaded(extra)`` says a load replaced the run's state (``extra``: its checkpoint's), and
+``watched(module)`` that a model is watched from now on (a wrap built it). A step a
+gradient scaler skipped (inf or NaN: the optimizer's own step never ran) ends its
+iteration too, when the scaler says so (:meth:`StepOwner.skipped`). Steps
 that a save or load takes (torch's ``get_state_dict`` steps an optimizer with no state to
 make it) are no steps: inside :meth:`StepOwner.taking_state` nothing is told.
 
@@ -71,7 +76,7 @@ from typing import Any, ClassVar
 
 from .registry import Part, World, part
 
-__all__ = ["StepListener", "StepOwner", "owner", "taking_state", "training_step"]
+__all__ = ["StepListener", "StepOwner", "owner", "taking_state"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -116,6 +121,10 @@ class StepListener:
     def loaded(self, extra: dict[str, Any] | None) -> None:
         """A load replaced the run's state; ``extra``: its checkpoint's (``step`` among them)."""
 
+    def watched(self, module: Any) -> None:
+        """``module`` is watched from now on: a model ``sess.wrap`` just built, or one a save
+        holds (what a rank holds changed)."""
+
 
 class _Unregister:
     """A callable undo, held with torch's hook handles (``remove()``)."""
@@ -143,8 +152,6 @@ class StepOwner(Part):
         no forward between joins it; without one, it is a step of its own)."""
         self.taking = 0
         """How many saves or loads are taking or giving state now (nested)."""
-        self.in_cell = False
-        """A cell or a call is running."""
         self.stepped: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         """Optimizer -> its steps this owner saw (not those taken inside ``taking_state``)."""
         self.watched: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -163,16 +170,15 @@ class StepOwner(Part):
 
     def listen(self, listener: StepListener) -> None:
         """Tell ``listener`` from now on (idempotent); the hooks go in at the first one."""
-        if listener not in self.listeners:
-            self.listeners.append(listener)
-            self.listeners.sort(key=lambda x: x.order)
+        if listener not in self.listeners:  # a new list: a step being told reads the old one whole
+            self.listeners = sorted([*self.listeners, listener], key=lambda x: x.order)
         if not self.installed:
             self._install()
 
     def unlisten(self, listener: StepListener) -> None:
         """Tell ``listener`` no more (the hooks stay; they cost a call and a loop)."""
         if listener in self.listeners:
-            self.listeners.remove(listener)
+            self.listeners = [x for x in self.listeners if x is not listener]
 
     def watch(self, module: Any) -> None:
         """Put the owner's forward pre-hook on ``module`` (once for its life), ahead of its
@@ -187,6 +193,8 @@ class StepOwner(Part):
         if self.once is not None:  # the watched model's own hook finds its steps from now on
             self.once.remove()
             self.once = None
+        for x in list(self.listeners):
+            x.watched(module)
 
     # -- what the features ask --------------------------------------------------------
 
@@ -217,14 +225,13 @@ class StepOwner(Part):
         self._arm_once()
 
     def closed(self) -> None:
-        self.listeners.clear()
+        """The rank leaves: every hook removed and the owner as new, so an engine that serves
+        a later session watches its models again."""
         if self.once is not None:
             self.once.remove()
-            self.once = None
         for h in self.hooks:
             h.remove()
-        self.hooks.clear()
-        self.installed = False
+        self.__init__()  # type: ignore[misc]
 
     # -- the hooks ------------------------------------------------------------------
 
@@ -255,14 +262,15 @@ class StepOwner(Part):
         of a model the loop built itself; only while no watched model is alive."""
         if self.once is not None or not self.installed or len(self.watched):
             return
+        import torch
         from torch.nn.modules.module import register_module_forward_pre_hook
 
-        self.once = register_module_forward_pre_hook(self._first_forward)
+        self.once = register_module_forward_pre_hook(torch.compiler.disable(self._first_forward))
 
     def _first_forward(self, module: Any, args: tuple) -> None:
         import torch
 
-        if self.taking or not torch.is_grad_enabled():  # an eval forward: stay armed
+        if self.taking or not torch.is_grad_enabled() or not module.training:  # an eval forward: stay armed
             if not self.taking and self.pending:
                 self._boundary("eval")
             return
@@ -276,7 +284,7 @@ class StepOwner(Part):
             return
         import torch
 
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not module.training:  # evaluation: under no_grad, or model.eval()
             if self.pending:
                 self._boundary("eval")
             for x in list(self.listeners):
@@ -302,6 +310,8 @@ class StepOwner(Part):
     def _stepping(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.taking:
             return
+        if self.pending and not self.in_step and not self.forwarded:
+            self._boundary("step")  # the owner sees no forward of this loop: told before the step changes anything
         for x in list(self.listeners):
             x.optimizer_stepping(optimizer)
 
@@ -309,12 +319,22 @@ class StepOwner(Part):
         if self.taking:
             return
         self.stepped[optimizer] = self.stepped.get(optimizer, 0) + 1
+        self._ended(optimizer)
+
+    def skipped(self, optimizer: Any) -> None:
+        """``optimizer``'s step was skipped (a gradient scaler found inf or NaN and did not
+        call it): the iteration ended all the same, so it is told as an ended step (not
+        counted in :meth:`optimizer_steps`), and the next forward begins the next one."""
+        if not self.taking:
+            self._ended(optimizer)
+
+    def _ended(self, optimizer: Any) -> None:
         if self.pending and not self.in_step:
             if self.forwarded:  # no training forward since the last step, which had one: same iteration
                 for x in list(self.listeners):
                     x.step_joined(self.steps - 1, optimizer)
                 return
-            self._boundary("step")  # the owner sees no forward of this loop: each step its own
+            self._boundary("step")  # a skipped step, whose pre-hook never ran: the owner sees no forward
         self.forwarded = self.in_step
         if not self.in_step:  # a step with no forward the owner saw: still a step
             for x in list(self.listeners):
@@ -329,7 +349,6 @@ class StepOwner(Part):
 
     def cell_started(self) -> None:
         """A cell or a ``sess.run`` call starts (IPython's event, or the call server)."""
-        self.in_cell = True
         for x in list(self.listeners):
             x.cell_started()
 
@@ -345,7 +364,6 @@ class StepOwner(Part):
 
     def cell_ended(self, failed: bool) -> None:
         """The cell or call ended (``failed``: it raised, Ctrl-C included)."""
-        self.in_cell = False
         if failed:
             self.in_step = self.pending = False
         elif self.pending:
@@ -364,9 +382,3 @@ def owner() -> StepOwner:
 def taking_state() -> Any:
     """``owner().taking_state()``: optimizer steps inside are no training steps."""
     return owner().taking_state()
-
-
-def training_step() -> bool:
-    """Whether an optimizer step now would be the training loop's (no save or load is
-    taking state)."""
-    return owner().taking == 0

@@ -48,12 +48,13 @@ class SessionWidgets:
     def steps(self, window: int = 20, *, interval: float = 1.0) -> StepsWidget:
         """Where each rank's recent optimizer steps' time goes, and which rank is slow, live.
 
-        The first call starts the measurement on every rank: a hook at each optimizer step
-        and each wrapped model's forward, and a thread that looks every 10 ms at where the
-        training thread is. The widget is then fed while a cell trains, with no code in the
-        loop: each rank sends its last steps, and what ``fsdp_nb.log`` kept, once per
-        ``interval`` when a step ended. ``view.refresh()`` reads the ranks through the
-        task queue after a cell.
+        Each call adds a view to every rank's measurement, which listens to the rank's step
+        owner (no hook of its own) and starts a thread that looks every 10 ms at where the
+        training thread is; ``stop()`` ends this view's, leaving the others'. After a
+        restart, resize or recovery every rank's window starts afresh. The widget is fed
+        while a cell trains, with no code in the loop: each rank sends its last steps, and
+        what ``fsdp_nb.log`` kept, once per ``interval`` when a step ended.
+        ``view.refresh()`` reads the ranks through the task queue after a cell.
 
         Args:
             window: the last this many steps make each rank's means (1 to 1000).

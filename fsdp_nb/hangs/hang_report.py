@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..engine.checkpoint_group import DESC
 from .wire_hang_state import Collective, GroupCount, RankState, UserFrame, WatchError
 
 __all__ = ["HangReport", "ahead", "hang_report", "out_of_step", "saving"]
@@ -56,7 +57,7 @@ class HangReport:
 
 
 def _group(desc: str) -> str:
-    if desc == "checkpoint":  # fsdp_nb.engine.checkpoint_group.DESC
+    if desc == DESC:
         return "the checkpoint group"
     return "the default group" if desc in ("default_pg", "", "0") else f"group {desc}"
 

@@ -54,7 +54,7 @@ from typing import Any
 
 from ..engine.checkpoint_group import DESC as CHECKPOINT
 from ..engine.checkpoint_group import current_group
-from ..engine.registry import Part, part
+from ..engine.registry import Part, World, part
 from ..engine.retired_groups import RetiredGroups, retired
 from ..engine.signing import Link, ListenerState, Refused, start_listener
 from ..engine.stacks import library_dirs
@@ -221,6 +221,13 @@ class RankWatch(Part):
         """(group name, backend) -> (its count of issued collectives, when that count was first seen)."""
         self.lock = threading.Lock()
         """Held by each question: the watch thread and a call on the main thread may ask at once."""
+
+    def reformed(self, world: World) -> None:
+        """A new group: torch reuses its groups' names, so what was seen of the old ones
+        (their counts and waits, and when) is forgotten, or a count from before would date
+        a wait from before the group formed."""
+        with self.lock:
+            self.last, self.waits, self.counts = None, {}, {}
 
     def state(self, rank: int | None = None, now: bool = True) -> RankState:
         """This rank, now: its collective in flight (:meth:`collective`; ``now=False``:

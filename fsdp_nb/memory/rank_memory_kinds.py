@@ -133,9 +133,13 @@ class KindReadings(StepListener):
     def loaded(self, extra: dict[str, Any] | None) -> None:
         self.note(force=True)
 
+    def watched(self, module: Any) -> None:
+        self.note(force=True)  # a wrap just built a model: what the rank holds changed
+
     def install(self) -> None:
         """Keep the reading current from now on (idempotent; call on the main thread): the
-        rank's step owner tells it each step's end and each cell's; then read once."""
+        rank's step owner tells it each step's end, each cell's, each load and each model a
+        wrap builds; then read once."""
         owner().listen(self)
         self.installed = True
         self.note(force=True)

@@ -83,6 +83,7 @@ class CountingScaler(ShardedGradScaler):
         out = super().step(optimizer, *args, **kwargs)
         if self.is_enabled() and steps.optimizer_steps(optimizer) == before:
             self.skipped += 1
+            steps.skipped(optimizer)  # the iteration ended all the same: the owner tells the features
         return out
 
     def unscale_(self, optimizer: Any) -> None:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import gc
 import warnings
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..engine.namespace import rank_device, unship, user_ns
@@ -69,7 +68,6 @@ __all__ = [
     "param_sizes",
     "resolve",
     "shard",
-    "on_wrapped",
     "wrapped",
     "wrapped_models",
 ]
@@ -97,19 +95,11 @@ class WrappedModels(Part):
     def __init__(self) -> None:
         self.models: dict[str, Wrapped] = {}
         """Engine global name -> the wrapped model on this rank."""
-        self.on_wrapped: list[Callable[[], None]] = []
-        """Called, in order, on the main thread after each wrap has put its model in
-        ``models`` (``memory_kinds`` reads what the new model holds for a live memory view)."""
 
 
 def wrapped() -> dict[str, Wrapped]:
     """Engine global name -> the wrapped model on this rank."""
     return part(WrappedModels).models
-
-
-def on_wrapped() -> list[Callable[[], None]]:
-    """What runs on the main thread after each wrap (``WrappedModels.on_wrapped``)."""
-    return part(WrappedModels).on_wrapped
 
 
 def _key(cls: type) -> tuple[str, str]:
@@ -390,13 +380,11 @@ def build(name: str, kind: str, payload: ByValue, plan: MeshPlan, seed: int, ini
     summary = _summary(model, units, checkpointed, mesh)
     wrapped()[name] = Wrapped(model, mesh, options, summary, ShippedWrap(kind=kind, payload=shipped, plan=plan, seed=seed))
     ns[name] = model
-    owner().watch(model)  # the step's hooks: the one forward pre-hook fsdp_nb puts on a model
+    owner().watch(model)  # the one forward pre-hook fsdp_nb puts on a model; the features hear of it
     if options.mixed_precision == "16-mixed":  # fp16 gradients need loss scaling
         from .rank_grad_scaler import install
 
         install(device.type)
-    for hook in list(on_wrapped()):
-        hook()
     return summary
 
 

@@ -5,8 +5,9 @@ its meshes are re-pointed and the wrapped models are built: :func:`reformed` tel
 rank's registry (``fsdp_nb.engine.registry``), so each feature's rank part drops what
 belonged to the old group and, where the ranks must agree, agrees. A rank that joined
 first makes the parts the others hold, so it ends up holding what a rank that stayed
-holds (the gradient scaler among them). ``shutdown`` and a resize that retires ranks
-close the leaving ranks' parts through :func:`closed`.
+holds (the gradient scaler among them). A rank that leaves the session (a resize that
+retires it, the shutdown of engines the session does not own; engines it owns exit)
+closes its parts as it leaves the group (``fsdp_nb.engine.process_group.destroy``).
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..engine import registry as _registry
+from . import rank_regroup as _registry
 
 if TYPE_CHECKING:
     from ..context import SessionContext
 
-__all__ = ["closed", "reformed"]
+__all__ = ["reformed"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -35,11 +36,3 @@ def reformed(ctx: SessionContext, joined: Sequence[int] = ()) -> list[str]:
     args = [(r, n, tuple(joined), every) for r in range(n)]
     told = d.gather(d.apply("regroup rank parts", _registry.reformed, args), 120)
     return list(told[0]) if told else []
-
-
-def closed(ctx: SessionContext, ranks: Sequence[int]) -> None:
-    """Close ``ranks``' parts before they leave (a resize that retires them)."""
-    if not ranks:
-        return
-    d = ctx.plain_dispatcher
-    d.gather(d.apply("close rank parts", _registry.close, ranks=list(ranks)), 60)

@@ -112,7 +112,7 @@ def resize(ctx: SessionContext, n: int, staging: str | None = None, timeout: flo
     if n == ctx.world_size:
         return report
     wait_pending(ctx)
-    if ctx.autosave is not None:  # its hooks are on modules the resize replaces
+    if ctx.autosave is not None:  # its checkpoints keep each rank's own state for this world size
         root = ctx.autosave.root
         stop_autosave(ctx)
         log.warning("sess.resize(%d) stopped the autosave to %s (its checkpoints keep %d ranks' own state): "
@@ -172,8 +172,7 @@ def _change(ctx: SessionContext, plan: ResizePlan, folder: str, report: ResizeRe
     clock.mark("state staged")
     new: list[int] = []
     if n < old:
-        regroup.closed(ctx, range(n, old))
-        d.gather(d.apply("leave the group", _er.leave, ranks=list(range(n, old))), 60)
+        d.gather(d.apply("leave the group", _er.leave, ranks=list(range(n, old))), 90)  # parts closed as they leave
         for r in range(n, old):
             ctx.health.forget(r)
         ctx.channel.drop(membership.retire_ranks(cluster, n))

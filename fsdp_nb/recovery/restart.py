@@ -93,15 +93,18 @@ def restart(ctx: SessionContext, restore: str | None = None, drop: tuple[str, ..
     if setup is not None and not inspect.isfunction(setup):
         raise TypeError(f"setup must be a function (def or lambda, run on every rank), got {setup!r}")
     mending, why = ctx.state == "unfinished", ctx.lifecycle.why
+    # the restart it mends may have rebuilt the models already: then this one finds no dead
+    # rank, yet the models are at their initial weights and the ranks' autosave was disarmed
+    rebuilt_before = mending and "wraps replayed" in ctx.restart_phases
     if mending:  # this restart may mend it: its own calls (a restore's load) must go through
         ctx.lifecycle.to("degraded")
     progress = Progress()
     try:
-        return _restart(ctx, restore, drop, setup, progress)
+        return _restart(ctx, restore, drop, setup, progress, rebuilt_before)
     except BaseException as exc:
         if ctx.state != "closed":
             if progress.changed:
-                _unfinished(ctx, progress, exc)
+                _unfinished(ctx, progress, exc, restore)
             elif mending:  # refused before it changed anything: still as the last one left it
                 ctx.lifecycle.to("unfinished", why)
         raise
@@ -113,7 +116,7 @@ def restart(ctx: SessionContext, restore: str | None = None, drop: tuple[str, ..
 
 
 def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
-             setup: Callable[[], Any] | None, progress: Progress) -> RestartReport:
+             setup: Callable[[], Any] | None, progress: Progress, rebuilt_before: bool = False) -> RestartReport:
     from ..checkpoints.load import load
     from ..models.wrap import check_replayable, replay_wraps
     from . import rank_repoint as repoint
@@ -171,7 +174,7 @@ def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
             load(ctx, plan.path, plan.model, optimizer=plan.optimizer, state=plan.state, rng=plan.rng or None)
         clock.mark("checkpoint loaded")
     progress.at("re-arm the autosave")
-    autosave = _rearm(ctx, plan, bool(dead))
+    autosave = _rearm(ctx, plan, bool(dead) or rebuilt_before)
     ctx.lifecycle.to("ready")
     report = RestartReport(replaced=tuple(dead), rebuilt=rebuilt, restored=plan, repointed=repointed,
                            setup=setup is not None, autosave=autosave, survivors=tuple(
@@ -181,13 +184,13 @@ def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
     return report
 
 
-def _unfinished(ctx: SessionContext, progress: Progress, exc: BaseException) -> None:
+def _unfinished(ctx: SessionContext, progress: Progress, exc: BaseException, restore: str | None) -> None:
     """A restart failed after it began to change the session: leave it ``unfinished``
     (the recovering dispatcher refuses every call, naming the step, until a restart runs
     to its end) and say so in the error. The ranks' registries are consistent then: a
     step before the features were re-formed left them as the last group had them, which
     no call reaches before the next restart re-forms them."""
-    why = stopped_at(progress.step, exc)
+    why = stopped_at(progress.step, exc, restore)
     ctx.lifecycle.to("unfinished", why)
     add_note(exc, f"The session is left unfinished: {why}. Until then every call is refused.")
     ctx.dispatcher.notify("restart", "degraded", tuple(range(ctx.world_size)), note=why)

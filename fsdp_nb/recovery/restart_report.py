@@ -195,20 +195,23 @@ class Progress:
         self.step, self.changed = step, True
 
 
-def stopped_at(step: str, exc: BaseException) -> str:
+def stopped_at(step: str, exc: BaseException, restore: str | None = None) -> str:
     """Where a failed restart stopped, why, and how to mend it, in one sentence: what the
     session's ``unfinished`` state says to every call it refuses.
 
     Args:
         step: the step that failed (:attr:`Progress.step`).
         exc: its error (a ``RankError`` names each failing rank).
+        restore: the failed restart's ``restore=``, which the mending one needs again (the
+            models it rebuilt are at their initial weights until it loads).
     """
     if isinstance(exc, RankError) and exc.failures:
         cause = "; ".join(f"{step} on rank {f.rank}: {f.ename}: {f.evalue}" for f in exc.failures[:4])
     else:
         cause = f"{step}: {type(exc).__name__}" + (f": {str(exc).splitlines()[0]}" if str(exc) else "")
+    again = f"sess.restart(restore={restore!r}, setup=...)" if restore is not None else "sess.restart(setup=...)"
     if step == "setup":
-        mend = ("the ranks may lack what setup makes. Call sess.restart(setup=...) again, with a setup that runs "
+        mend = (f"the ranks may lack what setup makes. Call {again} again, with a setup that runs "
                 "on every rank: a new engine holds the session's imports, classes and functions, not the values "
                 "cells made there (make them in setup)")
     else:

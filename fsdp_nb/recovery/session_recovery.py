@@ -45,6 +45,13 @@ class SessionRecovery:
             setup: a function run on every rank after the rebuild, before the load, that
                 makes what the training cell uses (``global opt; opt = AdamW(model...)``):
                 a replaced rank has nothing a cell made.
+
+        A running autosave is re-armed from the restored step with ``restore=``; without
+        it, where the models were rebuilt at their initial weights, it is suspended until a
+        restart restores. A ``"16-mixed"`` scaler keeps the survivors' scale on every rank.
+        A restart that fails once it began to change the session leaves it ``unfinished``:
+        every call is refused (``SessionUnfinishedError``), naming the step that failed,
+        until a restart runs to its end.
         """
         from .restart import restart
 
@@ -59,7 +66,10 @@ class SessionRecovery:
         Growing adds engines (the standby first); shrinking retires the highest ranks.
         New ranks get the session's imports, classes and functions, and the optimizers.
         Anything that stops it (a mesh that does not fit ``n``, too little room to stage)
-        is refused before anything changes.
+        is refused before anything changes. A ``"16-mixed"`` scaler carries over, with one
+        scale on every rank; a running autosave is stopped (its checkpoints keep the old
+        world's per-rank state: arm it again); a profile under way ends; the step view's
+        windows start afresh.
 
         Args:
             n: the new number of ranks.

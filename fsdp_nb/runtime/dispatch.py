@@ -12,7 +12,6 @@ failure policy (``FailurePolicy``).
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -227,21 +226,26 @@ class Dispatcher:
         hang_after = self.hang_after if hang_after is None else hang_after
         watching = None if self.watch is None or hang_after is None else self.watch.watching(
             pending.what, pending.started, hang_after, self.notify, self.hang_view)
+        ended: BaseException | None = None  # how this call ended (not an exception an outer frame handles)
         with CtrlC() as ctrl_c:
             ctrl_c.hit = pending.interrupted
             try:
                 return self._gather(pending, timeout, ctrl_c, watching)
             except RankError as exc:
-                self.last_error = exc
+                self.last_error = ended = exc
                 raise
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as exc:
+                ended = exc
                 running = [r for r, ar in pending.results.items() if not ar.ready()]
                 self.notify(pending.what, "interrupted", running)
                 self.policy.on_interrupt(pending, running)
                 raise
+            except BaseException as exc:
+                ended = exc
+                raise
             finally:
                 if watching is not None:  # how the call ended: a timeout, Ctrl-C or failure is no completion
-                    watching.end(sys.exc_info()[1])
+                    watching.end(ended)
 
     def _gather(self, pending: Pending, timeout: float | None, ctrl_c: CtrlC,
                 watching: Watching | None = None) -> list[Any]:

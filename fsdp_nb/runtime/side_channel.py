@@ -71,6 +71,8 @@ class SampleFeed:
         self.updates = 0
         self.malformed = 0
         """Signed samples that did not decode as ``sample`` (a version skew: logged once)."""
+        self._closing = False
+        """Whether the session closes it when it closes (registered once)."""
         self._listeners: list[Listener] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -129,7 +131,9 @@ class SampleFeed:
         self._thread = threading.Thread(target=self._run, args=(subs, zctx, stop), daemon=True,
                                         name=f"fsdp_nb-{self.reading.name}-feed-{self.token[:8]}")
         self._thread.start()
-        self.ctx.lifecycle.on_close(self.close)
+        if not self._closing:  # once: a feed that follows a restart starts again
+            self._closing = True
+            self.ctx.lifecycle.on_close(self.close)
         if self._follow not in self.ctx.recovering.observers:
             self.ctx.recovering.observers.append(self._follow)
         return self

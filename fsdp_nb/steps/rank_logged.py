@@ -40,7 +40,9 @@ class Logged(Part, StepListener):
         """Name -> its newest values, oldest first (a number, or a GPU tensor not read yet)."""
         self.count = 0
         """Calls of ``log`` that kept something."""
-        owner().listen(self)
+        self.listening = False
+        """It listens to the step owner from the first ``log`` on, on the training thread
+        (a part makes no hook from whichever thread first asks for it)."""
 
     def loaded(self, extra: dict[str, Any] | None) -> None:
         """A load replaced the run's state: the values logged before belong to another
@@ -81,6 +83,9 @@ def log(**scalars: Any) -> None:
         raise TypeError(f"fsdp_nb.log: {name}= must be a number or a one-element tensor, "
                         f"got {type(value).__name__}" + (f" of {numel()} elements" if callable(numel) else ""))
     held = part(Logged)
+    if not held.listening:
+        held.listening = True
+        owner().listen(held)
     with held.lock:
         held.count += 1
         for name, value in kept.items():

@@ -115,8 +115,8 @@ def test_an_iteration_counts_once_and_a_due_save_waits_for_the_boundary_or_the_c
     assert a.due and set(a.early) == {"loader", RNG}  # taken at the step's end
     a.boundary(1, "cell end")  # the notebook's finish_cell writes it, once every rank's cell ended well
     assert a.due and a.writes == []  # type: ignore[attr-defined]
-    a.step_began(2)  # no notebook said so: the next cell's first forward writes it
-    assert not a.due and a.writes == [2]  # type: ignore[attr-defined]
+    a.cell_started()  # no notebook said so before the next cell: no rank writes it on its own
+    assert not a.due and a.writes == []  # type: ignore[attr-defined]
     a.step_ended(2, opt)
     a.step_ended(3, opt)
     a.cell_ended(failed=True)  # a failed cell drops it
@@ -124,7 +124,7 @@ def test_an_iteration_counts_once_and_a_due_save_waits_for_the_boundary_or_the_c
     a.step_ended(4, opt)
     a.step_ended(5, opt)
     a.boundary(5, "forward")
-    assert a.writes == [2, 6]  # type: ignore[attr-defined]
+    assert a.writes == [6]  # type: ignore[attr-defined]
     a.step_ended(6, opt)
     a.step_ended(7, opt)
     a.loaded({"step": 3})  # a load: the due save is dropped, the count is the checkpoint's
@@ -137,19 +137,24 @@ def test_a_due_save_is_written_at_a_cells_end_only_where_every_rank_has_it_due(m
     part.armed = a
     monkeypatch.setattr(rank_autosave, "_autosave", lambda: part)
     a.due, a.step = True, 2
-    assert rank_autosave.finish_cell(True) == 2 and a.due  # no collective: the notebook decides
+    assert rank_autosave.finish_cell(True) == (2, True) and a.due  # no collective: the notebook decides
     rank_autosave.write_due(3)  # not the step this rank has due: nothing
     assert a.due and a.writes == []  # type: ignore[attr-defined]
     rank_autosave.write_due(2)
     assert not a.due and a.writes == [2]  # type: ignore[attr-defined]
     a.due = True
-    assert rank_autosave.finish_cell(False) is None and not a.due  # a failed call drops it
+    assert rank_autosave.finish_cell(False) == (2, False) and not a.due  # a failed call drops it
+    rank_autosave.count_from(5)  # the ranks' counts differed: every rank counts on from the highest
+    assert (a.step, a.due) == (5, False)
     ctx = fake_context()
     ctx.lifecycle.to("ready")
     ctx.autosave = _spec()
-    for due, then in (([None, None], None), ([4, 4], "write_due"), ([4, None], "drop_due")):
-        ctx.recovering = FakeDispatcher({"finish_cell": due, "write_due": [None, None], "drop_due": [None, None]})
-        finish_cell(ctx, True)
+    for said, ok, then in (([(4, False), (4, False)], True, None), ([(4, True), (4, True)], True, "write_due"),
+                           ([(4, True), (4, False)], True, "drop_due"), ([(4, False), (3, False)], False, "count_from"),
+                           ([(4, True), (4, True)], False, None)):
+        ctx.recovering = FakeDispatcher({"finish_cell": said, "write_due": [None, None], "drop_due": [None, None],
+                                         "count_from": [None, None]})
+        finish_cell(ctx, ok)
         assert [fn for _, fn, _ in ctx.recovering.sent] == ["finish_cell", *([then] if then else [])]
 
 

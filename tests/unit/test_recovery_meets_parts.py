@@ -264,7 +264,7 @@ def test_a_failed_restart_step_leaves_the_session_unfinished_until_a_restart_run
     ctx.lifecycle.to("ready")
     runs: list[str] = []
 
-    def fails_at_setup(ctx, restore, drop, setup, progress):
+    def fails_at_setup(ctx, restore, drop, setup, progress, rebuilt_before):
         runs.append("setup fails")
         progress.at("rebuild the wrapped models")
         progress.at("setup")
@@ -278,7 +278,7 @@ def test_a_failed_restart_step_leaves_the_session_unfinished_until_a_restart_run
     with pytest.raises(SessionUnfinishedError, match=r"^pull was not sent: sess.restart\(\) stopped at its step"):
         ctx.recovering.apply("pull", len)
 
-    def refused(ctx, restore, drop, setup, progress):  # by its checks, before any change
+    def refused(ctx, restore, drop, setup, progress, rebuilt_before):  # by its checks, before any change
         runs.append("refused")
         assert ctx.state == "degraded"  # its own calls (a restore's load) would go through
         raise ValueError("restore= names no checkpoint")
@@ -289,7 +289,7 @@ def test_a_failed_restart_step_leaves_the_session_unfinished_until_a_restart_run
         restart_module.restart(ctx)
     assert ctx.state == "unfinished" and ctx.lifecycle.why == why
 
-    def mends(ctx, restore, drop, setup, progress):
+    def mends(ctx, restore, drop, setup, progress, rebuilt_before):
         runs.append("mends")
         progress.at("setup")
         ctx.lifecycle.to("ready")
