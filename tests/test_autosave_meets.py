@@ -8,7 +8,6 @@ and a scheduler) on real engines. Tests that kill engines share a private sessio
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
@@ -325,9 +324,8 @@ def test_a_run_with_its_own_loader_class_and_two_optimizers_resumes_bit_for_bit(
                state=["am_sched"], keep_last=2)
     assert run_out(s, "rs_out = am_train(4)") == [r[:4] for r in never_stopped]
     assert wait_until(lambda: _committed(root / "step-4"), 60)  # written at the cell's end
-    victim = s.ranks[1].pid
     marker = tmp_path / "in_step_5"
-    on_marker(marker, lambda: os.kill(victim, signal.SIGKILL))
+    on_marker(marker, lambda: s.cluster.signal([1], signal.SIGKILL))  # by the session's verified handle
     with pytest.raises(DeadRankError):
         s.execute("am_train(1)\nif rank == 1:\n    " + mark_code(marker) + "    _am_time.sleep(30)\nam_train(2)\n")
     report = s.restart(restore="latest", setup=_remake_two)

@@ -287,6 +287,23 @@ def async_committed(h: Any, before: dict[str, torch.Tensor], tmp: Any) -> None:
         assert torch.equal(got.float(), v.float()), k
 
 
+def under_way(scene: Scene, name: str) -> tuple[Any, dict[str, torch.Tensor], Any]:
+    """What is under way as an event hits: a profile of 4 steps, and an async save of the
+    user's own (with the weights of its moment, to compare with what it wrote)."""
+    s = scene.s
+    prof = s.profile(steps=4)
+    before = s.models["mx"].state_dict()
+    handle = s.save(str(scene.tmp / name), "mx", optimizer=list(scene.opts), async_save=True)
+    return prof, before, handle
+
+
+def profile_ended(prof: Any) -> None:
+    """The profile under way when the event hit ended, and reading it says so (a profile
+    still waiting for its steps would say they have not all run)."""
+    with pytest.raises(RuntimeError, match="ended before they all ran"):
+        _ = prof.trace
+
+
 # -- scene 1: a second optimizer, a failed cell, Ctrl-C -----------------------------------
 
 
@@ -337,9 +354,7 @@ def second_optimizer(scene1):
 def failed_cell(second_optimizer):
     scene = second_optimizer
     s, tmp, event = scene.s, scene.tmp, "failed cell"
-    prof = s.profile(steps=4)
-    before = s.models["mx"].state_dict()
-    handle = s.save(str(tmp / "users-async-failed"), "mx", optimizer=list(scene.opts), async_save=True)
+    prof, before, handle = under_way(scene, "users-async-failed")
     step, _ = last_saved(s)
     due = step + 2 - step % 2  # the step that makes the next save due, ended by the cell's iteration j
     j = due - step - 1
@@ -348,11 +363,7 @@ def failed_cell(second_optimizer):
     with pytest.raises(fsdp_nb.RankError, match="the cell fails here"):
         train(s, 4, fail_on=(1, j + 1))
 
-    def profile_ended() -> None:
-        with pytest.raises(RuntimeError, match="ended before they all ran"):
-            _ = prof.trace
-
-    check(event, "profile", profile_ended)
+    check(event, "profile", lambda: profile_ended(prof))
     check(event, "async save", lambda: async_committed(handle, before, tmp))
 
     def due_save_dropped() -> None:  # the save of the step the cell cut short was not written
@@ -371,14 +382,12 @@ def ctrl_c(failed_cell):
 
     scene = failed_cell
     s, tmp, event = scene.s, scene.tmp, "ctrl-c"
-    prof = s.profile(steps=4)
-    before = s.models["mx"].state_dict()
-    handle = s.save(str(tmp / "users-async-ctrl-c"), "mx", optimizer=list(scene.opts), async_save=True)
+    prof, before, handle = under_way(scene, "users-async-ctrl-c")
     marker = tmp / "sleeping"
     on_marker(marker, _thread.interrupt_main)
     with pytest.raises(KeyboardInterrupt):
         train(s, 4, mark=(1, 1, str(marker)))
-    check(event, "profile", lambda: pytest.raises(RuntimeError, lambda: prof.trace))
+    check(event, "profile", lambda: profile_ended(prof))
     check(event, "async save", lambda: async_committed(handle, before, tmp))
     scene.goes_on(event, 2)
     return scene
@@ -419,12 +428,9 @@ def sigkill_restart(scene2):
     arm_autosave(s, str(tmp / "auto"), scene.opts)
     train(s, 2)  # steps 5 and 6: the autosave writes step 6 (its step-2) at the cell's end
     assert wait_until(lambda: (last_saved(s)[1] or "").endswith("step-2"), 60)
-    prof = s.profile(steps=4)
-    before = s.models["mx"].state_dict()
-    handle = s.save(str(tmp / "users-async"), "mx", optimizer="mx_opt", async_save=True)
+    prof, before, handle = under_way(scene, "users-async")
     marker = tmp / "killed"
-    victim = s.ranks[1].pid
-    on_marker(marker, lambda: os.kill(victim, signal.SIGKILL))
+    on_marker(marker, lambda: s.cluster.signal([1], signal.SIGKILL))  # by the session's verified handle
     with pytest.raises(fsdp_nb.DeadRankError):
         train(s, 4, mark=(1, 1, str(marker)))  # step 7 runs; rank 1 dies in step 8
     report = s.restart(restore="latest", setup=lambda: mx_setup())  # noqa: F821 - on the ranks
@@ -444,7 +450,7 @@ def sigkill_restart(scene2):
         assert [losses[:3] for losses in train(s, 3)] == [losses[2:] for losses in ahead]
 
     check(event, "autosave", resumed_bit_for_bit)
-    check(event, "profile", lambda: pytest.raises(RuntimeError, lambda: prof.trace))
+    check(event, "profile", lambda: profile_ended(prof))
     scene.goes_on(event, 2)
     return scene
 
@@ -453,9 +459,7 @@ def resized(scene: Scene, n: int, event: str) -> Scene:
     """Resize ``scene``'s session to ``n`` ranks with an async save of the user's and a
     profile under way, an autosave armed and a step view open, then check each feature."""
     s, tmp = scene.s, scene.tmp
-    prof = s.profile(steps=4)
-    before = s.models["mx"].state_dict()
-    handle = s.save(str(tmp / f"users-async-{n}"), "mx", optimizer="mx_opt", async_save=True)
+    prof, before, handle = under_way(scene, f"users-async-{n}")
     report = s.resize(n)
     s.execute(NEW_RANKS)
     check(event, "async save", lambda: async_committed(handle, before, tmp))
@@ -467,7 +471,7 @@ def resized(scene: Scene, n: int, event: str) -> Scene:
         autosave_goes_on(s)
 
     check(event, "autosave", stopped_by_name)
-    check(event, "profile", lambda: pytest.raises(RuntimeError, lambda: prof.trace))
+    check(event, "profile", lambda: profile_ended(prof))
     scene.goes_on(event, n, autosave=False)
     return scene
 

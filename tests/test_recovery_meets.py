@@ -17,7 +17,6 @@ Every fault is set up by a marker or a readiness check, never by a timer.
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
@@ -170,7 +169,7 @@ def test_a_restart_whose_setup_fails_refuses_calls_until_a_restart_mends_it(own,
     ckpt = str(tmp_path / "eight")
     s.save(ckpt, "mt_net", optimizer="mt_opt", state=["scaler"])
     s.execute("scaler.update(16.0)")  # the run moves on from the checkpoint
-    os.kill(s.ranks[1].pid, signal.SIGKILL)
+    s.cluster.signal([1], signal.SIGKILL)  # by the session's verified handle
     with pytest.raises(DeadRankError):
         s.all_reduce_check()
 

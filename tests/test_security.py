@@ -74,10 +74,11 @@ def _nothing_came(sock: zmq.Socket) -> bool:
 
 
 def test_an_outsider_cannot_run_code_through_the_call_channel(sess, tmp_path):
-    """The attack from the issue: a DEALER sends ``[id, cloudpickle((exec, (code, {})))]``
-    to every call server; also the same call signed with a key of its own."""
+    """The attack from the issue: a DEALER sends ``[id, cloudpickle((exec, (code, {}), True))]``
+    (a well-formed call, as the notebook's: only the signature stops it) to every call
+    server; also the same call signed with a key of its own."""
     marker = tmp_path / "ran"
-    payload = cloudpickle.dumps((exec, (_marker_code(marker), {})))
+    payload = cloudpickle.dumps((exec, (_marker_code(marker), {}), True))
     before = sess.run(call_channel.dropped)
     wrong_key = Link(os.urandom(32), "call", new_nonce(), "client")
     socks = []
@@ -136,7 +137,7 @@ def test_a_call_too_large_for_the_direct_socket_goes_through_ipyparallel(sess, m
     before = sess.run(call_channel.dropped)
     sent: list[object] = []
     send = sess.context.channel.send
-    monkeypatch.setattr(sess.context.channel, "send", lambda *a: sent.append(send(*a)) or sent[-1])
+    monkeypatch.setattr(sess.context.channel, "send", lambda *a, **kw: sent.append(send(*a, **kw)) or sent[-1])
     monkeypatch.setattr(call_channel, "MAX_REQUEST_BYTES", 10_000)  # the notebook's copy
     assert sess.run(len, b"x" * 20_000) == [20_000, 20_000]
     assert sent == [None]  # nothing went over the direct sockets
@@ -272,17 +273,20 @@ def test_a_subscriber_without_the_key_gets_no_memory_samples(sess, monkeypatch):
     notebook's own subscription captured and replayed: none gets a sample."""
     from fsdp_nb.runtime import side_channel as _feed
 
-    captured: list[bytes] = []
+    packed: list[tuple[bytes, bytes]] = []
     pack = Link.pack
 
     def capture(self, payload):
-        captured.append(pack(self, payload))
-        return captured[-1]
+        packed.append((bytes(payload), pack(self, payload)))
+        return packed[-1][1]
 
     monkeypatch.setattr(_feed.Link, "pack", capture)
     w = sess.memory(interval=0.1)
     monkeypatch.undo()
     try:
+        # the feed's subscriptions: its token signed (the hang watch's questions, asked
+        # while the start call runs on a loaded machine, are signed through pack too)
+        captured = [signed for payload, signed in packed if payload == w.feed.token.encode()]
         assert len(captured) == len(w.feed.endpoints) == 2
         # a subscription is captured on its way, so it reaches the sampler first: wait for
         # the notebook's own to be applied (its first samples) before the spies replay it
@@ -356,7 +360,7 @@ def test_a_bounded_fuzz_leaves_every_engine_serving(sess, tmp_path):
         key = sess.cluster.key
         dropped_before = sum(sess.run(call_channel.dropped))
         stranger = Link(key, "call", new_nonce(), "client")  # right key, wrong link
-        call = stranger.sign([b"id", cloudpickle.dumps((exec, (_marker_code(marker), {})))])
+        call = stranger.sign([b"id", cloudpickle.dumps((exec, (_marker_code(marker), {}), True))])
         socks = []
         for ep in _call_endpoints(sess):
             s = _outsider(zmq.DEALER, ep)

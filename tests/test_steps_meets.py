@@ -240,7 +240,7 @@ def test_after_a_restart_every_ranks_window_starts_afresh_and_the_feeds_follow(o
     memory = own.memory(interval=0.2)
     try:
         own.run(_train, 6)
-        os.kill(own.ranks[1].pid, signal.SIGKILL)
+        own.cluster.signal([1], signal.SIGKILL)  # by the session's verified handle
         with pytest.raises(DeadRankError):
             own.all_reduce_check()
         own.restart(setup=_setup)

@@ -42,7 +42,7 @@ from ..checkpoints import rank_async_saves as async_saves
 from ..checkpoints.rank_run_state import capture, check_objects, is_torch_loader, rng_state
 from ..checkpoints.rank_save import named_objects, save
 from ..checkpoints.wire_checkpoint import Outcome, SaveSpec
-from ..engine.checkpoint_group import agree, checkpoint_group, rank_and_world
+from ..engine.checkpoint_group import agree, gathered, rank_and_world
 from ..engine.namespace import user_ns
 from ..engine.registry import Part, World, part
 from ..engine.step import StepListener, owner
@@ -248,13 +248,7 @@ class Autosave(Part):
         """The group formed again: the ranks agree on the autosave (over the checkpoint
         group, so none is left alone in a later save's collectives; :func:`agreed`)."""
         a = self.armed
-        mine = None if a is None else (a.spec.run, a.step, a.due, a.branch)
-        held: list[Any] = [mine]
-        if world.size > 1:
-            import torch.distributed as dist
-
-            held = [None] * world.size
-            dist.all_gather_object(held, mine, group=checkpoint_group())
+        held = gathered(None if a is None else (a.spec.run, a.step, a.due, a.branch))
         if a is None:
             return
         a.collect(wait=False)  # a save of the old group: collected if it ended; if not, abandoned below

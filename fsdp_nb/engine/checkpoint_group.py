@@ -25,7 +25,7 @@ class _Answer(Protocol):
 
 A = TypeVar("A", bound=_Answer)
 
-__all__ = ["DESC", "agree", "any_rank", "checkpoint_group", "current_group", "rank_and_world"]
+__all__ = ["DESC", "agree", "any_rank", "checkpoint_group", "current_group", "gathered", "rank_and_world"]
 
 DESC = "checkpoint"
 """The checkpoint group's description (``group_desc``): how the hang watch knows it and
@@ -63,17 +63,24 @@ def agree(mine: A | None) -> A | None:
     When no rank has anything to report (every call that goes ahead) this is one
     all-reduce of a flag; the outcomes are gathered only when some rank has one.
     """
-    import torch.distributed as dist
-
     if not any_rank(mine is not None):
         return None
-    _, ws = rank_and_world()
-    parts: list[Any] = [mine]
-    if ws > 1:
-        parts = [None] * ws
-        dist.all_gather_object(parts, mine, group=checkpoint_group())
-    reported: list[A] = [p for p in parts if p is not None]
+    reported: list[A] = [p for p in gathered(mine) if p is not None]
     return next((p for p in reported if not p.ok), reported[0] if reported else None)
+
+
+def gathered(mine: Any) -> list[Any]:
+    """Every rank's ``mine``, in rank order: one ``all_gather_object`` on the checkpoint
+    group (none for one rank, or outside a group). Every rank must call it, in the same
+    order as its other checkpoint-group collectives."""
+    import torch.distributed as dist
+
+    _, ws = rank_and_world()
+    if ws == 1:
+        return [mine]
+    every: list[Any] = [None] * ws
+    dist.all_gather_object(every, mine, group=checkpoint_group())
+    return every
 
 
 def checkpoint_group() -> Any:

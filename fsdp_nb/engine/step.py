@@ -198,6 +198,10 @@ class StepOwner(Part):
 
     # -- what the features ask --------------------------------------------------------
 
+    def watches(self, module: Any) -> bool:
+        """Whether ``module`` is watched (a wrapped model, or one a save holds)."""
+        return module in self.watched
+
     @contextmanager
     def taking_state(self) -> Iterator[None]:
         """Inside, an optimizer step or a forward is no training step's: a save or load

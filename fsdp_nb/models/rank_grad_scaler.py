@@ -38,7 +38,7 @@ from typing import Any
 
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from ..engine.checkpoint_group import checkpoint_group, rank_and_world
+from ..engine.checkpoint_group import gathered
 from ..engine.namespace import user_ns
 from ..engine.registry import RANK, Part, World, part
 from ..engine.step import StepListener, StepOwner, owner
@@ -183,7 +183,7 @@ class GradScaling(Part):
                 offer = Offer(world.rank not in world.joined, mine.state_dict(), mine.device_type)
             except Exception:  # noqa: BLE001 - logged; this rank then takes the state the others agree on
                 log.exception("fsdp_nb: this rank's gradient scaler could not offer its state; it takes the others'")
-        offers = _gather(offer)
+        offers: list[Offer | None] = gathered(offer)
         source = choose(offers)
         if source is None:  # no rank has a scaler
             return
@@ -205,19 +205,6 @@ class GradScaling(Part):
         found = RANK.find(StepOwner)
         if found is not None:
             found.unlisten(self.steps)
-
-
-def _gather(offer: Offer | None) -> list[Offer | None]:
-    """Every rank's offer, in rank order: one ``all_gather_object`` on the checkpoint group
-    (none for one rank, or outside a group)."""
-    import torch.distributed as dist
-
-    _, ws = rank_and_world()
-    if ws == 1:
-        return [offer]
-    offers: list[Offer | None] = [None] * ws
-    dist.all_gather_object(offers, offer, group=checkpoint_group())
-    return offers
 
 
 def _owner() -> StepOwner:

@@ -17,7 +17,7 @@ both ways is signed with the cluster's key (``engine.signing``): a reply that is
 the engine's is dropped before it is unpickled.
 
 Each request says, inside its signed payload, whether it is the user's own call
-(``sess.run``: :attr:`CallChannel.cells`), which the engine then treats as a cell (its
+(``sess.run``: ``send(..., cell=True)``), which the engine then treats as a cell (its
 step owner hears the call start and end), or one of the session's own (``push``,
 ``pull``, an async save and its polls), which is no cell.
 """
@@ -37,7 +37,6 @@ import ipyparallel as ipp
 import zmq
 
 from ..engine import call_channel as engine_side
-from ..engine import namespace as _ns
 from ..engine.signing import HEADER_BYTES, Link, Refused, frame_digests
 
 if TYPE_CHECKING:
@@ -96,10 +95,6 @@ class CallResult:
 
 class CallChannel:
     """A DEALER socket per engine to its call server, used from one thread at a time."""
-
-    cells: tuple[Any, ...] = (_ns.call,)
-    """The functions whose calls are the user's own (``sess.run`` sends ``namespace.call``):
-    each runs as a cell on the ranks. Every other call is the session's own."""
 
     def __init__(self, cluster: EngineCluster):
         self.cluster = cluster
@@ -196,13 +191,14 @@ class CallChannel:
 
     # -- calls ------------------------------------------------------------------------
 
-    def send(self, fn: Any, args_by_rank: Sequence[tuple], ranks: Sequence[int]) -> dict[int, CallResult] | None:
+    def send(self, fn: Any, args_by_rank: Sequence[tuple], ranks: Sequence[int],
+             cell: bool = False) -> dict[int, CallResult] | None:
         """Send ``fn(*args_by_rank[i])`` to ``ranks[i]``; their results (not waited for).
         Ranks given the same args object share one pickled payload. None (nothing sent)
-        when a pickled call is larger than the servers take: it goes through ipyparallel."""
+        when a pickled call is larger than the servers take: it goes through ipyparallel.
+        ``cell``: the call is the user's own, which each rank runs as a cell."""
         payloads: dict[int, tuple[bytes, bytes]] = {}
         """id(args) -> its pickled call and that payload's digest (hashed once)."""
-        cell = any(fn is f for f in self.cells)
         for args in args_by_rank:
             if id(args) not in payloads:
                 payload = cloudpickle.dumps((fn, tuple(args), cell))

@@ -35,7 +35,7 @@ def run(d: Dispatcher, fn: Callable[..., Any], args: tuple, kwargs: dict[str, An
     __tracebackhide__ = hide_frame  # left out of a rank error's traceback
     what = f"run({getattr(fn, '__qualname__', type(fn).__name__)})"
     payload = (by_value(fn), by_value(args), by_value(kwargs))
-    pending = d.apply(what, _ns.call, args=payload, fast=True)
+    pending = d.apply(what, _ns.call, args=payload, fast=True, cell=True)
     pending.merged = merged
     return after_call(ctx, d, pending, timeout, hang_after)
 

@@ -149,11 +149,14 @@ class Dispatcher:
         ranks: Sequence[int] | None = None,
         args: tuple = (),
         fast: bool = False,
+        cell: bool = False,
     ) -> Pending:
         """Call ``fn(*args)`` on each rank (or ``fn(*args_by_rank[i])`` on ranks[i]).
 
         ``fast``: over the direct call channel when every rank has one (a call that
-        publishes no progress data: that travels through ipyparallel only).
+        publishes no progress data: that travels through ipyparallel only). ``cell``: the
+        call is the user's own (``sess.run``), which the ranks treat as a cell
+        (``CallChannel.send``).
         """
         ranks = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
         if self.lifecycle is not None:
@@ -163,7 +166,7 @@ class Dispatcher:
         channel = self.channel
         if fast and channel is not None and channel.ready_for(ranks):
             with CtrlC() as ctrl_c:
-                direct = channel.send(fn, rank_args, ranks)
+                direct = channel.send(fn, rank_args, ranks, cell=cell)
             if direct is not None:  # None: too large for the direct sockets
                 return Pending(what, dict(direct), interrupted=ctrl_c.hit, waiter=channel.wait)
         results: dict[int, Any] = {}

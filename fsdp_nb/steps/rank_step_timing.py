@@ -49,10 +49,10 @@ import time
 import weakref
 from typing import Any, ClassVar
 
-from ..engine.checkpoint_group import checkpoint_group, rank_and_world
+from ..engine.checkpoint_group import gathered, rank_and_world
 from ..engine.registry import Part, World, part
 from ..engine.side_channel import Reading
-from ..engine.step import StepListener, StepOwner, owner
+from ..engine.step import StepListener, owner
 from . import rank_logged as logged
 from .rank_step_events import DeviceSteps
 from .wire_step_times import RankSteps
@@ -169,8 +169,8 @@ class _Window(StepListener):
 
     def forward(self, module: Any, args: tuple, kwargs: dict) -> None:
         batch = self.batch_model() if self.batch_model is not None and self.taken else None
-        watched = part(StepOwner).watched
-        if batch is None or (module in watched and batch not in watched):  # a wrapped model takes over
+        steps = owner()
+        if batch is None or (steps.watches(module) and not steps.watches(batch)):  # a wrapped model takes over
             self.batch_model, self.samples, self.tokens, batch = weakref.ref(module), 0, 0, module
             self.taken = True
             if module not in self.parameters:
@@ -289,14 +289,7 @@ class StepTiming(Part):
 
     def _agree(self) -> tuple[dict[str, int], int]:
         """The views and the highest epoch of every rank (one gather on the checkpoint group)."""
-        import torch.distributed as dist
-
-        mine = (dict(self.views), self.epoch)
-        size = rank_and_world()[1]
-        every: list[Any] = [mine]
-        if size > 1:
-            every = [None] * size
-            dist.all_gather_object(every, mine, group=checkpoint_group())
+        every = gathered((dict(self.views), self.epoch))
         views: dict[str, int] = {}
         for vs, _ in every:
             for view, keep in vs.items():

@@ -63,7 +63,7 @@ def _agree(monkeypatch, world: World, others: dict[int, gs.Offer | None]) -> lis
         offered.append(offer)
         return [offer if r == world.rank else others.get(r) for r in range(world.size)]
 
-    monkeypatch.setattr(gs, "_gather", gather)
+    monkeypatch.setattr(gs, "gathered", gather)
     part(gs.GradScaling).reformed(world)
     return offered
 

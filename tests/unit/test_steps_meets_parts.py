@@ -301,10 +301,32 @@ def test_the_measured_peak_names_the_optimizer_step_from_the_owners_events(cell)
 
 
 def test_a_call_server_request_says_whether_it_is_a_cell():
-    from fsdp_nb.engine import call_channel, namespace
-    from fsdp_nb.runtime.call_channel import CallChannel
+    from fsdp_nb.engine import call_channel
 
     assert call_channel._request((len, ("ab",), True)) == (len, ("ab",), True)
     with pytest.raises(TypeError, match="another version of fsdp_nb"):
         call_channel._request((len, ("ab",)))
-    assert CallChannel.cells == (namespace.call,)  # sess.run's: push, pull and saves are the session's own
+
+
+def test_only_the_users_own_call_is_sent_as_a_cell():
+    """``sess.run`` sends its call as a cell; push, pull and the session's own calls do not."""
+    import types
+
+    from fsdp_nb.runtime import calls
+
+    class Sent:
+        def __init__(self) -> None:
+            self.cells: list[bool] = []
+
+        def apply(self, what, fn, args_by_rank=None, *, ranks=None, args=(), fast=False, cell=False):
+            self.cells.append(cell)
+            return types.SimpleNamespace(merged=True)
+
+        def gather(self, pending, timeout=None, hang_after=None):
+            return [None]
+
+    d = Sent()
+    calls.run(d, len, ("ab",), {}, None)  # type: ignore[arg-type]
+    calls.push(d, {"x": 1})  # type: ignore[arg-type]
+    calls.pull(d, "x")  # type: ignore[arg-type]
+    assert d.cells == [True, False, False]
