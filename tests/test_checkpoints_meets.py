@@ -86,11 +86,11 @@ def counted_s3() -> Iterator[tuple[str, CountingS3, Any]]:
     """(bucket URL, the byte counter, a boto3 client) of an S3 API on loopback; fsdp_nb's
     storage options for ``s3://`` point at it for the test."""
     import boto3
-    from moto.server import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from moto.server import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
     counter = CountingS3(DomainDispatcherApplication(create_backend_app))
-    server = make_server("127.0.0.1", 0, counter, True, request_handler=MotoRequestHandler)
+    server = make_server("127.0.0.1", 0, counter, threaded=True)
     thread = threading.Thread(target=server.serve_forever, name="moto-s3", daemon=True)
     thread.start()
     endpoint = f"http://127.0.0.1:{server.server_address[1]}"
