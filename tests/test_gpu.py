@@ -183,6 +183,50 @@ def test_save_and_load(gsess: fsdp_nb.Session, tmp_path, sharded, async_save):
     assert all(torch.equal(saved[k], after[k]) for k in saved)
 
 
+def _copy_and_restore(name: str) -> tuple[bool, bool]:
+    """On each rank: copy ``name`` and its optimizer into a copy part of its own (each rank
+    its own buddy: staged, not sent), train a step, restore the copy; whether the staging
+    buffer is pinned, and whether every shard and moment came back bit for bit."""
+    import torch as t
+
+    from fsdp_nb.autosave.rank_memory_copies import MemoryCopies
+    from fsdp_nb.checkpoints.rank_run_state import rng_state
+
+    model, opt = globals()[name], globals()[name + "_opt"]
+    x = t.randn(4, 8, model.head.in_features, device=globals()["device"])
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    want = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    moments = [st["exp_avg"].to_local().clone() for st in opt.state.values()]
+    c = MemoryCopies()
+    c.assign(tuple(range(t.distributed.get_world_size())))
+    c.take(1, model, [opt], {"state": {}, "rng": rng_state()})
+    c.wait_exchange()
+    pinned = bool(c.own[0].flat.is_pinned())
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    c.restore(1, {}, model, [opt], ())
+    same = all(t.equal(v.to_local(), want[k]) for k, v in model.state_dict().items()) and all(
+        t.equal(st["exp_avg"].to_local(), m) for st, m in zip(opt.state.values(), moments))
+    c.closed()
+    return pinned, same
+
+
+def test_a_copy_in_memory_is_staged_and_comes_back_bit_for_bit(gsess: fsdp_nb.Session):
+    """The in-memory autosave's copy of a rank's shards (``in_memory=True``): on a GPU,
+    staged into pinned host memory on a stream of its own after the training stream's
+    step, and written back into the device's shards bit for bit (on CPU, the same path
+    with plain host memory)."""
+    gsess.wrap(Net, name="gmem")
+    gsess.execute("gmem_opt = torch.optim.AdamW(gmem.parameters(), lr=1e-3)")
+    got = gsess.run(_copy_and_restore, "gmem")
+    on_gpu = _device(gsess) == "cuda"
+    assert all(same for _, same in got) and all(pinned == on_gpu for pinned, _ in got)
+    forget_models(gsess, "gmem", optimizers=("gmem_opt",))
+
+
 @CUDA_ONLY
 def test_sharded_load_reads_into_the_model_without_device_memory(gsess: fsdp_nb.Session, tmp_path):
     """A checked sharded load stages its reads in host memory and copies them into the

@@ -152,8 +152,9 @@ def printed() -> Iterator[io.StringIO]:
 
 
 def arm_autosave(s: fsdp_nb.Session, root: str, opts: tuple[str, ...]) -> None:
+    """Autosave to disk every 2 steps, and into memory after every step."""
     s.autosave(root, every=2, model="mx", optimizer=list(opts), state=["mx_sched", "scaler"],
-               loaders=["mx_batches"], keep_last=None)
+               loaders=["mx_batches"], keep_last=None, in_memory=True)
 
 
 def last_saved(s: fsdp_nb.Session) -> tuple[int, str | None]:
@@ -445,7 +446,10 @@ def sigkill_restart(scene2):
     check(event, "async save", saved_or_named)
 
     def resumed_bit_for_bit() -> None:  # back at step 6 (the autosave's step 2): steps 7-9 as never stopped
+        # rank 1 died before step 7's iteration ended (its boundary, step 8's forward): the
+        # newest state whole in memory is step 6's, as new as the disk's, so memory serves
         assert report.restored is not None and report.restored.step == 2, report
+        assert report.restored.memory is not None and "nothing was read from disk" in str(report), report
         assert "autosave goes on from step 2" in str(report), report
         assert [losses[:3] for losses in train(s, 3)] == [losses[2:] for losses in ahead]
 
@@ -464,13 +468,21 @@ def resized(scene: Scene, n: int, event: str) -> Scene:
     s.execute(NEW_RANKS)
     check(event, "async save", lambda: async_committed(handle, before, tmp))
 
-    def stopped_by_name() -> None:  # its checkpoints keep the old world's own state: it stops, saying so
-        assert s.autosave() is None
-        assert "scaler" not in report.variables, report
-        arm_autosave(s, str(tmp / f"auto{n}"), scene.opts)  # armed again on the new world, it goes on
+    def followed_by_name() -> None:  # shrunk: armed again, each rank's state in its new buddy's memory
+        auto = s.autosave()
+        assert auto is not None and auto.in_memory and len(auto.buddies) == n, auto
+        assert "autosave armed again from step" in str(report) and "scaler" not in report.variables, report
+        newest = {r.copies.own[-1] for r in auto.ranks if r is not None and r.copies is not None}
+        assert auto.ranks[0] is not None and newest == {auto.ranks[0].step}, auto
         autosave_goes_on(s)
 
-    check(event, "autosave", stopped_by_name)
+    def stopped_by_name() -> None:  # grown: the new rank lacks the loader a cell made; it says so and stops
+        assert s.autosave() is None
+        assert "not armed again" in str(report) and "'mx_batches'" in str(report), report
+        arm_autosave(s, str(tmp / f"auto{n}"), scene.opts)  # armed again once NEW_RANKS made it, it goes on
+        autosave_goes_on(s)
+
+    check(event, "autosave", stopped_by_name if event == "resize up" else followed_by_name)
     check(event, "profile", lambda: profile_ended(prof))
     scene.goes_on(event, n, autosave=False)
     return scene
@@ -520,7 +532,7 @@ def kernel_attach(tmp_path_factory):
         k.run(KERNEL_SETUP, timeout=START_S)
         k.run(f"sess.execute({MX!r} + '\\nmx_setup()')")
         k.run(f"sess.autosave({str(tmp / 'auto')!r}, every=2, model='mx', optimizer=['mx_opt'], "
-              "state=['mx_sched', 'scaler'], loaders=['mx_batches'], keep_last=None)")
+              "state=['mx_sched', 'scaler'], loaders=['mx_batches'], keep_last=None, in_memory=True)")
         k.run("view = sess.steps(interval=0.2)\nmem = sess.memory(interval=0.2)\nprof = sess.profile(steps=50)")
         k.run("sess.execute('mx_train(3)')")
         k.run(f"before = {{k: v.tolist() for k, v in sess.models['mx'].state_dict().items()}}\n"
@@ -535,6 +547,7 @@ def kernel_attach(tmp_path_factory):
 
         def as_before_then_on() -> None:  # the ranks' autosave comes back and saves on
             assert k.value("[r.step for r in sess.autosave().ranks]") == [3, 3]  # counting on from step 3
+            assert k.value("sess.autosave().in_memory") is True  # and copying into memory
             k.run("sess.execute('mx_train(2)')")
             assert wait_until(lambda: (k.value("sess.autosave().ranks[0].saved") or "").endswith("step-4"), 60)
 

@@ -101,6 +101,11 @@ def test_a_plan_names_the_session_budget_and_what_the_cpu_plan_leaves_out(sess):
     assert plan.what_ifs[0].peak < plan.peak
     assert any("process's own memory" in n for n in plan.notes)
     assert sess.context.last_plan is plan
+    # what the in-memory autosave would keep: the shards and optimizer state after the step
+    # (AdamW: two moments per parameter), twice its own and twice its buddy's
+    assert all(r.state > 0 for r in plan.ranks) and plan.copies[0] == 2 * plan.ranks[0].state + 2 * max(
+        r.state for r in plan.ranks)
+    assert "autosave(in_memory=True) would keep up to" in repr(plan)
     with pytest.raises(TypeError, match="world_size= and device= are for fsdp_nb.plan"):
         sess.plan(GPT, batch=_ids(), world_size=8, **SMALL)
 

@@ -221,6 +221,7 @@ def netns_session():
     try:
         hosts.setup()
         client_file, engine_file = hosts.start_controller()
+        hosts.engine_file = engine_file  # for engines started later, in place of dead ones
         a, b = hosts.hosts
         pids = {}
         for host in (a, b, a, b):
@@ -363,6 +364,53 @@ def test_netns_resize_across_hosts(netns_session):
         assert sess.models["mh_rs"].summary.mesh_shape == (2, 2)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _remake_mh():
+    """``restart(setup=)``: the run's objects on every rank (AM_LOOP's), for ``mh_mem``."""
+    am_setup("mh_mem")  # noqa: F821 - an engine global (AM_LOOP), replayed on a new engine
+
+
+@pytest.mark.root
+def test_netns_a_whole_host_dies_and_its_ranks_come_back_from_the_other_hosts_memory(netns_session):
+    """The in-memory autosave puts each rank's buddy on the other host (0->2, 1->3, 2->0,
+    3->1). Both engines of one host are killed together; two new engines start there, and
+    restart(restore="latest") takes their ranks' state from the other host's memory, with
+    nothing read from disk: the model, optimizer and loader are as they were."""
+    from helpers import DropNet, forget_models, run_out
+    from test_autosave_meets import AM_LOOP
+
+    from fsdp_nb.runtime.cluster import wait_until
+
+    sess, hosts, pids = netns_session
+    forget_models(sess, *sess.models)  # the earlier tests' instance wraps: a restart cannot rebuild them
+    sess.execute(AM_LOOP)
+    model = sess.wrap(DropNet, name="mh_mem")
+    sess.execute("am_setup('mh_mem')")
+    auto = sess.autosave(model=model, optimizer="am_opt", loaders=["am_batches"], state=["am_sched"], in_memory=True)
+    ranks_host = [r.host for r in sess.ranks]
+    assert all(ranks_host[r] != ranks_host[b] for r, b in enumerate(auto.buddies)), auto.buddies
+    sess.execute("am_train(3)")
+    before = sess.run(full_state("mh_mem", "am_opt"))[0]
+    pos = run_out(sess, "rs_out = am_batches.pos")
+    gone = ranks_host[-1]
+    dead = [r.rank for r in sess.ranks if r.host == gone]
+    for p in hosts.procs:  # the engines of that host, by the handles that started them
+        if p.pid in {r.pid for r in sess.ranks if r.host == gone}:
+            p.kill()
+    assert wait_until(lambda: set(dead) <= set(sess.cluster.dead_ranks()), 120)
+    host = next(h for h in hosts.hosts if h.name == gone)
+    known = set(sess.client.ids)
+    for _ in dead:
+        hosts.start_engine(host, hosts.engine_file)
+    assert wait_until(lambda: len(set(sess.client.ids) - known) >= len(dead), 120)  # registered
+    report = sess.restart(restore="latest", setup=_remake_mh)
+    assert report.restored.memory is not None and report.restored.step == 3, repr(report)
+    assert set(report.restored.memory.sources) == set(dead)
+    assert all(ranks_host[h] != gone for h in report.restored.memory.sources.values())
+    assert_same(before, sess.run(full_state("mh_mem", "am_opt"))[0])
+    assert run_out(sess, "rs_out = am_batches.pos") == pos
+    sess.stop_autosave()
 
 
 # -- Open MPI ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ models would put initial weights over the run's checkpoints. The next
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from ..errors import CheckpointError
 from ..formats.listing import list_checkpoints
 from ..formats.metadata import base_metadata
 from ..formats.storage import options_for, url_to_fs
+from .memory_copies import buddy_map, in_memory_line
 from .wire_autosave import AutosaveSpec, AutosaveState
 
 if TYPE_CHECKING:
@@ -52,8 +54,8 @@ SUSPENDED = ("suspended: a restart rebuilt the models at their initial weights, 
 class Autosaving:
     """What ``sess.autosave`` set going (its repr says it in one line)."""
 
-    root: str
-    """The folder of ``step-<N>`` checkpoints."""
+    root: str | None
+    """The folder of ``step-<N>`` checkpoints (None: copies in memory only)."""
     every: int
     """Optimizer steps between saves."""
     model: str
@@ -71,10 +73,18 @@ class Autosaving:
     """Engine globals the loop draws batches from, taken at each step's end."""
     suspended: bool = False
     """A restart rebuilt the models: no rank saves until ``restart(restore=...)`` arms it again."""
+    in_memory: bool = False
+    """Each step's state is also copied into host memory, each rank's own and its buddy's."""
+    buddies: tuple[int, ...] = ()
+    """With ``in_memory``: ``buddies[r]`` keeps rank r's copies."""
 
     def __repr__(self) -> str:
         kept = f", keeping the last {self.keep_last}" if self.keep_last else ""
         named = ", ".join([self.model, *self.optimizers, *self.loaders, *self.state, "each rank's random state"])
+        to = f"to {self.root} every {self.every} optimizer steps{kept}" if self.root else "to memory only"
+        if self.in_memory:
+            to += ", and into memory after every step (each rank's own copy and its buddy's: " + ", ".join(
+                f"{r}->{b}" for r, b in enumerate(self.buddies)) + ")"
         where = ""
         if self.suspended:
             where = f"; {SUSPENDED}"
@@ -86,7 +96,8 @@ class Autosaving:
             failed = [r.failed for r in self.ranks if r is not None and r.failed]
             if failed:
                 where += f"; a save FAILED: {failed[0]}"
-        return f"<autosave of {named} to {self.root} every {self.every} optimizer steps{kept}{where}>"
+            where += in_memory_line(self.ranks)
+        return f"<autosave of {named} {to}{where}>"
 
 
 def _positive(name: str, value: Any, none_ok: bool = False) -> None:
@@ -120,34 +131,48 @@ def _loaders(loaders: Any, state: tuple[str, ...]) -> tuple[str, ...]:
     return names
 
 
-def autosave(ctx: SessionContext, root: str, *, every: int, model: Any, optimizer: str | list[str] | tuple[str, ...],
-             state: list[str] | tuple[str, ...] | None = None, loaders: list[str] | tuple[str, ...] | None = None,
-             keep_last: int | None = None) -> Autosaving:
+def autosave(ctx: SessionContext, root: str | None, *, every: int | None, model: Any,
+             optimizer: str | list[str] | tuple[str, ...], state: list[str] | tuple[str, ...] | None = None,
+             loaders: list[str] | tuple[str, ...] | None = None, keep_last: int | None = None,
+             in_memory: bool = False) -> Autosaving:
     """Arm the ranks to save ``model``, its ``optimizer`` (one or several), ``loaders`` and
-    ``state`` under ``root`` after every ``every``-th optimizer step (``Session.autosave``);
+    ``state`` under ``root`` after every ``every``-th optimizer step, and with
+    ``in_memory`` to copy them into host memory after every step (``Session.autosave``);
     each argument is checked before any rank is asked, and each rank checks the names
-    before it arms."""
-    if not isinstance(root, str) or not root:
-        raise TypeError(f"root must be a folder path or fsspec URL (str), got {root!r}")
-    _positive("every", every)
+    (and, in memory, the room) before it arms."""
+    if not isinstance(in_memory, bool):
+        raise TypeError(f"in_memory must be True or False, got {in_memory!r}")
+    if root is not None or not in_memory:
+        if not isinstance(root, str) or not root:
+            raise TypeError(f"root must be a folder path or fsspec URL (str), got {root!r}")
+        _positive("every", every)
+    elif every is not None:
+        raise TypeError("autosave(in_memory=True) with no root copies after every step: every= counts steps "
+                        "between disk saves, so pass root= with it, or leave every= out")
     _positive("keep_last", keep_last, none_ok=True)
     name = model_name(model)
     optims = _optimizers(optimizer)
     names = check_state(state)
     loader_names = _loaders(loaders, names)
-    url_to_fs(root)
+    if root is not None:
+        url_to_fs(root)
     wait_pending(ctx)
     meta = {k: v for k, v in base_metadata({}, "sharded").items() if k in ("format", "kind", "versions")}
-    spec = AutosaveSpec(root=root, storage_options=options_for(root), every=every, model=name, optimizers=optims,
-                        state=names, loaders=loader_names, keep_last=keep_last, run=uuid.uuid4().hex[:8], meta=meta)
+    buddies = buddy_map(ctx.cluster.hosts) if in_memory else ()
+    spec = AutosaveSpec(root=root, storage_options=options_for(root) if root else {}, every=every or 1, model=name,
+                        optimizers=optims, state=names, loaders=loader_names, keep_last=keep_last,
+                        run=uuid.uuid4().hex[:8], meta=meta, in_memory=in_memory, buddies=buddies)
     arm(ctx, spec)
-    return Autosaving(root, every, name, optims, names, keep_last, loaders=loader_names)
+    return Autosaving(root, spec.every, name, optims, names, keep_last, loaders=loader_names, in_memory=in_memory,
+                      buddies=buddies)
 
 
 def arm(ctx: SessionContext, spec: AutosaveSpec) -> None:
     """Arm ``spec`` on every rank (each checks its names first), and keep it on ``ctx``."""
     from . import rank_autosave as engine_autosave
 
+    if spec.in_memory:  # the hosts of the ranks now (a restart's or resize's new engines)
+        spec = dataclasses.replace(spec, buddies=buddy_map(ctx.cluster.hosts))
     d = ctx.dispatcher
     raise_outcomes(d.gather(d.apply("arm autosave", engine_autosave.arm, args=(spec,))))
     adopt(ctx, spec)
@@ -173,10 +198,11 @@ def _unhook(ctx: SessionContext) -> None:
 
 def finish_cell(ctx: SessionContext, ok: bool) -> None:
     """After a user call (``SessionContext.after_call``): ``ok``, it succeeded on every
-    rank, so a save that fell due at its last step is written now, where every rank has
-    it due at one step (else it is dropped on every rank); after a failed call a due
-    save is dropped on every rank (``rank_autosave.finish_cell``). One call to the ranks
-    when no save is due, two when one is."""
+    rank, so a save that fell due at its last step is written now, and with
+    ``in_memory`` the last step is copied, where every rank has it at one step (else it
+    is dropped on every rank); after a failed call a due save and a pending copy are
+    dropped on every rank (``rank_autosave.finish_cell``). One call to the ranks when
+    nothing is due, two when something is."""
     from . import rank_autosave as engine_autosave
 
     if ctx.autosave is None:
@@ -186,20 +212,23 @@ def finish_cell(ctx: SessionContext, ok: bool) -> None:
     held = [s for s in said if s is not None]
     if not held:
         return
-    steps = {step for step, _ in held}
+    steps = {s[0] for s in held}
     if len(held) < len(said) or len(steps) > 1:  # a failure on one rank left the counts apart
         log.warning("fsdp_nb: the ranks' autosave counts differ after the call (%s): every rank counts on from %d",
                     [s[0] if s else None for s in said], max(steps))
         d.gather(d.apply("autosave count", engine_autosave.count_from, args=(max(steps),), fast=True))
         return
-    if not ok or not any(due for _, due in held):
+    due, copy = [s[1] for s in held], [s[2] for s in held]
+    if not ok or not any(due + copy):
         return
-    step = held[0][0]
-    if all(due for _, due in held):
-        d.gather(d.apply(f"autosave of step {step}", engine_autosave.write_due, args=(step,), fast=True))
-        return
-    why = "the ranks did not all have it due at the cell's end"
-    d.gather(d.apply("drop the autosave due", engine_autosave.drop_due, args=(why,), fast=True))
+    step, save, copy_all = held[0][0], all(due), all(copy)
+    if save or copy_all:
+        what = " and ".join(w for w, on in (("autosave", save), ("copy in memory", copy_all)) if on)
+        d.gather(d.apply(f"{what} of step {step}", engine_autosave.write_due, args=(step, save, copy_all),
+                         fast=not copy_all))
+    if (any(due) and not save) or (any(copy) and not copy_all):
+        why = "the ranks did not all have it due at the cell's end"
+        d.gather(d.apply("drop the autosave due", engine_autosave.drop_due, args=(why,), fast=True))
 
 
 def stop(ctx: SessionContext) -> None:
@@ -241,7 +270,7 @@ def describe(ctx: SessionContext) -> Autosaving | None:
         said = dict(zip(live, d.gather(d.apply("autosave status", engine_autosave.status, ranks=live))))
         ranks = tuple(said.get(r) for r in range(ctx.world_size))
     return Autosaving(spec.root, spec.every, spec.model, spec.optimizers, spec.state, spec.keep_last, ranks,
-                      spec.loaders, suspended=ctx.autosave is None)
+                      spec.loaders, suspended=ctx.autosave is None, in_memory=spec.in_memory, buddies=spec.buddies)
 
 
 def latest(ctx: SessionContext) -> str:
@@ -254,6 +283,9 @@ def latest(ctx: SessionContext) -> str:
             "restore='latest' means the newest checkpoint sess.autosave(...) wrote, but this session has had no "
             "autosave; pass the path of a checkpoint instead"
         )
+    if spec.root is None:
+        raise CheckpointError("restore='latest': the autosave keeps copies in memory only (no root=), and no "
+                              "generation of them survives for every rank")
     found = [i for i in list_checkpoints(spec.root, storage_options=spec.storage_options) if i.valid]
     if not found:
         raise CheckpointError(f"restore='latest': no complete checkpoint under {spec.root!r} yet")

@@ -49,11 +49,19 @@ from ..engine.step import StepListener, owner
 from ..errors import UnsafeCheckpointError
 from ..formats.metadata import base_metadata
 from ..formats.run_state import RNG, decode, encode, run_meta, state_file
-from .rank_autosave_checks import left_out_optimizers, loader_lookalikes, refusal
+from .rank_autosave_checks import (
+    agreed,
+    copies_refusal,
+    left_out_optimizers,
+    loader_lookalikes,
+    refusal,
+)
+from .rank_memory_copies import arm_copies, copies
 from .wire_autosave import AutosaveSpec, AutosaveState
 
 __all__ = [
-    "Armed", "Autosave", "agreed", "arm", "armed_spec", "disarm", "drop_due", "finish_cell", "status", "write_due",
+    "Armed", "Autosave", "agreed", "arm", "armed_spec", "copy_now", "disarm", "drop_due", "finish_cell", "status",
+    "write_due",
 ]
 
 log = logging.getLogger("fsdp_nb")
@@ -89,9 +97,13 @@ class Armed(StepListener):
     """Seconds training waited in this rank's autosave (the save's call; the staging
     copy the next step waits for is what ``waited`` adds)."""
     waited_before: float = 0.0
+    copies_waited_before: float = 0.0
     branch: int = 0
     """Loads since arming: a save after one gets a temporary folder of its own, never the one
     an abandoned save of the same step number left (every rank loads alike, so they agree)."""
+    copy_early: dict[str, Any] | None = None
+    """With ``spec.in_memory``: the loaders' states and the random state taken at the end of
+    the last step, for the copy in memory its boundary takes (None: no copy pending)."""
 
     # -- what the step owner tells -----------------------------------------------------
 
@@ -104,25 +116,29 @@ class Armed(StepListener):
     def boundary(self, step: int, at: str) -> None:
         if at != "cell end":  # a cell's end: the notebook calls finish_cell once every rank's cell ended well
             self.write_due()
+            self.copy_due()
 
     def cell_started(self) -> None:
         # a save still due from an earlier cell: the notebook did not find every rank had it
         # due at the cell's end (or could not ask): no rank writes it on its own
         self.drop("it fell due at the end of an earlier call, and the ranks did not all agree to write it")
+        self.copy_early = None
 
     def eval_forward(self, module: Any) -> None:
         self.write_due()
+        self.copy_due()
 
     def cell_ended(self, failed: bool) -> None:
         if failed:
             self.drop("the cell failed on this rank")
+            self.copy_early = None
 
     def loaded(self, extra: dict[str, Any] | None) -> None:
         """A load changed this rank's model and optimizer: a save that was due would keep
         the loaded state under the old step, so it is dropped, and the count goes on from
         the loaded checkpoint's step (``extra["step"]``). ``sess.load`` refuses, in the
         notebook, a checkpoint without one while an autosave is armed."""
-        self.due, self.early = False, {}
+        self.due, self.early, self.copy_early = False, {}, None
         self.branch += 1
         step = (extra or {}).get("step")
         if isinstance(step, int) and not isinstance(step, bool):
@@ -138,18 +154,23 @@ class Armed(StepListener):
             return
         self.counted = step
         self.step += 1
-        if self.step % self.spec.every:
+        due = self.spec.root is not None and not self.step % self.spec.every
+        if not (due or self.spec.in_memory):
             return
-        self.due = True
+        self.due = due
         # what the loop draws next (the next batch, random draws before the forward) must
         # come again on a resume: the loaders' positions and the random state, taken now.
         # A failure is kept for the save, whose ranks agree on it
         ns = user_ns()
         try:
-            self.early = {n: copy.deepcopy(ns[n].state_dict()) for n in self.loaders}
-            self.early[RNG] = rng_state()
+            early = {n: copy.deepcopy(ns[n].state_dict()) for n in self.loaders}
+            early[RNG] = rng_state()
         except Exception as exc:  # noqa: BLE001 - reported by the save at the boundary, agreed by every rank
-            self.early = {RNG: exc}
+            early = {RNG: exc}
+        if due:
+            self.early = early
+        if self.spec.in_memory:
+            self.copy_early = early
 
     def _mine(self, optimizer: Any) -> bool:
         """Whether ``optimizer`` ends an iteration for this autosave: the last of its
@@ -165,6 +186,21 @@ class Armed(StepListener):
             log.warning("autosave: the save of step %d is dropped, not written: %s; the last save written is %s",
                         self.step, why, self.saved or "none")
         self.due, self.early = False, {}
+
+    def copy_due(self) -> None:
+        """Copy the state of the step that ended into memory, this rank's and its buddy's
+        (``rank_memory_copies``), if a copy is pending (at an iteration boundary)."""
+        if self.copy_early is None:
+            return
+        early, self.copy_early = self.copy_early, None
+        t0 = time.perf_counter()
+        try:
+            ns = user_ns()
+            taken = capture((*self.loaders, *self.state), True, early)
+            model = ns[self.spec.model]
+            copies().take(self.step, model, [ns[o] for o in self.spec.optimizers], taken)
+        finally:
+            self.blocked_s += time.perf_counter() - t0
 
     def write_due(self) -> None:
         """Write the save that is due, if one is (at an iteration boundary)."""
@@ -192,7 +228,7 @@ class Armed(StepListener):
     def _save(self) -> None:
         spec = self.spec
         self.collect(wait=True)  # the last save's outcome, before the next one starts
-        url = posixpath.join(spec.root.rstrip("/"), f"step-{self.step}")
+        url = posixpath.join((spec.root or "").rstrip("/"), f"step-{self.step}")
         kept = (*self.loaders, *self.state)
         meta = {**base_metadata({"step": self.step}, "sharded"), **spec.meta, **run_meta(kept)}
         save_spec = SaveSpec(
@@ -213,8 +249,11 @@ class Armed(StepListener):
         """Where it is: the count, the last committed save, the one in flight."""
         self.collect(wait=False)
         waited = part(async_saves.AsyncSaves).waited_s - self.waited_before
+        if self.spec.in_memory:
+            waited += copies().waited_s - self.copies_waited_before
         return AutosaveState(step=self.step, saved=self.saved, writing=self.writing, failed=self.failed,
-                             blocked_s=self.blocked_s + waited, due=self.due)
+                             blocked_s=self.blocked_s + waited, due=self.due,
+                             copies=copies().report() if self.spec.in_memory else None)
 
 
 class Autosave(Part):
@@ -242,6 +281,9 @@ class Autosave(Part):
         if armed.token is not None:  # still writing: nobody will collect it now
             async_saves.orphan(armed.token)
         armed.drop("the autosave stopped")
+        armed.copy_early = None
+        if armed.spec.in_memory:
+            owner().unlisten(copies())
         return armed
 
     def reformed(self, world: World) -> None:
@@ -267,23 +309,11 @@ class Autosave(Part):
                         "short on some): counting on from %d on every rank", sorted({h[1] for h in held}), step)
         if not due:
             a.drop("the group formed again and not every rank had it due at the same step")
+        a.copy_early = None  # a copy pairs with the buddy's: none is taken at a boundary the ranks did not agree on
         a.step, a.branch = step, branch
 
     def closed(self) -> None:
         self.disarm()
-
-
-def agreed(held: list[tuple[str, int, bool, int] | None]) -> tuple[bool, int, bool, int]:
-    """What the ranks agree on, from each rank's ``(run, step, due, branch)`` (None: no
-    autosave armed there): (whether every rank holds the same autosave; the step to count
-    on from, the highest any reached; whether a save stays due, only where it is due on
-    every rank at one step; the branch, the highest). Ranks that hold different autosaves
-    (a rank that joined holds none) all stop theirs, for the notebook to arm again."""
-    if len({h[0] if h else None for h in held}) > 1 or any(h is None for h in held):
-        return False, 0, False, 0
-    steps = {h[1] for h in held if h}
-    return (True, max(steps), len(steps) == 1 and all(h[2] for h in held if h),
-            max(h[3] for h in held if h))
 
 
 def _autosave() -> Autosave:
@@ -309,9 +339,12 @@ def arm(spec: AutosaveSpec) -> Outcome:
         # a state_dict a load would refuse would fail every save: refused now, by name. Not a
         # loader's: a StatefulDataLoader's state_dict() can start an iterator, which moves it
         plain = [n for n in spec.state if n not in loaders]
-        decode(encode(capture(plain, False, None)), spec.root, state_file(rank_and_world()[0]))
+        decode(encode(capture(plain, False, None)), spec.root or "memory", state_file(rank_and_world()[0]))
     except (NameError, TypeError, ValueError, UnsafeCheckpointError) as exc:
         mine = Outcome.failed(exc)
+    if spec.in_memory:  # a collective: every rank, whatever it found above
+        room = copies_refusal(spec, None if mine else model, optims if not mine else [])
+        mine = mine or (Outcome.failed(room) if room else None)
     bad = agree(mine)
     if bad is not None:
         return bad
@@ -319,7 +352,11 @@ def arm(spec: AutosaveSpec) -> Outcome:
     owner().listen(saves)  # the staging gate hears every step from the first save on
     owner().watch(model)  # its forwards are the iteration's boundary
     _autosave().arm(Armed(spec, loaders, tuple(n for n in spec.state if n not in loaders), spec.start_step,
-                          waited_before=saves.waited_s))
+                          waited_before=saves.waited_s, copies_waited_before=copies().waited_s))
+    if spec.in_memory:
+        arm_copies(spec.buddies, spec.start_step)
+    else:
+        copies().forget()
     return Outcome()
 
 
@@ -329,10 +366,11 @@ def disarm() -> int | None:
     return None if armed is None else armed.step
 
 
-def finish_cell(ok: bool) -> tuple[int, bool] | None:
+def finish_cell(ok: bool) -> tuple[int, bool, bool] | None:
     """A user call ended on every rank, ``ok``: it succeeded on each (called by the
     notebook on every rank at once). After a failed call a save that is due is dropped.
-    Returns (this rank's count, whether a save is due here; None: no autosave armed). No
+    Returns (this rank's count, whether a save is due here, whether a copy in memory is
+    pending here; None: no autosave armed). No
     collective: a save still writing in the background runs its own on the checkpoint
     group, and gloo pairs collectives by the order they are issued in. The notebook then
     calls :func:`write_due` on every rank where every rank had it due at one step, else
@@ -343,7 +381,8 @@ def finish_cell(ok: bool) -> tuple[int, bool] | None:
         return None
     if not ok:
         a.drop("the cell failed on some rank")
-    return a.step, a.due
+        a.copy_early = None
+    return a.step, a.due, a.copy_early is not None
 
 
 def count_from(step: int) -> None:
@@ -355,22 +394,46 @@ def count_from(step: int) -> None:
             log.warning("autosave: this rank had counted %d steps and another more: counting on from %d",
                         a.step, step)
         a.drop("the ranks' counts differed")
+        a.copy_early = None
         a.step = step
 
 
-def write_due(step: int) -> None:
-    """Write the save due at ``step`` (every rank has it due there, the notebook found):
-    the cell's end is the iteration's boundary."""
+def write_due(step: int, save: bool = True, copy: bool = False) -> None:
+    """At the cell's end, the iteration's boundary: write the save due at ``step``
+    (``save``) and take the copy in memory pending there (``copy``), where every rank
+    has them at that step, the notebook found. The copy is waited for, so the state
+    after a cell's last step is held by the buddy when the cell returns."""
     a = _autosave().armed
-    if a is not None and a.due and a.step == step:
+    if a is None or a.step != step:
+        return
+    if save and a.due:
         a.write_due()
+    if copy and a.copy_early is not None:
+        a.copy_due()
+        copies().wait_exchange()
+        copies().tell_memory()
+
+
+def copy_now() -> None:
+    """Copy this rank's state into memory now, at the step it has counted, and wait until
+    its buddy holds it (between cells: after a resize, the new world's first copies)."""
+    a = _autosave().armed
+    if a is None or not a.spec.in_memory:
+        return
+    ns = user_ns()
+    a.copy_early = {**{n: copy.deepcopy(ns[n].state_dict()) for n in a.loaders}, RNG: rng_state()}
+    a.copy_due()
+    copies().wait_exchange()
+    copies().tell_memory()
 
 
 def drop_due(why: str) -> None:
-    """Drop a save that is due, saying ``why`` (the ranks did not all have it due)."""
+    """Drop a save that is due and a pending copy, saying ``why`` (the ranks did not all
+    have them due)."""
     a = _autosave().armed
     if a is not None:
         a.drop(why)
+        a.copy_early = None
 
 
 def armed_spec() -> AutosaveSpec | None:

@@ -19,10 +19,17 @@ from __future__ import annotations
 from typing import Any
 
 from ..checkpoints.rank_run_state import is_torch_loader, loader_method
+from ..engine.checkpoint_group import gathered, rank_and_world
 from ..engine.namespace import user_ns
+from ..memory.rank_memory_kinds import copy_bytes
 from .wire_autosave import AutosaveSpec
 
-__all__ = ["left_out_optimizers", "loader_lookalikes", "refusal"]
+__all__ = ["MARGIN", "agreed", "copies_refusal", "left_out_optimizers", "loader_lookalikes", "refusal"]
+
+MARGIN = 0.2
+"""The share of a host's available memory the in-memory autosave leaves free: its copies
+may take the rest, and no more (the room a loader's workers, a save's staging and the
+kernel's page cache need)."""
 
 
 def loader_lookalikes(names: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -79,3 +86,61 @@ def refusal(spec: AutosaveSpec, lookalikes: list[tuple[str, str]], left_out: lis
             "steps. Nothing changed: the autosave that was running, if any, goes on"
         )
     return None
+
+
+def _gib(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def copies_refusal(spec: AutosaveSpec, model: Any, optims: list[Any]) -> Exception | None:
+    """Whether the in-memory autosave fits, agreed by every rank (a collective; ``model``
+    None: this rank refused already, and takes part). Each rank keeps two generations of
+    its own state and two of its ward's; the ranks of one host together may take its
+    available memory less :data:`MARGIN`. The error names the host, what the copies need
+    and what it has (None: they fit)."""
+    import socket
+
+    import psutil
+
+    _, world = rank_and_world()
+    if world < 2:
+        return ValueError("autosave(in_memory=True) keeps each rank's state in a peer's memory, and this session "
+                          "has one rank: there is no peer. Use sess.autosave(root, every=N) to save to disk, or "
+                          "resize to 2 ranks or more first. Nothing changed")
+    if len(spec.buddies) != world:
+        return ValueError(f"the buddy map {spec.buddies} names {len(spec.buddies)} ranks and the group has {world}")
+    mine = copy_bytes(model, optims) if model is not None else 0
+    said = gathered((socket.gethostname(), mine, psutil.virtual_memory().available))
+    need: dict[str, int] = {}
+    avail: dict[str, int] = {}
+    for r, (host, own, free) in enumerate(said):
+        wards = [w for w, b in enumerate(spec.buddies) if b == r and w != r]
+        need[host] = need.get(host, 0) + 2 * own + 2 * sum(said[w][1] for w in wards)
+        avail[host] = free
+    for host, n in need.items():
+        room = int(avail[host] * (1 - MARGIN))
+        if n > room:
+            return MemoryError(
+                f"autosave(in_memory=True): the copies in memory need {_gib(n)} on host {host} (two "
+                f"generations of each of its ranks' state and of the state each keeps for its buddy) and it has "
+                f"{_gib(avail[host])} available, of which the copies may take {_gib(room)} "
+                f"({int(MARGIN * 100)}% is left free). Save to disk only (in_memory=False), shard over more ranks, "
+                "or free host memory. Nothing changed"
+            )
+    return None
+
+
+def agreed(held: list[tuple[str, int, bool, int] | None]) -> tuple[bool, int, bool, int]:
+    """What the ranks agree on, from each rank's ``(run, step, due, branch)`` (None: no
+    autosave armed there): (whether every rank holds the same autosave; the step to count
+    on from, the highest any reached; whether a save stays due, only where it is due on
+    every rank at one step; the branch, the highest). Ranks that hold different autosaves
+    (a rank that joined holds none) all stop theirs, for the notebook to arm again."""
+    if len({h[0] if h else None for h in held}) > 1 or any(h is None for h in held):
+        return False, 0, False, 0
+    steps = {h[1] for h in held if h}
+    return (True, max(steps), len(steps) == 1 and all(h[2] for h in held if h),
+            max(h[3] for h in held if h))

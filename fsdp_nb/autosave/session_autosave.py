@@ -32,6 +32,7 @@ class SessionAutosave:
         state: list[str] | tuple[str, ...] | None = None,
         loaders: list[str] | tuple[str, ...] | None = None,
         keep_last: int | None = 3,
+        in_memory: bool = False,
     ) -> Autosaving | None:
         """Save the run from the ranks every ``every`` optimizer steps, with no code in the
         training loop; with no arguments, where the autosave is.
@@ -58,8 +59,8 @@ class SessionAutosave:
         from a step the run is not at).
 
         Args:
-            root: the folder (path or fsspec URL) of the ``step-<N>`` checkpoints. None:
-                change nothing, return where the running autosave is (each rank's step
+            root: the folder (path or fsspec URL) of the ``step-<N>`` checkpoints. None
+                (and no ``in_memory``): change nothing, return where the running autosave is (each rank's step
                 count, last committed save and a save in flight; a suspended one says so;
                 None when off). Calling again replaces it; :meth:`stop_autosave` stops it.
             every: optimizer steps between saves (required with ``root``).
@@ -77,18 +78,27 @@ class SessionAutosave:
                 ``StatefulDataLoader``): each rank's position is taken at the end of the
                 step, before the loop draws the next batch, so a resume draws it again.
             keep_last: keep the newest this many checkpoints under ``root`` (None: all).
+            in_memory: also copy the state into host memory after every step, each rank's
+                own copy and one on a buddy rank (on another host where there is one), two
+                generations each. ``restart(restore="latest")`` then takes the newest
+                state wherever it is whole: from memory when the copies are newer than the
+                last disk save (a dead engine costs the step in flight, and no disk read),
+                else from disk, saying why. Without ``root`` (and ``every``), copies in
+                memory only. Arming refuses, before anything changes, where a host's
+                memory cannot hold the copies (four times a rank's state, per rank).
         """
         self._ctx.check_open()
         from ..autosave.autosave import autosave, describe
 
-        if root is None:
+        if root is None and in_memory is False:
             if every is not None or state is not None or loaders is not None:
-                raise TypeError("sess.autosave() with no root only says where the autosave is; pass root= to arm it")
+                raise TypeError("sess.autosave() with no root only says where the autosave is; pass root= to arm it "
+                                "(or in_memory=True for copies in memory only)")
             return describe(self._ctx)
-        if every is None:
+        if every is None and root is not None:
             raise TypeError("sess.autosave(root, every=N, ...): say after how many optimizer steps it saves")
         return autosave(self._ctx, root, every=every, model=model, optimizer=optimizer, state=state, loaders=loaders,
-                        keep_last=keep_last)
+                        keep_last=keep_last, in_memory=in_memory)
 
     def stop_autosave(self) -> None:
         """Stop the ranks' autosave (a save under way still finishes), or forget a

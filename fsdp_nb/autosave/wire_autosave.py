@@ -5,15 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AutosaveSpec", "AutosaveState"]
+__all__ = ["AutosaveSpec", "AutosaveState", "HeldCopies"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class AutosaveSpec:
     """One ``sess.autosave`` call, as every rank receives it."""
 
-    root: str
-    """The folder (local path or fsspec URL) that holds one ``step-<N>`` checkpoint per save."""
+    root: str | None
+    """The folder (local path or fsspec URL) that holds one ``step-<N>`` checkpoint per save;
+    None: copies in memory only (``in_memory``)."""
     storage_options: dict[str, Any]
     """fsspec options for ``root``, as the notebook has them."""
     every: int
@@ -38,6 +39,11 @@ class AutosaveSpec:
     """What the notebook knows of every save (versions); the ranks add the time and step."""
     start_step: int = 0
     """The step count to go on from (the step of the checkpoint a restart restored)."""
+    in_memory: bool = False
+    """Also copy the state after every step into host memory, this rank's and its buddy's
+    (``autosave.rank_memory_copies``)."""
+    buddies: tuple[int, ...] = ()
+    """With ``in_memory``: ``buddies[r]`` is the rank that keeps rank r's copies."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,3 +64,23 @@ class AutosaveState:
     blocked_s: float = 0.0
     """Seconds training on this rank was held by its autosaves: the saves' calls at the
     iteration boundary and the waits of later steps for their staging copies."""
+    copies: HeldCopies | None = None
+    """With ``in_memory``: what this rank holds in memory."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeldCopies:
+    """What one rank holds in memory of the in-memory autosave."""
+
+    own: tuple[int, ...]
+    """The steps of its own complete generations, oldest first."""
+    held: dict[int, tuple[int, ...]]
+    """Ward rank -> the steps of that rank's complete generations held here."""
+    bytes: int = 0
+    """Host bytes the generations take."""
+    waited_s: float = 0.0
+    """Seconds training waited for the copies on this rank."""
+    copy_s: float = 0.0
+    """Seconds the copy thread spent staging and sending."""
+    failed: str | None = None
+    """Why the last copy did not complete, if it did not."""

@@ -25,11 +25,17 @@ class _Answer(Protocol):
 
 A = TypeVar("A", bound=_Answer)
 
-__all__ = ["DESC", "agree", "any_rank", "checkpoint_group", "current_group", "gathered", "rank_and_world"]
+__all__ = [
+    "COPIES", "DESC", "agree", "any_rank", "background_groups", "checkpoint_group", "copy_group", "current_group",
+    "gathered", "rank_and_world",
+]
 
 DESC = "checkpoint"
 """The checkpoint group's description (``group_desc``): how the hang watch knows it and
 names it."""
+COPIES = "memory copies"
+"""The description of the group the in-memory autosave's copies travel on
+(:func:`copy_group`), a background group like the checkpoint group."""
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -98,8 +104,31 @@ def checkpoint_group() -> Any:
     held = part(CheckpointGroup)
     world = dist.group.WORLD
     if held.world is not world:
-        held.world, held.group = world, dist.new_group(backend="gloo", group_desc=DESC)
+        held.world, held.group, held.copies = world, dist.new_group(backend="gloo", group_desc=DESC), None
     return held.group
+
+
+def copy_group() -> Any:
+    """A gloo group of all ranks for the in-memory autosave's copies between peers (made
+    once per world, by every rank at once: the first call is a collective). Its sends run
+    in a background thread, apart from the checkpoint group's collectives and the
+    training's; the hang watch counts it with the checkpoint group (:func:`background_groups`)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    held = part(CheckpointGroup)
+    checkpoint_group()  # the world's checkpoint group first, on every rank in one order
+    if held.copies is None:
+        held.copies = dist.new_group(backend="gloo", group_desc=COPIES)
+    return held.copies
+
+
+def background_groups() -> tuple[Any, ...]:
+    """The groups whose collectives run in the background, not the training's: the
+    checkpoint group and the copy group, those this world made. Never makes one."""
+    held = RANK.find(CheckpointGroup)
+    return () if held is None else tuple(g for g in (held.group, held.copies) if g is not None)
 
 
 def current_group() -> Any:
@@ -117,12 +146,13 @@ class CheckpointGroup(Part):
     def __init__(self) -> None:
         self.world: Any = None
         self.group: Any = None
+        self.copies: Any = None
 
     def reformed(self, world: World) -> None:
         import torch.distributed as dist
 
         if self.world is not (dist.group.WORLD if dist.is_initialized() else None):  # one of the old group's
-            self.world = self.group = None
+            self.world = self.group = self.copies = None
 
     def closed(self) -> None:
-        self.world = self.group = None
+        self.world = self.group = self.copies = None

@@ -52,8 +52,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from ..engine.checkpoint_group import COPIES, background_groups
 from ..engine.checkpoint_group import DESC as CHECKPOINT
-from ..engine.checkpoint_group import current_group
 from ..engine.registry import Part, World, part
 from ..engine.retired_groups import RetiredGroups, retired
 from ..engine.signing import Link, ListenerState, Refused, start_listener
@@ -177,7 +177,7 @@ def _recorded(dump: dict[str, Any], flying: dict[str, int]) -> Collective | None
         e = (named or same)[-1]
         desc = str((tuple(e.get("process_group") or ()) + ("", ""))[1])
         desc, ranks = groups.get(str(pg), (desc or str(pg), None))
-        if desc == CHECKPOINT:  # the recorder's own key for a group, not torch's group name
+        if desc in (CHECKPOINT, COPIES):  # the recorder's own key for a group, not torch's group name
             continue
         since = int(e.get("time_created_ns") or 0) / 1e9
         if best is not None and since >= best.since:
@@ -279,7 +279,7 @@ class RankWatch(Part):
         except (RuntimeError, AttributeError, ImportError):
             return ()
         at, out, seen = self.clock(), [], set()
-        saving = current_group()
+        saving = background_groups()
         for pg in groups:
             try:
                 name = str(pg.group_name)
@@ -294,7 +294,7 @@ class RankWatch(Part):
                 if self.counts.get(key, (None,))[0] != seq:
                     self.counts[key] = (seq, at)
                 out.append(GroupCount(name=name, desc=desc, ranks=ranks, backend=backend, seq=seq,
-                                      since=self.counts[key][1], checkpoint=pg is saving))
+                                      since=self.counts[key][1], checkpoint=any(pg is g for g in saving)))
         for key in set(self.counts) - seen:  # groups destroyed since
             del self.counts[key]
         return tuple(out)

@@ -108,11 +108,34 @@ class MemoryPlan:
     _HEAD = ("rank", "peak", *CATEGORIES, "peak in")
     _WHAT_IF_HEAD = ("what if", "peak", "fits", "cost")
 
+    @property
+    def copies(self) -> list[int]:
+        """Per rank, the host bytes ``sess.autosave(..., in_memory=True)`` would keep: two
+        generations of its own state and two of its buddy's (the largest rank's state, at
+        most). 0 for a rank whose state the plan did not weigh."""
+        most = max((r.state for r in self.ranks), default=0)
+        return [2 * r.state + 2 * most if r.state else 0 for r in self.ranks]
+
+    def copies_line(self) -> str:
+        """What the in-memory autosave would hold in host memory, in one line ("" when
+        the plan did not weigh it)."""
+        held = max(self.copies, default=0)
+        if not held:
+            return ""
+        where = ("in host memory, beside the GPU's" if self.device == "cuda" else
+                 "in the rank's share of host memory, on top of the peak")
+        return (f"autosave(in_memory=True) would keep up to {fmt_bytes(held)} per rank {where}: two generations of "
+                f"its own state ({fmt_bytes(max(r.state for r in self.ranks))}: shards and optimizer state) and "
+                "two of its buddy's")
+
     def to_text(self) -> str:
-        """The plan as plain text: the verdict, the per-rank table, the what-ifs, the notes."""
+        """The plan as plain text: the verdict, the per-rank table, the what-ifs, what the
+        in-memory autosave would hold, the notes."""
         parts = [self.verdict(), text_table(self._HEAD, self._rank_rows())]
         if self.what_ifs:
             parts.append(text_table(self._WHAT_IF_HEAD, self._what_if_rows()))
+        if line := self.copies_line():
+            parts.append(line)
         parts += [f"note: {n}" for n in self.notes]
         return "\n\n".join(parts)
 
@@ -138,6 +161,8 @@ class MemoryPlan:
                  html_table(self._HEAD, self._rank_rows(), cls="fsdp-nb-plan")]
         if self.what_ifs:
             parts.append(html_table(self._WHAT_IF_HEAD, self._what_if_rows(), cls="fsdp-nb-what-if"))
+        if line := self.copies_line():
+            parts.append(f"<small>{html.escape(line)}</small>")
         parts += [f"<small>note: {html.escape(n)}</small>" for n in self.notes]
         return "<div class='fsdp-nb-memory-plan'>" + "<br>".join(parts) + "</div>"
 

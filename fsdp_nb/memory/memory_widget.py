@@ -68,7 +68,7 @@ class MemorySnapshot:
                 fmt_bytes(s.used), fmt_bytes(s.budget) if s.budget else "-", f"{pct:.1f}%",
                 fmt_bytes(s.peak),
                 fmt_bytes(s.device_reserved) if s.device_reserved is not None else "-",
-                *((fmt_bytes(kinds[k]) if kinds else "-" for k in KINDS) if self.split else ()),
+                *((fmt_bytes(kinds.get(k)) if kinds else "-" for k in KINDS) if self.split else ()),
             ))
         return out
 
@@ -130,6 +130,8 @@ class MemorySnapshot:
             if s.on_device:
                 detail += (f" &middot; reserved {fmt_bytes(s.device_reserved or 0)} &middot; "
                            f"RSS {fmt_bytes(s.resident)}")
+                if s.copies:
+                    detail += f" &middot; copies in host memory {fmt_bytes(s.copies)}"
             if s.kinds:
                 detail += "<br>" + " &middot; ".join(
                     f"<span style='color:{_KIND_COLOURS[k]}'>&#9632;</span> {k} {fmt_bytes(v)}"
@@ -146,9 +148,10 @@ class MemorySnapshot:
                 f"line: history</small><table style='font-size:12px'>{''.join(rows)}</table></div>")
 
 
-KINDS = ("parameters", "gradients", "optimizer", "rest")
-"""What a rank's memory is split into once a model is wrapped."""
-_KIND_COLOURS = {**{k: CATEGORY_COLOURS[k] for k in KINDS[:3]}, "rest": "#9d9d9d"}
+KINDS = ("parameters", "gradients", "optimizer", "copies", "rest")
+"""What a rank's memory is split into once a model is wrapped (``copies``: the in-memory
+autosave's, on a CPU rank)."""
+_KIND_COLOURS = {**{k: CATEGORY_COLOURS[k] for k in KINDS[:3]}, "copies": "#b07aa1", "rest": "#9d9d9d"}
 
 
 def _used_bar(s: MemorySample, pct: float, color: str) -> str:

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from ..engine.namespace import user_ns
@@ -29,7 +30,7 @@ from ..engine.step import StepListener, owner
 from ..models.rank_wrap import wrapped
 from ..torch_compat import local_tensor
 
-__all__ = ["EVERY", "KindReadings", "MemoryKinds", "MemoryReading", "by_kind", "readings"]
+__all__ = ["EVERY", "KindReadings", "MemoryKinds", "MemoryReading", "by_kind", "copy_bytes", "note_copies", "readings"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -77,6 +78,32 @@ def by_kind(models: Mapping[str, Any] | None = None, namespace: Mapping[str, Any
     state = [v for o in list(names.values()) if isinstance(o, torch.optim.Optimizer)
              for s in list(o.state.values()) for v in list(s.values()) if isinstance(v, torch.Tensor)]
     return _bytes(params), _bytes(grads), _bytes(state)
+
+
+_SLOTS = MappingProxyType({"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "RMSprop": 1,
+                           "SGD": 1})
+"""Tensors like a parameter an optimizer keeps per parameter (before its first step, when
+its state is still empty); an optimizer not listed is counted at 2."""
+
+
+def copy_bytes(model: Any, optims: list[Any]) -> int:
+    """Bytes of this rank's shards of ``model`` (parameters and buffers) and of ``optims``'
+    state: what one copy of the in-memory autosave holds (an optimizer that has not stepped
+    yet is counted by its kind). Fake tensors (a plan) are counted as real ones."""
+    import torch
+
+    def size(t: Any) -> int:
+        t = local_tensor(t)
+        return int(t.numel() * t.element_size())
+
+    total = sum(size(p) for p in model.parameters()) + sum(size(b) for b in model.buffers())
+    for o in optims:
+        held = [v for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        if held:
+            total += sum(size(v) for v in held)
+        else:
+            total += _SLOTS.get(type(o).__name__, 2) * sum(size(p) for g in o.param_groups for p in g["params"])
+    return total
 
 
 class KindReadings(StepListener):
@@ -155,6 +182,9 @@ class MemoryKinds(Part):
 
     def __init__(self) -> None:
         self.readings = KindReadings()
+        self.copies = 0
+        """Host bytes the in-memory autosave's copies hold on this rank (its own and its
+        ward's generations), as the autosave last said (:func:`note_copies`)."""
 
     def reformed(self, world: World) -> None:
         """The models may have been rebuilt or re-sharded: read again, if a feed reads them."""
@@ -164,6 +194,12 @@ class MemoryKinds(Part):
     def closed(self) -> None:
         self.readings.uninstall()
         self.readings.value = None
+
+
+def note_copies(nbytes: int) -> None:
+    """The in-memory autosave's copies now hold ``nbytes`` of host memory on this rank
+    (what its memory samples say from now on)."""
+    part(MemoryKinds).copies = int(nbytes)
 
 
 def readings() -> KindReadings:
@@ -185,4 +221,4 @@ class MemoryReading(Reading):
     def read(self, rank: int, seq: int, process: Any) -> Any:
         from .rank_memory_sample import read
 
-        return read(rank, readings().kept(), seq=seq, process=process)
+        return read(rank, readings().kept(), seq=seq, process=process, copies=part(MemoryKinds).copies or None)

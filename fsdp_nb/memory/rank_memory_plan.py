@@ -36,6 +36,7 @@ from ..models.wire_mesh_plan import MeshPlan
 from ..models.wire_wrap_options import WrapOptions
 from ..torch_compat import fake_process_group, fake_tensor_mode, fsdp_memory_tracker, tree_map_only
 from ..wire.decode import encode
+from .rank_memory_kinds import copy_bytes
 from .rank_memory_sample import peak_resident, reset_peak_resident
 from .wire_memory_plan import PlanAnswer, PlanJob, RankMemory, StepSpec, TensorSpec, categories
 
@@ -162,8 +163,9 @@ def run_step(model: Any, optimizer: Any, step: Any, batch: Any, steps: int, unit
     snap = dict(peak.get(dev, {})) if dev is not None else {}
     total = int(snap.pop("Total", 0))
     detail = {getattr(k, "value", str(k)): int(v) for k, v in snap.items()}
+    state = copy_bytes(model, [optimizer] if optimizer is not None else [])
     return RankMemory(rank=_rank(), peak=total, **categories(detail), peak_unit=place.unit, peak_phase=place.phase,
-                      detail=detail)
+                      detail=detail, state=state)
 
 
 def _rank() -> int:

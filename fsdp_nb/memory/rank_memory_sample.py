@@ -95,7 +95,8 @@ def reset_peak_resident() -> None:
         f.write("5")
 
 
-def read(rank: int, kinds: tuple[int, int, int] | None, *, seq: int = 0, process: Any = None) -> MemorySample:
+def read(rank: int, kinds: tuple[int, int, int] | None, *, seq: int = 0, process: Any = None,
+         copies: int | None = None) -> MemorySample:
     """What this rank holds now.
 
     Args:
@@ -104,6 +105,7 @@ def read(rank: int, kinds: tuple[int, int, int] | None, *, seq: int = 0, process
             ``memory_kinds`` read them on the main thread; None before a model is wrapped.
         seq: the sample's number within its sampler.
         process: this process's ``psutil.Process`` (a sampler keeps one; default: a new one).
+        copies: host bytes the in-memory autosave's copies hold here (None: none).
     """
     import psutil
 
@@ -123,4 +125,4 @@ def read(rank: int, kinds: tuple[int, int, int] | None, *, seq: int = 0, process
     return MemorySample(rank=rank, t=time.time(), device=device, resident=rss,
                         resident_peak=max(peak_resident(), rss), budget=budget,
                         device_allocated=allocated, device_reserved=reserved, device_peak=peak,
-                        parameters=params, gradients=grads, optimizer=state, seq=seq)
+                        parameters=params, gradients=grads, optimizer=state, seq=seq, copies=copies)

@@ -118,6 +118,9 @@ class RankMemory:
     device_peak: int | None = None
     """Measured on CUDA only: ``torch.cuda.max_memory_allocated`` over the step (every
     tensor on the device, the model's shards included, as the plan's peak includes them)."""
+    state: int = 0
+    """This rank's shards (parameters, buffers) and optimizer state after the step: what
+    one copy of the in-memory autosave holds (``sess.autosave(..., in_memory=True)``)."""
 
     def by_category(self) -> dict[str, int]:
         """Category -> bytes at the peak, in ``CATEGORIES`` order (parameters, gradients,

@@ -47,6 +47,10 @@ class MemorySample:
     """Bytes of the engine globals' optimizer state."""
     seq: int = 0
     """Sequence number within its sampler (0 for a single reading)."""
+    copies: int | None = None
+    """Host bytes the in-memory autosave's copies hold on this rank: two generations of its
+    own state and of its buddy's (None: none). On a CPU rank part of ``resident``; on a GPU
+    rank beside ``used``, which counts the GPU."""
     received: float = field(default=0.0, compare=False)
     """Notebook wall-clock time the sample arrived (set by the notebook; 0 when it was not
     received over the side channel)."""
@@ -70,13 +74,15 @@ class MemorySample:
     def rest(self) -> int:
         """Everything but parameters, gradients and optimizer state: activations,
         temporaries (and on CPU the process itself)."""
-        return max(0, self.used - (self.parameters or 0) - (self.gradients or 0) - (self.optimizer or 0))
+        held = (self.copies or 0) if not self.on_device else 0
+        return max(0, self.used - (self.parameters or 0) - (self.gradients or 0) - (self.optimizer or 0) - held)
 
     @property
     def kinds(self) -> dict[str, int] | None:
-        """``used`` split into parameters, gradients, optimizer state and the rest (None
-        before a model is wrapped)."""
+        """``used`` split into parameters, gradients, optimizer state, on a CPU rank the
+        in-memory autosave's copies, and the rest (None before a model is wrapped)."""
         if self.parameters is None:
             return None
+        copies = {"copies": self.copies} if self.copies and not self.on_device else {}
         return {"parameters": self.parameters, "gradients": self.gradients or 0,
-                "optimizer": self.optimizer or 0, "rest": self.rest}
+                "optimizer": self.optimizer or 0, **copies, "rest": self.rest}

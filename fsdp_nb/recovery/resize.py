@@ -30,6 +30,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..autosave.autosave import Autosaving, arm, describe
 from ..autosave.autosave import stop as stop_autosave
 from ..checkpoints.async_saves import wait_pending
 from ..errors import ResizeError
@@ -41,6 +42,7 @@ from . import regroup
 from .resize_checks import ResizePlan, check
 
 if TYPE_CHECKING:
+    from ..autosave.wire_autosave import AutosaveSpec
     from ..context import SessionContext
 
 log = logging.getLogger("fsdp_nb")
@@ -72,6 +74,10 @@ class ResizeReport:
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds each phase took."""
 
+    autosave: str = ""
+    """What became of an in-memory autosave: armed again on the new world, its copies
+    taken under the new buddy map before the resize returned."""
+
     @property
     def seconds(self) -> float:
         """The whole resize, in seconds."""
@@ -91,9 +97,36 @@ class ResizeReport:
             where = "new ranks do not have" if self.new > self.old else "the retired ranks took theirs of"
             lines.append(f"  {where}: {', '.join(self.variables)}")
         lines += [f"  definition not replayed: {f}" for f in self.replay_failures]
+        if self.autosave:
+            lines.append(f"  {self.autosave}")
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _follow(ctx: SessionContext, spec: AutosaveSpec, was: Autosaving | None) -> str:
+    """Arm the in-memory autosave ``spec`` again on the resized world, counting on from the
+    step it had reached (``was``), and copy every rank's state now under the new buddy map:
+    the old world's copies hold shards of another layout, so each rank's state is in its
+    new buddy's memory before the resize returns. Where a rank refuses it by name (a new
+    rank lacks a loader or scheduler a cell made), it stays stopped, and the words say why.
+    What it did, in words."""
+    from ..autosave import rank_autosave as engine_autosave
+
+    step = next((r.step for r in (was.ranks if was else ()) if r is not None), spec.start_step)
+    try:
+        arm(ctx, dataclasses.replace(spec, start_step=step))
+    except (NameError, TypeError, ValueError, MemoryError) as exc:  # refused by name on some rank: nothing armed
+        why = str(exc).splitlines()[0]
+        log.warning("sess.resize: the autosave was not armed again: %s", why)
+        return (f"autosave stopped, not armed again on the new world: {why}. Make what it names on every rank "
+                "(a new rank has only the model and its optimizers), then call sess.autosave(...) again")
+    d = ctx.dispatcher
+    d.gather(d.apply("copy into memory", engine_autosave.copy_now))
+    assert ctx.autosave is not None
+    pairs = ", ".join(f"{r}->{b}" for r, b in enumerate(ctx.autosave.buddies))
+    return (f"autosave armed again from step {step}; every rank's state copied into its buddy's memory "
+            f"under the new map ({pairs})" + (f"; disk saves go on under {spec.root}" if spec.root else ""))
 
 
 def resize(ctx: SessionContext, n: int, staging: str | None = None, timeout: float = 120.0) -> ResizeReport:
@@ -112,7 +145,11 @@ def resize(ctx: SessionContext, n: int, staging: str | None = None, timeout: flo
     if n == ctx.world_size:
         return report
     wait_pending(ctx)
-    if ctx.autosave is not None:  # its checkpoints keep each rank's own state for this world size
+    follow = None
+    if ctx.autosave is not None and ctx.autosave.in_memory:  # armed again on the new world, below
+        follow = (ctx.autosave, describe(ctx))
+        stop_autosave(ctx)
+    elif ctx.autosave is not None:  # its checkpoints keep each rank's own state for this world size
         root = ctx.autosave.root
         stop_autosave(ctx)
         log.warning("sess.resize(%d) stopped the autosave to %s (its checkpoints keep %d ranks' own state): "
@@ -133,6 +170,8 @@ def resize(ctx: SessionContext, n: int, staging: str | None = None, timeout: flo
                 ctx.keeper.refresh(ctx)
             ctx.cluster.keep_standby()
     shutil.rmtree(folder, ignore_errors=True)
+    if follow is not None:
+        report.autosave = _follow(ctx, *follow)
     ctx.dispatcher.notify("resize", "recovered", tuple(range(n)), note=f"{report.old} -> {n} ranks")
     log.info("%s", report)
     return report

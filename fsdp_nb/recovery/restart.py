@@ -165,7 +165,15 @@ def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
         d.gather(d.apply(f"setup {getattr(setup, '__qualname__', 'function')}", _ns.call_setup,
                          args=(by_value(setup),)))
         clock.mark("setup ran")
-    if plan is not None:
+    if plan is not None and plan.memory is not None:
+        from ..autosave.memory_copies import restore as from_memory
+
+        progress.at("restore")
+        spec = ctx.autosave or ctx.suspended_autosave or ctx.last_autosave
+        assert spec is not None  # a plan from memory is made from the session's autosave
+        from_memory(ctx, spec, plan.memory)
+        clock.mark("state moved from memory")
+    elif plan is not None:
         progress.at("restore")
         if plan.parts:
             load(ctx, plan.path, [m for m, _ in plan.parts], optimizer=[o for _, o in plan.parts], state=plan.state,
@@ -175,6 +183,7 @@ def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
         clock.mark("checkpoint loaded")
     progress.at("re-arm the autosave")
     autosave = _rearm(ctx, plan, bool(dead) or rebuilt_before)
+    clock.mark("autosave armed again")
     ctx.lifecycle.to("ready")
     report = RestartReport(replaced=tuple(dead), rebuilt=rebuilt, restored=plan, repointed=repointed,
                            setup=setup is not None, autosave=autosave, survivors=tuple(

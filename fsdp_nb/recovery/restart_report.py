@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..autosave.memory_copies import MemoryRestore
 from ..errors import CheckpointError, RankError
 from ..formats.inspect import inspect
 from ..formats.run_state import RNG
@@ -48,6 +49,11 @@ class RestorePlan:
     parts: tuple[tuple[str, str | None], ...] = ()
     """Of a checkpoint holding several models: each wrapped one it loads, with its
     optimizer (``model`` / ``optimizer`` are the first)."""
+    memory: MemoryRestore | None = None
+    """Where the in-memory autosave's copies serve it (``path`` is then ``"memory"``)."""
+    fallback: str = ""
+    """Why the in-memory autosave's copies did not serve it, when there are such copies and
+    the disk served instead."""
 
     def what(self) -> str:
         """The loaded parts, in words."""
@@ -61,8 +67,11 @@ class RestorePlan:
         parts += [repr(n) for n in self.state]
         if self.rng:
             parts.append("each rank's random state")
+        if self.memory is not None:
+            return f"{', '.join(parts)}: {self.memory.what()}; nothing was read from disk"
         step = f" (step {self.step})" if self.step is not None else ""
-        return f"{', '.join(parts)} from {self.path}{step}"
+        back = f"; from disk, because {self.fallback}" if self.fallback else ""
+        return f"{', '.join(parts)} from {self.path}{step}{back}"
 
 
 def restore_plan(ctx: SessionContext, restore: str | None, dead: list[int],
@@ -79,6 +88,12 @@ def restore_plan(ctx: SessionContext, restore: str | None, dead: list[int],
         return None
     if not isinstance(restore, str) or not restore:
         raise TypeError(f"restore must be a checkpoint path, or 'latest', got {restore!r}")
+    fallback = ""
+    if restore == "latest" and (spec := ctx.autosave or ctx.suspended_autosave or ctx.last_autosave):
+        if spec.in_memory:
+            plan, fallback = _from_memory(ctx, spec, dead, setup)
+            if plan is not None:
+                return plan
     path = latest(ctx) if restore == "latest" else restore
     info = inspect(path, storage_options=options_for(path))
     if not info.valid:
@@ -125,7 +140,46 @@ def restore_plan(ctx: SessionContext, restore: str | None, dead: list[int],
         )
     several = info.optimizers if info.optimizers and not parts else None  # one model's optimizers, loaded together
     return RestorePlan(path, model, several or saved_optim, state, RNG in kept and info.world_size == ctx.world_size,
-                       info.step, parts)
+                       info.step, parts, fallback=fallback)
+
+
+def _from_memory(ctx: SessionContext, spec: Any, dead: list[int], setup: Callable[[], Any] | None,
+                 ) -> tuple[RestorePlan | None, str]:
+    """The plan of a restore from the in-memory autosave's copies, where every rank's state
+    is whole in memory at a step no older than the newest disk autosave's; else (None, why
+    not), and the disk serves."""
+    from ..autosave.autosave import latest
+    from ..autosave.memory_copies import find
+
+    if spec.model not in ctx.wraps:
+        return None, f"the copies in memory are of model {spec.model!r}, which this session no longer wraps"
+    found = find(ctx, spec)
+    if found.step is None:
+        if spec.root is None:
+            raise CheckpointError(f"restart(restore='latest'): {found.why}, and the autosave writes no disk "
+                                  "checkpoint to fall back to (it was armed with in_memory=True and no root). "
+                                  "Nothing was changed")
+        return None, found.why
+    disk = None
+    if spec.root is not None:
+        try:
+            disk = inspect(latest(ctx), storage_options=options_for(spec.root)).step
+        except CheckpointError:
+            disk = None
+    if disk is not None and disk > found.step:
+        return None, f"the disk autosave of step {disk} is newer than the copies in memory (step {found.step})"
+    names = (*spec.loaders, *spec.state)
+    fresh = sorted(set(dead) | set(found.sources))
+    if fresh and setup is None:
+        raise ValueError(
+            f"restart(restore='latest') would restore {', '.join(map(repr, (*spec.optimizers, *names)))} from memory "
+            f"on every rank, but rank(s) {', '.join(map(str, fresh))} are new engines, which have none of what cells "
+            "made there. Pass setup=fn, a function that makes them on every rank from the rebuilt model (def fn(): "
+            f"global {spec.optimizers[0]}; {spec.optimizers[0]} = ...), and restart restores their state into them. "
+            "Nothing was changed."
+        )
+    optimizer = spec.optimizers if len(spec.optimizers) > 1 else spec.optimizers[0]
+    return RestorePlan("memory", spec.model, optimizer, names, True, found.step, memory=found), ""
 
 
 @dataclass(frozen=True)

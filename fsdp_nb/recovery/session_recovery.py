@@ -68,8 +68,10 @@ class SessionRecovery:
         Anything that stops it (a mesh that does not fit ``n``, too little room to stage)
         is refused before anything changes. A ``"16-mixed"`` scaler carries over, with one
         scale on every rank; a running autosave is stopped (its checkpoints keep the old
-        world's per-rank state: arm it again); a profile under way ends; the step view's
-        windows start afresh.
+        world's per-rank state: arm it again), except one with ``in_memory=True``, armed
+        again on the new world with every rank's state copied to its new buddy, where
+        every rank has what it names (the report says which it did); a profile under way
+        ends; the step view's windows start afresh.
 
         Args:
             n: the new number of ranks.

@@ -137,25 +137,30 @@ def test_a_due_save_is_written_at_a_cells_end_only_where_every_rank_has_it_due(m
     part.armed = a
     monkeypatch.setattr(rank_autosave, "_autosave", lambda: part)
     a.due, a.step = True, 2
-    assert rank_autosave.finish_cell(True) == (2, True) and a.due  # no collective: the notebook decides
+    assert rank_autosave.finish_cell(True) == (2, True, False) and a.due  # no collective: the notebook decides
     rank_autosave.write_due(3)  # not the step this rank has due: nothing
     assert a.due and a.writes == []  # type: ignore[attr-defined]
     rank_autosave.write_due(2)
     assert not a.due and a.writes == [2]  # type: ignore[attr-defined]
     a.due = True
-    assert rank_autosave.finish_cell(False) == (2, False) and not a.due  # a failed call drops it
+    assert rank_autosave.finish_cell(False) == (2, False, False) and not a.due  # a failed call drops it
     rank_autosave.count_from(5)  # the ranks' counts differed: every rank counts on from the highest
     assert (a.step, a.due) == (5, False)
     ctx = fake_context()
     ctx.lifecycle.to("ready")
     ctx.autosave = _spec()
-    for said, ok, then in (([(4, False), (4, False)], True, None), ([(4, True), (4, True)], True, "write_due"),
-                           ([(4, True), (4, False)], True, "drop_due"), ([(4, False), (3, False)], False, "count_from"),
-                           ([(4, True), (4, True)], False, None)):
+    # (each rank's (count, save due, copy in memory pending), the call went well, what the notebook sends next)
+    for said, ok, then in (([(4, False, False)] * 2, True, ()), ([(4, True, False)] * 2, True, ("write_due",)),
+                           ([(4, True, False), (4, False, False)], True, ("drop_due",)),
+                           ([(4, False, False), (3, False, False)], False, ("count_from",)),
+                           ([(4, True, False)] * 2, False, ()),
+                           ([(4, False, True)] * 2, True, ("write_due",)),  # the cell's last step, copied
+                           ([(4, True, True), (4, True, False)], True, ("write_due", "drop_due")),
+                           ([(4, False, True)] * 2, False, ())):  # a failed call: no copy of a step it cut short
         ctx.recovering = FakeDispatcher({"finish_cell": said, "write_due": [None, None], "drop_due": [None, None],
                                          "count_from": [None, None]})
         finish_cell(ctx, ok)
-        assert [fn for _, fn, _ in ctx.recovering.sent] == ["finish_cell", *([then] if then else [])]
+        assert [fn for _, fn, _ in ctx.recovering.sent] == ["finish_cell", *then], said
 
 
 def test_after_the_group_formed_again_the_ranks_agree_on_the_autosave(monkeypatch):
