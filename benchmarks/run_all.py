@@ -29,6 +29,7 @@ BENCHES = {
     "wrap_memory": ("wrap_memory.py", [], ["--dim", "2048", "--layers", "8", "--skip-naive"]),
     "checkpoint_io": ("checkpoint_io.py", [], ["--mb", "64", "--ranks", "2"]),
     "autosave": ("autosave.py", [], ["--rounds", "1", "--steps", "10", "--every", "5"]),
+    "memory_copies": ("memory_copies.py", [], ["--sizes", "small", "--rounds", "1"]),
     "memory_sampler": ("memory_sampler.py", [], ["--rounds", "2", "--steps", "4"]),
     "failures": ("failures.py", [], ["--reps", "1"]),
     "hangs": ("hangs.py", [], ["--rounds", "3", "--steps", "30"]),

@@ -134,11 +134,11 @@ def test_a_kill_during_a_copy_leaves_the_generation_before_it(four, never_stoppe
     s.execute(
         "import fsdp_nb.autosave.rank_memory_copies as _mc\n"
         "_mc_plain = _mc.transfer\n"
-        "def _mc_held(group, sends, *a):\n"
-        "    if rank == 3 and sends and sends[0][1].step == 4:\n"
+        "def _mc_held(group, sends, *a, **kw):\n"
+        "    if rank == 3 and sends and sends[0][1] is not None and sends[0][1].step == 4:\n"
         "        " + mark_code(marker).strip() + "\n"
         "        _am_time.sleep(60)\n"
-        "    return _mc_plain(group, sends, *a)\n"
+        "    return _mc_plain(group, sends, *a, **kw)\n"
         "_mc.transfer = _mc_held\n"
     )
     on_marker(marker, lambda: s.cluster.signal([3], signal.SIGKILL))
@@ -281,12 +281,20 @@ def test_arming_refuses_by_name_where_a_hosts_memory_cannot_hold_the_copies(sess
     forget_models(sess, "mc_r", optimizers=("am_opt", "am_sched", "am_batches"))
 
 
-def test_a_resize_moves_the_buddies_and_a_rank_of_the_new_world_comes_back_from_memory(four, tmp_path):
-    """A resize from 4 ranks to 3 arms the in-memory autosave again, copies every rank's
-    state under the new map (0->1, 1->2, 2->0) before it returns, and a rank of the new
-    world killed after two more steps comes back from its new buddy's memory with the
-    state it had (the model's and optimizer's full tensors, the loader's position)."""
+def test_a_resize_moves_the_buddies_and_a_rank_of_the_new_world_comes_back_from_memory(four, tmp_path, caplog):
+    """A disk-only autosave stops at a resize, saying so (its checkpoints keep the old
+    world's own state). An in-memory one, at a resize from 4 ranks to 3, is armed again,
+    every rank's state copied under the new map (0->1, 1->2, 2->0) before it returns, and
+    a rank of the new world killed after two more steps comes back from its new buddy's
+    memory with the state it had (the model's and optimizer's full tensors, the loader's
+    position)."""
     s = four
+    model = _fresh(s)
+    s.autosave(str(tmp_path / "disk"), every=2, model=model, optimizer="am_opt", loaders=["am_batches"])
+    with caplog.at_level("WARNING", logger="fsdp_nb"):
+        assert "autosave" not in str(s.resize(3))
+    assert s.autosave() is None and "stopped the autosave" in caplog.text
+    s.resize(4)
     model = _fresh(s)
     _arm(s, tmp_path / "auto", model)
     run_out(s, "rs_out = am_train(3)")
@@ -304,3 +312,48 @@ def test_a_resize_moves_the_buddies_and_a_rank_of_the_new_world_comes_back_from_
         assert w_got.keys() == w_want.keys() and all(torch.equal(w_got[k], w_want[k]) for k in w_want)
         assert (pos_got, step_got) == (pos_want, step_want)
     s.stop_autosave()
+
+
+GATE = '''
+import time as _gt_time
+import fsdp_nb.autosave.rank_memory_copies as _gt_mc
+from fsdp_nb.formats.packed_state import Leaf as _GtLeaf, view as _gt_view
+from fsdp_nb.formats.run_state import decode as _gt_decode
+
+_gt_plain = _gt_mc.stage
+
+def _gt_slow(*args):
+    _gt_time.sleep(0.5)  # the copy thread is slow to stage: the next optimizer step must wait for it
+    return _gt_plain(*args)
+
+def gt_train_two():
+    """Two steps in one cell, each rank's shards kept after the first."""
+    global gt_after_one
+    am_train(1)
+    gt_after_one = {k: v.to_local().clone() for k, v in mc_m.state_dict().items()}
+    am_train(1)
+
+def gt_copy_of_step(step):
+    """Whether this rank's own copy of ``step`` holds the shards it had after that step."""
+    gen = next(g for g in _gt_mc.copies().own if g.step == step)
+    body = _gt_decode(gen.rest, "memory", "test")
+    tree, leaves = body["tree"]["model"], [_GtLeaf(*x) for x in body["leaves"]]
+    return all(torch.equal(_gt_view(gen.flat, leaves[tree[k][1]]), v) for k, v in gt_after_one.items())
+'''
+
+
+def test_a_step_waits_for_the_copy_of_the_step_before_it(four, tmp_path):
+    """The copy thread stages the shards of step 1 while step 2 runs; it is held back
+    half a second, so step 2's optimizer would change them first, were it not held at its
+    ``optimizer.step()`` until the staging is done. The copy of step 1 holds step 1's shards."""
+    s = four
+    model = _fresh(s)
+    s.execute(GATE + "\n_gt_mc.stage = _gt_slow")
+    try:
+        _arm(s, None, model)
+        s.execute("gt_train_two()")
+        assert s.run(lambda: gt_copy_of_step(1)) == [True] * s.world_size  # noqa: F821 - an engine global
+        assert all(r.blocked_s >= 0.4 for r in s.autosave().ranks)  # the step waited for the staging
+    finally:
+        s.execute("_gt_mc.stage = _gt_plain")
+        s.stop_autosave()

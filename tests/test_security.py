@@ -9,6 +9,9 @@ cluster's key, against a real 2-rank session.
 - a poisoned checkpoint (its optimizer item's pickle runs code) is refused by
   ``sess.load``, consolidate, export and the checkpoint browser, with and without a
   valid marker: a clear error, the model unchanged, nothing ran;
+- a peer that went bad on the in-memory autosave's copy group: a copy announced far
+  larger than a rank's state allocates nothing, and one whose rest would run code as it
+  is unpickled is refused by the weights-only reader;
 - records, logs and stack dumps are private; a planted link is not followed;
 - kill -9 of the controller and then of the kernel leaves nothing of the session
   running 30 s later; a pid whose process changed is never signalled.
@@ -579,3 +582,57 @@ def test_killing_the_controller_then_the_kernel_leaves_nothing_running(kernel):
     assert fsdp_nb.sessions() == []
     # the watchdog also removed the cluster's files and the stack dumps
     assert os.listdir(security) == [] and not os.path.exists(files[1])
+
+
+def _peer_attack(marker: str) -> str:
+    """On the ranks: rank 1 plays a peer that went bad on the copy group. First it
+    announces a copy far larger than a rank's state; then a copy of a plausible size whose
+    rest is a pickle that would run code. Rank 0 receives each as its buddy would, and
+    says what happened."""
+    import io
+    import pickle
+
+    import torch as t
+
+    from fsdp_nb.autosave import rank_copy_transfer as ct
+    from fsdp_nb.autosave import rank_memory_copies as mc
+    from fsdp_nb.engine.checkpoint_group import copy_group
+    from fsdp_nb.errors import UnsafeCheckpointError
+
+    class Payload:
+        def __reduce__(self):
+            return (io.open, (marker, "w"))
+
+    buf = io.BytesIO()
+    pickle.dump({"state": {}, "x": Payload()}, buf)
+    group = copy_group()
+    if rank == 1:  # type: ignore[name-defined]  # noqa: F821 - an engine global
+        t.distributed.send(t.tensor([7, 1 << 40, 16], dtype=t.int64), 0, group=group)
+        bad = ct.Generation(7, t.zeros(64, dtype=t.uint8), buf.getvalue(), 64)
+        ct.transfer(group, [(0, bad)], None)
+        return "sent"
+    said = []
+    got, failed = ct.transfer(group, [], 1, limit=1 << 20)
+    said.append(f"{got} {failed}")
+    got, failed = ct.transfer(group, [], 1, expect=7, limit=1 << 20)
+    assert got is not None and failed is None
+    try:
+        mc.apply(got, None, [], (), "rank 1's copy of step 7")
+    except UnsafeCheckpointError as exc:
+        said.append(type(exc).__name__)
+    return " | ".join(said)
+
+
+def test_a_bad_peer_on_the_copy_group_allocates_nothing_and_runs_nothing(sess, tmp_path):
+    """The in-memory autosave's copies travel on a gloo group of their own: a rank that
+    announces a copy of 1 TiB is refused before anything is allocated, and a copy whose
+    rest would run code as it is unpickled is refused by the weights-only reader, before
+    any model is touched (none is passed here: the refusal comes first)."""
+    marker = tmp_path / "ran"
+    said = sess.run(_peer_attack, str(marker))
+    assert said[1] == "sent"
+    assert said[0].startswith("None ") and "announced a copy of 1099511627776 + 16 bytes" in said[0], said[0]
+    assert "refused before anything was allocated" in said[0], said[0]
+    assert said[0].endswith("UnsafeCheckpointError"), said[0]
+    assert not marker.exists()
+    assert sess.all_reduce_check() == 1.0  # the session answers its next call

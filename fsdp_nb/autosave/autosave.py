@@ -56,8 +56,8 @@ class Autosaving:
 
     root: str | None
     """The folder of ``step-<N>`` checkpoints (None: copies in memory only)."""
-    every: int
-    """Optimizer steps between saves."""
+    every: int | None
+    """Optimizer steps between disk saves (None: copies in memory only)."""
     model: str
     """The model saved."""
     optimizers: tuple[str, ...]
@@ -81,10 +81,10 @@ class Autosaving:
     def __repr__(self) -> str:
         kept = f", keeping the last {self.keep_last}" if self.keep_last else ""
         named = ", ".join([self.model, *self.optimizers, *self.loaders, *self.state, "each rank's random state"])
-        to = f"to {self.root} every {self.every} optimizer steps{kept}" if self.root else "to memory only"
+        to = f"to {self.root} every {self.every} optimizer steps{kept}" if self.root else ""
         if self.in_memory:
-            to += ", and into memory after every step (each rank's own copy and its buddy's: " + ", ".join(
-                f"{r}->{b}" for r, b in enumerate(self.buddies)) + ")"
+            to += (", and " if to else "") + "into memory after every step (each rank's own copy and its buddy's: " + (
+                ", ".join(f"{r}->{b}" for r, b in enumerate(self.buddies))) + ")"
         where = ""
         if self.suspended:
             where = f"; {SUSPENDED}"
@@ -163,8 +163,8 @@ def autosave(ctx: SessionContext, root: str | None, *, every: int | None, model:
                         optimizers=optims, state=names, loaders=loader_names, keep_last=keep_last,
                         run=uuid.uuid4().hex[:8], meta=meta, in_memory=in_memory, buddies=buddies)
     arm(ctx, spec)
-    return Autosaving(root, spec.every, name, optims, names, keep_last, loaders=loader_names, in_memory=in_memory,
-                      buddies=buddies)
+    return Autosaving(root, spec.every if root else None, name, optims, names, keep_last, loaders=loader_names,
+                      in_memory=in_memory, buddies=spec.buddies if ctx.autosave is None else ctx.autosave.buddies)
 
 
 def arm(ctx: SessionContext, spec: AutosaveSpec) -> None:
@@ -172,7 +172,12 @@ def arm(ctx: SessionContext, spec: AutosaveSpec) -> None:
     from . import rank_autosave as engine_autosave
 
     if spec.in_memory:  # the hosts of the ranks now (a restart's or resize's new engines)
-        spec = dataclasses.replace(spec, buddies=buddy_map(ctx.cluster.hosts))
+        hosts = ctx.cluster.hosts
+        spec = dataclasses.replace(spec, buddies=buddy_map(hosts))
+        if same := [(r, b) for r, b in enumerate(spec.buddies) if hosts[r] == hosts[b] and len(set(hosts)) > 1]:
+            log.warning("autosave in memory: no buddy map puts every rank's copy on another host here; rank(s) %s "
+                        "keep their buddy's copy on their own host, so that host's death takes both",
+                        ", ".join(f"{b} (for rank {r})" for r, b in same))
     d = ctx.dispatcher
     raise_outcomes(d.gather(d.apply("arm autosave", engine_autosave.arm, args=(spec,))))
     adopt(ctx, spec)
@@ -233,12 +238,13 @@ def finish_cell(ctx: SessionContext, ok: bool) -> None:
 
 def stop(ctx: SessionContext) -> None:
     """Disarm every rank's autosave (its saves still being written finish), or forget a
-    suspended one."""
+    suspended one; either way the copies in memory are freed."""
     from . import rank_autosave as engine_autosave
 
-    if ctx.autosave is not None:
+    spec = ctx.autosave or ctx.suspended_autosave
+    if spec is not None and (ctx.autosave is not None or spec.in_memory):
         d = ctx.dispatcher
-        d.gather(d.apply("stop autosave", engine_autosave.disarm))
+        d.gather(d.apply("stop autosave", engine_autosave.disarm, args=(spec.in_memory,)))
     adopt(ctx, None)
 
 
@@ -269,8 +275,9 @@ def describe(ctx: SessionContext) -> Autosaving | None:
         live = [r for r in range(ctx.world_size) if r not in dead]
         said = dict(zip(live, d.gather(d.apply("autosave status", engine_autosave.status, ranks=live))))
         ranks = tuple(said.get(r) for r in range(ctx.world_size))
-    return Autosaving(spec.root, spec.every, spec.model, spec.optimizers, spec.state, spec.keep_last, ranks,
-                      spec.loaders, suspended=ctx.autosave is None, in_memory=spec.in_memory, buddies=spec.buddies)
+    return Autosaving(spec.root, spec.every if spec.root else None, spec.model, spec.optimizers, spec.state,
+                      spec.keep_last, ranks, spec.loaders, suspended=ctx.autosave is None, in_memory=spec.in_memory,
+                      buddies=spec.buddies)
 
 
 def latest(ctx: SessionContext) -> str:

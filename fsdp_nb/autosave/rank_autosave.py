@@ -2,30 +2,24 @@
 
 The rank's step owner (``fsdp_nb.engine.step``) tells the armed autosave (:class:`Armed`,
 a listener of order 30) where the loop is. An iteration in which one of the autosave's
-optimizers stepped is counted; the ranks count alike, as every rank steps in the same
-cell. After every N-th the save is due, and it is taken in two parts:
+optimizers stepped is counted; the ranks count alike. After every N-th the save is due,
+taken in two parts: at the step's end (before the loop draws its next batch) each rank's
+random state and each loader's position (``loaders=``, and a torch ``DataLoader`` or
+``Sampler`` named in ``state=``), so a resume draws that batch again; at the iteration's
+boundary (the next training or eval forward, the scheduler and scaler stepped) the model,
+its optimizers and the other ``state=`` objects, and the save is written. With
+``in_memory`` every step is taken so, into memory (``rank_memory_copies``).
 
-1. at the step's end (``step_ended``), before the loop draws its next batch: each rank's
-   random state and the position of each loader (``loaders=``, and a torch ``DataLoader``
-   or ``Sampler`` named in ``state=``), so a resume draws that batch again;
-2. at the iteration's boundary (the next training or eval forward, where the scheduler
-   has stepped and the scaler has updated): the model, its optimizers and the other
-   ``state=`` objects, and the save is written.
+A cell's end is a boundary too, but a rank cannot know in its own post-execute hook that
+every other rank's cell succeeded. So the notebook, after a user call, asks every rank
+(:func:`finish_cell`) whether a save or copy is due, and has every rank take it
+(:func:`write_due`) where all have it at one step; after a failed call each drops it.
 
-A cell that ends on a due step is a boundary too, but a rank cannot know in its own
-post-execute hook that every other rank's cell succeeded, and the save runs collectives.
-So the notebook, after a user call that succeeded on every rank, asks every rank
-(:func:`finish_cell`) whether a save is due, and has every rank write it
-(:func:`write_due`) where all have it due at one step; after a failed call each drops it. A save still due at the next cell's
-first forward (no notebook told the ranks) is written there.
-
-Each save is an async save of ``checkpoint_save`` (``<root>/step-<N>``, ``keep_last``),
-a job of the autosave's own (``rank_async_saves``): training waits for the copy, and
-first for the previous save's write when it has not finished. A failed save is logged on
-the rank and kept for :func:`status`; training goes on. The armed autosave lives in this
-rank's :class:`Autosave` part; when the group forms again the ranks agree on its count
-and whether a save is due (:meth:`Autosave.reformed`), so no rank is left alone in a
-save's collectives.
+Each save is an async save (``<root>/step-<N>``, ``keep_last``), a job of the autosave's
+own (``rank_async_saves``): training waits for its copy, and first for the previous
+save's write. A failed save is logged and kept for :func:`status`; training goes on.
+When the group forms again the ranks agree on the count and on a save due
+(:meth:`Autosave.reformed`), so no rank is left alone in a save's collectives.
 """
 
 from __future__ import annotations
@@ -39,23 +33,17 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..checkpoints import rank_async_saves as async_saves
-from ..checkpoints.rank_run_state import capture, check_objects, is_torch_loader, rng_state
-from ..checkpoints.rank_save import named_objects, save
+from ..checkpoints.rank_run_state import capture, rng_state
+from ..checkpoints.rank_save import save
 from ..checkpoints.wire_checkpoint import Outcome, SaveSpec
-from ..engine.checkpoint_group import agree, gathered, rank_and_world
+from ..engine.checkpoint_group import agree, copy_group, gathered
 from ..engine.namespace import user_ns
 from ..engine.registry import Part, World, part
 from ..engine.step import StepListener, owner
 from ..errors import UnsafeCheckpointError
 from ..formats.metadata import base_metadata
-from ..formats.run_state import RNG, decode, encode, run_meta, state_file
-from .rank_autosave_checks import (
-    agreed,
-    copies_refusal,
-    left_out_optimizers,
-    loader_lookalikes,
-    refusal,
-)
+from ..formats.run_state import RNG, run_meta
+from .rank_autosave_checks import agreed, checked, copies_refusal
 from .rank_memory_copies import arm_copies, copies
 from .wire_autosave import AutosaveSpec, AutosaveState
 
@@ -159,14 +147,8 @@ class Armed(StepListener):
             return
         self.due = due
         # what the loop draws next (the next batch, random draws before the forward) must
-        # come again on a resume: the loaders' positions and the random state, taken now.
-        # A failure is kept for the save, whose ranks agree on it
-        ns = user_ns()
-        try:
-            early = {n: copy.deepcopy(ns[n].state_dict()) for n in self.loaders}
-            early[RNG] = rng_state()
-        except Exception as exc:  # noqa: BLE001 - reported by the save at the boundary, agreed by every rank
-            early = {RNG: exc}
+        # come again on a resume: the loaders' positions and the random state, taken now
+        early = self.early_state()
         if due:
             self.early = early
         if self.spec.in_memory:
@@ -187,20 +169,38 @@ class Armed(StepListener):
                         self.step, why, self.saved or "none")
         self.due, self.early = False, {}
 
+    def early_state(self) -> dict[str, Any]:
+        """The loaders' states and the random state now; a failure is kept in it, for the
+        save (whose ranks agree on it) or the copy (which sends "no copy") to report."""
+        ns = user_ns()
+        try:
+            return {**{n: copy.deepcopy(ns[n].state_dict()) for n in self.loaders}, RNG: rng_state()}
+        except Exception as exc:  # noqa: BLE001 - reported where the state is used, as said
+            return {RNG: exc}
+
+    def copy_whole(self) -> None:
+        """Take the pending copy and wait until the buddy holds it (a cell's end, a resize)."""
+        self.copy_due()
+        copies().wait_exchange()
+        copies().tell_memory()
+
     def copy_due(self) -> None:
         """Copy the state of the step that ended into memory, this rank's and its buddy's
         (``rank_memory_copies``), if a copy is pending (at an iteration boundary)."""
         if self.copy_early is None:
             return
         early, self.copy_early = self.copy_early, None
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), copies().waited_s
         try:
             ns = user_ns()
-            taken = capture((*self.loaders, *self.state), True, early)
+            try:
+                taken: dict[str, Any] | BaseException = capture((*self.loaders, *self.state), True, early)
+            except Exception as exc:  # noqa: BLE001 - this step is not copied, and the buddy is told so
+                taken = exc
             model = ns[self.spec.model]
             copies().take(self.step, model, [ns[o] for o in self.spec.optimizers], taken)
-        finally:
-            self.blocked_s += time.perf_counter() - t0
+        finally:  # the wait for the last copy inside is the copies' own count (state_now adds it)
+            self.blocked_s += time.perf_counter() - t0 - (copies().waited_s - waited)
 
     def write_due(self) -> None:
         """Write the save that is due, if one is (at an iteration boundary)."""
@@ -310,6 +310,8 @@ class Autosave(Part):
         if not due:
             a.drop("the group formed again and not every rank had it due at the same step")
         a.copy_early = None  # a copy pairs with the buddy's: none is taken at a boundary the ranks did not agree on
+        if a.spec.in_memory:
+            copy_group()  # the new world's, made by every rank here, not in a later forward
         a.step, a.branch = step, branch
 
     def closed(self) -> None:
@@ -326,24 +328,17 @@ def arm(spec: AutosaveSpec) -> Outcome:
     (and refuses an object it cannot place, by name), then the ranks agree: all arm, or
     none does and each keeps what it had (the same failed outcome on each)."""
     async_saves.drain()  # an earlier autosave's collectives end before the agreement's
-    mine = None
+    mine: Outcome | None = None
+    model: Any = None
+    optims: list[Any] = []
     loaders: tuple[str, ...] = ()
     try:
-        model = named_objects(spec.model, None)[0]
-        optims = [named_objects(spec.model, o)[1] for o in spec.optimizers]
-        check_objects((*spec.loaders, *spec.state))
-        ns = user_ns()
-        if problem := refusal(spec, loader_lookalikes(spec.state), left_out_optimizers(model, optims, spec)):
-            raise problem
-        loaders = (*spec.loaders, *(n for n in spec.state if is_torch_loader(ns[n])))
-        # a state_dict a load would refuse would fail every save: refused now, by name. Not a
-        # loader's: a StatefulDataLoader's state_dict() can start an iterator, which moves it
-        plain = [n for n in spec.state if n not in loaders]
-        decode(encode(capture(plain, False, None)), spec.root or "memory", state_file(rank_and_world()[0]))
+        model, optims, loaders = checked(spec)
     except (NameError, TypeError, ValueError, UnsafeCheckpointError) as exc:
         mine = Outcome.failed(exc)
+    largest = 0
     if spec.in_memory:  # a collective: every rank, whatever it found above
-        room = copies_refusal(spec, None if mine else model, optims if not mine else [])
+        room, largest = copies_refusal(spec, model, optims)
         mine = mine or (Outcome.failed(room) if room else None)
     bad = agree(mine)
     if bad is not None:
@@ -354,15 +349,19 @@ def arm(spec: AutosaveSpec) -> Outcome:
     _autosave().arm(Armed(spec, loaders, tuple(n for n in spec.state if n not in loaders), spec.start_step,
                           waited_before=saves.waited_s, copies_waited_before=copies().waited_s))
     if spec.in_memory:
-        arm_copies(spec.buddies, spec.start_step)
+        arm_copies(spec.buddies, spec.start_step, largest)
     else:
         copies().forget()
     return Outcome()
 
 
-def disarm() -> int | None:
-    """Stop saving on this rank; the step count it had reached (None: none was armed)."""
+def disarm(forget: bool = False) -> int | None:
+    """Stop saving on this rank; the step count it had reached (None: none was armed).
+    ``forget``: also free the copies in memory (``sess.stop_autosave``; a suspended
+    autosave keeps them for the next restore)."""
     armed = _autosave().disarm()
+    if forget:
+        copies().forget()
     return None if armed is None else armed.step
 
 
@@ -409,9 +408,7 @@ def write_due(step: int, save: bool = True, copy: bool = False) -> None:
     if save and a.due:
         a.write_due()
     if copy and a.copy_early is not None:
-        a.copy_due()
-        copies().wait_exchange()
-        copies().tell_memory()
+        a.copy_whole()
 
 
 def copy_now() -> None:
@@ -420,11 +417,8 @@ def copy_now() -> None:
     a = _autosave().armed
     if a is None or not a.spec.in_memory:
         return
-    ns = user_ns()
-    a.copy_early = {**{n: copy.deepcopy(ns[n].state_dict()) for n in a.loaders}, RNG: rng_state()}
-    a.copy_due()
-    copies().wait_exchange()
-    copies().tell_memory()
+    a.copy_early = a.early_state()
+    a.copy_whole()
 
 
 def drop_due(why: str) -> None:

@@ -18,18 +18,38 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..checkpoints.rank_run_state import is_torch_loader, loader_method
+from ..checkpoints.rank_run_state import capture, check_objects, is_torch_loader, loader_method
+from ..checkpoints.rank_save import named_objects
 from ..engine.checkpoint_group import gathered, rank_and_world
 from ..engine.namespace import user_ns
+from ..formats.run_state import decode, encode, state_file
 from ..memory.rank_memory_kinds import copy_bytes
 from .wire_autosave import AutosaveSpec
 
-__all__ = ["MARGIN", "agreed", "copies_refusal", "left_out_optimizers", "loader_lookalikes", "refusal"]
+__all__ = ["MARGIN", "agreed", "checked", "copies_refusal", "left_out_optimizers", "loader_lookalikes", "refusal"]
 
 MARGIN = 0.2
 """The share of a host's available memory the in-memory autosave leaves free: its copies
 may take the rest, and no more (the room a loader's workers, a save's staging and the
 kernel's page cache need)."""
+
+
+def checked(spec: AutosaveSpec) -> tuple[Any, list[Any], tuple[str, ...]]:
+    """(the model, its optimizers, the engine globals taken as loaders) that ``spec`` names
+    on this rank, each checked: NameError / TypeError naming what is missing or wrong, the
+    refusals of :func:`refusal`, and UnsafeCheckpointError for a ``state=`` object whose
+    ``state_dict`` a load would refuse (every save would fail)."""
+    model = named_objects(spec.model, None)[0]
+    optims = [named_objects(spec.model, o)[1] for o in spec.optimizers]
+    check_objects((*spec.loaders, *spec.state))
+    ns = user_ns()
+    if problem := refusal(spec, loader_lookalikes(spec.state), left_out_optimizers(model, optims, spec)):
+        raise problem
+    loaders = (*spec.loaders, *(n for n in spec.state if is_torch_loader(ns[n])))
+    # not a loader's: a StatefulDataLoader's state_dict() can start an iterator, which moves it
+    plain = [n for n in spec.state if n not in loaders]
+    decode(encode(capture(plain, False, None)), spec.root or "memory", state_file(rank_and_world()[0]))
+    return model, optims, loaders
 
 
 def loader_lookalikes(names: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -95,12 +115,12 @@ def _gib(n: int) -> str:
     return f"{n} B"
 
 
-def copies_refusal(spec: AutosaveSpec, model: Any, optims: list[Any]) -> Exception | None:
+def copies_refusal(spec: AutosaveSpec, model: Any | None, optims: list[Any]) -> tuple[Exception | None, int]:
     """Whether the in-memory autosave fits, agreed by every rank (a collective; ``model``
     None: this rank refused already, and takes part). Each rank keeps two generations of
     its own state and two of its ward's; the ranks of one host together may take its
-    available memory less :data:`MARGIN`. The error names the host, what the copies need
-    and what it has (None: they fit)."""
+    available memory less :data:`MARGIN`. (The error naming the host, what the copies need
+    and what it has, None where they fit; the largest rank's state in bytes.)"""
     import socket
 
     import psutil
@@ -109,11 +129,13 @@ def copies_refusal(spec: AutosaveSpec, model: Any, optims: list[Any]) -> Excepti
     if world < 2:
         return ValueError("autosave(in_memory=True) keeps each rank's state in a peer's memory, and this session "
                           "has one rank: there is no peer. Use sess.autosave(root, every=N) to save to disk, or "
-                          "resize to 2 ranks or more first. Nothing changed")
+                          "resize to 2 ranks or more first. Nothing changed"), 0
     if len(spec.buddies) != world:
-        return ValueError(f"the buddy map {spec.buddies} names {len(spec.buddies)} ranks and the group has {world}")
+        return ValueError(f"the buddy map {spec.buddies} names {len(spec.buddies)} ranks and the group has {world}"), 0
     mine = copy_bytes(model, optims) if model is not None else 0
-    said = gathered((socket.gethostname(), mine, psutil.virtual_memory().available))
+    # a GPU rank's own copies are pinned: the caching host allocator rounds each up to a power of two
+    pinned = model is not None and any(p.is_cuda for p in model.parameters())
+    said = gathered((socket.gethostname(), mine * (2 if pinned else 1), psutil.virtual_memory().available))
     need: dict[str, int] = {}
     avail: dict[str, int] = {}
     for r, (host, own, free) in enumerate(said):
@@ -129,8 +151,8 @@ def copies_refusal(spec: AutosaveSpec, model: Any, optims: list[Any]) -> Excepti
                 f"{_gib(avail[host])} available, of which the copies may take {_gib(room)} "
                 f"({int(MARGIN * 100)}% is left free). Save to disk only (in_memory=False), shard over more ranks, "
                 "or free host memory. Nothing changed"
-            )
-    return None
+            ), 0
+    return None, max(own for _, own, _ in said)
 
 
 def agreed(held: list[tuple[str, int, bool, int] | None]) -> tuple[bool, int, bool, int]:

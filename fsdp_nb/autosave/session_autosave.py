@@ -79,13 +79,14 @@ class SessionAutosave:
                 step, before the loop draws the next batch, so a resume draws it again.
             keep_last: keep the newest this many checkpoints under ``root`` (None: all).
             in_memory: also copy the state into host memory after every step, each rank's
-                own copy and one on a buddy rank (on another host where there is one), two
-                generations each. ``restart(restore="latest")`` then takes the newest
-                state wherever it is whole: from memory when the copies are newer than the
-                last disk save (a dead engine costs the step in flight, and no disk read),
-                else from disk, saying why. Without ``root`` (and ``every``), copies in
-                memory only. Arming refuses, before anything changes, where a host's
-                memory cannot hold the copies (four times a rank's state, per rank).
+                own copy and one on a buddy rank (on another host where the hosts allow),
+                two generations each. ``restart(restore="latest")`` then takes the newest
+                state wherever it is whole: from memory when the copies are no older than
+                the last disk save (a dead engine costs the step in flight, and no disk
+                read), else from disk, saying why. With neither ``root`` nor ``every``,
+                copies in memory only. Needs 2 ranks or more (ValueError). Arming refuses,
+                before anything changes, where a host's memory cannot hold the copies (four
+                times a rank's state, per rank: MemoryError).
         """
         self._ctx.check_open()
         from ..autosave.autosave import autosave, describe

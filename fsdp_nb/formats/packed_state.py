@@ -124,21 +124,34 @@ def _dtype(name: str) -> Any:
 
 def view(flat: Any, leaf: Leaf) -> Any:
     """Leaf ``leaf`` of the flat buffer ``flat``, as a tensor of its dtype and shape (a
-    view: no copy)."""
-    return flat[leaf.offset:leaf.offset + leaf.nbytes].view(_dtype(leaf.dtype)).view(leaf.shape)
+    view: no copy). ValueError when the leaf does not lie inside the buffer or its bytes
+    are not its shape's (a copy damaged or forged)."""
+    import math
+
+    dtype = _dtype(leaf.dtype)
+    size = math.prod(leaf.shape) * dtype.itemsize
+    if leaf.offset < 0 or leaf.nbytes != size or leaf.offset + leaf.nbytes > flat.numel():
+        raise ValueError(f"a packed copy's leaf at {leaf.offset} of {leaf.nbytes} bytes, {leaf.shape} {leaf.dtype}, "
+                         f"does not lie in its {flat.numel()}-byte buffer as its shape says")
+    return flat[leaf.offset:leaf.offset + leaf.nbytes].view(dtype).view(leaf.shape)
 
 
-def fill(live: Any, rest: Any, flat: Any, leaves: list[Leaf], where: str = "state") -> Any:
+def fill(live: Any, rest: Any, flat: Any, leaves: list[Leaf], where: str = "state", write: bool = True) -> Any:
     """Write a packed copy (``rest``, ``flat``, ``leaves``) into ``live``, a tree of the
     same shape whose leaves are the live DTensors, and return the tree to load: ``rest``
-    with each marker replaced by the live DTensor it was written into.
+    with each marker replaced by the live DTensor it was written into. ``write`` False:
+    check only, writing nothing (call it so first, and a copy that does not fit changes
+    nothing).
 
     ValueError naming the path when ``live`` has no DTensor where the copy has a leaf, or
-    one of another shape or dtype (the model or its sharding changed since the copy)."""
+    one of another shape or dtype (the model or its sharding changed since the copy), or
+    a leaf lies outside the buffer."""
     import torch
 
     def walk(node: Any, target: Any, path: str) -> Any:
         if isinstance(node, tuple) and len(node) == 2 and node[0] == LEAF:
+            if not isinstance(node[1], int) or not 0 <= node[1] < len(leaves):
+                raise ValueError(f"{where}: {path} names leaf {node[1]!r} of a copy with {len(leaves)}")
             leaf = leaves[node[1]]
             if not _is_sharded(target):
                 raise ValueError(f"{where}: {path} was a sharded tensor in the copy and is {type(target).__name__} "
@@ -147,8 +160,10 @@ def fill(live: Any, rest: Any, flat: Any, leaves: list[Leaf], where: str = "stat
             if tuple(local.shape) != leaf.shape or str(local.dtype) != leaf.dtype:
                 raise ValueError(f"{where}: {path} is {tuple(local.shape)} {local.dtype} on this rank and was "
                                  f"{leaf.shape} {leaf.dtype} in the copy: the sharding or the model changed")
-            with torch.no_grad():
-                local.copy_(view(flat, leaf))
+            saved = view(flat, leaf)
+            if write:
+                with torch.no_grad():
+                    local.copy_(saved)
             return target
         if isinstance(node, dict):
             d = target if isinstance(target, dict) else {}

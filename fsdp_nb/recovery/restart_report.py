@@ -12,6 +12,7 @@ mend it (:func:`stopped_at`), which the session keeps as its ``unfinished`` stat
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from ..context import SessionContext
 
 __all__ = ["Progress", "RestartReport", "RestorePlan", "restore_plan", "stopped_at"]
+
+log = logging.getLogger("fsdp_nb")
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,13 @@ def _from_memory(ctx: SessionContext, spec: Any, dead: list[int], setup: Callabl
 
     if spec.model not in ctx.wraps:
         return None, f"the copies in memory are of model {spec.model!r}, which this session no longer wraps"
-    found = find(ctx, spec)
+    try:
+        found = find(ctx, spec)
+    except Exception as exc:  # noqa: BLE001 - the disk autosave still serves; the report says why
+        log.warning("restart: could not ask the ranks what they hold in memory: %s", exc)
+        if spec.root is None:
+            raise
+        return None, f"the ranks could not say what they hold in memory ({type(exc).__name__}: {exc})"
     if found.step is None:
         if spec.root is None:
             raise CheckpointError(f"restart(restore='latest'): {found.why}, and the autosave writes no disk "
@@ -164,7 +173,8 @@ def _from_memory(ctx: SessionContext, spec: Any, dead: list[int], setup: Callabl
     if spec.root is not None:
         try:
             disk = inspect(latest(ctx), storage_options=options_for(spec.root)).step
-        except CheckpointError:
+        except CheckpointError as exc:  # no disk autosave yet: memory is the newest
+            log.info("restart: no disk autosave to weigh against memory: %s", exc)
             disk = None
     if disk is not None and disk > found.step:
         return None, f"the disk autosave of step {disk} is newer than the copies in memory (step {found.step})"

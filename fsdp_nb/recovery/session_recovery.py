@@ -36,10 +36,12 @@ class SessionRecovery:
         returns what was replaced, rebuilt from initialisation, restored and kept.
 
         Args:
-            restore: a checkpoint, or ``"latest"`` (the newest ``autosave`` wrote),
-                loaded last into the model it was saved from, with its optimizer, the
-                per-rank state it keeps and each rank's random state: the training cell
-                goes on from it bit for bit. Without it a model comes back at its
+            restore: a checkpoint, or ``"latest"`` (the newest ``autosave`` wrote; with
+                ``in_memory=True``, the ranks' copies in memory when they are whole for
+                every rank at a step no older, a new rank's taken from its buddy, and the
+                report says which served and why), loaded last into the model it was
+                saved from, with its optimizer, the per-rank state it keeps and each
+                rank's random state: the training cell goes on from it bit for bit. Without it a model comes back at its
                 initial weights (one wrapped from a notebook instance, not at all).
             drop: names of wrapped models not to rebuild.
             setup: a function run on every rank after the rebuild, before the load, that
