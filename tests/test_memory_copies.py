@@ -15,7 +15,7 @@ import torch
 from helpers import RUN_LOOP, DropNet, forget_models, mark_code, on_marker, run_out
 from test_autosave_meets import AM_LOOP
 
-from fsdp_nb.errors import DeadRankError, SessionUnfinishedError
+from fsdp_nb.errors import DeadRankError, RankTimeoutError, SessionUnfinishedError
 from fsdp_nb.runtime.cluster import wait_until
 
 STEPS = 10
@@ -279,6 +279,34 @@ def test_arming_refuses_by_name_where_a_hosts_memory_cannot_hold_the_copies(sess
     assert now is not None and now.root == before.root and not now.in_memory
     sess.stop_autosave()
     forget_models(sess, "mc_r", optimizers=("am_opt", "am_sched", "am_batches"))
+
+
+def test_after_the_sessions_own_restart_the_copies_wait_for_a_restore(four, never_stopped):
+    """Rank 1 ignores Ctrl-C in a cell and is wedged: the session kills and replaces it with
+    a plain restart, which rebuilds the model at its initial weights and suspends the
+    autosave. The copies on the ranks that lived stay, and rank 1's on its buddy: the next
+    restart(restore="latest") takes step 5 from memory and the cell goes on from there."""
+    s = four
+    assert wait_until(s.cluster.standby.waiting, 120)
+    model = _fresh(s)
+    _arm(s, None, model)  # memory only
+    assert run_out(s, "rs_out = am_train(5)") == [r[:5] for r in never_stopped]
+    wedge = "am_train(1)\nif rank == 1:\n    import signal\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n" \
+            "    _am_time.sleep(120)\n"
+    policy = s.context.recovering.policy
+    wedged_after, policy.wedge_timeout = policy.wedge_timeout, 3.0  # SIGINT at 0 and 2 s, then it is wedged
+    try:
+        with pytest.raises(RankTimeoutError):
+            s.execute(wedge, timeout=5)
+    finally:
+        policy.wedge_timeout = wedged_after
+    assert s.state == "ready" and s.autosave().suspended
+    report = s.restart(restore="latest", setup=_remake)
+    assert report.restored.memory is not None and report.restored.step == 5, repr(report)
+    assert report.restored.memory.sources == {1: 2}  # the new engine holds nothing: its copy is on rank 2
+    assert "autosave goes on from step 5 (it was suspended)" in repr(report)
+    assert run_out(s, "rs_out = am_train(5)") == _after(never_stopped, 5)
+    s.stop_autosave()
 
 
 def test_a_resize_moves_the_buddies_and_a_rank_of_the_new_world_comes_back_from_memory(four, tmp_path, caplog):

@@ -183,7 +183,8 @@ def _restart(ctx: SessionContext, restore: str | None, drop: tuple[str, ...],
         clock.mark("checkpoint loaded")
     progress.at("re-arm the autosave")
     autosave = _rearm(ctx, plan, bool(dead) or rebuilt_before)
-    clock.mark("autosave armed again")
+    if autosave:
+        clock.mark("autosave armed again")
     ctx.lifecycle.to("ready")
     report = RestartReport(replaced=tuple(dead), rebuilt=rebuilt, restored=plan, repointed=repointed,
                            setup=setup is not None, autosave=autosave, survivors=tuple(
