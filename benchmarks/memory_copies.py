@@ -69,7 +69,8 @@ class McBatches:
         self.pos = state["pos"]
 
 def mc_setup():
-    global mc_opt, mc_sched, mc_batches
+    global mc_opt, mc_sched, mc_batches, mc_dim, mc_batch, mc_seq
+    mc_dim, mc_batch, mc_seq = {dim}, {batch}, {seq}  # in the function: a new engine gets them with it
     mc_opt = torch.optim.AdamW(mc_model.parameters(), lr=1e-4)
     mc_sched = torch.optim.lr_scheduler.StepLR(mc_opt, 100)
     mc_batches = McBatches()
@@ -133,9 +134,9 @@ def bench(size: str, rounds: int, folder: str) -> dict:
     dim, layers, batch, seq, steps, every = SIZES[size]
     sess = fsdp_nb.Session(4, backend="gloo")
     try:
-        sess.push({"mc_dim": dim, "mc_batch": batch, "mc_seq": seq})
         model = sess.wrap(nn.Sequential, *[Block(dim) for _ in range(layers)], name="mc_model", auto_wrap={Block})
-        sess.execute(LOOP + "\nmc_setup()\nmc_train(2)\n")  # warm up: allocations, the first collectives
+        sess.execute(LOOP.replace("{dim}", str(dim)).replace("{batch}", str(batch)).replace("{seq}", str(seq))
+                     + "\nmc_setup()\nmc_train(2)\n")  # warm up: allocations, the first collectives
         arm = {"model": model, "optimizer": "mc_opt", "loaders": ["mc_batches"], "state": ["mc_sched"],
                "in_memory": True}
         off: list[float] = []

@@ -249,6 +249,7 @@ def test_held_out_a_model_and_a_stateful_loader_of_its_own_killed_inside_a_step(
     assert run_out(s, "rs_out = rs_train('mc_h', 2)") == _after(ref, 4)
     assert run_out(s, "rs_out = mc_h.seen.item()") == ref_seen  # the buffer came back too
     s.stop_autosave()
+    forget_models(s, "mc_h", optimizers=("rs_opt", "rs_sched", "rs_loader"))
 
 
 # -- refused before anything changes ---------------------------------------------------

@@ -199,7 +199,7 @@ class MemoryCopies(Part, StepListener):
 
         with taking_state():
             msd, osd = get_state_dict(model, optims)
-        rest, tensors, leaves = split({"model": msd, "optim": osd})
+        rest, tensors, leaves = split({"model": msd, "optim": osd}, staged=("optim",))  # its step counts too
         device = next((t.device for t in tensors if t.is_cuda), None)
         event = None
         if device is not None:

@@ -55,6 +55,8 @@ Within each event the listeners are told in their :attr:`StepListener.order`:
   :meth:`StepOwner.optimizer_steps`, and drops a scaled step that a failed cell cut short;
 - 30, autosave (``autosave.rank_autosave``): the loaders' positions and the random state
   at the step's end, the save at the boundary (so the step view counts what it blocks);
+- 35, the in-memory autosave's gate (``autosave.rank_memory_copies``): an optimizer step
+  waits until the copy autosave took at the boundary has staged the shards;
 - 40, the step view (``steps.rank_step_timing``);
 - 50, the profile (``steps.rank_step_profile``): after the step view has the step's end,
   since it exports its trace there;

@@ -5,11 +5,13 @@ A state tree (the nested dicts and lists of ``get_state_dict``'s model and optim
 and what else the rank keeps) is split by :func:`split` into
 
 - its **leaves**: every DTensor's local shard (the model's parameters and the optimizer's
-  moments), in the order met, each copied by :func:`stage` into one preallocated
-  ``uint8`` buffer at its offset, which is one message to a peer and one ``memcpy`` back;
-- its **rest**: the tree with each leaf replaced by the marker ``(LEAF, i)``; small plain
-  tensors (an optimizer's step count), numbers and strings are kept as they are, cloned,
-  so what the loop changes next is not in it.
+  moments), and the plain tensors of the subtrees named ``staged`` (an optimizer's step
+  counts, which only its next step changes), in the order met, each copied by
+  :func:`stage` into one preallocated ``uint8`` buffer at its offset, which is one
+  message to a peer and one ``memcpy`` back;
+- its **rest**: the tree with each leaf replaced by the marker ``(LEAF, i)``; the other
+  plain tensors (a model's buffers, which its next forward may change), numbers and
+  strings are kept as they are, copied now, so what the loop changes next is not in it.
 
 :func:`fill` puts a packed copy back into a tree of the same shape (the state dict of the
 live objects, whose DTensors it writes in place) and gives the tree to hand to
@@ -40,10 +42,12 @@ class Leaf:
     """Its dtype, as ``str(torch.float32)`` spells it."""
     shape: tuple[int, ...]
     """Its local shape."""
+    sharded: bool = True
+    """A DTensor's local shard (False: a plain tensor)."""
 
-    def as_tuple(self) -> tuple[int, int, str, tuple[int, ...]]:
+    def as_tuple(self) -> tuple[int, int, str, tuple[int, ...], bool]:
         """The leaf as plain values (what the rest's bytes carry)."""
-        return self.offset, self.nbytes, self.dtype, self.shape
+        return self.offset, self.nbytes, self.dtype, self.shape, self.sharded
 
 
 def _is_sharded(value: Any) -> bool:
@@ -52,34 +56,39 @@ def _is_sharded(value: Any) -> bool:
     return isinstance(value, DTensor)
 
 
-def split(tree: Any) -> tuple[Any, list[Any], list[Leaf]]:
-    """(the rest of ``tree``, its leaves' local tensors in order, where each goes in the
-    flat buffer). The local tensors are the live ones, not copies: :func:`stage` copies
-    them, and nothing may change them before it has."""
+def split(tree: Any, staged: tuple[str, ...] = ()) -> tuple[Any, list[Any], list[Leaf]]:
+    """(the rest of ``tree``, its leaves' tensors in order, where each goes in the flat
+    buffer). ``staged``: the top-level keys of ``tree`` whose plain tensors are leaves too.
+    The leaves' tensors are the live ones, not copies: :func:`stage` copies them, and
+    nothing may change them before it has."""
     import torch
 
     tensors: list[Any] = []
     leaves: list[Leaf] = []
     offset = 0
 
-    def walk(node: Any) -> Any:
+    def leaf(t: Any, sharded: bool) -> tuple[str, int]:
         nonlocal offset
+        nbytes = t.numel() * t.element_size()
+        tensors.append(t)
+        leaves.append(Leaf(offset, nbytes, str(t.dtype), tuple(t.shape), sharded))
+        offset += _aligned(nbytes)
+        return (LEAF, len(leaves) - 1)
+
+    def walk(node: Any, stage_plain: bool) -> Any:
         if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
+            return {k: walk(v, stage_plain) for k, v in node.items()}
         if isinstance(node, list):
-            return [walk(v) for v in node]
+            return [walk(v, stage_plain) for v in node]
         if _is_sharded(node):
-            local = node.to_local()
-            nbytes = local.numel() * local.element_size()
-            tensors.append(local)
-            leaves.append(Leaf(offset, nbytes, str(local.dtype), tuple(local.shape)))
-            offset += _aligned(nbytes)
-            return (LEAF, len(leaves) - 1)
+            return leaf(node.to_local(), True)
         if isinstance(node, torch.Tensor):
-            return node.detach().cpu().clone()  # host memory, like the shards
+            return leaf(node.detach(), False) if stage_plain else node.detach().cpu().clone()
         return _plain_copy(node)
 
-    return walk(tree), tensors, leaves
+    if isinstance(tree, dict):
+        return {k: walk(v, k in staged) for k, v in tree.items()}, tensors, leaves
+    return walk(tree, False), tensors, leaves
 
 
 def _plain_copy(node: Any) -> Any:
@@ -153,10 +162,11 @@ def fill(live: Any, rest: Any, flat: Any, leaves: list[Leaf], where: str = "stat
             if not isinstance(node[1], int) or not 0 <= node[1] < len(leaves):
                 raise ValueError(f"{where}: {path} names leaf {node[1]!r} of a copy with {len(leaves)}")
             leaf = leaves[node[1]]
-            if not _is_sharded(target):
-                raise ValueError(f"{where}: {path} was a sharded tensor in the copy and is {type(target).__name__} "
+            if leaf.sharded != _is_sharded(target) or not isinstance(target, torch.Tensor):
+                kind = "a sharded tensor" if leaf.sharded else "a plain tensor"
+                raise ValueError(f"{where}: {path} was {kind} in the copy and is {type(target).__name__} "
                                  "now: the model or its optimizer is not the one the copy was taken of")
-            local = target.to_local()
+            local = target.to_local() if leaf.sharded else target
             if tuple(local.shape) != leaf.shape or str(local.dtype) != leaf.dtype:
                 raise ValueError(f"{where}: {path} is {tuple(local.shape)} {local.dtype} on this rank and was "
                                  f"{leaf.shape} {leaf.dtype} in the copy: the sharding or the model changed")

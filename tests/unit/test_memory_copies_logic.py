@@ -133,6 +133,27 @@ def test_a_packed_state_goes_back_bit_for_bit_into_the_live_tensors(one_rank):
     assert torch.equal(view(flat, leaves[2]), live["optim"]["state"]["w"]["exp_avg"].to_local())
 
 
+def test_an_optimizers_step_counts_travel_as_leaves_and_a_models_buffers_are_copied_at_once(one_rank):
+    """The optimizer's plain tensors (its step counts: only its next step changes them,
+    and that step waits for the staging) are staged with the shards; a model's plain
+    buffers (its next forward may change them) are copied as the copy is taken."""
+    saved = _tree(one_rank, 3)
+    rest, tensors, leaves = split(saved, staged=("optim",))
+    step_leaf = rest["optim"]["state"]["w"]["step"]
+    assert step_leaf[0] == LEAF and not leaves[step_leaf[1]].sharded
+    assert torch.equal(rest["model"]["buf"], torch.ones(2) * 3) and rest["model"]["buf"] is not saved["model"]["buf"]
+    flat = torch.empty(leaf_bytes(leaves), dtype=torch.uint8)
+    stage(tensors, leaves, flat)
+    saved["optim"]["state"]["w"]["step"].add_(1)  # the next step: not in the copy
+    live = _tree(one_rank, 4)
+    live_step = live["optim"]["state"]["w"]["step"]
+    got = fill(live, rest, flat, leaves)
+    assert got["optim"]["state"]["w"]["step"] is live_step and float(live_step) == 3.0  # written in place
+    live["optim"]["state"]["w"]["step"] = torch.tensor([0.0, 0.0])
+    with pytest.raises(ValueError, match=r"optim\.state\.w\.step is \(2,\)"):
+        fill(live, rest, flat, leaves, write=False)
+
+
 def test_a_copy_that_does_not_fit_the_live_model_is_refused_by_path(one_rank):
     from torch.distributed.tensor import DTensor, Shard
 
