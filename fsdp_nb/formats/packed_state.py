@@ -166,7 +166,7 @@ def fill(live: Any, rest: Any, flat: Any, leaves: list[Leaf], where: str = "stat
                 kind = "a sharded tensor" if leaf.sharded else "a plain tensor"
                 raise ValueError(f"{where}: {path} was {kind} in the copy and is {type(target).__name__} "
                                  "now: the model or its optimizer is not the one the copy was taken of")
-            local = target.to_local() if leaf.sharded else target
+            local = target.to_local() if leaf.sharded else target  # type: ignore[attr-defined]
             if tuple(local.shape) != leaf.shape or str(local.dtype) != leaf.dtype:
                 raise ValueError(f"{where}: {path} is {tuple(local.shape)} {local.dtype} on this rank and was "
                                  f"{leaf.shape} {leaf.dtype} in the copy: the sharding or the model changed")
