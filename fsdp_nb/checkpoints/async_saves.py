@@ -135,7 +135,12 @@ class AsyncCheckpoint:
         raised; ranks that do not know the save (their engines were replaced by a restart)
         are answered by the checkpoint itself, complete or not."""
         unknown = [r for r, o in enumerate(outs) if not o.ok and o.error is LookupError]
-        raise_outcomes([o for r, o in enumerate(outs) if r not in unknown])
+        try:
+            raise_outcomes([o for r, o in enumerate(outs) if r not in unknown])
+        except CheckpointError as exc:  # a rank's own words may not name the save (a peer that died)
+            if self.path in str(exc):
+                raise
+            raise type(exc)(f"the async save to {self.path!r}: {exc}") from exc
         info = next((o.info for o in outs if o.info is not None), None)
         if unknown and info is None:
             from ..formats.inspect import inspect

@@ -219,6 +219,10 @@ def test_a_handle_whose_ranks_do_not_know_its_save_says_it_is_lost(tmp_path):
     ctx.recovering = FakeDispatcher({"async_wait": [Outcome.failed("disk full"), lost]})
     with pytest.raises(CheckpointError, match="disk full"):  # a real failure first
         AsyncCheckpoint(ctx, str(tmp_path / "gone"), "tok", 0.0).wait()
+    # a rank's failure in its own words (a peer died under the save) is named by the save's path
+    ctx.recovering = FakeDispatcher({"async_wait": [Outcome.failed("Connection closed by peer"), Outcome()]})
+    with pytest.raises(CheckpointError, match=r"the async save to '.*gone': Connection closed by peer"):
+        AsyncCheckpoint(ctx, str(tmp_path / "gone"), "tok", 0.0).wait()
 
 
 def test_autosave_arguments_are_checked_before_any_rank_is_asked():
