@@ -188,7 +188,7 @@ def main() -> None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     out = HERE / "out"
-    out.mkdir(exist_ok=True)
+    out.mkdir(mode=0o700, exist_ok=True)  # this user's, as everything fsdp_nb writes
     (out / "memory_copies.json").write_text(json.dumps({"runs": rows, "torch": torch.__version__}, indent=1))
     for r in rows:
         print(f"\n{r['size']}: {r['params'] / 1e6:.0f}M parameters on 4 ranks, copies {r['copies_bytes_per_rank'] / 2**20:.0f}"
