@@ -433,14 +433,24 @@ def test_grace_is_validated(sess):
 
 
 @pytest.fixture(scope="module")
-def fragile(session_factory):
+def _fragile_session(session_factory):
     """A 2-rank session of its own, for tests that kill engines (shut down with the module)."""
     s = session_factory(2, private=True, grace=1.0)
+    yield s
+    s.shutdown()
+
+
+@pytest.fixture
+def fragile(_fragile_session):
+    """The killing tests' session, ready: one a failed test left degraded is restarted
+    first, so that one failure is not reported again by every test after it."""
+    s = _fragile_session
+    if s.state != "ready":
+        s.restart()
     # its standby engine imports torch first: the deaths below are timed against
     # ranks that have the cores to themselves
     assert wait_until(s.cluster.standby.waiting, 120)
-    yield s
-    s.shutdown()
+    return s
 
 
 def test_engine_killed_while_peer_waits_in_collective(fragile, tmp_path):
