@@ -188,8 +188,11 @@ def main() -> None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     out = HERE / "out"
-    out.mkdir(mode=0o700, exist_ok=True)  # this user's, as everything fsdp_nb writes
-    (out / "memory_copies.json").write_text(json.dumps({"runs": rows, "torch": torch.__version__}, indent=1))
+    out.mkdir(mode=0o700, exist_ok=True)  # this user's, as everything fsdp_nb writes: the folder 0700, the file 0600
+    from fsdp_nb.engine.private_files import private_file
+
+    with os.fdopen(private_file(str(out / "memory_copies.json")), "w") as f:
+        f.write(json.dumps({"runs": rows, "torch": torch.__version__}, indent=1))
     for r in rows:
         print(f"\n{r['size']}: {r['params'] / 1e6:.0f}M parameters on 4 ranks, copies {r['copies_bytes_per_rank'] / 2**20:.0f}"
               f" MiB per rank; step speed with copies / without: {r['step_ratio']:.3f} (goal >= 0.98; "

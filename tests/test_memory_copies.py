@@ -56,6 +56,14 @@ def _arm(s, root, model, **kw):
                       loaders=["am_batches"], state=["am_sched"], in_memory=True, **kw)
 
 
+def _trained_with_disk(s, root, steps):
+    """A fresh run armed to disk every 4 steps and to memory after each, trained ``steps``
+    steps, its disk autosave of step 4 complete."""
+    _arm(s, root, _fresh(s))
+    run_out(s, f"rs_out = am_train({steps})")
+    assert wait_until(lambda: (root / "step-4" / ".fsdp_nb_complete").exists(), 60)
+
+
 def _kill(s, ranks):
     s.cluster.signal(list(ranks), signal.SIGKILL)  # by the session's verified handle
     assert wait_until(lambda: set(ranks) <= set(s.cluster.dead_ranks()), 60)
@@ -110,11 +118,7 @@ def test_a_rank_and_its_buddy_die_together_and_the_disk_autosave_serves_by_name(
     """Ranks 1 and 2 die together: rank 1's copies were on rank 2. The restart falls back
     to the disk autosave of step 4, says why, and the run goes on from there bit for bit."""
     s = four
-    model = _fresh(s)
-    root = tmp_path / "auto"
-    _arm(s, root, model)
-    run_out(s, "rs_out = am_train(6)")
-    assert wait_until(lambda: (root / "step-4" / ".fsdp_nb_complete").exists(), 60)
+    _trained_with_disk(s, tmp_path / "auto", 6)
     _kill(s, [1, 2])
     report = s.restart(restore="latest", setup=_remake)
     assert report.restored.memory is None and report.restored.step == 4
@@ -162,11 +166,7 @@ def test_a_kill_during_the_recovery_and_the_next_restart_still_takes_memory(four
     says so; the next one finds rank 3's copy on rank 0 and rank 1's on rank 2, both alive,
     and the run goes on bit for bit."""
     s = four
-    model = _fresh(s)
-    root = tmp_path / "auto"
-    _arm(s, root, model)
-    run_out(s, "rs_out = am_train(5)")
-    assert wait_until(lambda: (root / "step-4" / ".fsdp_nb_complete").exists(), 60)
+    _trained_with_disk(s, tmp_path / "auto", 5)
     _kill(s, [3])
     with pytest.raises(DeadRankError):
         s.restart(restore="latest", setup=_remake_and_die_on_rank_1)
@@ -353,6 +353,15 @@ def _gt_slow(*args):
     _gt_time.sleep(0.5)  # the copy thread is slow to stage: the next optimizer step must wait for it
     return _gt_plain(*args)
 
+_gt_gate = _gt_mc.MemoryCopies.optimizer_stepping
+gt_gate_waits = []
+
+def _gt_timed(self, optimizer):
+    """The gate, timed: how long each optimizer step waited at it."""
+    t0 = _gt_time.perf_counter()
+    _gt_gate(self, optimizer)
+    gt_gate_waits.append(_gt_time.perf_counter() - t0)
+
 def gt_train_two():
     """Two steps in one cell, each rank's shards kept after the first."""
     global gt_after_one
@@ -364,7 +373,7 @@ def gt_copy_of_step(step):
     """Whether this rank's own copy of ``step`` holds the shards it had after that step."""
     gen = next(g for g in _gt_mc.copies().own if g.step == step)
     body = _gt_decode(gen.rest, "memory", "test")
-    tree, leaves = body["tree"]["model"], [_GtLeaf(*x) for x in body["leaves"]]
+    tree, leaves = body["tree"]["model"], [_GtLeaf.parse(x) for x in body["leaves"]]
     return all(torch.equal(_gt_view(gen.flat, leaves[tree[k][1]]), v) for k, v in gt_after_one.items())
 '''
 
@@ -375,12 +384,14 @@ def test_a_step_waits_for_the_copy_of_the_step_before_it(four, tmp_path):
     ``optimizer.step()`` until the staging is done. The copy of step 1 holds step 1's shards."""
     s = four
     model = _fresh(s)
-    s.execute(GATE + "\n_gt_mc.stage = _gt_slow")
+    s.execute(GATE + "\n_gt_mc.stage = _gt_slow\n_gt_mc.MemoryCopies.optimizer_stepping = _gt_timed")
     try:
         _arm(s, None, model)
         s.execute("gt_train_two()")
         assert s.run(lambda: gt_copy_of_step(1)) == [True] * s.world_size  # noqa: F821 - an engine global
-        assert all(r.blocked_s >= 0.4 for r in s.autosave().ranks)  # the step waited for the staging
+        # step 2's optimizer step itself waited at the gate for step 1's staging (not the cell's end)
+        assert all(max(w) >= 0.3 for w in s.pull("gt_gate_waits")), s.pull("gt_gate_waits")
+        assert all(r.blocked_s >= 0.4 for r in s.autosave().ranks)  # and the autosave counts that wait
     finally:
-        s.execute("_gt_mc.stage = _gt_plain")
+        s.execute("_gt_mc.stage = _gt_plain\n_gt_mc.MemoryCopies.optimizer_stepping = _gt_gate")
         s.stop_autosave()

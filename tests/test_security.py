@@ -607,9 +607,9 @@ def _peer_attack(marker: str) -> str:
     pickle.dump({"state": {}, "x": Payload()}, buf)
     group = copy_group()
     if rank == 1:  # type: ignore[name-defined]  # noqa: F821 - an engine global
-        t.distributed.send(t.tensor([7, 1 << 40, 16], dtype=t.int64), 0, group=group)
+        t.distributed.send(t.tensor([7, 1 << 40, 16], dtype=t.int64), 0, group=group, tag=ct.HEADER_TAG)
         bad = ct.Generation(7, t.zeros(64, dtype=t.uint8), buf.getvalue(), 64)
-        ct.transfer(group, [(0, bad)], None)
+        ct.transfer(group, [(0, bad)], None, limit=None)
         return "sent"
     said = []
     got, failed = ct.transfer(group, [], 1, limit=1 << 20)

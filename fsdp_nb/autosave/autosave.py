@@ -158,13 +158,13 @@ def autosave(ctx: SessionContext, root: str | None, *, every: int | None, model:
         url_to_fs(root)
     wait_pending(ctx)
     meta = {k: v for k, v in base_metadata({}, "sharded").items() if k in ("format", "kind", "versions")}
-    buddies = buddy_map(ctx.cluster.hosts) if in_memory else ()
     spec = AutosaveSpec(root=root, storage_options=options_for(root) if root else {}, every=every or 1, model=name,
                         optimizers=optims, state=names, loaders=loader_names, keep_last=keep_last,
-                        run=uuid.uuid4().hex[:8], meta=meta, in_memory=in_memory, buddies=buddies)
+                        run=uuid.uuid4().hex[:8], meta=meta, in_memory=in_memory)  # arm() maps the buddies
     arm(ctx, spec)
+    assert ctx.autosave is not None  # arm() adopted it
     return Autosaving(root, spec.every if root else None, name, optims, names, keep_last, loaders=loader_names,
-                      in_memory=in_memory, buddies=spec.buddies if ctx.autosave is None else ctx.autosave.buddies)
+                      in_memory=in_memory, buddies=ctx.autosave.buddies)
 
 
 def arm(ctx: SessionContext, spec: AutosaveSpec) -> None:
@@ -175,9 +175,9 @@ def arm(ctx: SessionContext, spec: AutosaveSpec) -> None:
         hosts = ctx.cluster.hosts
         spec = dataclasses.replace(spec, buddies=buddy_map(hosts))
         if same := [(r, b) for r, b in enumerate(spec.buddies) if hosts[r] == hosts[b] and len(set(hosts)) > 1]:
-            log.warning("autosave in memory: no buddy map puts every rank's copy on another host here; rank(s) %s "
-                        "keep their buddy's copy on their own host, so that host's death takes both",
-                        ", ".join(f"{b} (for rank {r})" for r, b in same))
+            log.warning("autosave in memory: no buddy map puts every rank's copy on another host here; %s, so "
+                        "that host's death takes both", ", ".join(f"rank {b} keeps rank {r}'s copy on its host"
+                                                                 for r, b in same))
     d = ctx.dispatcher
     raise_outcomes(d.gather(d.apply("arm autosave", engine_autosave.arm, args=(spec,))))
     adopt(ctx, spec)

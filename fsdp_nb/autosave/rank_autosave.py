@@ -85,7 +85,9 @@ class Armed(StepListener):
     """Seconds training waited in this rank's autosave (the save's call; the staging
     copy the next step waits for is what ``waited`` adds)."""
     waited_before: float = 0.0
+    """The async saves' wait count when this autosave was armed (``AsyncSaves.waited_s``)."""
     copies_waited_before: float = 0.0
+    """The copies' wait count when it was armed (``MemoryCopies.waited_s``)."""
     branch: int = 0
     """Loads since arming: a save after one gets a temporary folder of its own, never the one
     an abandoned save of the same step number left (every rank loads alike, so they agree)."""
@@ -110,7 +112,6 @@ class Armed(StepListener):
         # a save still due from an earlier cell: the notebook did not find every rank had it
         # due at the cell's end (or could not ask): no rank writes it on its own
         self.drop("it fell due at the end of an earlier call, and the ranks did not all agree to write it")
-        self.copy_early = None
 
     def eval_forward(self, module: Any) -> None:
         self.write_due()
@@ -119,7 +120,6 @@ class Armed(StepListener):
     def cell_ended(self, failed: bool) -> None:
         if failed:
             self.drop("the cell failed on this rank")
-            self.copy_early = None
 
     def loaded(self, extra: dict[str, Any] | None) -> None:
         """A load changed this rank's model and optimizer: a save that was due would keep
@@ -163,11 +163,11 @@ class Armed(StepListener):
         return user_ns().get(self.spec.optimizers[-1]) is optimizer
 
     def drop(self, why: str) -> None:
-        """Drop a save that is due, saying why (every rank drops it alike)."""
+        """Drop a save that is due and a copy pending, saying why (every rank drops them alike)."""
         if self.due:
             log.warning("autosave: the save of step %d is dropped, not written: %s; the last save written is %s",
                         self.step, why, self.saved or "none")
-        self.due, self.early = False, {}
+        self.due, self.early, self.copy_early = False, {}, None
 
     def early_state(self) -> dict[str, Any]:
         """The loaders' states and the random state now; a failure is kept in it, for the
@@ -281,7 +281,6 @@ class Autosave(Part):
         if armed.token is not None:  # still writing: nobody will collect it now
             async_saves.orphan(armed.token)
         armed.drop("the autosave stopped")
-        armed.copy_early = None
         if armed.spec.in_memory:
             owner().unlisten(copies())
         return armed
@@ -380,7 +379,6 @@ def finish_cell(ok: bool) -> tuple[int, bool, bool] | None:
         return None
     if not ok:
         a.drop("the cell failed on some rank")
-        a.copy_early = None
     return a.step, a.due, a.copy_early is not None
 
 
@@ -393,7 +391,6 @@ def count_from(step: int) -> None:
             log.warning("autosave: this rank had counted %d steps and another more: counting on from %d",
                         a.step, step)
         a.drop("the ranks' counts differed")
-        a.copy_early = None
         a.step = step
 
 
@@ -427,7 +424,6 @@ def drop_due(why: str) -> None:
     a = _autosave().armed
     if a is not None:
         a.drop(why)
-        a.copy_early = None
 
 
 def armed_spec() -> AutosaveSpec | None:

@@ -133,14 +133,15 @@ def copies_refusal(spec: AutosaveSpec, model: Any | None, optims: list[Any]) -> 
     if len(spec.buddies) != world:
         return ValueError(f"the buddy map {spec.buddies} names {len(spec.buddies)} ranks and the group has {world}"), 0
     mine = copy_bytes(model, optims) if model is not None else 0
-    # a GPU rank's own copies are pinned: the caching host allocator rounds each up to a power of two
+    # a GPU rank's own copies are pinned: the caching host allocator rounds each up to a
+    # power of two; a ward's copies are received into plain host memory
     pinned = model is not None and any(p.is_cuda for p in model.parameters())
-    said = gathered((socket.gethostname(), mine * (2 if pinned else 1), psutil.virtual_memory().available))
+    said = gathered((socket.gethostname(), mine, pinned, psutil.virtual_memory().available))
     need: dict[str, int] = {}
     avail: dict[str, int] = {}
-    for r, (host, own, free) in enumerate(said):
+    for r, (host, own, own_pinned, free) in enumerate(said):
         wards = [w for w, b in enumerate(spec.buddies) if b == r and w != r]
-        need[host] = need.get(host, 0) + 2 * own + 2 * sum(said[w][1] for w in wards)
+        need[host] = need.get(host, 0) + 2 * own * (2 if own_pinned else 1) + 2 * sum(said[w][1] for w in wards)
         avail[host] = free
     for host, n in need.items():
         room = int(avail[host] * (1 - MARGIN))
@@ -152,7 +153,7 @@ def copies_refusal(spec: AutosaveSpec, model: Any | None, optims: list[Any]) -> 
                 f"({int(MARGIN * 100)}% is left free). Save to disk only (in_memory=False), shard over more ranks, "
                 "or free host memory. Nothing changed"
             ), 0
-    return None, max(own for _, own, _ in said)
+    return None, max(own for _, own, _, _ in said)
 
 
 def agreed(held: list[tuple[str, int, bool, int] | None]) -> tuple[bool, int, bool, int]:

@@ -11,7 +11,8 @@ moves generations on the copy group in three messages a pair, a header first:
 - ``[-1, 0, 0]`` says "no copy this time" (the sender's own taking failed, or nothing
   can be copied yet), and neither side sends or waits for more: a failure on one rank
   never leaves its buddy waiting for messages that will not come;
-- then the shards, then the rest.
+- then the shards, then the rest, each under a tag of its step and kind: a message a
+  failure left unreceived never pairs with a later copy's.
 
 Every wait has a bound (:data:`WAIT_S`): a peer that stops answering fails the copy
 instead of holding the thread, or training behind it, forever.
@@ -24,7 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NO_COPY", "WAIT_S", "Generation", "host_buffer", "stage", "transfer"]
+__all__ = ["HEADER_TAG", "NO_COPY", "WAIT_S", "Generation", "host_buffer", "stage", "transfer"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -90,6 +91,15 @@ def stage(tensors: list[Any], leaves: list[Any], flat: Any, device: Any, event: 
         stream.synchronize()
 
 
+HEADER_TAG = 1
+"""The tag of every header (a receiver does not know the step before it reads one)."""
+
+
+def _tag(step: int, kind: int) -> int:
+    """The tag of a copy's shards (``kind`` 2) or rest (3): its step in it."""
+    return 4 * (step % (1 << 24)) + kind
+
+
 def _wait(work: list[Any]) -> BaseException | None:
     """Wait for each of ``work`` (each within :data:`WAIT_S`); the first error, if any."""
     failed: BaseException | None = None
@@ -104,7 +114,7 @@ def _wait(work: list[Any]) -> BaseException | None:
 
 
 def transfer(group: Any, sends: list[tuple[int, Generation | None]], source: int | None, *,
-             expect: int | None = None, spare: Any = None, limit: int | None = None,
+             limit: int | None, expect: int | None = None, spare: Any = None,
              ) -> tuple[Generation | None, BaseException | None]:
     """Send each ``(rank, generation)`` of ``sends`` (None: a "no copy" header) and receive
     one from ``source`` (None: nothing), on ``group``.
@@ -117,7 +127,7 @@ def transfer(group: Any, sends: list[tuple[int, Generation | None]], source: int
             so the messages stay paired, then refused.
         spare: a buffer to receive the shards into when it is the right size.
         limit: the most bytes a received copy may announce; more is refused before
-            anything is allocated.
+            anything is allocated (None only where nothing is received).
 
     Returns:
         (the received generation, None when nothing came or it was refused; the first
@@ -127,17 +137,22 @@ def transfer(group: Any, sends: list[tuple[int, Generation | None]], source: int
     import torch
     import torch.distributed as dist
 
-    def isend(t: Any, dst: int) -> Any:
-        return dist.isend(t, dst, group=group) if t.numel() else None
+    if source is not None and limit is None:
+        raise ValueError("transfer() receives from a peer only within a limit= of bytes")
+
+    def isend(t: Any, dst: int, tag: int) -> Any:
+        return dist.isend(t, dst, group=group, tag=tag) if t.numel() else None
 
     def header(g: Generation | None) -> Any:
         return torch.tensor([NO_COPY, 0, 0] if g is None else [g.step, g.nbytes, len(g.rest)], dtype=torch.int64)
 
     inbox = torch.zeros(3, dtype=torch.int64) if source is not None else None
-    work = [isend(header(g), dst) for dst, g in sends]
-    got = _wait([dist.irecv(inbox, source, group=group)] if inbox is not None else [])
-    failed = _wait(work) or got
-    payload = [(dst, g) for dst, g in sends if g is not None]
+    work = [isend(header(g), dst, HEADER_TAG) for dst, g in sends]
+    got = _wait([dist.irecv(inbox, source, group=group, tag=HEADER_TAG)] if inbox is not None else [])
+    failed = _wait(work)
+    # a header that did not go out is followed by nothing: its receiver never asked for more
+    payload = [(dst, g) for dst, g in sends if g is not None] if failed is None else []
+    failed = failed or got
     step, nbytes, nrest = (int(x) for x in inbox) if inbox is not None and got is None else (NO_COPY, 0, 0)
     refused = None
     if step != NO_COPY and (min(nbytes, nrest) < 0 or (limit is not None and nbytes + nrest > limit)):
@@ -146,11 +161,12 @@ def transfer(group: Any, sends: list[tuple[int, Generation | None]], source: int
         step = NO_COPY  # nothing allocated, nothing received: the sender's next messages fail it there
     flat = host_buffer(spare, nbytes, False) if step != NO_COPY else None
     rest = torch.empty(nrest, dtype=torch.uint8) if step != NO_COPY else None
-    recv = [dist.irecv(flat[:nbytes], source, group=group)] if flat is not None and nbytes else []
-    sent = _wait([isend(g.flat[:g.nbytes], dst) for dst, g in payload])
+    recv = [dist.irecv(flat[:nbytes], source, group=group, tag=_tag(step, 2))] if flat is not None and nbytes else []
+    sent = _wait([isend(g.flat[:g.nbytes], dst, _tag(g.step, 2)) for dst, g in payload])
     got = _wait(recv)
-    recv = [dist.irecv(rest, source, group=group)] if rest is not None and nrest and got is None else []
-    sent = sent or _wait([isend(torch.frombuffer(bytearray(g.rest), dtype=torch.uint8), dst) for dst, g in payload])
+    recv = [dist.irecv(rest, source, group=group, tag=_tag(step, 3))] if rest is not None and nrest and got is None else []
+    sent = sent or _wait([isend(torch.frombuffer(bytearray(g.rest), dtype=torch.uint8), dst, _tag(g.step, 3))
+                          for dst, g in payload])
     got = got or _wait(recv)
     if sent is None and failed is None:
         for _, g in payload:

@@ -101,8 +101,6 @@ class MemoryCopies(Part, StepListener):
         kept only in the epoch it started in."""
         self.waited_s = 0.0
         """Seconds training waited here: for a copy to stage, or the last one to finish."""
-        self.copy_s = 0.0
-        """Seconds the copy threads spent, staging and sending, in total."""
         self.failed: str | None = None
         """Why the last copy did not complete, if it did not."""
         self.limit: int | None = None
@@ -141,7 +139,7 @@ class MemoryCopies(Part, StepListener):
                               held={r: tuple(g.step for g in gs) for r, gs in self.held.items() if gs},
                               bytes=sum(g.size() for g in self.own) + sum(g.size() for gs in self.held.values()
                                                                           for g in gs),
-                              waited_s=self.waited_s, copy_s=self.copy_s, failed=self.failed)
+                              failed=self.failed)
 
     # -- the gate ---------------------------------------------------------------------
 
@@ -178,6 +176,7 @@ class MemoryCopies(Part, StepListener):
             log.warning("autosave in memory: %s", self.failed)
         elif any(not o.state for o in optims):
             self.failed = f"step {step}: an optimizer has no state yet (it never stepped): nothing to copy"
+            log.info("autosave in memory: %s", self.failed)  # expected before the first step: not a warning
         else:
             try:
                 job = self._taken(step, model, optims, extra)
@@ -217,7 +216,6 @@ class MemoryCopies(Part, StepListener):
               buddy: int | None, ward: int | None) -> None:
         """The copy thread: stage ``job`` (None: nothing to send), keep it, send it to
         ``buddy`` and receive ``ward``'s, keeping what came while ``epoch`` lasts."""
-        t0 = time.perf_counter()
         gen = None
         try:
             if job is not None:
@@ -234,10 +232,9 @@ class MemoryCopies(Part, StepListener):
             gen = None
             self._failed(epoch, f"the copy of step {step}: {type(exc).__name__}: {exc}")
         if buddy is None and ward is None:
-            self.copy_s += time.perf_counter() - t0
             return
         got, failed = transfer(group, [(buddy, gen)] if buddy is not None else [], ward, expect=step,
-                               spare=self._spare(ward), limit=self.limit)
+                               spare=self._spare(epoch, ward), limit=self.limit)
         with self.lock:
             if got is not None and ward is not None and epoch == self.epoch:
                 self.held[ward] = [*self.held.get(ward, [])[-(KEPT - 1):], got]
@@ -246,18 +243,18 @@ class MemoryCopies(Part, StepListener):
                                 f"{type(failed).__name__}: {failed}")
         elif gen is not None and epoch == self.epoch:
             self.failed = None
-        self.copy_s += time.perf_counter() - t0
 
     def _failed(self, epoch: int, why: str) -> None:
         if epoch == self.epoch:
             self.failed = why
         log.warning("autosave in memory: %s", why)
 
-    def _spare(self, ward: int | None) -> Any:
+    def _spare(self, epoch: int, ward: int | None) -> Any:
         """The buffer of the ward's oldest generation, taken out to receive the next into
-        (None: a new one), when both generations are held."""
+        (None: a new one), when both generations are held; never for a thread of an epoch
+        that ended (its generations belong to the new group, a restore may need them)."""
         with self.lock:
-            gens = self.held.get(ward, []) if ward is not None else []
+            gens = self.held.get(ward, []) if ward is not None and epoch == self.epoch else []
             if len(gens) >= KEPT:
                 return gens.pop(0).flat
         return None
@@ -270,8 +267,9 @@ class MemoryCopies(Part, StepListener):
         ``sources[rank]`` holds for it (sent here now; this rank sends what it holds for
         others in ``sources``). Then the model, its optimizers, ``names`` and the random
         state are set from it. Called on every rank at once; the ranks first agree that
-        each holds what it must send or keep, so none waits for a copy that will not come.
-        Where it came from, in words."""
+        each holds what it must send or keep, so none waits for a copy that will not come,
+        and again once each copy arrived and was checked against the live shards, so every
+        rank writes or none does. Where it came from, in words."""
         self.wait_exchange()
         group = copy_group()
         rank, _ = rank_and_world()
@@ -285,16 +283,26 @@ class MemoryCopies(Part, StepListener):
         said = [line for lines in gathered(lacking) for line in lines]
         if said:
             raise RuntimeError(f"the restore of step {step} from memory cannot be done: {'; '.join(said)}")
-        limit = 2 * copy_bytes(model, optims) + _SLACK  # this rank's own state, rebuilt: what its copy can hold
         got, failed = transfer(group, [(w, g) for w, g in sends if g is not None], sources.get(rank), expect=step,
-                               limit=limit)
-        if failed is not None or (rank in sources and got is None):
-            raise RuntimeError(f"the copy of step {step} did not arrive whole on rank {rank}: {failed}")
+                               limit=_bound(copy_bytes(model, optims)))  # this rank's own state, rebuilt
         if got is not None:
             got.sent = True  # the rank that sent it holds it: its buddy
-        gen = got or mine
+        gen = got if rank in sources else mine
+        where = f"rank {rank}'s copy of step {step}"
+        problem = None
+        if failed is not None or gen is None:
+            problem = f"the copy of step {step} did not arrive whole on rank {rank}: {failed}"
+        else:
+            try:
+                _checked(gen, model, optims, where)
+            except Exception as exc:  # noqa: BLE001 - every rank hears it, and none writes
+                problem = f"{type(exc).__name__}: {exc}"
+        said = [p for p in gathered(problem) if p]  # every rank writes, or none does
+        if said:
+            raise RuntimeError(f"the restore of step {step} from memory cannot be done, and no rank's state was "
+                               f"changed: {'; '.join(said)}")
         assert gen is not None  # agreed above
-        apply(gen, model, optims, names, f"rank {rank}'s copy of step {step}")
+        apply(gen, model, optims, names, where)
         with self.lock:  # the copies of later steps belong to a run that is gone
             self.own = [g for g in self.own if g.step < step and g is not gen][-(KEPT - 1):] + [gen]
             self.held = {r: [g for g in gs if g.step <= step] for r, gs in self.held.items()}
@@ -334,21 +342,37 @@ def _find(gens: list[Generation], step: int) -> Generation | None:
     return next((g for g in gens if g.step == step), None)
 
 
+def _checked(gen: Generation, model: Any, optims: list[Any], where: str) -> tuple[dict[str, Any], list[Leaf], Any]:
+    """``gen``'s rest (read weights-only), its leaves, and the live state tree, once every
+    shard was checked against the live ones (a ValueError naming the first that does not
+    fit); nothing is written."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    body = decode(gen.rest, "memory", where)
+    leaves = [Leaf.parse(leaf) for leaf in body["leaves"]]
+    with taking_state():
+        msd, osd = get_state_dict(model, optims)
+    live = {"model": msd, "optim": osd}
+    fill(live, body["tree"], gen.flat, leaves, where, write=False)
+    return body, leaves, live
+
+
 def apply(gen: Generation, model: Any, optims: list[Any], names: tuple[str, ...], where: str) -> None:
     """Set ``model``, ``optims``, the engine globals ``names`` and the random state from
     ``gen``; its rest is read weights-only, and every shard is checked against the live
     ones before any is written, so a copy that does not fit changes nothing."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    body = decode(gen.rest, "memory", where)
-    leaves = [Leaf(*leaf) for leaf in body["leaves"]]
+    body, leaves, live = _checked(gen, model, optims, where)
     with taking_state():
-        msd, osd = get_state_dict(model, optims)
-        live = {"model": msd, "optim": osd}
-        fill(live, body["tree"], gen.flat, leaves, where, write=False)
         tree = fill(live, body["tree"], gen.flat, leaves, where)
         set_state_dict(model, optims, model_state_dict=tree["model"], optim_state_dict=tree["optim"])
     restore_objects(body.get("state", {}), names, body.get("rng"))
+
+
+def _bound(state_bytes: int) -> int:
+    """The most bytes a copy of a rank whose state is ``state_bytes`` may announce."""
+    return 2 * state_bytes + _SLACK
 
 
 def arm_copies(buddies: tuple[int, ...], start_step: int, largest: int) -> None:
@@ -359,7 +383,7 @@ def arm_copies(buddies: tuple[int, ...], start_step: int, largest: int) -> None:
     on it (``copy_bytes``), which bounds what a ward's copy may announce."""
     c = copies()
     c.assign(buddies)
-    c.limit = 2 * largest + _SLACK
+    c.limit = _bound(largest)
     c.forget(after=start_step)
     copy_group()
     owner().listen(c)

@@ -63,7 +63,9 @@ class SessionAutosave:
                 (and no ``in_memory``): change nothing, return where the running autosave is (each rank's step
                 count, last committed save and a save in flight; a suspended one says so;
                 None when off). Calling again replaces it; :meth:`stop_autosave` stops it.
-            every: optimizer steps between saves (required with ``root``).
+            every: optimizer steps between saves (required with ``root``; without
+                ``root``, with ``in_memory=True``, a TypeError: the copies are taken after
+                every step).
             model: the ``ShardedModel`` (or engine global name) saved.
             optimizer: the engine global name of its optimizer, or a list of them when
                 several step the model's parameters (``["opt_emb", "opt_rest"]``), in the
@@ -77,7 +79,8 @@ class SessionAutosave:
                 ``state_dict()`` and ``load_state_dict()`` (your own loader class, a
                 ``StatefulDataLoader``): each rank's position is taken at the end of the
                 step, before the loop draws the next batch, so a resume draws it again.
-            keep_last: keep the newest this many checkpoints under ``root`` (None: all).
+            keep_last: keep the newest this many checkpoints under ``root`` (None: all;
+                without ``root`` it has nothing to keep).
             in_memory: also copy the state into host memory after every step, each rank's
                 own copy and one on a buddy rank (on another host where the hosts allow),
                 two generations each. ``restart(restore="latest")`` then takes the newest
@@ -86,7 +89,8 @@ class SessionAutosave:
                 read), else from disk, saying why. With neither ``root`` nor ``every``,
                 copies in memory only. Needs 2 ranks or more (ValueError). Arming refuses,
                 before anything changes, where a host's memory cannot hold the copies (four
-                times a rank's state, per rank: MemoryError).
+                times a rank's state, per rank; six on a GPU rank, whose own copies are
+                pinned: MemoryError).
         """
         self._ctx.check_open()
         from ..autosave.autosave import autosave, describe

@@ -63,7 +63,8 @@ class AutosaveState:
     """A save is due and not yet taken (the next boundary or the cell's end writes it)."""
     blocked_s: float = 0.0
     """Seconds training on this rank was held by its autosaves: the saves' calls at the
-    iteration boundary and the waits of later steps for their staging copies."""
+    iteration boundary, the waits of later steps for their staging copies, and (with
+    ``in_memory``) the waits for the copies in memory."""
     copies: HeldCopies | None = None
     """With ``in_memory``: what this rank holds in memory."""
 
@@ -78,9 +79,5 @@ class HeldCopies:
     """Ward rank -> the steps of that rank's complete generations held here."""
     bytes: int = 0
     """Host bytes the generations take."""
-    waited_s: float = 0.0
-    """Seconds training waited for the copies on this rank."""
-    copy_s: float = 0.0
-    """Seconds the copy thread spent staging and sending."""
     failed: str | None = None
     """Why the last copy did not complete, if it did not."""

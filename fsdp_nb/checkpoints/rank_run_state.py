@@ -193,8 +193,9 @@ def capture(names: Iterable[str], rng: bool = True, taken: dict[str, Any] | None
 
     Each ``state_dict`` is deep-copied as it is taken (a loader's dict changes as it
     moves on), so an async save keeps the state of the moment it was called. ``taken``:
-    states already taken (name -> state_dict, and ``"rng"`` -> the random state), kept
-    instead of taking them now; an exception there (the taking failed) is raised.
+    states already taken and copied (name -> state_dict, and ``"rng"`` -> the random
+    state: the autosave's ``Armed.early_state``), kept as they are instead of taking them
+    now; an exception there (the taking failed) is raised.
     """
     import copy
 
@@ -203,7 +204,7 @@ def capture(names: Iterable[str], rng: bool = True, taken: dict[str, Any] | None
     for value in taken.values():
         if isinstance(value, BaseException):
             raise value
-    part: dict[str, Any] = {"state": {n: copy.deepcopy(taken[n] if n in taken else ns[n].state_dict())
+    part: dict[str, Any] = {"state": {n: taken[n] if n in taken else copy.deepcopy(ns[n].state_dict())
                                       for n in names}}
     if rng:
         part[RNG] = taken[RNG] if RNG in taken else rng_state()

@@ -26,7 +26,7 @@ class _Answer(Protocol):
 A = TypeVar("A", bound=_Answer)
 
 __all__ = [
-    "COPIES", "DESC", "agree", "any_rank", "background_groups", "checkpoint_group", "copy_group", "current_group",
+    "BACKGROUND", "COPIES", "DESC", "agree", "any_rank", "background_groups", "checkpoint_group", "copy_group", "current_group",
     "gathered", "rank_and_world",
 ]
 
@@ -36,6 +36,9 @@ names it."""
 COPIES = "memory copies"
 """The description of the group the in-memory autosave's copies travel on
 (:func:`copy_group`), a background group like the checkpoint group."""
+BACKGROUND = (DESC, COPIES)
+"""The descriptions of the background groups (:func:`background_groups`): their
+collectives run in threads of their own, never one the training waits in."""
 
 
 def rank_and_world() -> tuple[int, int]:

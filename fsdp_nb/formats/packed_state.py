@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..torch_compat import local_tensor
+
 __all__ = ["LEAF", "Leaf", "fill", "leaf_bytes", "split", "stage", "view"]
 
 LEAF = "__fsdp_nb_packed__"
@@ -48,6 +50,20 @@ class Leaf:
     def as_tuple(self) -> tuple[int, int, str, tuple[int, ...], bool]:
         """The leaf as plain values (what the rest's bytes carry)."""
         return self.offset, self.nbytes, self.dtype, self.shape, self.sharded
+
+    @classmethod
+    def parse(cls, values: Any) -> Leaf:
+        """A leaf from the plain values a copy carries (``as_tuple``'s, perhaps a peer's);
+        a ValueError naming them for anything else."""
+        try:
+            offset, nbytes, dtype, shape, sharded = values
+            ints = [offset, nbytes, *shape]
+        except (TypeError, ValueError):
+            ints, dtype, sharded = [None], None, None
+        if not (all(isinstance(x, int) and not isinstance(x, bool) for x in ints) and isinstance(dtype, str)
+                and isinstance(sharded, bool)):
+            raise ValueError(f"a copy's leaf {values!r} is not (offset, bytes, dtype, shape, sharded)")
+        return cls(offset, nbytes, dtype, tuple(shape), sharded)
 
 
 def _is_sharded(value: Any) -> bool:
@@ -81,7 +97,7 @@ def split(tree: Any, staged: tuple[str, ...] = ()) -> tuple[Any, list[Any], list
         if isinstance(node, list):
             return [walk(v, stage_plain) for v in node]
         if _is_sharded(node):
-            return leaf(node.to_local(), True)
+            return leaf(local_tensor(node), True)
         if isinstance(node, torch.Tensor):
             return leaf(node.detach(), False) if stage_plain else node.detach().cpu().clone()
         return _plain_copy(node)
@@ -166,7 +182,7 @@ def fill(live: Any, rest: Any, flat: Any, leaves: list[Leaf], where: str = "stat
                 kind = "a sharded tensor" if leaf.sharded else "a plain tensor"
                 raise ValueError(f"{where}: {path} was {kind} in the copy and is {type(target).__name__} "
                                  "now: the model or its optimizer is not the one the copy was taken of")
-            local = target.to_local() if leaf.sharded else target  # type: ignore[attr-defined]
+            local = local_tensor(target)
             if tuple(local.shape) != leaf.shape or str(local.dtype) != leaf.dtype:
                 raise ValueError(f"{where}: {path} is {tuple(local.shape)} {local.dtype} on this rank and was "
                                  f"{leaf.shape} {leaf.dtype} in the copy: the sharding or the model changed")

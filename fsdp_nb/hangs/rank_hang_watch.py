@@ -52,8 +52,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from ..engine.checkpoint_group import COPIES, background_groups
-from ..engine.checkpoint_group import DESC as CHECKPOINT
+from ..engine.checkpoint_group import BACKGROUND, background_groups
 from ..engine.registry import Part, World, part
 from ..engine.retired_groups import RetiredGroups, retired
 from ..engine.signing import Link, ListenerState, Refused, start_listener
@@ -177,7 +176,7 @@ def _recorded(dump: dict[str, Any], flying: dict[str, int]) -> Collective | None
         e = (named or same)[-1]
         desc = str((tuple(e.get("process_group") or ()) + ("", ""))[1])
         desc, ranks = groups.get(str(pg), (desc or str(pg), None))
-        if desc in (CHECKPOINT, COPIES):  # the recorder's own key for a group, not torch's group name
+        if desc in BACKGROUND:  # the recorder's own key for a group, not torch's group name
             continue
         since = int(e.get("time_created_ns") or 0) / 1e9
         if best is not None and since >= best.since:

@@ -111,8 +111,8 @@ class MemoryPlan:
     @property
     def copies(self) -> list[int]:
         """Per rank, the host bytes ``sess.autosave(..., in_memory=True)`` would keep: two
-        generations of its own state and two of its buddy's (the largest rank's state, at
-        most). 0 for a rank whose state the plan did not weigh."""
+        generations of its own state and two of its ward's (the rank whose copies it keeps;
+        the largest rank's state, at most). 0 for a rank whose state the plan did not weigh."""
         most = max((r.state for r in self.ranks), default=0)
         return [2 * r.state + 2 * most if r.state else 0 for r in self.ranks]
 
@@ -125,8 +125,8 @@ class MemoryPlan:
         where = ("in host memory, beside the GPU's" if self.device == "cuda" else
                  "in the rank's share of host memory, on top of the peak")
         return (f"autosave(in_memory=True) would keep up to {fmt_bytes(held)} per rank {where}: two generations of "
-                f"its own state ({fmt_bytes(max(r.state for r in self.ranks))}: shards and optimizer state) and "
-                "two of its buddy's")
+                f"its own state ({fmt_bytes(max(r.state for r in self.ranks))}: its shards, and the optimizer's state "
+                "when the plan was given optimizer=) and two of its ward's (the rank whose copies it keeps)")
 
     def to_text(self) -> str:
         """The plan as plain text: the verdict, the per-rank table, the what-ifs, what the

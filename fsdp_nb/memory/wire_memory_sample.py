@@ -49,7 +49,7 @@ class MemorySample:
     """Sequence number within its sampler (0 for a single reading)."""
     copies: int | None = None
     """Host bytes the in-memory autosave's copies hold on this rank: two generations of its
-    own state and of its buddy's (None: none). On a CPU rank part of ``resident``; on a GPU
+    own state and of its ward's (the rank whose copies it keeps; None: none). On a CPU rank part of ``resident``; on a GPU
     rank beside ``used``, which counts the GPU."""
     received: float = field(default=0.0, compare=False)
     """Notebook wall-clock time the sample arrived (set by the notebook; 0 when it was not

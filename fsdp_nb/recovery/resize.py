@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from ..autosave.autosave import Autosaving, arm, describe
 from ..autosave.autosave import stop as stop_autosave
 from ..checkpoints.async_saves import wait_pending
-from ..errors import ResizeError
+from ..errors import FsdpNbError, ResizeError
 from ..models import rank_wrap as _ew
 from ..runtime import membership, rendezvous
 from ..runtime.phases import PhaseClock
@@ -116,7 +116,8 @@ def _follow(ctx: SessionContext, spec: AutosaveSpec, was: Autosaving | None) -> 
     step = next((r.step for r in (was.ranks if was else ()) if r is not None), spec.start_step)
     try:
         arm(ctx, dataclasses.replace(spec, start_step=step))
-    except (NameError, TypeError, ValueError, MemoryError) as exc:  # refused by name on some rank: nothing armed
+    except (NameError, TypeError, ValueError, MemoryError, FsdpNbError) as exc:  # refused on some rank: nothing armed
+        # (the resize itself succeeded: its report is not lost to the autosave's refusal)
         why = str(exc).splitlines()[0]
         log.warning("sess.resize: the autosave was not armed again: %s", why)
         return (f"autosave stopped, not armed again on the new world: {why}. Make what it names on every rank "
@@ -163,7 +164,11 @@ def resize(ctx: SessionContext, n: int, staging: str | None = None, timeout: flo
     except BaseException as exc:
         if ctx.state != "closed":
             ctx.lifecycle.to("degraded")
-        raise ResizeError(_failed(ctx, report, folder, exc), folder) from exc
+        said = _failed(ctx, report, folder, exc)
+        if follow is not None:  # stopped above, its copies freed: a failed resize does not arm it again
+            said += ("\nThe autosave in memory was stopped for the resize and its copies freed; it is not armed "
+                     "again: call sess.autosave(...) once the session is usable.")
+        raise ResizeError(said, folder) from exc
     finally:
         if ctx.state != "closed":
             if ctx.keeper is not None:

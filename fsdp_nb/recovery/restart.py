@@ -71,7 +71,7 @@ def restart(ctx: SessionContext, restore: str | None = None, drop: tuple[str, ..
     ``setup``: a function run on every rank next, which makes the objects the training
     cell needs (an optimizer, a scheduler, a loader): a replaced rank has none of what
     cells made on it. ``restore``: a checkpoint path, or ``"latest"`` (the newest the
-    session's autosave wrote), loaded last into the model it was saved from with its
+    session's autosave wrote, or its copies in memory when they are newer), loaded last into the model it was saved from with its
     optimizer, each engine global it keeps per rank and each rank's random state, so
     the training cell goes on from it bit for bit. What ``restore`` needs that a
     replaced rank will lack is refused before anything changes, as is a replay that

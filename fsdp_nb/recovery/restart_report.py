@@ -183,8 +183,8 @@ def _from_memory(ctx: SessionContext, spec: Any, dead: list[int], setup: Callabl
     if fresh and setup is None:
         raise ValueError(
             f"restart(restore='latest') would restore {', '.join(map(repr, (*spec.optimizers, *names)))} from memory "
-            f"on every rank, but rank(s) {', '.join(map(str, fresh))} are new engines, which have none of what cells "
-            "made there. Pass setup=fn, a function that makes them on every rank from the rebuilt model (def fn(): "
+            f"on every rank, but rank(s) {', '.join(map(str, fresh))} are new engines or hold no copy of their own "
+            "(a new engine has none of what cells made there). Pass setup=fn, a function that makes them on every rank from the rebuilt model (def fn(): "
             f"global {spec.optimizers[0]}; {spec.optimizers[0]} = ...), and restart restores their state into them. "
             "Nothing was changed."
         )

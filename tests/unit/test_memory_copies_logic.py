@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from fsdp_nb.autosave.memory_copies import MemoryRestore, buddy_map, cover
 from fsdp_nb.autosave.wire_autosave import HeldCopies
-from fsdp_nb.formats.packed_state import LEAF, fill, leaf_bytes, split, stage, view
+from fsdp_nb.formats.packed_state import LEAF, Leaf, fill, leaf_bytes, split, stage, view
 from fsdp_nb.recovery.restart_report import RestorePlan
 
 
@@ -123,6 +123,7 @@ def test_a_packed_state_goes_back_bit_for_bit_into_the_live_tensors(one_rank):
     stage(tensors, leaves, flat)
     assert all(leaf.offset % 64 == 0 for leaf in leaves)
     want = {k: v.to_local().clone() for k, v in saved["model"].items() if k != "buf"}
+    want["exp_avg"] = saved["optim"]["state"]["w"]["exp_avg"].to_local().clone()
     saved["model"]["w"].to_local().add_(1.0)  # what the next step does after the copy: not in it
     live = _tree(one_rank, 2)
     got = fill(live, rest, flat, leaves)
@@ -130,7 +131,8 @@ def test_a_packed_state_goes_back_bit_for_bit_into_the_live_tensors(one_rank):
     assert torch.equal(live["model"]["w"].to_local(), want["w"])
     assert torch.equal(live["model"]["b"].to_local(), want["b"]) and live["model"]["b"].dtype == torch.bfloat16
     assert torch.equal(got["model"]["buf"], torch.ones(2)) and float(got["optim"]["state"]["w"]["step"]) == 1.0
-    assert torch.equal(view(flat, leaves[2]), live["optim"]["state"]["w"]["exp_avg"].to_local())
+    assert torch.equal(live["optim"]["state"]["w"]["exp_avg"].to_local(), want["exp_avg"])  # the saved moments
+    assert torch.equal(view(flat, leaves[2]), want["exp_avg"])
 
 
 def test_an_optimizers_step_counts_travel_as_leaves_and_a_models_buffers_are_copied_at_once(one_rank):
@@ -192,3 +194,20 @@ def test_a_plan_says_what_the_in_memory_autosave_would_keep():
     assert plan.copies == [2 * 300 + 2 * 300, 2 * 200 + 2 * 300]
     assert "would keep up to 1.2 KiB per rank in the rank's share of host memory" in plan.to_text()
     assert MemoryPlan([rank(0, 0)], 1, "cuda", None).copies_line() == ""
+
+
+@pytest.mark.parametrize("values", [(0, 8, "torch.float32", (2,)), (0, "8", "torch.float32", (2,), True),
+                                    (0, 8, "torch.float32", [2, None], True), (0, 8, 7, (2,), True), "leaf"])
+def test_a_copys_leaf_that_is_not_one_is_refused_by_name(values):
+    """A peer's copy carries its leaves as plain values: anything else is a ValueError
+    naming them, never a TypeError from deep inside."""
+    with pytest.raises(ValueError, match="is not \\(offset, bytes, dtype, shape, sharded\\)"):
+        Leaf.parse(values)
+    assert Leaf.parse((64, 8, "torch.float32", [2], True)) == Leaf(64, 8, "torch.float32", (2,), True)
+
+
+def test_a_transfer_receives_only_within_a_limit():
+    from fsdp_nb.autosave.rank_copy_transfer import transfer
+
+    with pytest.raises(ValueError, match="only within a limit= of bytes"):
+        transfer(None, [], 1, limit=None)
