@@ -280,6 +280,43 @@ def test_arming_refuses_by_name_where_a_hosts_memory_cannot_hold_the_copies(sess
     forget_models(sess, "mc_r", optimizers=("am_opt", "am_sched", "am_batches"))
 
 
+def _shards():
+    """This rank's model shards now."""
+    return {k: v.to_local().clone() for k, v in mc_m.state_dict().items()}  # noqa: F821 - an engine global
+
+
+def test_a_copy_one_rank_cannot_take_changes_no_rank(four, never_stopped):
+    """Rank 1's check of its copy fails (here forced; a copy that does not fit its model).
+    Every rank hears it before any writes: the ranks that could have rolled back to step 3
+    keep the weights they had (moved off step 3 here), and the restart says so. Mended,
+    the next restart takes step 3 from memory and the run goes on bit for bit."""
+    s = four
+    model = _fresh(s)
+    _arm(s, None, model)  # memory only
+    run_out(s, "rs_out = am_train(3)")
+    trained = s.run(_shards)
+    s.execute("with torch.no_grad():\n    for _p in mc_m.parameters():\n        _p.add_(1.0)")  # not a step: no copy
+    moved = s.run(_shards)
+    s.execute("import fsdp_nb.autosave.rank_memory_copies as _nc\n_nc_plain = _nc._checked\n"
+              "def _nc_refuse(*a):\n    raise ValueError('rank 1 cannot take this copy')\n"
+              "if rank == 1:\n    _nc._checked = _nc_refuse\n")
+    with pytest.raises(Exception, match="no rank's state was changed") as info:
+        s.restart(restore="latest", setup=_remake)
+    assert "rank 1 cannot take this copy" in str(info.value)
+    # the session refuses calls until a restart ends; ipyparallel's own view still reads the ranks
+    view = s.view()
+    view.execute("mc_after = {k: v.to_local().clone() for k, v in mc_m.state_dict().items()}", block=True)
+    after = view.pull("mc_after", block=True)
+    for r in range(s.world_size):  # as it was before the restart: no rank wrote step 3 over it
+        assert all(torch.equal(after[r][k], moved[r][k]) for k in moved[r]), r
+        assert not all(torch.equal(after[r][k], trained[r][k]) for k in trained[r]), r
+    view.execute("_nc._checked = _nc_plain", block=True)
+    report = s.restart(restore="latest", setup=_remake)
+    assert report.restored.memory is not None and report.restored.step == 3, repr(report)
+    assert run_out(s, "rs_out = am_train(3)") == [r[3:6] for r in never_stopped]
+    s.stop_autosave()
+
+
 def test_after_the_sessions_own_restart_the_copies_wait_for_a_restore(four, never_stopped):
     """Rank 1 ignores Ctrl-C in a cell and is wedged: the session kills and replaces it with
     a plain restart, which rebuilds the model at its initial weights and suspends the

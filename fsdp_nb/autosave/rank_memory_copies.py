@@ -32,15 +32,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from ..checkpoints.rank_run_state import restore as restore_objects
 from ..engine.checkpoint_group import copy_group, gathered, rank_and_world
 from ..engine.registry import Part, World, part
-from ..engine.step import StepListener, owner, taking_state
+from ..engine.step import StepListener, owner, taking_state, waited
 from ..formats.packed_state import Leaf, fill, leaf_bytes, split
 from ..formats.run_state import decode, encode
 from ..memory.rank_memory_kinds import copy_bytes, note_copies
@@ -153,10 +151,7 @@ class MemoryCopies(Part, StepListener):
         self._wait(self.exchange)
 
     def _wait(self, f: Future | None) -> None:
-        if f is not None and not f.done():
-            t0 = time.perf_counter()
-            wait_futures([f])
-            self.waited_s += time.perf_counter() - t0
+        self.waited_s += waited(f)
 
     # -- taking a copy -------------------------------------------------------------------
 

@@ -21,7 +21,6 @@ their collectives end before its own begin, and leaves their outcomes to their o
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.registry import Part, World, part
-from ..engine.step import StepListener, owner
+from ..engine.step import StepListener, owner, waited
 from ..formats.helper_threads import lower_priority
 from ..torch_compat import kept_open_stager
 from .wire_checkpoint import Outcome, SaveProgress
@@ -117,11 +116,7 @@ class AsyncSaves(Part, StepListener):
     def wait_staged(self) -> None:
         """Block until the latest async save's copy is taken (a failed copy fails that save,
         reported by its owner, not here)."""
-        f = self.staging
-        if f is not None and not f.done():
-            t0 = time.perf_counter()
-            wait_futures([f])
-            self.waited_s += time.perf_counter() - t0
+        self.waited_s += waited(self.staging)
 
     # -- the jobs -------------------------------------------------------------------
 

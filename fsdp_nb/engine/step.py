@@ -78,7 +78,7 @@ from typing import Any, ClassVar
 
 from .registry import Part, World, part
 
-__all__ = ["StepListener", "StepOwner", "owner", "taking_state"]
+__all__ = ["StepListener", "StepOwner", "owner", "taking_state", "waited"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -388,3 +388,16 @@ def owner() -> StepOwner:
 def taking_state() -> Any:
     """``owner().taking_state()``: optimizer steps inside are no training steps."""
     return owner().taking_state()
+
+
+def waited(f: Any) -> float:
+    """Block until the future ``f`` (None: none) is done; the seconds that took (0 when it
+    was): a gate's wait, which the feature that holds the gate counts as training's."""
+    if f is None or f.done():
+        return 0.0
+    from concurrent.futures import wait as wait_futures
+    from time import perf_counter
+
+    t0 = perf_counter()
+    wait_futures([f])
+    return perf_counter() - t0
