@@ -273,6 +273,15 @@ class FakeDispatcher:
         return answer
 
 
+def killable_session(session_factory: Any, n: int, code: str) -> Iterator[Any]:
+    """A module fixture's body: an ``n``-rank session of its own (for tests that kill
+    engines: a short grace), ``code`` run on it, shut down when the module ends."""
+    s = session_factory(n, private=True, grace=1.0)
+    s.execute(code)
+    yield s
+    s.shutdown()
+
+
 def on_marker(path, action, timeout: float = 60.0) -> threading.Thread:
     """Run ``action`` in a thread once ``path`` exists: a marker the engine writes when
     it has reached the point where the fault should hit (never a timer)."""

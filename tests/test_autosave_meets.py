@@ -12,7 +12,7 @@ import signal
 
 import pytest
 import torch
-from helpers import DropNet, forget_models, mark_code, on_marker, run_out
+from helpers import DropNet, forget_models, killable_session, mark_code, on_marker, run_out
 
 import fsdp_nb
 from fsdp_nb import CheckpointError
@@ -285,10 +285,7 @@ def test_autosave_names_its_last_committed_save_and_the_one_still_writing(sess, 
 @pytest.fixture(scope="module")
 def killable(session_factory):
     """A 2-rank session of its own, for the tests that kill engines."""
-    s = session_factory(2, private=True, grace=1.0)
-    s.execute(AM_LOOP)
-    yield s
-    s.shutdown()
+    yield from killable_session(session_factory, 2, AM_LOOP)
 
 
 def _remake_two():

@@ -12,7 +12,15 @@ import signal
 
 import pytest
 import torch
-from helpers import RUN_LOOP, DropNet, forget_models, mark_code, on_marker, run_out
+from helpers import (
+    RUN_LOOP,
+    DropNet,
+    forget_models,
+    killable_session,
+    mark_code,
+    on_marker,
+    run_out,
+)
 from test_autosave_meets import AM_LOOP
 
 from fsdp_nb.errors import DeadRankError, RankTimeoutError, SessionUnfinishedError
@@ -24,10 +32,7 @@ STEPS = 10
 @pytest.fixture(scope="module")
 def four(session_factory):
     """A 4-rank session of its own, for the tests that kill engines."""
-    s = session_factory(4, private=True, grace=1.0)
-    s.execute(AM_LOOP)
-    yield s
-    s.shutdown()
+    yield from killable_session(session_factory, 4, AM_LOOP)
 
 
 def _remake():
