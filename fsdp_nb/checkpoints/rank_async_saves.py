@@ -196,6 +196,12 @@ class AsyncSaves(Part, StepListener):
                     job.abandoned = True
                     log.warning("an async checkpoint save of the old process group was still running %.0f s after "
                                 "the group formed again: abandoned (it cannot commit)", REFORM_WAIT_S)
+            if late and self.executor is not None:
+                # its thread may stay blocked in a collective of the old group (a peer that
+                # left it mid-ring) until that group's timeout: the new group's saves get a
+                # thread of their own instead of queueing behind it
+                self.executor.shutdown(wait=False)
+                self.executor = None
         self.staging = None
         self.buffered = weakref.WeakSet()
 
