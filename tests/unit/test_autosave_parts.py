@@ -208,6 +208,29 @@ def test_an_async_job_is_its_owners_and_a_drain_leaves_it_to_them():
         saves.closed()
 
 
+def test_a_save_stuck_in_the_old_group_does_not_hold_the_new_groups_saves(monkeypatch):
+    """A save whose thread stays blocked in a collective of the old group (a peer left it
+    mid-ring) is abandoned at the re-form, and the next save runs on a thread of its own
+    instead of queueing behind it (training would wait behind that save's staging)."""
+    from fsdp_nb.checkpoints import rank_async_saves
+
+    monkeypatch.setattr(rank_async_saves, "REFORM_WAIT_S", 0.2)
+    saves = AsyncSaves()
+    stuck, release = _job()
+    try:
+        saves.submit("old", stuck)  # type: ignore[arg-type]
+        saves.reformed(World(0, 2))
+        assert saves.jobs["old"].abandoned and not saves.jobs["old"].future.done()
+        after, go = _job(Outcome(removed=["new"]))
+        saves.submit("new", after)  # type: ignore[arg-type]
+        go.set()
+        assert saves.wait("new").removed == ["new"]  # ran while the old one is still blocked
+        assert not saves.jobs["old"].future.done()
+    finally:
+        release.set()
+        saves.closed()
+
+
 def test_a_handle_whose_ranks_do_not_know_its_save_says_it_is_lost(tmp_path):
     ctx = fake_context()
     ctx.lifecycle.to("ready")
