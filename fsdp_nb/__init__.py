@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CheckpointError,
+    CollectiveMismatchError,
     CorruptCheckpointError,
     DeadRankError,
     FsdpNbError,
@@ -30,6 +31,7 @@ if TYPE_CHECKING:  # what type checkers and editors see of the lazy names below
     from .checkpoints.consolidate import consolidate
     from .checkpoints.export import export_safetensors
     from .context import SessionContext
+    from .debugging.rank_breakpoints import breakpoint
     from .formats.info import CheckpointInfo
     from .formats.inspect import inspect
     from .formats.listing import list_checkpoints
@@ -74,6 +76,7 @@ _LAZY = {
     "export_safetensors": "checkpoints.export",
     "sessions": "lifetime.keepalive",
     "ResizeReport": "recovery.resize",
+    "breakpoint": "debugging.rank_breakpoints",
 }
 
 
@@ -99,6 +102,7 @@ __all__ = [
     "Autosaving",
     "CheckpointError",
     "CheckpointInfo",
+    "CollectiveMismatchError",
     "CorruptCheckpointError",
     "DeadRankError",
     "FsdpNbError",
@@ -121,6 +125,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "WrapOptions",
     "__version__",
+    "breakpoint",
     "consolidate",
     "export_safetensors",
     "inspect",

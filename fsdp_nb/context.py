@@ -91,6 +91,11 @@ class SessionContext:
     """Seconds each phase of the last ``restart()`` took (empty before one)."""
     start_phases: dict[str, float] = field(default_factory=dict)
     """Seconds each phase of this session's start took."""
+    check_collectives: float | None = None
+    """Every cell's collectives are checked, waiting this many seconds for the others
+    (``Session.check_collectives``; None: off)."""
+    debugged_cells: int = 0
+    """Cells armed for debugging so far: each one's number keys its checks on the ranks."""
     merge_output: bool = True
     """Lines the ranks print alike show once, naming the ranks (``[ranks 0-7] ...``); False
     shows each rank's own lines (``Session.merge_output``)."""

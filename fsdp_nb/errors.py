@@ -15,6 +15,7 @@ from typing import Any
 __all__ = [
     "add_note",
     "CheckpointError",
+    "CollectiveMismatchError",
     "hide_frame",
     "CorruptCheckpointError",
     "DeadRankError",
@@ -126,6 +127,13 @@ class RankTimeoutError(FsdpNbError, TimeoutError):
             f"{', '.join(map(str, self.pending))}{':' if lines else '; sess.status() shows where they are.'}"
             f"{lines}{text}"
         )
+
+
+class CollectiveMismatchError(FsdpNbError, RuntimeError):
+    """Raised on a rank, with the collective check on (``check_collectives``), before a
+    collective the group's ranks do not all call alike: each rank's op, shapes, dtypes,
+    cell and line, or that it finished the cell without it. Nothing was issued, so
+    nothing hangs and the session stays usable."""
 
 
 class SessionClosedError(FsdpNbError, RuntimeError):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from .autosave.session_autosave import SessionAutosave
 from .checkpoints.session_checkpoints import SessionCheckpoints
 from .context import SessionContext, SessionFacts
+from .debugging.cell_debug import arm_cell, check_collectives_option, check_debug
 from .errors import hide_frame
 from .frontends import magics
 from .frontends.session_view import session_html, session_text
@@ -221,6 +222,17 @@ class Session(SessionFacts, SessionCheckpoints, SessionAutosave, SessionRecovery
         self._ctx.recovering.hang_after = checks.check_hang_after(seconds)
 
     @property
+    def check_collectives(self) -> bool | float:
+        """Whether every cell's collectives are checked across their group before they are
+        issued (False: off, the default; True or seconds to wait for the other ranks;
+        ``docs/how-to/debugging.md`` says what it costs per collective)."""
+        return self._ctx.check_collectives or False
+
+    @check_collectives.setter
+    def check_collectives(self, value: bool | float) -> None:
+        self._ctx.check_collectives = check_collectives_option(value)
+
+    @property
     def client(self) -> ipp.Client:
         """The underlying ``ipyparallel.Client`` (escape hatch)."""
         return self._ctx.cluster.client
@@ -251,7 +263,8 @@ class Session(SessionFacts, SessionCheckpoints, SessionAutosave, SessionRecovery
                          self._ctx.merge_output, ctx=self._ctx)
 
     def execute(self, code: str, *, ranks: Sequence[int] | None = None, output: str | None = "all",
-                timeout: float | None = None, hang_after: float | None = None) -> None:
+                timeout: float | None = None, hang_after: float | None = None, debug: Any = None,
+                check_collectives: bool | float | None = None) -> None:
         """Run ``code`` on every rank (as ``%%px`` does); raise the failing ranks' errors.
 
         Use ``pull`` or ``run`` to get values back.
@@ -267,18 +280,27 @@ class Session(SessionFacts, SessionCheckpoints, SessionAutosave, SessionRecovery
             timeout: seconds before the code is stopped on every rank (None: no limit).
             hang_after: seconds a collective may wait before the call is explained
                 while it runs (None: the session's ``hang_after``).
+            debug: the rank(s) whose ``breakpoint()`` (or ``pdb.set_trace()``) stops them
+                in this code, with a ``(Pdb rank N)`` prompt under the cell (None: none).
+            check_collectives: compare each collective across its group before it is
+                issued, raising ``CollectiveMismatchError`` on every rank at a difference
+                (True, or seconds to wait for the other ranks; None: the session's
+                ``check_collectives``).
         """
         __tracebackhide__ = hide_frame  # left out of a rank error's traceback
-        self._execute(code, timeout, ranks=ranks, output=output, silent=True, hang_after=hang_after)
+        self._execute(code, timeout, ranks=ranks, output=output, silent=True, hang_after=hang_after, debug=debug,
+                      check_collectives=check_collectives)
 
     def _execute(self, code: str, timeout: float | None, *, ranks: Sequence[int] | None = None,
-                 output: str | None = "all", silent: bool = False, hang_after: float | None = None) -> list[Any]:
+                 output: str | None = "all", silent: bool = False, hang_after: float | None = None,
+                 debug: Any = None, check_collectives: bool | float | None = None) -> list[Any]:
         """``execute`` returning each rank's ExecuteReply (its ``Out`` value, unless
         ``silent``), for ``%%px``."""
         __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         if not isinstance(code, str):
             raise TypeError(f"execute() needs source code as str, got {type(code).__name__}")
         targets = checks.check_ranks(ranks, self.world_size)
+        arm_cell(self._ctx, targets, check_debug(debug, self.world_size), check_collectives_option(check_collectives))
         replies = calls.execute(self.dispatcher, code, timeout, ranks=None if ranks is None else targets,
                                 echoed=checks.check_output(output, targets), silent=silent,
                                 merged=self._ctx.merge_output and output != "each",

@@ -35,7 +35,8 @@ class Session(Protocol):
     def attach(cls, cluster_id: str | None = None) -> Session: ...
 
     def _execute(self, code: str, timeout: float | None, *, ranks: Sequence[int] | None = None,
-                 output: str | None = "all", hang_after: float | None = None) -> list[Any]: ...
+                 output: str | None = "all", hang_after: float | None = None, debug: Any = None,
+                 check_collectives: bool | float | None = None) -> list[Any]: ...
 
     def debug(self, rank: int | None = None) -> str | None: ...
 
@@ -128,13 +129,16 @@ class PxMagics(Magics):
         rank's output, ``--output each`` every rank's own lines (by default a line the
         ranks print alike shows once, ``[ranks 0-7] ...``), ``--output none`` none,
         ``--timeout S`` bounds it, ``--hang-after S`` explains a collective that has
-        waited S seconds.
+        waited S seconds, ``--debug 1,3`` stops ranks 1 and 3 at ``breakpoint()`` with a
+        ``(Pdb rank N)`` prompt, ``--check-collectives`` compares each collective across
+        its group before it runs.
         """
         __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         args = parse_px(line)
         _show_results(
             self._session()._execute(cell, args.timeout, ranks=args.ranks, output=args.output,
-                                     hang_after=args.hang_after),
+                                     hang_after=args.hang_after, debug=args.debug,
+                                     check_collectives=args.check_collectives),
             sorted(args.ranks) if args.ranks is not None else None,
         )
 
@@ -165,17 +169,25 @@ class PxArgs:
     hang_after: float | None = None
     """``--hang-after S``: seconds a collective waits before the cell shows who waits where
     and who is missing (default: the session's ``hang_after``)."""
+    debug: list[int] | None = None
+    """``--debug 1,3``: the ranks ``breakpoint()`` stops in this cell (None: none)."""
+    check_collectives: bool | None = None
+    """``--check-collectives``: compare each collective across its group before it runs."""
 
 
-_PX_USAGE = "%%px [--ranks 0,2] [--output all|each|rankN|none] [--timeout SECONDS] [--hang-after SECONDS]"
+_PX_USAGE = ("%%px [--ranks 0,2] [--output all|each|rankN|none] [--timeout SECONDS] [--hang-after SECONDS] "
+             "[--debug 1,3] [--check-collectives]")
 
 
 def parse_px(line: str) -> PxArgs:
     """Read ``%%px``'s options; a ValueError naming the usage for anything else."""
     args = shlex.split(line)
+    opts: dict[str, Any] = {}
+    if "--check-collectives" in args:
+        args.remove("--check-collectives")
+        opts["check_collectives"] = True
     if len(args) % 2:
         raise ValueError(f"usage: {_PX_USAGE}; got {line!r}")
-    opts: dict[str, Any] = {}
     for flag, value in zip(args[::2], args[1::2]):
         try:
             if flag == "--ranks":
@@ -186,6 +198,8 @@ def parse_px(line: str) -> PxArgs:
                 opts["timeout"] = float(value)
             elif flag == "--hang-after":
                 opts["hang_after"] = check_hang_after(float(value))
+            elif flag == "--debug":
+                opts["debug"] = [int(r) for r in value.split(",")]
             else:
                 raise ValueError(flag)
         except ValueError:

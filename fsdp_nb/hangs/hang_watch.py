@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..debugging.breakpoints import console
+from ..debugging.wire_breakpoints import DebugState
 from ..engine.signing import Link, Refused
 from ..errors import DeadRankError, RankError, RankTimeoutError, WireError
 from ..runtime.listeners import start_listeners
@@ -59,14 +61,15 @@ class HangWatch:
         self.warned: set[tuple[int, str]] = set()
         """(rank, what) already logged: a rank's thread that keeps failing is said once."""
 
-    def watching(self, what: str, started: float, hang_after: float, notify: Callable[..., None],
+    def watching(self, what: str, started: float, hang_after: float | None, notify: Callable[..., None],
                  view: HangShow | None) -> Watching:
         """One call's watch (:class:`Watching`), for the dispatcher's gather loop.
 
         Args:
             what: the call, in words.
             started: when it was sent (``time.monotonic``).
-            hang_after: seconds a collective may wait before the diagnosis shows.
+            hang_after: seconds a collective may wait before the diagnosis shows (None:
+                never; the watch then only looks for ranks stopped at a breakpoint).
             notify: tells the status observers.
             view: shows the diagnosis under the running cell (None: nowhere).
         """
@@ -92,6 +95,15 @@ class HangWatch:
             if isinstance(got, WatchError):
                 self._warn_once(r, "error", "fsdp_nb: rank %d's hang watch could not tell where it is: %s", got.error)
             out[r] = got
+        return out
+
+    def debug(self, requests: dict[int, bytes]) -> dict[int, DebugState | None]:
+        """Send each rank its debugger request (``debugging.rank_breakpoints``); rank -> its
+        ``DebugState``, None when it did not answer within ``answer_s``."""
+        out: dict[int, DebugState | None] = {}
+        for r, raw in self._ask(requests).items():
+            got = None if raw is None else self._decode(r, raw, DebugState, WatchError)
+            out[r] = got if isinstance(got, DebugState) else None
         return out
 
     def free(self, ranks: list[int]) -> dict[int, int | None]:
@@ -195,21 +207,39 @@ class Watching:
     every: float = 2.0
     """Seconds between two showings of an unchanged diagnosis."""
 
-    def __init__(self, watch: HangWatch, what: str, started: float, hang_after: float,
+    def __init__(self, watch: HangWatch, what: str, started: float, hang_after: float | None,
                  notify: Callable[..., None], view: HangShow | None):
         self.watch, self.what, self.hang_after = watch, what, hang_after
         self.notify, self.view = notify, view
-        self.next = started + min(self.tick, hang_after)
+        self.next = started + min(self.tick, self.tick if hang_after is None else hang_after)
         self.shown: HangReport | None = None
         """The diagnosis on display (None: nothing shown)."""
         self.shown_at = 0.0
+        self.paused = 0.0
+        """Seconds the call spent with a rank at a breakpoint (no ``timeout=`` counts them)."""
 
     def poll(self, running: list[int]) -> None:
         """Called on every turn of the gather loop; asks the ranks only when due."""
         now = time.monotonic()
         if now < self.next or not running:
             return
-        states = self.watch.states(list(range(self.watch.cluster.world_size)), now=False)
+        world = self.watch.cluster.world_size
+        states = self.watch.states(list(range(world)), now=False)
+        stopped = {r: st.stopped for r, st in states.items() if isinstance(st, RankState) and st.stopped}
+        if stopped:  # the user's breakpoint: not a hang; the console holds the loop until they go on
+            note = "; ".join(f"rank {r} is at a breakpoint in {where}" for r, where in sorted(stopped.items()))
+            self.notify(self.what, "breakpoint", sorted(stopped), note=note)
+            began = time.monotonic()
+            try:
+                console(self.watch.debug, stopped, world)
+            finally:
+                self.paused += time.monotonic() - began
+            self.notify(self.what, "running", running)
+            self.next = time.monotonic() + self.tick
+            return
+        if self.hang_after is None:
+            self.next = time.monotonic() + self.tick
+            return
         report = self.watch.explain(states, running)
         again = set(report.stalled) - set(report.stopped) - set(self.shown.stalled if self.shown else ())
         if report.triggered(self.hang_after) and again:

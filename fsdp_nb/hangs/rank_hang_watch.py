@@ -52,6 +52,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from ..debugging import rank_breakpoints, rank_cell_debug
 from ..engine.checkpoint_group import BACKGROUND, background_groups
 from ..engine.registry import Part, World, part
 from ..engine.retired_groups import RetiredGroups, retired
@@ -243,7 +244,8 @@ class RankWatch(Part):
         with self.lock:
             issued = self._issued()  # read once: the settling check compares these counts too
             return RankState(rank=rank, pid=os.getpid(), now=self.clock(), collective=self._collective(now, issued),
-                             issued=issued, frame=main_frame(self.main_thread_frame()))
+                             issued=issued, frame=main_frame(self.main_thread_frame()),
+                             stopped=part(rank_breakpoints.Breakpoints).where)
 
     def collective(self, now: bool = False) -> Collective | None:
         """The collective this rank waits in, or None.
@@ -376,6 +378,8 @@ def _answer(payload: bytes) -> bytes:
     try:
         if payload in (QUERY, QUERY_NOW):
             return encode(watch().state(now=payload == QUERY_NOW))
+        if rank_breakpoints.is_request(payload):
+            return rank_breakpoints.answer(payload)
         from ..engine.health import close_connections_to
 
         peers = [(str(ip), int(port)) for ip, port in json.loads(payload[len(FREE):])]
@@ -392,7 +396,7 @@ def _handle(sock: Any, link: Link, endpoint: str, frames: list[Any]) -> None:
         if len(frames) != 2:
             raise Refused(f"{len(frames)} frames where a request has 2")
         payload = link.unpack(frames[1].bytes)
-        if payload not in (QUERY, QUERY_NOW) and not payload.startswith(FREE):
+        if payload not in (QUERY, QUERY_NOW) and not payload.startswith(FREE) and not rank_breakpoints.is_request(payload):
             raise Refused("a signed message that is not a request of the hang watch")
     except Refused as why:
         link.refused(why, endpoint)
@@ -407,7 +411,10 @@ def start(addr: str) -> tuple[str, bytes]:
         addr: the address to bind: loopback when the notebook runs on this host, else
             the engine's address on the interface that routes to the controller.
 
-    Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``).
+    Returns its zmq endpoint and nonce (for the notebook's ``signing.Link``). The same
+    thread serves the rank's breakpoints (``fsdp_nb.debugging.rank_breakpoints``), whose
+    hooks are installed here.
     """
+    rank_cell_debug.install()
     return start_listener(part(WatchListener).state, addr, "hang-watch", "ROUTER", MAX_FRAME_BYTES, _handle, "fsdp_nb-hang-watch",
                           WINDOW)

@@ -88,6 +88,8 @@ class RankState:
     """Each of its groups' counts of issued collectives."""
     frame: UserFrame | None
     """Where its main thread is in user code (None: not in user code)."""
+    stopped: str | None = None
+    """Where it is stopped at a breakpoint (``cell [12] line 4``; None: not stopped)."""
 
 
 @dataclass(frozen=True, kw_only=True)

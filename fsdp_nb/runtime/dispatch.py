@@ -227,7 +227,7 @@ class Dispatcher:
         waits (default: the session's ``hang_after``)."""
         __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         hang_after = self.hang_after if hang_after is None else hang_after
-        watching = None if self.watch is None or hang_after is None else self.watch.watching(
+        watching = None if self.watch is None else self.watch.watching(
             pending.what, pending.started, hang_after, self.notify, self.hang_view)
         ended: BaseException | None = None  # how this call ended (not an exception an outer frame handles)
         with CtrlC() as ctrl_c:
@@ -289,7 +289,8 @@ class Dispatcher:
                 if dead:
                     self.notify(pending.what, "dead", dead)
                     self.policy.on_dead(pending, dead)
-            if timeout is not None and now - pending.started > timeout:
+            paused = watching.paused if watching is not None else 0.0  # at a breakpoint: not the call's time
+            if timeout is not None and now - pending.started - paused > timeout:
                 self.policy.on_timeout(pending, running, timeout)
             if watching is not None:
                 watching.poll(running)

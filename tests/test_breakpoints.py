@@ -1,0 +1,163 @@
+"""Debugging ranks while they run: breakpoints in cells, driven from the notebook, and the
+collective check that names a mismatched collective before it hangs.
+
+The shared session drives the console with ``input()`` answered in order (as the
+post-mortem test does); a real kernel drives it through jupyter_client's stdin channel.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fsdp_nb.debugging.cell_debug import CHECK_LIMIT_S
+from fsdp_nb.errors import RankError
+
+CELL = """import torch, torch.distributed as dist
+x = torch.ones(3) * (rank + 1)
+breakpoint()
+y = x * 2
+dist.all_reduce(y)
+print('done', y.tolist())
+"""
+
+
+def _answer(monkeypatch, answers):
+    """``input()`` answers ``answers`` in order; the prompts it was shown."""
+    left, prompts = iter(answers), []
+
+    def fake_input(prompt=""):
+        prompts.append(prompt)
+        return next(left)
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    return prompts
+
+
+def test_a_breakpoint_stops_the_chosen_rank_while_the_other_waits_in_its_collective(sess, monkeypatch, capsys):
+    prompts = _answer(monkeypatch, ["p x.shape", "n", "p y", "ll", "c"])
+    events = []
+    sess._ctx.dispatcher.observers.append(events.append)
+    try:
+        sess.execute(CELL, debug=[1])
+    finally:
+        sess._ctx.dispatcher.observers.remove(events.append)
+    out = capsys.readouterr().out
+    assert prompts == ["(Pdb rank 1) "] * 5
+    assert "rank 1 stopped at a breakpoint in cell [" in out and "] line 4" in out
+    assert "torch.Size([3])" in out  # rank 1's x, not rank 0's
+    assert "tensor([4., 4., 4.])" in out  # after `n`: y = x * 2 on rank 1
+    assert "  3  \tbreakpoint()" in out and "  5  ->\tdist.all_reduce(y)" in out  # the cell's lines
+    assert "[ranks 0-1] done [6.0, 6.0, 6.0]" in out
+    # the stop was told as a breakpoint, never as a hang
+    assert any(e.phase == "breakpoint" and "rank 1 is at a breakpoint in cell" in e.note for e in events)
+    assert not [e for e in events if e.phase == "hang"]
+    # the choice ends with the cell: the same code elsewhere does not stop
+    sess.execute("breakpoint()\nprint('went on')")
+    assert "went on" in capsys.readouterr().out
+
+
+def test_two_ranks_stopped_answer_one_command_merged_and_c_continues_both(sess, monkeypatch, capsys):
+    prompts = _answer(monkeypatch, ["ranks 0-1 p x.sum().item()", "ranks 0-1 p 7", "rank 1", "p rank", "c"])
+    sess.execute("import fsdp_nb\nfsdp_nb_bp = fsdp_nb.breakpoint")
+    sess.execute(CELL.replace("breakpoint()", "fsdp_nb_bp(ranks=[0, 1])"), hang_after=0.5)
+    out = capsys.readouterr().out
+    assert prompts == ["(Pdb rank 0) "] * 3 + ["(Pdb rank 1) "] * 2
+    assert "[rank 0]\n3.0\n[rank 1]\n6.0\n" in out  # each rank's own answer
+    assert "(Pdb rank 0) ranks 0-1 p 7" not in out and "\n7\n" in out  # an answer alike: once, unlabelled
+    assert out.count("[ranks 0-1] done") == 1
+    assert "waits in" not in out  # a short hang_after: still no hang while stopped
+
+
+def test_ctrl_c_at_the_prompt_leaves_the_debugger_and_interrupts_the_cell(sess, monkeypatch):
+    def interrupt(prompt=""):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        sess.execute(CELL.replace("dist.all_reduce(y)", "import time\nwhile True: time.sleep(0.05)"), debug=[1])
+    assert sess.all_reduce_check() == 1.0  # the session is usable, no rank stopped
+    assert sess.run(lambda: 1) == [1, 1]
+
+
+def test_a_rank_that_hears_nothing_from_the_notebook_goes_on_and_says_so(sess, capsys):
+    def hold(seconds):
+        from fsdp_nb.debugging.rank_breakpoints import Breakpoints
+        from fsdp_nb.engine.registry import part
+
+        part(Breakpoints).hold_s = seconds
+
+    d = sess._ctx.dispatcher
+    watch, d.watch = d.watch, None  # the notebook stops asking, as a closed tab or dead kernel would
+    sess.run(hold, 1.0)
+    try:
+        sess.execute("import fsdp_nb\nfsdp_nb.breakpoint(ranks=[1])\nheld_on = rank")
+    finally:
+        d.watch = watch
+        sess.run(hold, 60.0)
+    assert sess.pull("held_on") == [0, 1]  # rank 1 went on and finished the cell
+    captured = capsys.readouterr()
+    assert "heard nothing from the notebook for 1 s at its breakpoint" in captured.out + captured.err
+
+
+# -- the collective check ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code, says", [
+    ("t = torch.ones(3 if rank else 4)\ndist.all_reduce(t)\n",
+     ["rank 0: all_reduce(float32[4]) at cell", "rank 1: all_reduce(float32[3]) at cell"]),
+    ("t = torch.ones(3)\nif rank:\n    dist.all_gather_into_tensor(torch.empty(6), t)\nelse:\n    dist.all_reduce(t)\n",
+     ["rank 0: all_reduce(float32[3]) at cell", "rank 1: all_gather_into_tensor(float32[6], float32[3]) at cell"]),
+    ("if rank == 0:\n    dist.barrier()\n", ["rank 0: barrier() at cell", "rank 1: finished the cell without it"]),
+], ids=["shapes", "ops", "skipped barrier"])
+def test_a_mismatched_collective_is_named_before_it_is_issued(sess, code, says):
+    sess.execute("import torch, torch.distributed as dist")
+    started = time.monotonic()
+    with pytest.raises(RankError) as info:
+        sess.execute(code, check_collectives=True)
+    took = time.monotonic() - started
+    text = str(info.value)
+    assert "CollectiveMismatchError" in text and "none was issued" in text
+    for line in says:
+        assert line in text, text
+    assert took < 2.0 + sess.grace, took  # named at once, not after a hang's timeout
+    # nothing hung, no rank killed: the session goes on, with the check and without it
+    assert sess.all_reduce_check() == 1.0
+    sess.execute("t = torch.ones(2)\ndist.all_reduce(t)\nassert t.tolist() == [2.0, 2.0]", check_collectives=True)
+
+
+def test_the_session_wide_check_and_fsdp2s_own_collectives(sess):
+    sess.check_collectives = True
+    try:
+        assert sess.check_collectives == CHECK_LIMIT_S
+        sess.execute("""import torch
+from torch.distributed.fsdp import fully_shard
+cc_net = fully_shard(torch.nn.Linear(4, 4))
+cc_net(torch.ones(2, 4)).sum().backward()
+from fsdp_nb.debugging.rank_collective_check import CollectiveCheck
+from fsdp_nb.engine.registry import part
+cc_counted = sum(part(CollectiveCheck).counts.values())
+""")
+        assert all(n >= 2 for n in sess.pull("cc_counted"))  # FSDP2's all-gather and reduce-scatter were checked
+    finally:
+        sess.check_collectives = False
+        sess.execute("del cc_net")
+    with pytest.raises(ValueError, match="check_collectives must be True, False or seconds"):
+        sess.check_collectives = "yes"
+    with pytest.raises(ValueError, match="debug= takes ranks"):
+        sess.execute("pass", debug=[5])
+
+
+def test_a_breakpoint_in_a_px_cell_through_a_real_kernel(kernel):
+    """The prompt travels as the kernel's own input request (jupyter_client's stdin
+    channel), as JupyterLab, Notebook and VS Code show it."""
+    kernel.run("import fsdp_nb\nsess = fsdp_nb.Session(2, backend='gloo')", timeout=180)
+    out = kernel.run("%%px --debug 1\n" + CELL, answers=["p x.shape", "n", "ll", "c"])
+    assert out.count("(Pdb rank 1) ") == 4, out
+    assert "torch.Size([3])" in out and "  5  ->\tdist.all_reduce(y)" in out
+    assert "[ranks 0-1] done [6.0, 6.0, 6.0]" in out and "waits in" not in out
+    out = kernel.run("%%px\nfsdp_nb.breakpoint(ranks=[0, 1])\nz = rank\ndist.all_reduce(torch.ones(1))",
+                     answers=["ranks 0-1 p rank + 10", "c"])
+    assert "[rank 0]\n10\n[rank 1]\n11\n" in out, out
+    assert "(Pdb rank 0) " in out
