@@ -7,6 +7,7 @@ post-mortem test does); a real kernel drives it through jupyter_client's stdin c
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -23,12 +24,15 @@ print('done', y.tolist())
 """
 
 
-def _answer(monkeypatch, answers):
-    """``input()`` answers ``answers`` in order; the prompts it was shown."""
+def _answer(monkeypatch, answers, before=None):
+    """``input()`` answers ``answers`` in order (calling ``before()`` first); the prompts
+    it was shown."""
     left, prompts = iter(answers), []
 
     def fake_input(prompt=""):
         prompts.append(prompt)
+        if before is not None:
+            before()
         return next(left)
 
     monkeypatch.setattr("builtins.input", fake_input)
@@ -36,7 +40,8 @@ def _answer(monkeypatch, answers):
 
 
 def test_a_breakpoint_stops_the_chosen_rank_while_the_other_waits_in_its_collective(sess, monkeypatch, capsys):
-    prompts = _answer(monkeypatch, ["p x.shape", "n", "p y", "ll", "c"])
+    status = []  # sess.status() at the first prompt, while rank 1 stands
+    prompts = _answer(monkeypatch, ["p x.shape", "n", "p y", "ll", "c"], before=lambda: status or status.append(sess.status()))
     events = []
     sess._ctx.dispatcher.observers.append(events.append)
     try:
@@ -45,14 +50,17 @@ def test_a_breakpoint_stops_the_chosen_rank_while_the_other_waits_in_its_collect
         sess._ctx.dispatcher.observers.remove(events.append)
     out = capsys.readouterr().out
     assert prompts == ["(Pdb rank 1) "] * 5
-    assert "rank 1 stopped at a breakpoint in cell [" in out and "] line 4" in out
+    assert "rank 1 stopped at a breakpoint in line 4 of a cell" in out  # no notebook: no cell number
     assert "torch.Size([3])" in out  # rank 1's x, not rank 0's
     assert "tensor([4., 4., 4.])" in out  # after `n`: y = x * 2 on rank 1
     assert "  3  \tbreakpoint()" in out and "  5  ->\tdist.all_reduce(y)" in out  # the cell's lines
     assert "[ranks 0-1] done [6.0, 6.0, 6.0]" in out
     # the stop was told as a breakpoint, never as a hang
-    assert any(e.phase == "breakpoint" and "rank 1 is at a breakpoint in cell" in e.note for e in events)
+    assert any(e.phase == "breakpoint" and "rank 1 is at a breakpoint in line 4 of a cell" in e.note for e in events)
     assert not [e for e in events if e.phase == "hang"]
+    assert [r.state for r in status[0].ranks] == ["busy", "stopped"]  # rank 0 waits in its all_reduce
+    assert status[0].ranks[1].activity == "at a breakpoint in line 4 of a cell"
+    assert sess.status().idle == [0, 1]
     # the choice ends with the cell: the same code elsewhere does not stop
     sess.execute("breakpoint()\nprint('went on')")
     assert "went on" in capsys.readouterr().out
@@ -106,10 +114,11 @@ def test_a_rank_that_hears_nothing_from_the_notebook_goes_on_and_says_so(sess, c
 
 @pytest.mark.parametrize("code, says", [
     ("t = torch.ones(3 if rank else 4)\ndist.all_reduce(t)\n",
-     ["rank 0: all_reduce(float32[4]) at cell", "rank 1: all_reduce(float32[3]) at cell"]),
+     ["rank 0: all_reduce(float32[4]) at line 2 of a cell", "rank 1: all_reduce(float32[3]) at line 2 of a cell"]),
     ("t = torch.ones(3)\nif rank:\n    dist.all_gather_into_tensor(torch.empty(6), t)\nelse:\n    dist.all_reduce(t)\n",
-     ["rank 0: all_reduce(float32[3]) at cell", "rank 1: all_gather_into_tensor(float32[6], float32[3]) at cell"]),
-    ("if rank == 0:\n    dist.barrier()\n", ["rank 0: barrier() at cell", "rank 1: finished the cell without it"]),
+     ["rank 0: all_reduce(float32[3]) at line 5 of a cell",
+      "rank 1: all_gather_into_tensor(float32[6], float32[3]) at line 3 of a cell"]),
+    ("if rank == 0:\n    dist.barrier()\n", ["rank 0: barrier() at line 2 of a cell", "rank 1: finished the cell without it"]),
 ], ids=["shapes", "ops", "skipped barrier"])
 def test_a_mismatched_collective_is_named_before_it_is_issued(sess, code, says):
     sess.execute("import torch, torch.distributed as dist")
@@ -155,6 +164,9 @@ def test_a_breakpoint_in_a_px_cell_through_a_real_kernel(kernel):
     kernel.run("import fsdp_nb\nsess = fsdp_nb.Session(2, backend='gloo')", timeout=180)
     out = kernel.run("%%px --debug 1\n" + CELL, answers=["p x.shape", "n", "ll", "c"])
     assert out.count("(Pdb rank 1) ") == 4, out
+    # the notebook's number of the cell, in the stop and in pdb's own `> ...` line
+    number = re.search(r"rank 1 stopped at a breakpoint in cell \[(\d+)\] line 4", out)
+    assert number and f"> cell [{number[1]}](4)<module>()" in out, out
     assert "torch.Size([3])" in out and "  5  ->\tdist.all_reduce(y)" in out
     assert "[ranks 0-1] done [6.0, 6.0, 6.0]" in out and "waits in" not in out
     out = kernel.run("%%px\nfsdp_nb.breakpoint(ranks=[0, 1])\nz = rank\ndist.all_reduce(torch.ones(1))",

@@ -9,6 +9,7 @@ A screenshot goes to the ``artifacts`` fixture's folder (``FSDP_NB_ARTIFACTS`` k
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -88,11 +89,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _write_notebook(path: str) -> None:
+def _write_notebook(path: str, cells: list[str]) -> None:
     import nbformat
 
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in CELLS]
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                  "language": "python"}
     nbformat.write(nb, path)
@@ -154,23 +155,26 @@ def lab(tmp_path):
         log.close()
 
 
-def test_widgets_render_in_jupyterlab(lab, artifacts):
+@contextlib.contextmanager
+def _run_all(lab, artifacts: str, name: str, cells: list[str]):
+    """Open a notebook of ``cells`` in JupyterLab in headless Chromium, wait for its
+    kernel, run all its cells; yields the page. The browser's console goes to
+    ``{name}_console.log`` in ``artifacts``."""
     from playwright.sync_api import sync_playwright
 
     url, root = lab
-    _write_notebook(str(root / "widgets.ipynb"))
-    shot = os.path.join(artifacts, "widgets_browser.png")
+    _write_notebook(str(root / f"{name}.ipynb"), cells)
     with sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM, headless=True,
             args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
         )
+        console: list[str] = []
         try:
             page = browser.new_page(viewport={"width": 1300, "height": 2400})
-            console: list[str] = []
             page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
             page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
-            page.goto(f"{url}/lab/tree/widgets.ipynb", wait_until="domcontentloaded")
+            page.goto(f"{url}/lab/tree/{name}.ipynb", wait_until="domcontentloaded")
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
             # the kernel is up and idle (accept the kernel dialog should one still come)
             deadline = time.monotonic() + 90
@@ -185,15 +189,55 @@ def test_widgets_render_in_jupyterlab(lab, artifacts):
             page.locator(".jp-Notebook .jp-Cell").first.click()
             page.locator(".lm-MenuBar-item", has_text="Run").first.click()
             page.locator("[data-command='runmenu:run-all']").first.click()
-
-            try:
-                _check(page, shot)
-            finally:
-                with open(os.path.join(artifacts, "widgets_browser_console.log"), "w") as f:
-                    f.write("\n".join(console))
+            yield page
         finally:
+            with open(os.path.join(artifacts, f"{name}_console.log"), "w") as f:
+                f.write("\n".join(console))
             browser.close()
+
+
+def test_widgets_render_in_jupyterlab(lab, artifacts):
+    shot = os.path.join(artifacts, "widgets_browser.png")
+    with _run_all(lab, artifacts, "widgets", CELLS) as page:
+        _check(page, shot)
     assert os.path.getsize(shot) > 10_000
+
+
+DEBUG_CELLS = [
+    "import fsdp_nb\nsess = fsdp_nb.Session(2, backend='gloo')",
+    "%%px --debug 1\nimport torch, torch.distributed as dist\nx = torch.ones(3) * (rank + 1)\nbreakpoint()\n"
+    "dist.all_reduce(x)\nprint('after the breakpoint', x.tolist())",
+    "sess.shutdown()\nprint('SHUTDOWN' + '-DONE')",
+]
+
+
+def test_a_rank_debugger_prompt_appears_under_its_cell_in_jupyterlab(lab, artifacts):
+    """``%%px --debug 1`` with ``breakpoint()``: JupyterLab shows ``(Pdb rank 1)`` as the
+    kernel's input box under the cell; a command typed there is answered by rank 1."""
+    shot = os.path.join(artifacts, "debugger_browser.png")
+    with _run_all(lab, artifacts, "debugger", DEBUG_CELLS) as page:
+        try:
+            cell = page.locator(".jp-Notebook .jp-CodeCell").nth(1)
+            box = cell.locator(".jp-Stdin-input").last
+            box.wait_for(timeout=120_000)  # the prompt is in this cell's output area
+            assert "(Pdb rank 1)" in cell.locator(".jp-Stdin-prompt").last.inner_text()
+            assert "rank 1 stopped at a breakpoint in cell [2] line 4" in cell.inner_text()
+            box.fill("p x.tolist()")
+            box.press("Enter")
+            # rank 1's own value, and the prompt again for the next command
+            cell.locator(".jp-OutputArea-output", has_text="[2.0, 2.0, 2.0]").first.wait_for(timeout=30_000)
+            box = cell.locator(".jp-Stdin-input").last
+            box.wait_for(timeout=30_000)
+            box.fill("c")
+            box.press("Enter")
+            cell.locator(".jp-OutputArea-output", has_text="after the breakpoint [3.0, 3.0, 3.0]").first.wait_for(
+                timeout=30_000)
+            page.wait_for_selector(".jp-OutputArea-output:has-text('SHUTDOWN-DONE')", timeout=90_000)
+            assert "waits in" not in cell.inner_text()  # no hang was told while rank 1 stood
+        except Exception:
+            page.screenshot(path=shot.replace(".png", "_failure.png"), full_page=True)
+            raise
+        page.screenshot(path=shot, full_page=True)
 
 
 def _check(page, shot: str) -> None:

@@ -56,5 +56,16 @@ def arm_cell(ctx: SessionContext, ranks: Sequence[int], debug: list[int], check_
         return
     ctx.debugged_cells += 1
     d = ctx.dispatcher
-    d.gather(d.apply("arm the cell's debugging", _rank.arm, args=(debug, limit, ctx.debugged_cells),
+    d.gather(d.apply("arm the cell's debugging", _rank.arm, args=(debug, limit, ctx.debugged_cells, _cell_number()),
                      ranks=list(ranks)), 60)
+
+
+def _cell_number() -> int | None:
+    """The number the notebook shows for the running cell (``[12]``); None outside IPython."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    result = getattr(getattr(get_ipython(), "displayhook", None), "exec_result", None)  # the running cell's
+    number = getattr(result, "execution_count", None)
+    return number if isinstance(number, int) else None

@@ -40,7 +40,7 @@ from ..wire.decode import encode
 from .wire_breakpoints import DebugState
 
 __all__ = ["HOLD", "HOLD_EVERY_S", "POLL", "RELEASE", "SEND", "Breakpoints", "answer", "arm", "breakpoint",
-           "cell_ended", "install", "is_request", "stopped_at"]
+           "cell_ended", "cell_name", "install", "is_request", "stopped_at"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -86,6 +86,11 @@ class Breakpoints(Part):
         """The notebook let go (Ctrl-C) or went silent: no more stops this cell."""
         self.installed: tuple[Any, Any] | None = None
         """The hooks replaced by ``install`` (``sys.breakpointhook``, ``pdb.set_trace``)."""
+        self.cell_number: int | None = None
+        """The notebook's number of the running cell (``arm``; None: not told)."""
+        self.cell_numbers: dict[str, int] = {}
+        """A cell's code file on this engine -> the notebook's number of that cell, for each
+        armed cell seen at a stop or a checked collective (later cells' functions keep it)."""
 
     def take(self) -> str:
         with self.lock:
@@ -167,6 +172,13 @@ class _RankPdb(pdb.Pdb):
         if frame.f_code.co_name != "<module>":  # nor at its end: the next statement's line is next
             super().user_return(frame, return_value)
 
+    def format_stack_entry(self, frame_lineno: Any, lprefix: str = ": ") -> str:
+        """pdb's ``> file(line)`` with a cell's number for IPython's temporary file name."""
+        text = str(super().format_stack_entry(frame_lineno, lprefix))
+        frame = frame_lineno[0]
+        name = cell_name(frame.f_code.co_filename, frame)
+        return text.replace(self.canonic(frame.f_code.co_filename), name, 1) if name else text
+
     def interaction(self, frame: FrameType | None, tb: Any) -> None:
         self.bp.where = stopped_at(frame)
         try:
@@ -184,22 +196,45 @@ def _rank() -> int | None:
         return None
 
 
+def _is_cell(filename: str) -> bool:
+    """Whether ``filename`` is the code file IPython made for a cell."""
+    return "ipykernel_" in filename or filename.startswith(("<ipython-input", "<cell"))
+
+
+def cell_name(filename: str, frame: FrameType | None = None) -> str | None:
+    """``cell [12]`` for a cell's code file (the notebook's number of it, when the cell that
+    ran it was armed), ``a cell`` when its number is not known, None for any other file.
+
+    Args:
+        filename: a frame's ``co_filename``.
+        frame: the frame stopped in; its outermost cell frame is the running cell, which
+            gets the armed cell's number.
+    """
+    if not _is_cell(filename):
+        return None
+    bp = part(Breakpoints)
+    if bp.cell_number is not None and frame is not None:
+        outer = None
+        while frame is not None:
+            if _is_cell(frame.f_code.co_filename):
+                outer = frame.f_code.co_filename
+            frame = frame.f_back  # type: ignore[assignment]
+        if outer is not None:
+            bp.cell_numbers[outer] = bp.cell_number
+    number = bp.cell_numbers.get(filename)
+    return "a cell" if number is None else f"cell [{number}]"
+
+
 def stopped_at(frame: FrameType | None) -> str:
-    """``cell [12] line 4`` for a frame of a cell (IPython's number of it on this engine),
-    else ``file.py:12``."""
+    """``cell [12] line 4`` for a frame of a cell (the notebook's number of it, see
+    ``cell_name``; ``line 4 of a cell`` when it is not known), else ``file.py:12``."""
     if frame is None:
         return "an unknown place"
     filename, line = frame.f_code.co_filename, frame.f_lineno
-    try:
-        from IPython import get_ipython
-
-        ip = get_ipython()
-        number = getattr(getattr(ip, "compile", None), "_filename_map", {}).get(filename)
-    except ImportError:
-        number = None
-    if number is not None:
-        return f"cell [{number}] line {line}"
-    return f"{os.path.basename(filename)}:{line}"
+    name = cell_name(filename, frame)
+    if name is None:
+        return f"{os.path.basename(filename)}:{line}"
+    return f"line {line} of a cell" if name == "a cell" else f"{name} line {line}"
 
 
 def _stop(frame: FrameType | None) -> None:
@@ -252,17 +287,18 @@ def install() -> None:
     sys.breakpointhook, pdb.set_trace = _hook, _set_trace  # type: ignore[assignment]
 
 
-def arm(ranks: list[int]) -> None:
-    """The next cell's ``breakpoint()`` stops ``ranks`` (``%%px --debug``)."""
+def arm(ranks: list[int], cell_number: int | None = None) -> None:
+    """The next cell's ``breakpoint()`` stops ``ranks`` (``%%px --debug``); ``cell_number``:
+    the notebook's number of that cell, for where a stop is told."""
     bp = part(Breakpoints)
-    bp.debug_ranks, bp.abandoned = frozenset(ranks), False
+    bp.debug_ranks, bp.abandoned, bp.cell_number = frozenset(ranks), False, cell_number
 
 
 def cell_ended() -> None:
     """A cell ended: its choice of ranks ends with it, and so does a step that ran off
     its end (no trace is left to stop in a later cell)."""
     bp = part(Breakpoints)
-    bp.debug_ranks, bp.abandoned = frozenset(), False
+    bp.debug_ranks, bp.abandoned, bp.cell_number = frozenset(), False, None
     if isinstance(getattr(sys.gettrace(), "__self__", None), _RankPdb):
         sys.settrace(None)
 

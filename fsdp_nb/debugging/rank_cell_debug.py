@@ -37,10 +37,11 @@ def install() -> None:
         cell.hooked = True
 
 
-def arm(debug: list[int], check_limit: float | None, epoch: int) -> None:
+def arm(debug: list[int], check_limit: float | None, epoch: int, cell_number: int | None = None) -> None:
     """The next cell stops ``debug`` ranks at ``breakpoint()`` and, with ``check_limit``
-    (seconds), checks its collectives (``epoch``: the notebook's number of the cell)."""
-    rank_breakpoints.arm(debug)
+    (seconds), checks its collectives (``epoch``: the session's count of armed cells;
+    ``cell_number``: the notebook's number of the cell, None outside a notebook)."""
+    rank_breakpoints.arm(debug, cell_number)
     rank_collective_check.arm(check_limit, epoch)
 
 

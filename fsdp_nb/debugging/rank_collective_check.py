@@ -102,7 +102,7 @@ def _unpatch(check: CollectiveCheck) -> None:
 
 def arm(limit: float | None, epoch: int = 0) -> None:
     """Check the next cell's collectives (``limit``: seconds to wait for the others; None:
-    off); ``epoch``: the notebook's number of that cell, the same on every rank it runs on.
+    off); ``epoch``: the session's count of armed cells, the same on every rank it runs on.
     Each group's count starts again at 0, so a cell a mismatch cut short leaves no rank
     out of step with the next."""
     check = part(CollectiveCheck)
@@ -148,13 +148,13 @@ def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
 
 def _place() -> str:
     """The innermost frame of a cell (``cell [12] line 4``), else of the user's file."""
-    from .rank_breakpoints import stopped_at
+    from .rank_breakpoints import cell_name, stopped_at
 
     frame = sys._getframe(2)
     first = None
     while frame is not None:
         name = frame.f_code.co_filename
-        if "ipykernel_" in name or name.startswith("<ipython-input"):
+        if cell_name(name) is not None:
             return stopped_at(frame)
         if first is None and "site-packages" not in name and "/torch/" not in name and "fsdp_nb" not in name:
             first = frame

@@ -60,6 +60,9 @@ class HangWatch:
         """Rank -> its engine's watch thread (endpoint, signed link)."""
         self.warned: set[tuple[int, str]] = set()
         """(rank, what) already logged: a rank's thread that keeps failing is said once."""
+        self.stopped: dict[int, str] = {}
+        """Ranks at a breakpoint now -> where (``sess.status()`` shows them), while the
+        notebook's debugger console is open."""
 
     def watching(self, what: str, started: float, hang_after: float | None, notify: Callable[..., None],
                  view: HangShow | None) -> Watching:
@@ -230,9 +233,11 @@ class Watching:
             note = "; ".join(f"rank {r} is at a breakpoint in {where}" for r, where in sorted(stopped.items()))
             self.notify(self.what, "breakpoint", sorted(stopped), note=note)
             began = time.monotonic()
+            self.watch.stopped = dict(stopped)
             try:
                 console(self.watch.debug, stopped, world)
             finally:
+                self.watch.stopped = {}
                 self.paused += time.monotonic() - began
             self.notify(self.what, "running", running)
             self.next = time.monotonic() + self.tick

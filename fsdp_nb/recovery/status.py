@@ -30,9 +30,9 @@ __all__ = ["RankStatus", "SessionStatus", "apply_event", "read_status"]
 
 log = logging.getLogger("fsdp_nb")
 
-_COLOURS = {"busy": "#b58900", "idle": "#2aa198", "dead": "#dc322f", "failed": "#dc322f",
+_COLOURS = {"busy": "#b58900", "stopped": "#268bd2", "idle": "#2aa198", "dead": "#dc322f", "failed": "#dc322f",
             "interrupted": "#cb4b16", "recovering": "#6c71c4", "recovered": "#859900"}
-_MARKS = {"busy": "b", "idle": ".", "dead": "x", "failed": "F", "interrupted": "i", "recovering": "r",
+_MARKS = {"busy": "b", "stopped": "s", "idle": ".", "dead": "x", "failed": "F", "interrupted": "i", "recovering": "r",
           "recovered": "R"}
 _EVENTS_KEPT = 20
 
@@ -52,8 +52,8 @@ class RankStatus:
     device: str
     """Device it computes on (``"cuda:0"``, ``"cpu"``)."""
     state: str
-    """``"busy"`` (running or queued work), ``"idle"`` or ``"dead"``; as the live widget
-    follows calls also ``"failed"``, ``"interrupted"``, ``"recovering"``, ``"recovered"``."""
+    """``"busy"`` (running or queued work), ``"idle"``, ``"dead"`` or ``"stopped"`` (at a
+    breakpoint, the debugger console open); as the live widget follows calls also ``"failed"``, ``"interrupted"``, ``"recovering"``, ``"recovered"``."""
     queued: int = 0
     """Tasks the controller has sent this engine that have not finished (running included)."""
     stack: str | None = None
@@ -193,11 +193,13 @@ def read_status(ctx: SessionContext, *, with_stacks: bool = True) -> SessionStat
     queued = _queued(c.client, c.engine_ids)
     states = ["dead" if r in dead else ("busy" if queued[r] > 0 else "idle")
               for r in range(len(c.engine_ids))]
-    busy = [r for r, s in enumerate(states) if s == "busy"]
+    stops = dict(getattr(ctx.dispatcher.watch, "stopped", None) or {})  # the debugger console is open
+    busy = [r for r, s in enumerate(states) if s == "busy" and r not in stops]
     found = ctx.health.stacks(busy) if (with_stacks and busy) else {}
     devices = [info.device for info in ctx.ranks] or ["?"] * c.world_size
     ranks = tuple(
-        RankStatus(r, eid, c.hosts[r] or "?", c.pids[r], devices[r], states[r], queued[r], found.get(r))
+        RankStatus(r, eid, c.hosts[r] or "?", c.pids[r], devices[r], "stopped" if r in stops else states[r],
+                   queued[r], found.get(r), activity=f"at a breakpoint in {stops[r]}" if r in stops else "")
         for r, eid in enumerate(c.engine_ids)
     )
     return SessionStatus(ctx.state, ctx.backend or "?", ranks, why=ctx.lifecycle.why)
@@ -239,6 +241,9 @@ def _rank_after(r: RankStatus, event: CallEvent) -> RankStatus:
     if ph == "failed":
         f = next((f for f in event.failures if f.rank == r.rank), None)
         return replace(r, state="failed", activity=_short(f"{event.what}: {f.ename}: {f.evalue}")) if f else r
+    if ph == "breakpoint" and mine:  # "rank 1 is at a breakpoint in cell [12] line 4; rank 3 ..."
+        line = next((ln for ln in event.note.split("; ") if ln.startswith(f"rank {r.rank} ")), "")
+        return replace(r, state="stopped", activity=_short(line.replace(f"rank {r.rank} is ", "", 1)))
     if ph == "hang":  # the rank's own line of the diagnosis
         line = next((ln for ln in event.note.splitlines() if ln.startswith(f"rank {r.rank} ")), None)
         return replace(r, activity=_short(line)) if line else r

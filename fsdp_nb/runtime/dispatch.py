@@ -41,13 +41,14 @@ class CallEvent:
     """The call ("execute", "run(train)"), or "session" / "restart" for a recovery."""
     phase: str
     """``running``, ``done``, ``failed``, ``interrupted``, ``dead``, ``recovering``,
-    ``recovered`` or ``degraded``."""
+    ``recovered``, ``degraded``, ``hang`` or ``breakpoint`` (ranks stopped by the user)."""
     ranks: tuple[int, ...] = ()
     """The ranks concerned: those still running, those that died, those being recovered."""
     failures: tuple[RankFailure, ...] = ()
     """For ``failed``: each failing rank's error, first failure first."""
     note: str = ""
-    """For recovery phases: what was done."""
+    """For recovery phases: what was done; for ``hang`` the diagnosis, for ``breakpoint``
+    where each rank stopped."""
 
 
 class FailurePolicy:
