@@ -33,6 +33,7 @@ BENCHES = {
     "memory_sampler": ("memory_sampler.py", [], ["--rounds", "2", "--steps", "4"]),
     "failures": ("failures.py", [], ["--reps", "1"]),
     "hangs": ("hangs.py", [], ["--rounds", "3", "--steps", "30"]),
+    "collective_check": ("collective_check.py", [], ["--rounds", "1", "--steps", "20", "--calls", "0.1"]),
     "launchers": ("launchers.py", [], ["--only", "local"]),
     "kernel_restart": ("kernel_restart.py", [], ["--reps", "1"]),
     "memory_plan": ("memory_plan.py", [], ["--quick"]),

@@ -20,7 +20,12 @@ from typing import TYPE_CHECKING, Any
 from .autosave.session_autosave import SessionAutosave
 from .checkpoints.session_checkpoints import SessionCheckpoints
 from .context import SessionContext, SessionFacts
-from .debugging.cell_debug import arm_cell, check_collectives_option, check_debug
+from .debugging.cell_debug import (
+    armed_cell,
+    check_collectives_option,
+    check_debug,
+    check_debug_commands,
+)
 from .errors import hide_frame
 from .frontends import magics
 from .frontends.session_view import session_html, session_text
@@ -264,7 +269,7 @@ class Session(SessionFacts, SessionCheckpoints, SessionAutosave, SessionRecovery
 
     def execute(self, code: str, *, ranks: Sequence[int] | None = None, output: str | None = "all",
                 timeout: float | None = None, hang_after: float | None = None, debug: Any = None,
-                check_collectives: bool | float | None = None) -> None:
+                check_collectives: bool | float | None = None, debug_commands: Any = None) -> None:
         """Run ``code`` on every rank (as ``%%px`` does); raise the failing ranks' errors.
 
         Use ``pull`` or ``run`` to get values back.
@@ -286,25 +291,30 @@ class Session(SessionFacts, SessionCheckpoints, SessionAutosave, SessionRecovery
                 issued, raising ``CollectiveMismatchError`` on every rank at a difference
                 (True, or seconds to wait for the other ranks; None: the session's
                 ``check_collectives``).
+            debug_commands: pdb lines sent at each stop before the prompt asks, shown as if
+                typed (a list, or one string with ``;;`` between them): ``"p loss.item();; c"``
+                prints and goes on, a breakpoint that asks nothing (None: none).
         """
         __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         self._execute(code, timeout, ranks=ranks, output=output, silent=True, hang_after=hang_after, debug=debug,
-                      check_collectives=check_collectives)
+                      check_collectives=check_collectives, debug_commands=debug_commands)
 
     def _execute(self, code: str, timeout: float | None, *, ranks: Sequence[int] | None = None,
                  output: str | None = "all", silent: bool = False, hang_after: float | None = None,
-                 debug: Any = None, check_collectives: bool | float | None = None) -> list[Any]:
+                 debug: Any = None, check_collectives: bool | float | None = None,
+                 debug_commands: Any = None) -> list[Any]:
         """``execute`` returning each rank's ExecuteReply (its ``Out`` value, unless
         ``silent``), for ``%%px``."""
         __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         if not isinstance(code, str):
             raise TypeError(f"execute() needs source code as str, got {type(code).__name__}")
         targets = checks.check_ranks(ranks, self.world_size)
-        arm_cell(self._ctx, targets, check_debug(debug, self.world_size), check_collectives_option(check_collectives))
-        replies = calls.execute(self.dispatcher, code, timeout, ranks=None if ranks is None else targets,
-                                echoed=checks.check_output(output, targets), silent=silent,
-                                merged=self._ctx.merge_output and output != "each",
-                                hang_after=checks.check_hang_after(hang_after), ctx=self._ctx)
+        echoed, hang_after = checks.check_output(output, targets), checks.check_hang_after(hang_after)
+        with armed_cell(self._ctx, targets, check_debug(debug, self.world_size), check_collectives_option(check_collectives),
+                        check_debug_commands(debug_commands)):
+            replies = calls.execute(self.dispatcher, code, timeout, ranks=None if ranks is None else targets,
+                                    echoed=echoed, silent=silent, merged=self._ctx.merge_output and output != "each",
+                                    hang_after=hang_after, ctx=self._ctx)
         if ranks is None:  # on every rank: a rank that joins later is given its definitions
             self._ctx.definitions.note_code(code)
         return replies

@@ -50,16 +50,16 @@ def test_a_breakpoint_stops_the_chosen_rank_while_the_other_waits_in_its_collect
         sess._ctx.dispatcher.observers.remove(events.append)
     out = capsys.readouterr().out
     assert prompts == ["(Pdb rank 1) "] * 5
-    assert "rank 1 stopped at a breakpoint in line 4 of a cell" in out  # no notebook: no cell number
+    assert "rank 1 stopped at a breakpoint in line 4 of the running cell" in out  # no notebook: no cell number
     assert "torch.Size([3])" in out  # rank 1's x, not rank 0's
     assert "tensor([4., 4., 4.])" in out  # after `n`: y = x * 2 on rank 1
     assert "  3  \tbreakpoint()" in out and "  5  ->\tdist.all_reduce(y)" in out  # the cell's lines
     assert "[ranks 0-1] done [6.0, 6.0, 6.0]" in out
     # the stop was told as a breakpoint, never as a hang
-    assert any(e.phase == "breakpoint" and "rank 1 is at a breakpoint in line 4 of a cell" in e.note for e in events)
+    assert any(e.phase == "breakpoint" and "rank 1 is at a breakpoint in line 4 of the running cell" in e.note for e in events)
     assert not [e for e in events if e.phase == "hang"]
     assert [r.state for r in status[0].ranks] == ["busy", "stopped"]  # rank 0 waits in its all_reduce
-    assert status[0].ranks[1].activity == "at a breakpoint in line 4 of a cell"
+    assert status[0].ranks[1].activity == "at a breakpoint in line 4 of the running cell"
     assert sess.status().idle == [0, 1]
     # the choice ends with the cell: the same code elsewhere does not stop
     sess.execute("breakpoint()\nprint('went on')")
@@ -76,6 +76,22 @@ def test_two_ranks_stopped_answer_one_command_merged_and_c_continues_both(sess, 
     assert "(Pdb rank 0) ranks 0-1 p 7" not in out and "\n7\n" in out  # an answer alike: once, unlabelled
     assert out.count("[ranks 0-1] done") == 1
     assert "waits in" not in out  # a short hang_after: still no hang while stopped
+
+
+def test_debug_commands_run_at_every_stop_and_a_trailing_c_asks_nothing(sess, monkeypatch, capsys):
+    def no_input(prompt=""):
+        raise AssertionError(f"asked {prompt!r}")
+
+    monkeypatch.setattr("builtins.input", no_input)
+    sess.execute("import fsdp_nb, torch, torch.distributed as dist\nfor i in range(3):\n"
+                 "    loss = torch.tensor(1.0 / (i + 1))\n    fsdp_nb.breakpoint(ranks=1)\n    dist.all_reduce(loss)",
+                 debug_commands="p i, round(loss.item(), 3);; c")
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("(0, ") or line.startswith("(1, ")
+            or line.startswith("(2, ")] == ["(0, 1.0)", "(1, 0.5)", "(2, 0.333)"]  # rank 1's values, each stop
+    assert out.count("(Pdb rank 1) c") == 3
+    with pytest.raises(ValueError, match="debug_commands takes pdb command lines"):
+        sess.execute("pass", debug_commands=["p x", ""])
 
 
 def test_ctrl_c_at_the_prompt_leaves_the_debugger_and_interrupts_the_cell(sess, monkeypatch):
@@ -114,11 +130,11 @@ def test_a_rank_that_hears_nothing_from_the_notebook_goes_on_and_says_so(sess, c
 
 @pytest.mark.parametrize("code, says", [
     ("t = torch.ones(3 if rank else 4)\ndist.all_reduce(t)\n",
-     ["rank 0: all_reduce(float32[4]) at line 2 of a cell", "rank 1: all_reduce(float32[3]) at line 2 of a cell"]),
+     ["rank 0: all_reduce(float32[4]) at line 2 of the running cell", "rank 1: all_reduce(float32[3]) at line 2 of the running cell"]),
     ("t = torch.ones(3)\nif rank:\n    dist.all_gather_into_tensor(torch.empty(6), t)\nelse:\n    dist.all_reduce(t)\n",
-     ["rank 0: all_reduce(float32[3]) at line 5 of a cell",
-      "rank 1: all_gather_into_tensor(float32[6], float32[3]) at line 3 of a cell"]),
-    ("if rank == 0:\n    dist.barrier()\n", ["rank 0: barrier() at line 2 of a cell", "rank 1: finished the cell without it"]),
+     ["rank 0: all_reduce(float32[3]) at line 5 of the running cell",
+      "rank 1: all_gather_into_tensor(float32[6], float32[3]) at line 3 of the running cell"]),
+    ("if rank == 0:\n    dist.barrier()\n", ["rank 0: barrier() at line 2 of the running cell", "rank 1: finished the cell without it"]),
 ], ids=["shapes", "ops", "skipped barrier"])
 def test_a_mismatched_collective_is_named_before_it_is_issued(sess, code, says):
     sess.execute("import torch, torch.distributed as dist")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..runtime.output_lines import rank_label
@@ -113,7 +113,8 @@ def _collect(ask: Ask, ranks: list[int], wait: float, after: dict[int, int] | No
 
 
 def console(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[str], str] | None = None,
-            show: Callable[[str], Any] = lambda text: print(text, end="", flush=True)) -> None:
+            show: Callable[[str], Any] = lambda text: print(text, end="", flush=True),
+            script: Sequence[str] = ()) -> None:
     """Drive the stopped ranks until none waits for a command (see the module).
 
     Args:
@@ -122,7 +123,10 @@ def console(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[
         world_size: the session's ranks (``ranks 0-3`` is checked against it).
         read: reads a command line after a prompt (None: ``input``, the kernel's input request).
         show: shows text under the cell.
+        script: command lines taken, in order, before ``read`` is asked (``debug_commands=``),
+            each shown after its prompt as if typed: a stop that ends them with ``c`` asks nothing.
     """
+    lines = list(script)
     states = _collect(ask, sorted(stopped), ANSWER_S)
     waiting = sorted(r for r, st in states.items() if st is not None and st.waiting)
     show("".join(f"fsdp_nb: rank {r} stopped at a breakpoint in {st.where}\n" for r, st in sorted(states.items())
@@ -134,7 +138,12 @@ def console(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[
         while waiting:
             if current not in waiting:
                 current = waiting[0]
-            line = (read or input)(f"(Pdb rank {current}) ")
+            prompt = f"(Pdb rank {current}) "
+            if lines:
+                line = lines.pop(0)
+                show(f"{prompt}{line}\n")
+            else:
+                line = (read or input)(prompt)
             targets, command = _route(line.strip(), current, waiting, world_size, show)
             if not targets:
                 continue
@@ -153,6 +162,8 @@ def console(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[
                     show(f"rank {r} runs on ({command!r} has not stopped it again within {ANSWER_S:g} s)\n")
             waiting = sorted(r for r, st in ask({r: _bp.POLL for r in waiting}).items()
                              if st is not None and st.waiting and st.where is not None)
+            if waiting and command.split(" ")[0] in _CONTINUE:
+                lines = list(script)  # stopped again (a breakpoint in a loop): a new stop, its script again
     except KeyboardInterrupt:
         ask({r: _bp.RELEASE for r in range(world_size)})
         raise

@@ -177,7 +177,9 @@ class _RankPdb(pdb.Pdb):
         text = str(super().format_stack_entry(frame_lineno, lprefix))
         frame = frame_lineno[0]
         name = cell_name(frame.f_code.co_filename, frame)
-        return text.replace(self.canonic(frame.f_code.co_filename), name, 1) if name else text
+        if name is None:
+            return text
+        return text.replace(self.canonic(frame.f_code.co_filename), name if name.startswith("cell [") else "<cell>", 1)
 
     def interaction(self, frame: FrameType | None, tb: Any) -> None:
         self.bp.where = stopped_at(frame)
@@ -202,8 +204,9 @@ def _is_cell(filename: str) -> bool:
 
 
 def cell_name(filename: str, frame: FrameType | None = None) -> str | None:
-    """``cell [12]`` for a cell's code file (the notebook's number of it, when the cell that
-    ran it was armed), ``a cell`` when its number is not known, None for any other file.
+    """``cell [12]`` for a cell's code file (the notebook's number of it, when a cell that
+    ran it was armed); without a number ``the running cell`` or ``an earlier cell``;
+    None for any other file.
 
     Args:
         filename: a frame's ``co_filename``.
@@ -213,28 +216,29 @@ def cell_name(filename: str, frame: FrameType | None = None) -> str | None:
     if not _is_cell(filename):
         return None
     bp = part(Breakpoints)
-    if bp.cell_number is not None and frame is not None:
-        outer = None
-        while frame is not None:
-            if _is_cell(frame.f_code.co_filename):
-                outer = frame.f_code.co_filename
-            frame = frame.f_back  # type: ignore[assignment]
-        if outer is not None:
-            bp.cell_numbers[outer] = bp.cell_number
+    outer = None
+    while frame is not None:
+        if _is_cell(frame.f_code.co_filename):
+            outer = frame.f_code.co_filename
+        frame = frame.f_back  # type: ignore[assignment]
+    if bp.cell_number is not None and outer is not None:
+        bp.cell_numbers[outer] = bp.cell_number
     number = bp.cell_numbers.get(filename)
-    return "a cell" if number is None else f"cell [{number}]"
+    if number is not None:
+        return f"cell [{number}]"
+    return "the running cell" if filename == outer else "an earlier cell"
 
 
 def stopped_at(frame: FrameType | None) -> str:
-    """``cell [12] line 4`` for a frame of a cell (the notebook's number of it, see
-    ``cell_name``; ``line 4 of a cell`` when it is not known), else ``file.py:12``."""
+    """``cell [12] line 4`` for a frame of a cell (see ``cell_name``; ``line 4 of the
+    running cell`` without its number), else ``file.py:12``."""
     if frame is None:
         return "an unknown place"
     filename, line = frame.f_code.co_filename, frame.f_lineno
     name = cell_name(filename, frame)
     if name is None:
         return f"{os.path.basename(filename)}:{line}"
-    return f"line {line} of a cell" if name == "a cell" else f"{name} line {line}"
+    return f"{name} line {line}" if name.startswith("cell [") else f"line {line} of {name}"
 
 
 def _stop(frame: FrameType | None) -> None:

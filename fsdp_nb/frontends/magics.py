@@ -36,7 +36,7 @@ class Session(Protocol):
 
     def _execute(self, code: str, timeout: float | None, *, ranks: Sequence[int] | None = None,
                  output: str | None = "all", hang_after: float | None = None, debug: Any = None,
-                 check_collectives: bool | float | None = None) -> list[Any]: ...
+                 check_collectives: bool | float | None = None, debug_commands: Any = None) -> list[Any]: ...
 
     def debug(self, rank: int | None = None) -> str | None: ...
 
@@ -130,15 +130,16 @@ class PxMagics(Magics):
         ranks print alike shows once, ``[ranks 0-7] ...``), ``--output none`` none,
         ``--timeout S`` bounds it, ``--hang-after S`` explains a collective that has
         waited S seconds, ``--debug 1,3`` stops ranks 1 and 3 at ``breakpoint()`` with a
-        ``(Pdb rank N)`` prompt, ``--check-collectives`` compares each collective across
-        its group before it runs.
+        ``(Pdb rank N)`` prompt (``--debug-commands "p x.shape;; c"`` sends those pdb
+        lines at each stop before it asks), ``--check-collectives`` compares each
+        collective across its group before it runs.
         """
         __tracebackhide__ = hide_frame  # left out of a rank error's traceback
         args = parse_px(line)
         _show_results(
             self._session()._execute(cell, args.timeout, ranks=args.ranks, output=args.output,
                                      hang_after=args.hang_after, debug=args.debug,
-                                     check_collectives=args.check_collectives),
+                                     check_collectives=args.check_collectives, debug_commands=args.debug_commands),
             sorted(args.ranks) if args.ranks is not None else None,
         )
 
@@ -173,10 +174,12 @@ class PxArgs:
     """``--debug 1,3``: the ranks ``breakpoint()`` stops in this cell (None: none)."""
     check_collectives: bool | None = None
     """``--check-collectives``: compare each collective across its group before it runs."""
+    debug_commands: str | None = None
+    """``--debug-commands "p x;; c"``: pdb lines sent at each stop before the prompt."""
 
 
 _PX_USAGE = ("%%px [--ranks 0,2] [--output all|each|rankN|none] [--timeout SECONDS] [--hang-after SECONDS] "
-             "[--debug 1,3] [--check-collectives]")
+             "[--debug 1,3] [--debug-commands 'p x;; c'] [--check-collectives]")
 
 
 def parse_px(line: str) -> PxArgs:
@@ -200,6 +203,8 @@ def parse_px(line: str) -> PxArgs:
                 opts["hang_after"] = check_hang_after(float(value))
             elif flag == "--debug":
                 opts["debug"] = [int(r) for r in value.split(",")]
+            elif flag == "--debug-commands":
+                opts["debug_commands"] = value
             else:
                 raise ValueError(flag)
         except ValueError:

@@ -63,6 +63,9 @@ class HangWatch:
         self.stopped: dict[int, str] = {}
         """Ranks at a breakpoint now -> where (``sess.status()`` shows them), while the
         notebook's debugger console is open."""
+        self.script: tuple[str, ...] = ()
+        """pdb lines the console sends at each stop of the running cell before it asks the
+        user (``debug_commands=``)."""
 
     def watching(self, what: str, started: float, hang_after: float | None, notify: Callable[..., None],
                  view: HangShow | None) -> Watching:
@@ -235,7 +238,7 @@ class Watching:
             began = time.monotonic()
             self.watch.stopped = dict(stopped)
             try:
-                console(self.watch.debug, stopped, world)
+                console(self.watch.debug, stopped, world, script=self.watch.script)
             finally:
                 self.watch.stopped = {}
                 self.paused += time.monotonic() - began
