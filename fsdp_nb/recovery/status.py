@@ -242,8 +242,8 @@ def _rank_after(r: RankStatus, event: CallEvent) -> RankStatus:
         f = next((f for f in event.failures if f.rank == r.rank), None)
         return replace(r, state="failed", activity=_short(f"{event.what}: {f.ename}: {f.evalue}")) if f else r
     if ph == "breakpoint" and mine:  # "rank 1 is at a breakpoint in cell [12] line 4; rank 3 ..."
-        line = next((ln for ln in event.note.split("; ") if ln.startswith(f"rank {r.rank} ")), "")
-        return replace(r, state="stopped", activity=_short(line.replace(f"rank {r.rank} is ", "", 1)))
+        said = next((ln for ln in event.note.split("; ") if ln.startswith(f"rank {r.rank} ")), "")
+        return replace(r, state="stopped", activity=_short(said.replace(f"rank {r.rank} is ", "", 1)))
     if ph == "hang":  # the rank's own line of the diagnosis
         line = next((ln for ln in event.note.splitlines() if ln.startswith(f"rank {r.rank} ")), None)
         return replace(r, activity=_short(line)) if line else r

@@ -19,7 +19,7 @@ class FakeRanks:
     """Ranks stopped at ``where``: ``p NAME`` answers the rank's value, ``c`` lets it run."""
 
     def __init__(self, stopped: dict[int, str], values: dict[int, dict[str, str]]):
-        self.where = dict(stopped)
+        self.where: dict[int, str | None] = dict(stopped)
         self.values, self.reads = values, {r: 1 for r in stopped}
         self.out = {r: f"-> line of rank {r}\n" for r in stopped}
         self.sent: list[tuple[int, str]] = []
@@ -50,13 +50,15 @@ class FakeRanks:
 
 
 def _run(ranks: FakeRanks, lines: list[str], script=()):
-    shown, prompts, left = [], [], iter(lines)
+    shown: list[str] = []
+    prompts: list[str] = []
+    left = iter(lines)
 
     def read(prompt):
         prompts.append(prompt)
         return next(left)
 
-    console(ranks, {r: w for r, w in ranks.where.items()}, 4, read=read, show=shown.append, script=script)
+    console(ranks, {r: w for r, w in ranks.where.items() if w}, 4, read=read, show=shown.append, script=script)
     return "".join(shown), prompts
 
 
