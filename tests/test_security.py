@@ -2,7 +2,7 @@
 cluster's key, against a real 2-rank session.
 
 - each fsdp_nb socket (the direct call channel, the NCCL abort listener, the hang
-  watch, the memory feed) gets the outsider's pickled call, ``b"abort"``, a subscription, random,
+  watch and the debugger requests it carries, the memory feed) gets the outsider's pickled call, ``b"abort"``, a subscription, random,
   truncated and oversized frames and a captured frame replayed: nothing runs, nothing
   aborts, nothing leaks, and the session answers its next call;
 - everything the session listens on is on loopback;
@@ -256,6 +256,44 @@ def test_an_outsider_can_neither_ask_where_a_rank_is_nor_close_its_connections(s
     assert sess.all_reduce_check() == 1.0  # no connection of the group was closed
     for s in socks:
         s.close()
+
+
+def test_an_outsider_cannot_send_commands_to_a_rank_stopped_at_a_breakpoint(sess, tmp_path, monkeypatch, capsys):
+    """A rank at a breakpoint runs what its pdb reads, and pdb reads the hang watch's
+    debugger requests: one unsigned, or signed with another key, is dropped (rank 1's
+    own pdb counts the drops while it stands), and the code it carried never runs."""
+    from fsdp_nb.debugging import rank_breakpoints
+
+    sess.execute("def sec_dropped():\n    from fsdp_nb.engine.registry import part\n"
+                 "    from fsdp_nb.hangs.rank_hang_watch import WatchListener\n"
+                 "    return part(WatchListener).state['link'].dropped")
+    before = sess.run(_watch_dropped)[1]
+    planted = tmp_path / "pwned"
+    attack = rank_breakpoints.SEND + f"!open({str(planted)!r}, 'w').write('ran')".encode()
+    ep, _ = sess.context.health.watch.links[1]
+    socks = []
+    prompts = []
+
+    def at_the_prompt(prompt=""):
+        prompts.append(prompt)
+        answers.append(capsys.readouterr().out)  # what the console showed so far
+        if len(prompts) == 1:  # rank 1 stands: the outsider's requests
+            socks.extend(_outsider(zmq.DEALER, ep) for _ in range(2))
+            socks[0].send(attack)
+            socks[1].send(Link(os.urandom(32), "hang-watch", new_nonce(), "client").pack(attack))
+        elif f"'dropped {before + 2}'" in "".join(answers):
+            return "c"  # both dropped while it stood
+        assert len(prompts) < 400, "rank 1's watch did not drop the outsider's two requests"
+        return "p f'dropped {sec_dropped()}'"
+
+    answers: list[str] = []
+    monkeypatch.setattr("builtins.input", at_the_prompt)
+    sess.execute("import torch, torch.distributed as dist\nbreakpoint()\ndist.all_reduce(torch.ones(1))", debug=[1])
+    assert not planted.exists()
+    assert all(_nothing_came(s) for s in socks)
+    for s in socks:
+        s.close()
+    assert sess.all_reduce_check() == 1.0
 
 
 def _spies(endpoint: str, token: str, *replayed: bytes) -> list[zmq.Socket]:

@@ -177,12 +177,14 @@ def checked_call(op: str, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
     group = _group(kwargs, args, fn)
     if any(group is g for g in background_groups()):
         return fn(*args, **kwargs)
-    check.inside = True
+    check.inside = True  # the collectives torch calls inside this one are not checked again
     try:
-        _compare(check, group, _call(op, args, kwargs))
-        return fn(*args, **kwargs)
+        mismatch = _compare(check, group, _call(op, args, kwargs))
+        if mismatch is None:
+            return fn(*args, **kwargs)
     finally:
         check.inside = False
+    raise CollectiveMismatchError(mismatch)  # on every rank of the group; none issued the collective
 
 
 def _key(epoch: int, group: Any, seq: int, rank: int) -> str:
@@ -209,8 +211,9 @@ def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def _compare(check: CollectiveCheck, group: Any, call: dict[str, Any]) -> None:
-    __tracebackhide__ = True
+def _compare(check: CollectiveCheck, group: Any, call: dict[str, Any]) -> str | None:
+    """Post this rank's ``call`` and wait for the group's; what differs, in words (None:
+    every member calls the same)."""
     import torch.distributed as dist
 
     seq, ranks = _post(check, group, call)
@@ -226,16 +229,16 @@ def _compare(check: CollectiveCheck, group: Any, call: dict[str, Any]) -> None:
                 raise
             if time.monotonic() >= deadline:
                 late = [r for r, k in zip(ranks, keys) if not store.check([k])]
-                raise CollectiveMismatchError(_lines(ranks, me, {r: None for r in late}, call, seq,
-                                                     f"within {check.limit:g} s")) from None
+                return _lines(ranks, me, {r: None for r in late}, call, seq, f"within {check.limit:g} s")
     calls = {r: json.loads(v) for r, v in zip(ranks, store.multi_get(keys))}
     mine = (call["op"], call["shapes"], call["dtypes"])
     if any((c.get("op"), c.get("shapes"), c.get("dtypes")) != mine for c in calls.values()):
-        raise CollectiveMismatchError(_lines(ranks, me, calls, call, seq, ""))
+        return _lines(ranks, me, calls, call, seq, "")
     done = check.posted[:-1]  # every member wrote this count: all have read the ones before
     check.posted = check.posted[-1:]
     for key in done:
         store.delete_key(key)
+    return None
 
 
 def _describe(c: dict[str, Any]) -> str:
