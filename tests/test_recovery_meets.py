@@ -8,7 +8,9 @@
   until it is mended, and lets ``sess.restart`` mend it (bug 15);
 - the checkpoint group's background collectives, an async save's commit ahead on one
   rank, are neither a hang nor a group out of step (bug 5);
-- a call cut off by its ``timeout=`` is not said to have completed its collective (17h).
+- a call cut off by its ``timeout=`` is not said to have completed its collective (17h);
+- the collective check and breakpoints on a resized and restarted group, beside autosave
+  and an async save, and after a failed cell (issue 58).
 
 Tests that resize, kill engines or restart share one private 2-rank session (``own``);
 the timeout runs on the shared ``sess``, which its recovery re-forms as any timeout does.
@@ -150,6 +152,53 @@ def test_a_cell_that_fails_inside_a_scaled_step_does_not_stop_the_next(own):
     assert all(x == x for x in _train(s, 12, 14))
     state = _scalers(s)
     assert state == [state[0]] * 2
+
+
+def test_the_check_and_breakpoints_on_a_resized_restarted_group_beside_autosave_and_an_async_save(own, tmp_path,
+                                                                                                   monkeypatch, capsys):
+    """The debugging tools where they meet the rest (issue 58), on the group the resizes and
+    the restart above re-formed, with two optimizers' worth of state (the model's and the
+    scaler's), an in-memory and disk autosave every step and the user's async save in flight:
+
+    - a checked training cell raises no false mismatch: FSDP2's all-gathers and
+      reduce-scatters, the scaler's all-reduce and the check's own count go through; the
+      checkpoint group's collectives (the async save's, autosave's) are not checked;
+    - a breakpoint mid-step stops rank 1; the step's autosave waits for it and goes on;
+    - a mismatch on that group is named, the session goes on, and autosave with it;
+    - a failed cell ends its debugging choice: the next cell's ``breakpoint()`` does nothing.
+    """
+    s = own
+    s.autosave(str(tmp_path / "auto"), every=1, model="mt_net", optimizer="mt_opt", state=["scaler"], in_memory=True)
+    try:
+        mine = s.save(str(tmp_path / "mine"), "mt_net", optimizer="mt_opt", async_save=True)
+        s.execute("from fsdp_nb.debugging.rank_collective_check import CollectiveCheck\n"
+                  "from fsdp_nb.engine.registry import part\nrs_out = mt_train(14, 17)\n"
+                  "rs_checked = sum(part(CollectiveCheck).counts.values())",
+                  check_collectives=True, timeout=120, hang_after=5)
+        assert all(n >= 3 * 4 for n in s.pull("rs_checked"))  # 3 steps of FSDP2's and the scaler's
+        mine.wait(60)
+
+        prompts: list[str] = []
+        left = iter(["p step", "c"])
+        monkeypatch.setattr("builtins.input", lambda prompt="": prompts.append(prompt) or next(left))
+        steps_before = s.autosave().ranks[1].step
+        s.execute("for step in range(17, 19):\n    rs_out = mt_train(step, step + 1)\n"
+                  "    if step == 17:\n        breakpoint()", debug=[1], timeout=120, hang_after=1)
+        out = capsys.readouterr().out
+        assert prompts == ["(Pdb rank 1) "] * 2 and "\n17\n" in out and "waits in" not in out
+        assert s.autosave().ranks[1].step == steps_before + 2  # the step at the stop was saved, and the next
+
+        with pytest.raises(RankError, match="CollectiveMismatchError"):
+            s.execute("dist.all_reduce(torch.ones(2 + rank))", check_collectives=True)
+        _train(s, 19, 20)
+        assert s.autosave().ranks[0].step == steps_before + 3
+
+        with pytest.raises(RankError, match="the cell failed"):
+            s.execute("raise ValueError('the cell failed')", debug=[0, 1])
+        s.execute("breakpoint()\nrs_out = 'went on'")  # not armed: no prompt (input would raise StopIteration)
+        assert s.pull("rs_out") == ["went on"] * 2
+    finally:
+        s.stop_autosave()
 
 
 def _setup_without_the_constant():
