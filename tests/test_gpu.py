@@ -331,6 +331,31 @@ def test_ctrl_c_during_a_device_loop(gsess: fsdp_nb.Session, tmp_path):
     assert gsess.all_reduce_check() == float(sum(range(gsess.world_size)))
 
 
+def test_a_breakpoint_and_the_collective_check_on_the_device(gsess: fsdp_nb.Session, capsys):
+    """A rank stopped at a breakpoint shows its device tensors (the others wait in an NCCL
+    collective, which returns to the host at once and waits on the device); FSDP2's
+    collectives of device tensors pass the check; with two ranks or more, a mismatch of
+    device tensors is named before it is issued, and the group goes on."""
+    dev, last = _device(gsess), gsess.world_size - 1
+    gsess.execute("x = torch.ones(3, device=device) * (rank + 1)\nbreakpoint()\ntorch.distributed.all_reduce(x)\n"
+                  "dbg_out = x.tolist()", debug=[last], debug_commands="p x.device.type, x.sum().item();; c")
+    assert f"('{dev}', {3.0 * (last + 1)})" in capsys.readouterr().out
+    total = float(sum(range(1, gsess.world_size + 1)))
+    assert gsess.pull("dbg_out") == [[total] * 3] * gsess.world_size
+    gsess.execute("from torch.distributed.fsdp import fully_shard\n"
+                  "from fsdp_nb.debugging.rank_collective_check import CollectiveCheck\n"
+                  "from fsdp_nb.engine.registry import part\n"
+                  "dbg_net = fully_shard(torch.nn.Linear(8, 8).to(device))\n"
+                  "dbg_net(torch.ones(2, 8, device=device)).sum().backward()\n"
+                  "dbg_out = sum(part(CollectiveCheck).counts.values())\ndel dbg_net", check_collectives=True)
+    assert all(n >= 2 for n in gsess.pull("dbg_out"))  # the all-gather and the reduce-scatter, checked
+    if gsess.world_size > 1:
+        with pytest.raises(RankError, match=r"rank 0: all_reduce\(float32\[4\]\)"):
+            gsess.execute("torch.distributed.all_reduce(torch.ones(4 if rank == 0 else 3, device=device))",
+                          check_collectives=True)
+    assert gsess.all_reduce_check() == float(sum(range(gsess.world_size)))
+
+
 @CUDA_ONLY
 def test_nccl_abort_then_reform_trains_on(gsess: fsdp_nb.Session):
     """What one GPU can show of the NCCL recovery: the rank's communicators are aborted
