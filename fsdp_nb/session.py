@@ -289,8 +289,8 @@ class Session(SessionFacts, SessionCheckpoints, SessionAutosave, SessionRecovery
                 in this code, with a ``(Pdb rank N)`` prompt under the cell (None: none).
             check_collectives: compare each collective across its group before it is
                 issued, raising ``CollectiveMismatchError`` on every rank at a difference
-                (True, or seconds to wait for the other ranks; None: the session's
-                ``check_collectives``).
+                (True, or seconds to wait for the other ranks; False: not this cell; None:
+                the session's ``check_collectives``).
             debug_commands: pdb lines sent at each stop before the prompt asks, shown as if
                 typed (a list, or one string with ``;;`` between them): ``"p loss.item();; c"``
                 prints and goes on, a breakpoint that asks nothing (None: none).
@@ -310,8 +310,8 @@ class Session(SessionFacts, SessionCheckpoints, SessionAutosave, SessionRecovery
             raise TypeError(f"execute() needs source code as str, got {type(code).__name__}")
         targets = checks.check_ranks(ranks, self.world_size)
         echoed, hang_after = checks.check_output(output, targets), checks.check_hang_after(hang_after)
-        with armed_cell(self._ctx, targets, check_debug(debug, self.world_size), check_collectives_option(check_collectives),
-                        check_debug_commands(debug_commands)):
+        limit = self._ctx.check_collectives if check_collectives is None else check_collectives_option(check_collectives)
+        with armed_cell(self._ctx, targets, check_debug(debug, self.world_size), limit, check_debug_commands(debug_commands)):
             replies = calls.execute(self.dispatcher, code, timeout, ranks=None if ranks is None else targets,
                                     echoed=echoed, silent=silent, merged=self._ctx.merge_output and output != "each",
                                     hang_after=hang_after, ctx=self._ctx)

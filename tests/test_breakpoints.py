@@ -164,7 +164,12 @@ from fsdp_nb.debugging.rank_collective_check import CollectiveCheck
 from fsdp_nb.engine.registry import part
 cc_counted = sum(part(CollectiveCheck).counts.values())
 """)
-        assert all(n >= 2 for n in sess.pull("cc_counted"))  # FSDP2's all-gather and reduce-scatter were checked
+        counted = sess.pull("cc_counted")
+        assert all(n >= 2 for n in counted)  # FSDP2's all-gather and reduce-scatter were checked
+        count = "sum(part(CollectiveCheck).counts.values())"
+        sess.execute(f"cc_before = {count}\nimport torch.distributed as dist\ndist.all_reduce(torch.ones(1))\n"
+                     f"cc_counted = {count} - cc_before", check_collectives=False)  # this cell alone unchecked
+        assert sess.pull("cc_counted") == [0, 0]
     finally:
         sess.check_collectives = False
         sess.execute("del cc_net")

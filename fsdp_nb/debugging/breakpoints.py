@@ -19,6 +19,7 @@ Ctrl-C does; a rank not answering is named and left to its hold time.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,8 @@ from .wire_breakpoints import DebugState
 
 __all__ = ["ANSWER_S", "console", "parse_ranks"]
 
+log = logging.getLogger("fsdp_nb")
+
 Ask = Callable[[dict[int, bytes]], "dict[int, DebugState | None]"]
 """Sends each rank its debugger request; rank -> its ``DebugState`` (None: no answer)."""
 
@@ -37,6 +40,7 @@ ANSWER_S = 2.0
 """Seconds a command's ranks have to answer before the prompt comes back without them
 (a ``n`` over a collective that waits for a rank still stopped)."""
 _CONTINUE = frozenset({"c", "cont", "continue"})
+_QUIT = frozenset({"q", "quit", "exit"})
 
 
 def parse_ranks(text: str, world_size: int) -> list[int]:
@@ -70,14 +74,24 @@ def _merged(answers: dict[int, str]) -> str:
 
 
 class _Holder(threading.Thread):
-    """Tells the stopped ranks every ``HOLD_EVERY_S`` that the notebook is still there."""
+    """Tells the stopped ranks every ``HOLD_EVERY_S`` that the notebook is still there, for
+    up to ``idle_s`` without a command (``typed`` marks one); then lets them go."""
 
-    def __init__(self, ask: Ask, ranks: Callable[[], list[int]]):
+    def __init__(self, ask: Ask, ranks: Callable[[], list[int]], idle_s: float):
         super().__init__(name="fsdp_nb-breakpoint-hold", daemon=True)
-        self.ask, self.ranks, self.done = ask, ranks, threading.Event()
+        self.ask, self.ranks, self.idle_s, self.done = ask, ranks, idle_s, threading.Event()
+        self.last = time.monotonic()
+
+    def typed(self) -> None:
+        self.last = time.monotonic()
 
     def run(self) -> None:
         while not self.done.wait(_bp.HOLD_EVERY_S):
+            if time.monotonic() - self.last > self.idle_s:
+                log.warning("fsdp_nb: no debugger command for %.0f s: the stopped ranks go on before the others' "
+                            "collectives time out (interrupt the kernel to end the prompt)", self.idle_s)
+                self.ask({r: _bp.RELEASE for r in self.ranks()})
+                return
             self.ask({r: _bp.HOLD for r in self.ranks()})
 
 
@@ -114,7 +128,7 @@ def _collect(ask: Ask, ranks: list[int], wait: float, after: dict[int, int] | No
 
 def console(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[str], str] | None = None,
             show: Callable[[str], Any] = lambda text: print(text, end="", flush=True),
-            script: Sequence[str] = ()) -> None:
+            script: Sequence[str] = (), idle_s: float = 1740.0) -> None:
     """Drive the stopped ranks until none waits for a command (see the module).
 
     Args:
@@ -125,13 +139,15 @@ def console(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[
         show: shows text under the cell.
         script: command lines taken, in order, before ``read`` is asked (``debug_commands=``),
             each shown after its prompt as if typed: a stop that ends them with ``c`` asks nothing.
+        idle_s: seconds without a command before the stopped ranks are let go (the
+            prompt stays until it is answered or the kernel interrupted).
     """
     lines = list(script)
     states = _collect(ask, sorted(stopped), ANSWER_S)
     waiting = sorted(r for r, st in states.items() if st is not None and st.waiting)
     show("".join(f"fsdp_nb: rank {r} stopped at a breakpoint in {st.where}\n" for r, st in sorted(states.items())
                  if st is not None and st.where) + _merged({r: st.output for r, st in states.items() if st}))
-    holder = _Holder(ask, lambda: list(waiting))
+    holder = _Holder(ask, lambda: list(waiting), idle_s)
     holder.start()
     current = waiting[0] if waiting else None
     try:
@@ -143,7 +159,18 @@ def console(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[
                 line = lines.pop(0)
                 show(f"{prompt}{line}\n")
             else:
-                line = (read or input)(prompt)
+                try:
+                    line = (read or input)(prompt)
+                except (EOFError, NotImplementedError) as exc:  # a kernel that cannot ask (nbclient, papermill)
+                    ask({r: _bp.RELEASE for r in range(world_size)})
+                    show(f"fsdp_nb: this kernel cannot read a debugger command ({type(exc).__name__}): every "
+                         "stopped rank goes on. Give debug_commands= ending in 'c' to run breakpoints unattended.\n")
+                    return
+            holder.typed()
+            if line.strip() in _QUIT:
+                show("fsdp_nb: 'q' would end the rank's cell with BdbQuit while the other ranks wait in their "
+                     "collective: 'c' continues every stopped rank; interrupting the kernel ends the cell.\n")
+                continue
             targets, command = _route(line.strip(), current, waiting, world_size, show)
             if not targets:
                 continue

@@ -66,21 +66,21 @@ def check_debug_commands(value: Any) -> tuple[str, ...]:
 def armed_cell(ctx: SessionContext, ranks: Sequence[int], debug: list[int], check_limit: float | None,
                commands: tuple[str, ...] = ()) -> Iterator[None]:
     """While the cell runs (the ``with`` body): ``debug`` ranks stop at ``breakpoint()``,
-    with ``check_limit`` (or the session's ``check_collectives``) its collectives are
-    checked, and the debugger console runs ``commands`` at each stop before it asks.
+    with ``check_limit`` its collectives are checked, and the debugger console runs
+    ``commands`` at each stop before it asks.
 
     Args:
         ctx: the session's context (its dispatcher, its ``check_collectives``).
         ranks: the ranks the cell runs on.
         debug: the ranks whose ``breakpoint()`` stops them (``check_debug``).
-        check_limit: seconds a checked collective waits for the others (None: the session's).
+        check_limit: seconds a checked collective waits for the others (None: not checked).
         commands: pdb lines sent at each stop before the prompt (``check_debug_commands``).
     """
     watch = ctx.dispatcher.watch
     if watch is not None:
         watch.script = commands
     try:
-        _arm(ctx, ranks, debug, check_limit if check_limit is not None else ctx.check_collectives, bool(commands))
+        _arm(ctx, ranks, debug, check_limit, bool(commands))
         yield
     finally:
         if watch is not None:

@@ -315,6 +315,9 @@ def answer(payload: bytes) -> bytes:
         bp.commands.put(payload[len(SEND):].decode("utf-8", "replace").strip("\n"))
         return encode(DebugState(where=bp.where, waiting=False, reads=bp.reads))
     if payload == RELEASE:
+        if bp.where is not None and not bp.abandoned:
+            log.warning("fsdp_nb: rank %s: the notebook let go of its breakpoint (%s): it continues, and stops "
+                        "no more this cell", _rank(), bp.where)
         bp.abandoned = True
     return encode(DebugState(where=bp.where, waiting=bp.waiting, reads=bp.reads,
                              output=bp.take() if payload == POLL else ""))

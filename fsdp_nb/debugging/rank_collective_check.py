@@ -4,10 +4,12 @@ The commonest distributed bug is ranks calling different collectives: one all-re
 ``float32[3]`` while another all-reduces a ``float32[4]``, or all-gathers, or skips a
 barrier. Issued, that hangs or corrupts. With the check armed for a cell (``arm``),
 each of ``torch.distributed``'s collectives (``CHECKED``, also as FSDP2 calls them) first
-writes what this rank calls (op, shapes, dtypes, group, this group's count of checked
-collectives, the cell and line) under a key of the session's store (the TCP store the
+writes what this rank calls (op, shapes, dtypes, the reduction and root, group, this
+group's count of checked collectives, the cell and line) under a key of the session's store (the TCP store the
 group formed on, not the training group), waits for every member's key of the same
-count, and compares. On any difference every member raises
+count, and compares op, shapes, dtypes, reduction and root (``compared``: gather's and
+scatter's list, which only the root passes, and all-to-all's sizes, which uneven splits
+make differ, are left out). On any difference every member raises
 ``CollectiveMismatchError`` before issuing it, naming each rank's call: nothing hangs,
 nothing is in flight, the session stays usable. A rank that finished the cell writes
 "finished" for every group (``cell_ended``), so a collective another rank skipped is
@@ -35,7 +37,7 @@ from ..engine.checkpoint_group import background_groups
 from ..engine.registry import Part, part
 from ..errors import CollectiveMismatchError
 
-__all__ = ["CHECKED", "CollectiveCheck", "arm", "cell_ended", "checked_call"]
+__all__ = ["CHECKED", "CollectiveCheck", "arm", "cell_ended", "checked_call", "compared"]
 
 CHECKED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
            "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "barrier", "all_to_all",
@@ -162,10 +164,45 @@ def _place() -> str:
     return stopped_at(first) if first is not None else "outside user code"
 
 
-def _call(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    ts = _tensors(args, kwargs)
+_ROOT_ONLY = frozenset({"gather", "scatter"})
+"""Collectives whose list argument only the root passes: their ``tensor`` alone is compared."""
+_SIZES_DIFFER = frozenset({"all_to_all", "all_to_all_single"})
+"""Collectives whose tensors may differ in size across ranks (uneven splits): their count,
+dimensions and dtypes are compared, not their sizes."""
+_ROLES = ("op", "src", "dst", "group_src", "group_dst")
+"""The arguments besides tensors that every member must pass alike (the reduction, the root)."""
+
+
+def _role(value: Any) -> Any:
+    """An argument as the ranks compare it: a number as is, a reduction by its name."""
+    if isinstance(value, (bool, int, str)):
+        return value
+    name = getattr(value, "name", None)
+    return name if isinstance(name, str) else type(value).__name__
+
+
+def _call(op: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What this rank calls, as the members compare it (JSON): the op, its tensors' shapes
+    and dtypes, the reduction and root, and where in the user's code it was called."""
+    import torch
+
+    try:
+        bound = _signature(fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        named = dict(bound.arguments)
+    except (TypeError, ValueError):
+        named = dict(kwargs)
+    ts = [t for t in [named.get("tensor")] if isinstance(t, torch.Tensor)] if op in _ROOT_ONLY else _tensors(args, kwargs)
     return {"op": op, "shapes": [list(t.shape) for t in ts], "dtypes": [str(t.dtype).replace("torch.", "") for t in ts],
-            "at": _place()}
+            "roles": {k: _role(named[k]) for k in _ROLES if named.get(k) is not None}, "at": _place()}
+
+
+def compared(call: dict[str, Any]) -> tuple[Any, ...]:
+    """The part of a call (``_call``'s) that must be the same on every member."""
+    shapes = call.get("shapes") or []
+    if call.get("op") in _SIZES_DIFFER:
+        shapes = [len(s) for s in shapes]
+    return call.get("op"), shapes, call.get("dtypes"), call.get("roles") or {}
 
 
 def checked_call(op: str, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
@@ -179,7 +216,7 @@ def checked_call(op: str, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     check.inside = True  # the collectives torch calls inside this one are not checked again
     try:
-        mismatch = _compare(check, group, _call(op, args, kwargs))
+        mismatch = _compare(check, group, _call(op, fn, args, kwargs))
         if mismatch is None:
             return fn(*args, **kwargs)
     finally:
@@ -231,8 +268,8 @@ def _compare(check: CollectiveCheck, group: Any, call: dict[str, Any]) -> str | 
                 late = [r for r, k in zip(ranks, keys) if not store.check([k])]
                 return _lines(ranks, me, {r: None for r in late}, call, seq, f"within {check.limit:g} s")
     calls = {r: json.loads(v) for r, v in zip(ranks, store.multi_get(keys))}
-    mine = (call["op"], call["shapes"], call["dtypes"])
-    if any((c.get("op"), c.get("shapes"), c.get("dtypes")) != mine for c in calls.values()):
+    mine = compared(call)
+    if any(compared(c) != mine for c in calls.values()):
         return _lines(ranks, me, calls, call, seq, "")
     done = check.posted[:-1]  # every member wrote this count: all have read the ones before
     check.posted = check.posted[-1:]
@@ -244,8 +281,9 @@ def _compare(check: CollectiveCheck, group: Any, call: dict[str, Any]) -> str | 
 def _describe(c: dict[str, Any]) -> str:
     if c.get("op") == "finished":
         return f"finished the cell without it ({c.get('at')})"
-    tensors = ", ".join(f"{d}{list(s)}" for s, d in zip(c.get("shapes") or [], c.get("dtypes") or []))
-    return f"{c.get('op')}({tensors}) at {c.get('at')}"
+    parts = [f"{d}{list(s)}" for s, d in zip(c.get("shapes") or [], c.get("dtypes") or [])]
+    parts += [f"{k}={v}" for k, v in (c.get("roles") or {}).items() if (k, v) != ("op", "SUM")]
+    return f"{c.get('op')}({', '.join(parts)}) at {c.get('at')}"
 
 
 def _lines(ranks: list[int], me: int, calls: dict[int, dict[str, Any] | None], mine: dict[str, Any], seq: int,

@@ -173,22 +173,24 @@ class PxArgs:
     debug: list[int] | None = None
     """``--debug 1,3``: the ranks ``breakpoint()`` stops in this cell (None: none)."""
     check_collectives: bool | None = None
-    """``--check-collectives``: compare each collective across its group before it runs."""
+    """``--check-collectives``: compare each collective across its group before it runs
+    (``--no-check-collectives``: not in this cell, whatever ``sess.check_collectives``)."""
     debug_commands: str | None = None
     """``--debug-commands "p x;; c"``: pdb lines sent at each stop before the prompt."""
 
 
 _PX_USAGE = ("%%px [--ranks 0,2] [--output all|each|rankN|none] [--timeout SECONDS] [--hang-after SECONDS] "
-             "[--debug 1,3] [--debug-commands 'p x;; c'] [--check-collectives]")
+             "[--debug 1,3] [--debug-commands 'p x;; c'] [--check-collectives | --no-check-collectives]")
 
 
 def parse_px(line: str) -> PxArgs:
     """Read ``%%px``'s options; a ValueError naming the usage for anything else."""
     args = shlex.split(line)
     opts: dict[str, Any] = {}
-    if "--check-collectives" in args:
-        args.remove("--check-collectives")
-        opts["check_collectives"] = True
+    for flag, on in (("--check-collectives", True), ("--no-check-collectives", False)):
+        if flag in args:
+            args.remove(flag)
+            opts["check_collectives"] = on
     if len(args) % 2:
         raise ValueError(f"usage: {_PX_USAGE}; got {line!r}")
     for flag, value in zip(args[::2], args[1::2]):

@@ -66,6 +66,11 @@ class HangWatch:
         self.script: tuple[str, ...] = ()
         """pdb lines the console sends at each stop of the running cell before it asks the
         user (``debug_commands=``)."""
+        self.prompt_limit_s = 1740.0
+        """Seconds a breakpoint's prompt holds the stopped ranks without a command before
+        it lets them go: the other ranks' collectives time out at the session's
+        ``pg_timeout``, and a closed tab leaves the prompt open (the session sets it to
+        ``pg_timeout`` less a minute)."""
 
     def watching(self, what: str, started: float, hang_after: float | None, notify: Callable[..., None],
                  view: HangShow | None) -> Watching:
@@ -238,7 +243,8 @@ class Watching:
             began = time.monotonic()
             self.watch.stopped = dict(stopped)
             try:
-                console(self.watch.debug, stopped, world, script=self.watch.script)
+                console(self.watch.debug, stopped, world, script=self.watch.script,
+                        idle_s=self.watch.prompt_limit_s)
             finally:
                 self.watch.stopped = {}
                 self.paused += time.monotonic() - began

@@ -63,6 +63,7 @@ def form(
     )
     ctx.recovering.policy = RecoveringPolicy(ctx, grace=grace)  # it needs the context it recovers
     ctx.recovering.watch, ctx.recovering.hang_view = ctx.health.watch, HangView()
+    ctx.health.watch.prompt_limit_s = max(60.0, pg_timeout - 60.0)  # before the others' collectives time out
     ctx.recovering.hang_after = HANG_AFTER
     ctx.recovering.lifecycle = ctx.lifecycle  # an unfinished restart refuses calls until mended
     clock = clock or PhaseClock()

@@ -12,6 +12,7 @@ from fsdp_nb.debugging.cell_debug import check_collectives_option, check_debug, 
 from fsdp_nb.debugging.wire_breakpoints import DebugState
 from fsdp_nb.frontends.magics import parse_px
 from fsdp_nb.recovery.status import RankStatus, SessionStatus, apply_event
+from fsdp_nb.runtime.cluster import wait_until
 from fsdp_nb.runtime.dispatch import CallEvent
 
 
@@ -41,6 +42,7 @@ class FakeRanks:
                     self.reads[r] += 1
             elif payload == bp.RELEASE:
                 self.released = True
+                self.where[r] = None
             where = self.where[r]
             output = self.out[r] if payload == bp.POLL else ""
             if payload == bp.POLL:
@@ -105,6 +107,33 @@ def test_ctrl_c_at_the_prompt_releases_every_rank():
     assert ranks.released
 
 
+def test_q_is_not_sent_and_a_kernel_that_cannot_ask_lets_every_rank_go():
+    ranks = FakeRanks({1: "cell [3] line 4"}, {1: {}})
+    out, _ = _run(ranks, ["q", "c"])
+    assert "'q' would end the rank's cell" in out and (1, "q") not in ranks.sent and (1, "c") in ranks.sent
+
+    ranks = FakeRanks({1: "cell [3] line 4"}, {1: {}})
+    shown: list[str] = []
+
+    def cannot_ask(prompt):
+        raise NotImplementedError("raw_input was called, but this frontend does not support input requests")
+
+    console(ranks, {1: "cell [3] line 4"}, 2, read=cannot_ask, show=shown.append)
+    assert ranks.released and "cannot read a debugger command" in "".join(shown)
+
+
+def test_a_prompt_left_unanswered_lets_the_stopped_ranks_go(monkeypatch):
+    monkeypatch.setattr(bp, "HOLD_EVERY_S", 0.05)
+    ranks = FakeRanks({1: "cell [3] line 4"}, {1: {}})
+
+    def away(prompt):  # the user is gone: the prompt is answered only once the holder let go
+        assert wait_until(lambda: ranks.released, 30, 0.01), "the holder never let the rank go"
+        return "c"
+
+    console(ranks, {1: "cell [3] line 4"}, 2, read=away, show=lambda text: None, idle_s=0.2)
+    assert ranks.where[1] is None
+
+
 def test_options_are_read_or_refused_naming_what_is_allowed():
     assert parse_ranks("0-2,5", 8) == [0, 1, 2, 5]
     with pytest.raises(ValueError, match="not in this session"):
@@ -126,6 +155,7 @@ def test_options_are_read_or_refused_naming_what_is_allowed():
         check_collectives_option(0)
     args = parse_px("--debug 1,3 --check-collectives --debug-commands 'p x;; c'")
     assert (args.debug, args.check_collectives, args.debug_commands) == ([1, 3], True, "p x;; c")
+    assert parse_px("--no-check-collectives").check_collectives is False and parse_px("").check_collectives is None
 
 
 def test_the_status_shows_a_rank_at_a_breakpoint_as_stopped_until_it_runs_on():
@@ -136,3 +166,29 @@ def test_the_status_shows_a_rank_at_a_breakpoint_as_stopped_until_it_runs_on():
     assert status.ranks[1].activity == "at a breakpoint in cell [3] line 4"
     status = apply_event(status, CallEvent("execute", "running", (0, 1)))
     assert [r.state for r in status.ranks] == ["busy", "busy"]
+
+
+def test_the_check_compares_what_must_agree_and_leaves_out_what_may_differ():
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_nb.debugging.rank_collective_check import _call, compared
+
+    t = torch.ones(4)
+
+    def call(name, fn, *args, **kwargs):
+        return compared(_call(name, fn, args, kwargs))
+
+    # gather: the root passes the list, the others none; only the tensor is compared
+    assert call("gather", dist.gather, t, [torch.ones(4), torch.ones(4)], 0) == call("gather", dist.gather, t, None, 0)
+    assert call("gather", dist.gather, t, None, 0) != call("gather", dist.gather, t, None, 1)  # another root
+    # all-to-all with uneven splits: the sizes differ, the dimensions and dtypes do not
+    assert call("all_to_all_single", dist.all_to_all_single, torch.ones(3), torch.ones(5)) == \
+        call("all_to_all_single", dist.all_to_all_single, torch.ones(6), torch.ones(2))
+    assert call("all_to_all_single", dist.all_to_all_single, torch.ones(3), torch.ones(5)) != \
+        call("all_to_all_single", dist.all_to_all_single, torch.ones(3, 1), torch.ones(5))
+    # the reduction, written or left to its default
+    assert call("all_reduce", dist.all_reduce, t) == call("all_reduce", dist.all_reduce, t, op=dist.ReduceOp.SUM)
+    assert call("all_reduce", dist.all_reduce, t) != call("all_reduce", dist.all_reduce, t, op=dist.ReduceOp.MAX)
+    assert call("broadcast", dist.broadcast, t, 0) != call("broadcast", dist.broadcast, t, src=1)
+    assert call("all_reduce", dist.all_reduce, t) != call("all_reduce", dist.all_reduce, torch.ones(4, dtype=torch.int64))
