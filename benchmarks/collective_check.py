@@ -51,7 +51,7 @@ def per_call(kind, n, group=None):
     '''Seconds per call of ``n`` collectives of ``kind`` on ``group``.'''
     small, big = torch.ones(1024), torch.ones(1 << 20)
     gathered = torch.empty(1024 * dist.get_world_size())
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch renamed it
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # newer torch's name
     call = {"all_reduce 4 KiB": lambda: dist.all_reduce(small, group=group),
             "all_reduce 4 MiB": lambda: dist.all_reduce(big, group=group),
             "all_gather 4 KiB": lambda: all_gather(gathered, small, group=group),

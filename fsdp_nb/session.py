@@ -311,7 +311,7 @@ class Session(SessionFacts, SessionCheckpoints, SessionAutosave, SessionRecovery
         targets = checks.check_ranks(ranks, self.world_size)
         echoed, hang_after = checks.check_output(output, targets), checks.check_hang_after(hang_after)
         limit = self._ctx.check_collectives if check_collectives is None else check_collectives_option(check_collectives)
-        with armed_cell(self._ctx, targets, check_debug(debug, self.world_size), limit, check_debug_commands(debug_commands)):
+        with armed_cell(self._ctx, targets, check_debug(debug, self.world_size, targets), limit, check_debug_commands(debug_commands)):
             replies = calls.execute(self.dispatcher, code, timeout, ranks=None if ranks is None else targets,
                                     echoed=echoed, silent=silent, merged=self._ctx.merge_output and output != "each",
                                     hang_after=hang_after, ctx=self._ctx)

@@ -23,6 +23,7 @@ from typing import Any
 __all__ = [
     "DCP_METADATA_GLOBALS", "FLIGHT_RECORDER_ENV", "PICKLED_TENSOR", "TORCH_PRELOAD", "activation_checkpoint",
     "collective_call", "compute_local_shape_and_global_offset", "dcp_load_into", "dcp_metadata_path", "default_group",
+    "default_store",
     "empty_state_dict_planner", "fake_process_group", "fake_tensor_mode", "flight_recorder", "fsdp_memory_tracker",
     "fsdp_roots", "fsspec_reader", "fsspec_writer", "group_backend", "group_sequence_numbers", "kept_open_stager",
     "local_tensor", "making_group", "mesh_group_names", "narrow_tensor_by_index", "non_persistent_buffers",
@@ -54,6 +55,14 @@ def default_group() -> Any:
     from torch.distributed import distributed_c10d as c10d
 
     return c10d._get_default_group()
+
+
+def default_store() -> Any:
+    """The store the default group formed on (its TCP store), for small keys the ranks
+    share beside the group (raises when none is formed)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store()
 
 
 def group_sequence_numbers(pg: Any) -> dict[str, int]:

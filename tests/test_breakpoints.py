@@ -7,7 +7,9 @@ post-mortem test does); a real kernel drives it through jupyter_client's stdin c
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -95,14 +97,59 @@ def test_debug_commands_run_at_every_stop_and_a_trailing_c_asks_nothing(sess, mo
 
 
 def test_ctrl_c_at_the_prompt_leaves_the_debugger_and_interrupts_the_cell(sess, monkeypatch):
+    """A real SIGINT, as interrupting the kernel sends, while the prompt waits: the gather
+    loop's own handler only notes a Ctrl-C, so the prompt must have Python's back."""
+    waited_out = []
+
     def interrupt(prompt=""):
-        raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the prompt waits for the user; SIGINT must end the wait
+            time.sleep(0.01)
+        waited_out.append(prompt)  # the Ctrl-C did not reach the prompt
+        return "c"
 
     monkeypatch.setattr("builtins.input", interrupt)
     with pytest.raises(KeyboardInterrupt):
         sess.execute(CELL.replace("dist.all_reduce(y)", "import time\nwhile True: time.sleep(0.05)"), debug=[1])
+    assert waited_out == []
     assert sess.all_reduce_check() == 1.0  # the session is usable, no rank stopped
     assert sess.run(lambda: 1) == [1, 1]
+
+
+def test_a_rank_that_stops_while_the_prompt_is_open_joins_it(sess, monkeypatch, capsys):
+    """Rank 0 reaches its breakpoint after rank 1's prompt opened: the prompt takes it in
+    (and holds it) rather than leaving it to its hold time."""
+    said = []
+
+    def answer(prompt=""):
+        said.append(capsys.readouterr().out)
+        if "rank 0 stopped at a breakpoint" not in "".join(said):
+            assert len(said) < 500, "rank 0's stop never reached the prompt"
+            return "p rank"
+        return "ranks 0-1 p rank + 10" if "[rank 0]" not in said[-1] else "c"
+
+    monkeypatch.setattr("builtins.input", answer)
+    sess.execute("import time, torch, torch.distributed as dist\nif rank == 0:\n    time.sleep(1.0)\n"
+                 "breakpoint()\ndist.all_reduce(torch.ones(1))", debug=[0, 1])
+    out = "".join(said) + capsys.readouterr().out
+    assert "rank 1 stopped at a breakpoint" in out and "rank 0 stopped at a breakpoint" in out
+    assert "[rank 0]\n10\n[rank 1]\n11\n" in out
+
+
+def test_a_rank_late_past_the_checks_limit_is_named_and_never_issues_it_alone(sess):
+    """Rank 0 waits 0.5 s for rank 1's call and gives up; rank 1, arriving later, finds
+    every call posted and alike, and must still not issue an all-reduce that rank 0 will
+    never join: it raises too, and nothing hangs."""
+    with pytest.raises(RankError) as info:
+        sess.execute("import time, torch, torch.distributed as dist\nif rank == 1:\n    time.sleep(1.5)\n"
+                     "dist.all_reduce(torch.ones(2))", check_collectives=0.5, timeout=60)
+    text = str(info.value)
+    assert "rank(s) 0, 1" in text, text
+    assert "not every rank reached collective #0 of its group within 0.5 s" in text
+    assert "rank 1: did not reach it" in text
+    assert "another rank gave up waiting for it first" in text
+    assert sess.all_reduce_check() == 1.0
 
 
 def test_a_rank_that_hears_nothing_from_the_notebook_goes_on_and_says_so(sess, capsys):

@@ -332,10 +332,10 @@ def test_ctrl_c_during_a_device_loop(gsess: fsdp_nb.Session, tmp_path):
 
 
 def test_a_breakpoint_and_the_collective_check_on_the_device(gsess: fsdp_nb.Session, capsys):
-    """A rank stopped at a breakpoint shows its device tensors (the others wait in an NCCL
-    collective, which returns to the host at once and waits on the device); FSDP2's
-    collectives of device tensors pass the check; with two ranks or more, a mismatch of
-    device tensors is named before it is issued, and the group goes on."""
+    """A rank stopped at a breakpoint shows its device tensors (with two ranks or more, the
+    others wait in an NCCL collective, which returns to the host at once and waits on the
+    device); FSDP2's collectives of device tensors pass the check; with two ranks or more,
+    a mismatch of device tensors is named before it is issued, and the group goes on."""
     dev, last = _device(gsess), gsess.world_size - 1
     gsess.execute("x = torch.ones(3, device=device) * (rank + 1)\nbreakpoint()\ntorch.distributed.all_reduce(x)\n"
                   "dbg_out = x.tolist()", debug=[last], debug_commands="p x.device.type, x.sum().item();; c")

@@ -156,9 +156,10 @@ def test_a_cell_that_fails_inside_a_scaled_step_does_not_stop_the_next(own):
 
 def test_the_check_and_breakpoints_on_a_resized_restarted_group_beside_autosave_and_an_async_save(own, tmp_path,
                                                                                                    monkeypatch, capsys):
-    """The debugging tools where they meet the rest (issue 58), on the group the resizes and
-    the restart above re-formed, with two optimizers' worth of state (the model's and the
-    scaler's), an in-memory and disk autosave every step and the user's async save in flight:
+    """The debugging tools where they meet the rest (issue 58), on the group a restart
+    re-formed (in this module's order, after the resizes above too), with two state
+    objects beside the model (its optimizer's and the scaler's), an in-memory and disk
+    autosave every step and the user's async save in flight:
 
     - a checked training cell raises no false mismatch: FSDP2's all-gathers and
       reduce-scatters, the scaler's all-reduce and the check's own count go through; the
@@ -168,6 +169,7 @@ def test_the_check_and_breakpoints_on_a_resized_restarted_group_beside_autosave_
     - a failed cell ends its debugging choice: the next cell's ``breakpoint()`` does nothing.
     """
     s = own
+    s.restart()
     s.autosave(str(tmp_path / "auto"), every=1, model="mt_net", optimizer="mt_opt", state=["scaler"], in_memory=True)
     try:
         mine = s.save(str(tmp_path / "mine"), "mt_net", optimizer="mt_opt", async_save=True)

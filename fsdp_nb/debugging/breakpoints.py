@@ -20,9 +20,11 @@ Ctrl-C does; a rank not answering is named and left to its hold time.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..runtime.output_lines import rank_label
@@ -47,15 +49,21 @@ def parse_ranks(text: str, world_size: int) -> list[int]:
     """``0-3``, ``0,2`` or ``1`` as a sorted list of ranks; a ValueError naming what is
     allowed for anything else or a rank outside the session."""
     out: set[int] = set()
+    bad: list[str] = []
     try:
         for piece in text.split(","):
             lo, _, hi = piece.partition("-")
-            out.update(range(int(lo), int(hi or lo) + 1))
+            first, last = int(lo), int(hi or lo)
+            if first > last:
+                raise ValueError(piece)
+            if first < 0 or last >= world_size:
+                bad.append(piece)
+            else:
+                out.update(range(first, last + 1))
     except ValueError:
         raise ValueError(f"ranks are written 0-3, 0,2 or 1; got {text!r}") from None
-    bad = sorted(r for r in out if not 0 <= r < world_size)
     if bad or not out:
-        raise ValueError(f"rank(s) {bad or text} are not in this session (0-{world_size - 1})")
+        raise ValueError(f"rank(s) {','.join(bad) or text} are not in this session (0-{world_size - 1})")
     return sorted(out)
 
 
@@ -87,19 +95,24 @@ class _Holder(threading.Thread):
 
     def run(self) -> None:
         while not self.done.wait(_bp.HOLD_EVERY_S):
-            if time.monotonic() - self.last > self.idle_s:
+            idle = time.monotonic() - self.last > self.idle_s
+            if idle:
                 log.warning("fsdp_nb: no debugger command for %.0f s: the stopped ranks go on before the others' "
                             "collectives time out (interrupt the kernel to end the prompt)", self.idle_s)
-                self.ask({r: _bp.RELEASE for r in self.ranks()})
+            try:
+                self.ask({r: _bp.RELEASE if idle else _bp.HOLD for r in self.ranks()})
+            except Exception as exc:  # noqa: BLE001 - a watch link gone: the ranks' own hold time ends the stop
+                log.warning("fsdp_nb: could not hold the stopped ranks: %s", exc)
+            if idle:
                 return
-            self.ask({r: _bp.HOLD for r in self.ranks()})
 
 
-def _collect(ask: Ask, ranks: list[int], wait: float, after: dict[int, int] | None = None,
+def _collect(ask: Ask, ranks: list[int], wait: float, before: dict[int, DebugState] | None = None,
              continuing: bool = False) -> dict[int, DebugState | None]:
     """Poll ``ranks`` until each has answered: pdb asks for its next line (more lines than
-    ``after`` said it had asked for), or, ``continuing``, it left the stop; or until
-    ``wait`` s passed. Each rank's last state with everything it printed meanwhile."""
+    it had asked for ``before``), or, ``continuing``, it left the stop (or stopped again
+    since); or until ``wait`` s passed. Each rank's last state with everything it printed
+    meanwhile."""
     texts: dict[int, list[str]] = {r: [] for r in ranks}
     last: dict[int, DebugState | None] = {}
     deadline = time.monotonic() + wait
@@ -111,25 +124,38 @@ def _collect(ask: Ask, ranks: list[int], wait: float, after: dict[int, int] | No
                 texts[r].append(st.output)
 
         def answered(r: int) -> bool:
-            st = last[r]
+            st, was = last[r], (before or {}).get(r)
             if st is None:
                 return True
             if continuing:
-                return st.where is None
-            return st.waiting and st.reads > (after or {}).get(r, 0)
+                return st.where is None or (was is not None and st.stops > was.stops)
+            return st.waiting and st.reads > (was.reads if was is not None else 0)
 
         todo = [r for r in todo if not answered(r)]
         if not todo or time.monotonic() > deadline:
             break
         time.sleep(0.02)
-    return {r: None if st is None else DebugState(where=st.where, waiting=st.waiting, reads=st.reads,
-                                                  output="".join(texts[r])) for r, st in last.items()}
+    return {r: None if st is None else replace(st, output="".join(texts[r])) for r, st in last.items()}
+
+
+def _stopped(states: dict[int, DebugState | None]) -> list[int]:
+    """The ranks whose pdb waits for a command."""
+    return sorted(r for r, st in states.items() if st is not None and st.waiting and st.where is not None)
+
+
+def _told(states: dict[int, DebugState | None], ranks: list[int]) -> str:
+    """Where each of ``ranks`` stopped, then what the ranks printed, merged."""
+    return ("".join(f"fsdp_nb: rank {r} stopped at a breakpoint in {states[r].where}\n"  # type: ignore[union-attr]
+                    for r in ranks) + _merged({r: st.output for r, st in states.items() if st and st.output}))
 
 
 def console(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[str], str] | None = None,
             show: Callable[[str], Any] = lambda text: print(text, end="", flush=True),
             script: Sequence[str] = (), idle_s: float = 1740.0) -> None:
     """Drive the stopped ranks until none waits for a command (see the module).
+
+    After every command it asks every rank where it is, so a rank that stops while the
+    prompt is open (a later breakpoint, the end of a step over a collective) joins it.
 
     Args:
         ask: sends debugger requests to ranks' watch threads.
@@ -138,16 +164,17 @@ def console(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[
         read: reads a command line after a prompt (None: ``input``, the kernel's input request).
         show: shows text under the cell.
         script: command lines taken, in order, before ``read`` is asked (``debug_commands=``),
-            each shown after its prompt as if typed: a stop that ends them with ``c`` asks nothing.
+            each shown after its prompt as if typed: a stop that ends them with ``c`` asks
+            nothing. A rank that stops again after a ``c`` runs them again.
         idle_s: seconds without a command before the stopped ranks are let go (the
             prompt stays until it is answered or the kernel interrupted).
     """
+    everyone = list(range(world_size))
     lines = list(script)
     states = _collect(ask, sorted(stopped), ANSWER_S)
-    waiting = sorted(r for r, st in states.items() if st is not None and st.waiting)
-    show("".join(f"fsdp_nb: rank {r} stopped at a breakpoint in {st.where}\n" for r, st in sorted(states.items())
-                 if st is not None and st.where) + _merged({r: st.output for r, st in states.items() if st}))
-    holder = _Holder(ask, lambda: list(waiting), idle_s)
+    waiting = _stopped(states)
+    show(_told(states, [r for r in sorted(states) if states[r] is not None and states[r].where]))  # type: ignore[union-attr]
+    holder = _Holder(ask, lambda: everyone, idle_s)  # a rank that stops later is held too
     holder.start()
     current = waiting[0] if waiting else None
     try:
@@ -160,11 +187,11 @@ def console(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[
                 show(f"{prompt}{line}\n")
             else:
                 try:
-                    line = (read or input)(prompt)
+                    line = _read(read or input, prompt)
                 except (EOFError, NotImplementedError) as exc:  # a kernel that cannot ask (nbclient, papermill)
-                    ask({r: _bp.RELEASE for r in range(world_size)})
                     show(f"fsdp_nb: this kernel cannot read a debugger command ({type(exc).__name__}): every "
                          "stopped rank goes on. Give debug_commands= ending in 'c' to run breakpoints unattended.\n")
+                    ask({r: _bp.RELEASE for r in everyone})
                     return
             holder.typed()
             if line.strip() in _QUIT:
@@ -177,25 +204,39 @@ def console(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[
             if command.startswith("rank ") or command == "rank":
                 current = targets[0]
                 continue
+            go_on = command.split(" ")[0] in _CONTINUE
             sent = ask({r: _bp.SEND + command.encode() for r in targets})
-            after = {r: st.reads for r, st in sent.items() if st is not None}
-            got = _collect(ask, targets, ANSWER_S, after, continuing=command.split(" ")[0] in _CONTINUE)
+            got = _collect(ask, targets, ANSWER_S, {r: st for r, st in sent.items() if st is not None}, go_on)
             show(_merged({r: st.output for r, st in got.items() if st is not None and st.output}))
             for r in targets:
                 st = got.get(r)
                 if st is None:
                     show(f"rank {r} did not answer; it is left to its hold time\n")
-                elif not st.waiting and command.split(" ")[0] not in _CONTINUE:
+                elif not st.waiting and not go_on:
                     show(f"rank {r} runs on ({command!r} has not stopped it again within {ANSWER_S:g} s)\n")
-            waiting = sorted(r for r, st in ask({r: _bp.POLL for r in waiting}).items()
-                             if st is not None and st.waiting and st.where is not None)
-            if waiting and command.split(" ")[0] in _CONTINUE:
-                lines = list(script)  # stopped again (a breakpoint in a loop): a new stop, its script again
-    except KeyboardInterrupt:
-        ask({r: _bp.RELEASE for r in range(world_size)})
+            now = ask({r: _bp.POLL for r in everyone})
+            again = [r for r in _stopped(now) if r not in waiting or (go_on and r in targets)]
+            show(_told(now, again))
+            if again and go_on:
+                lines = list(script)  # a new stop (a breakpoint in a loop): its script again
+            waiting = _stopped(now)
+    except BaseException:  # Ctrl-C, or anything else: no rank is left stopped behind the error
+        ask({r: _bp.RELEASE for r in everyone})
         raise
     finally:
         holder.done.set()
+
+
+def _read(read: Callable[[str], str], prompt: str) -> str:
+    """``read(prompt)`` with Python's own Ctrl-C: the gather loop's handler only notes a
+    Ctrl-C for its next turn, and the kernel's input request ends only on KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        return read(prompt)
+    held = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return read(prompt)
+    finally:
+        signal.signal(signal.SIGINT, held)
 
 
 def _route(line: str, current: int | None, waiting: list[int], world_size: int,

@@ -9,6 +9,7 @@ every cell): an ordinary cell costs what it did.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,14 +20,16 @@ if TYPE_CHECKING:
 
 __all__ = ["CHECK_LIMIT_S", "armed_cell", "check_collectives_option", "check_debug", "check_debug_commands"]
 
+log = logging.getLogger("fsdp_nb")
+
 CHECK_LIMIT_S = 60.0
 """Seconds a rank's collective waits for the others' calls before it names the ranks that
 did not reach it (``check_collectives=True``; a number sets another limit)."""
 
 
-def check_debug(debug: Any, world_size: int) -> list[int]:
+def check_debug(debug: Any, world_size: int, running: Sequence[int] | None = None) -> list[int]:
     """``debug=`` as a sorted list of ranks (None or empty: none); a ValueError naming the
-    allowed ranks for anything else."""
+    allowed ranks for anything else, or a rank not among ``running`` (the cell's ``ranks=``)."""
     if debug is None:
         return []
     picked = [debug] if isinstance(debug, int) and not isinstance(debug, bool) else debug
@@ -34,7 +37,11 @@ def check_debug(debug: Any, world_size: int) -> list[int]:
             isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world_size for r in picked):
         raise ValueError(f"debug= takes ranks to stop at breakpoint(), each one of 0..{world_size - 1} "
                          f"(a rank or a list of ranks), got {debug!r}")
-    return sorted(set(picked))
+    chosen = sorted(set(picked))
+    idle = [r for r in chosen if running is not None and r not in running]
+    if idle:
+        raise ValueError(f"debug= names rank(s) {idle} that do not run this code (ranks={list(running or [])})")
+    return chosen
 
 
 def check_collectives_option(value: Any) -> float | None:
@@ -79,24 +86,39 @@ def armed_cell(ctx: SessionContext, ranks: Sequence[int], debug: list[int], chec
     watch = ctx.dispatcher.watch
     if watch is not None:
         watch.script = commands
+    armed = bool(debug) or check_limit is not None or bool(commands)
     try:
-        _arm(ctx, ranks, debug, check_limit, bool(commands))
+        if armed:
+            _arm(ctx, ranks, debug, check_limit)
         yield
+    except BaseException:
+        if armed:  # the cell may never have run (not sent, a dead rank): no rank stays armed for the next
+            _disarm(ctx, ranks)
+        raise
     finally:
         if watch is not None:
             watch.script = ()
 
 
-def _arm(ctx: SessionContext, ranks: Sequence[int], debug: list[int], limit: float | None, commands: bool) -> None:
+def _arm(ctx: SessionContext, ranks: Sequence[int], debug: list[int], limit: float | None) -> None:
     """Send the ranks the cell's options and the notebook's number of the cell, ahead of
-    the cell in the same queue, so they are in place when it runs; nothing for a cell
-    that asks for no debugging (its stops say "the running cell", not its number)."""
-    if not debug and limit is None and not commands:
-        return
+    the cell in the same queue, so they are in place when it runs (a cell that asks for
+    no debugging sends nothing: its stops say "the running cell", not its number)."""
     ctx.debugged_cells += 1
     d = ctx.dispatcher
     d.gather(d.apply("arm the cell's debugging", _rank.arm, args=(debug, limit, ctx.debugged_cells, _cell_number()),
                      ranks=list(ranks)), 60)
+
+
+def _disarm(ctx: SessionContext, ranks: Sequence[int]) -> None:
+    """End the cell's debugging on ``ranks`` as its end would: the call failed, maybe
+    before the cell ran (a rank that armed and never ran it would stop, or check, the next
+    cell). A rank that cannot be reached (dead) is left to the restart that replaces it."""
+    d = ctx.plain_dispatcher
+    try:
+        d.gather(d.apply("end the cell's debugging", _rank.cell_ended, ranks=list(ranks)), 30)
+    except Exception as exc:  # noqa: BLE001 - the call's own error is what the user needs; this one is said
+        log.warning("fsdp_nb: the failed cell's debugging could not be ended on every rank: %s", exc)
 
 
 def _cell_number() -> int | None:

@@ -24,6 +24,7 @@ breakpoints: a closed tab or a dead kernel leaves no rank stopped.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pdb
@@ -37,10 +38,12 @@ from typing import Any
 from ..engine.registry import Part, part
 from ..engine.stacks import library_dirs
 from ..wire.decode import encode
+from .rank_cell_places import cell_name, stopped_at
+from .rank_collective_check import breakpoint_held
 from .wire_breakpoints import DebugState
 
 __all__ = ["HOLD", "HOLD_EVERY_S", "POLL", "RELEASE", "SEND", "Breakpoints", "answer", "arm", "breakpoint",
-           "cell_ended", "cell_name", "install", "is_request", "stopped_at"]
+           "cell_ended", "install", "is_request"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -58,6 +61,21 @@ HOLD_ENV = "FSDP_NB_BREAKPOINT_HOLD"
 """Seconds a stopped rank waits without hearing from the notebook (default 60)."""
 
 
+def _hold_s() -> float:
+    """``FSDP_NB_BREAKPOINT_HOLD`` in seconds (default 60); a value that is not a number
+    of seconds above twice ``HOLD_EVERY_S`` is said and replaced by the default."""
+    text = os.environ.get(HOLD_ENV) or "60"
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 2 * HOLD_EVERY_S:
+        log.warning("fsdp_nb: %s=%r is not a number of seconds above %g: a stopped rank waits 60 s for the notebook",
+                    HOLD_ENV, text, 2 * HOLD_EVERY_S)
+        return 60.0
+    return value
+
+
 def is_request(payload: bytes) -> bool:
     """Whether ``payload`` is one of this module's requests (for the watch thread)."""
     return payload in (POLL, HOLD, RELEASE) or payload.startswith(SEND)
@@ -69,8 +87,10 @@ class Breakpoints(Part):
     def __init__(self) -> None:
         self.debug_ranks: frozenset[int] = frozenset()
         """The ranks the running cell's ``breakpoint()`` stops (``arm``)."""
-        self.hold_s = float(os.environ.get(HOLD_ENV) or 60.0)
+        self.hold_s = _hold_s()
         """Seconds without a word from the notebook before a stop is left."""
+        self.stops = 0
+        """Stops so far (a continue followed at once by another stop is still told apart)."""
         self.where: str | None = None
         """Where pdb is stopped now (None: running)."""
         self.waiting = False
@@ -86,11 +106,6 @@ class Breakpoints(Part):
         """The notebook let go (Ctrl-C) or went silent: no more stops this cell."""
         self.installed: tuple[Any, Any] | None = None
         """The hooks replaced by ``install`` (``sys.breakpointhook``, ``pdb.set_trace``)."""
-        self.cell_number: int | None = None
-        """The notebook's number of the running cell (``arm``; None: not told)."""
-        self.cell_numbers: dict[str, int] = {}
-        """A cell's code file on this engine -> the notebook's number of that cell, for each
-        armed cell seen at a stop or a checked collective (later cells' functions keep it)."""
 
     def take(self) -> str:
         with self.lock:
@@ -113,6 +128,7 @@ class _Commands:
 
     def readline(self) -> str:
         bp = self.bp
+        bp.contact = time.monotonic()  # its hold time counts from when it asks (another rank may have had the user)
         bp.reads += 1
         bp.waiting = True
         try:
@@ -148,19 +164,18 @@ class _Output:
 class _RankPdb(pdb.Pdb):
     """pdb reading the notebook's lines, its place told to the watch thread."""
 
-    def __init__(self, bp: Breakpoints):
+    def __init__(self, bp: Breakpoints, origin: FrameType | None):
         super().__init__(stdin=_Commands(bp), stdout=_Output(bp), nosigint=True)  # type: ignore[arg-type]
         self.use_rawinput = False
         self.prompt = ""  # the notebook shows "(Pdb rank N) "
-        self.bp = bp
-        self.libs = library_dirs()
+        self.bp, self.origin = bp, origin
 
     def stop_here(self, frame: FrameType) -> bool:
-        """Stop in user code only (cells, the user's files): IPython runs each statement of
-        a cell as code of its own, so ``n`` at a statement's end goes on through IPython's
-        frames to the next statement instead of stopping in them."""
-        name = frame.f_code.co_filename
-        if name.startswith("<frozen") or os.path.realpath(name).startswith(self.libs):
+        """Stop in user code only (cells, the user's files, and the frame ``breakpoint()``
+        was called in, wherever it is): IPython runs each statement of a cell as code of
+        its own, so ``n`` at a statement's end goes on through IPython's frames to the next
+        statement instead of stopping in them."""
+        if frame is not self.origin and _in_library(frame.f_code.co_filename):
             return False
         return bool(super().stop_here(frame))
 
@@ -183,10 +198,19 @@ class _RankPdb(pdb.Pdb):
 
     def interaction(self, frame: FrameType | None, tb: Any) -> None:
         self.bp.where = stopped_at(frame)
+        self.bp.stops += 1
+        breakpoint_held(+1)  # a checked cell's other ranks do not give up on this one meanwhile
         try:
             super().interaction(frame, tb)
         finally:
             self.bp.where = None
+            breakpoint_held(-1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_library(filename: str) -> bool:
+    """Whether ``filename`` is the standard library's or an installed package's."""
+    return filename.startswith("<frozen") or os.path.realpath(filename).startswith(library_dirs())
 
 
 def _rank() -> int | None:
@@ -198,50 +222,7 @@ def _rank() -> int | None:
         return None
 
 
-def _is_cell(filename: str) -> bool:
-    """Whether ``filename`` is the code file IPython made for a cell."""
-    return "ipykernel_" in filename or filename.startswith(("<ipython-input", "<cell"))
-
-
-def cell_name(filename: str, frame: FrameType | None = None) -> str | None:
-    """``cell [12]`` for a cell's code file (the notebook's number of it, when a cell that
-    ran it was armed); without a number ``the running cell`` or ``an earlier cell``;
-    None for any other file.
-
-    Args:
-        filename: a frame's ``co_filename``.
-        frame: the frame stopped in; its outermost cell frame is the running cell, which
-            gets the armed cell's number.
-    """
-    if not _is_cell(filename):
-        return None
-    bp = part(Breakpoints)
-    outer = None
-    while frame is not None:
-        if _is_cell(frame.f_code.co_filename):
-            outer = frame.f_code.co_filename
-        frame = frame.f_back  # type: ignore[assignment]
-    if bp.cell_number is not None and outer is not None:
-        bp.cell_numbers[outer] = bp.cell_number
-    number = bp.cell_numbers.get(filename)
-    if number is not None:
-        return f"cell [{number}]"
-    return "the running cell" if filename == outer else "an earlier cell"
-
-
-def stopped_at(frame: FrameType | None) -> str:
-    """``cell [12] line 4`` for a frame of a cell (see ``cell_name``; ``line 4 of the
-    running cell`` without its number), else ``file.py:12``."""
-    if frame is None:
-        return "an unknown place"
-    filename, line = frame.f_code.co_filename, frame.f_lineno
-    name = cell_name(filename, frame)
-    if name is None:
-        return f"{os.path.basename(filename)}:{line}"
-    return f"{name} line {line}" if name.startswith("cell [") else f"line {line} of {name}"
-
-
-def _stop(frame: FrameType | None) -> None:
+def _stop(frame: FrameType | None, header: str | None = None) -> None:
     bp = part(Breakpoints)
     if bp.abandoned or bp.where is not None:
         return
@@ -249,7 +230,10 @@ def _stop(frame: FrameType | None) -> None:
     bp.take()
     while not bp.commands.empty():
         bp.commands.get_nowait()
-    _RankPdb(bp).set_trace(frame)
+    if header is not None:  # pdb.set_trace(header=...): shown above the stop
+        with bp.lock:
+            bp.out.append(header + "\n")
+    _RankPdb(bp, frame).set_trace(frame)
 
 
 def _hook(*args: Any, **kwargs: Any) -> None:
@@ -261,9 +245,7 @@ def _hook(*args: Any, **kwargs: Any) -> None:
 def _set_trace(*, header: str | None = None, **kwargs: Any) -> None:
     """``pdb.set_trace`` on a rank: as ``breakpoint()``."""
     if _rank() in part(Breakpoints).debug_ranks:
-        if header is not None:
-            part(Breakpoints).out.append(header + "\n")
-        _stop(sys._getframe(1))
+        _stop(sys._getframe(1), header)
 
 
 def breakpoint(ranks: int | list[int] | tuple[int, ...] | range | None = None) -> None:  # noqa: A001 - as the builtin
@@ -291,18 +273,17 @@ def install() -> None:
     sys.breakpointhook, pdb.set_trace = _hook, _set_trace  # type: ignore[assignment]
 
 
-def arm(ranks: list[int], cell_number: int | None = None) -> None:
-    """The next cell's ``breakpoint()`` stops ``ranks`` (``%%px --debug``); ``cell_number``:
-    the notebook's number of that cell, for where a stop is told."""
+def arm(ranks: list[int]) -> None:
+    """The next cell's ``breakpoint()`` stops ``ranks`` (``%%px --debug``)."""
     bp = part(Breakpoints)
-    bp.debug_ranks, bp.abandoned, bp.cell_number = frozenset(ranks), False, cell_number
+    bp.debug_ranks, bp.abandoned = frozenset(ranks), False
 
 
 def cell_ended() -> None:
     """A cell ended: its choice of ranks ends with it, and so does a step that ran off
     its end (no trace is left to stop in a later cell)."""
     bp = part(Breakpoints)
-    bp.debug_ranks, bp.abandoned, bp.cell_number = frozenset(), False, None
+    bp.debug_ranks, bp.abandoned = frozenset(), False
     if isinstance(getattr(sys.gettrace(), "__self__", None), _RankPdb):
         sys.settrace(None)
 
@@ -312,12 +293,13 @@ def answer(payload: bytes) -> bytes:
     bp = part(Breakpoints)
     bp.contact = time.monotonic()
     if payload.startswith(SEND):
+        state = DebugState(where=bp.where, waiting=False, reads=bp.reads, stops=bp.stops)  # before pdb reads it
         bp.commands.put(payload[len(SEND):].decode("utf-8", "replace").strip("\n"))
-        return encode(DebugState(where=bp.where, waiting=False, reads=bp.reads))
+        return encode(state)
     if payload == RELEASE:
         if bp.where is not None and not bp.abandoned:
             log.warning("fsdp_nb: rank %s: the notebook let go of its breakpoint (%s): it continues, and stops "
                         "no more this cell", _rank(), bp.where)
         bp.abandoned = True
-    return encode(DebugState(where=bp.where, waiting=bp.waiting, reads=bp.reads,
+    return encode(DebugState(where=bp.where, waiting=bp.waiting, reads=bp.reads, stops=bp.stops,
                              output=bp.take() if payload == POLL else ""))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..engine.registry import Part, part
 from . import rank_breakpoints, rank_collective_check
+from .rank_cell_places import set_cell_number
 
 __all__ = ["arm", "cell_ended", "install"]
 
@@ -41,11 +42,13 @@ def arm(debug: list[int], check_limit: float | None, epoch: int, cell_number: in
     """The next cell stops ``debug`` ranks at ``breakpoint()`` and, with ``check_limit``
     (seconds), checks its collectives (``epoch``: the session's count of armed cells;
     ``cell_number``: the notebook's number of the cell, None outside a notebook)."""
-    rank_breakpoints.arm(debug, cell_number)
+    set_cell_number(cell_number)
+    rank_breakpoints.arm(debug)
     rank_collective_check.arm(check_limit, epoch)
 
 
 def cell_ended() -> None:
-    """A cell ended: its breakpoints' choice and its collective check end with it."""
+    """A cell ended: its breakpoints' choice, its collective check and its number end with it."""
     rank_breakpoints.cell_ended()
     rank_collective_check.cell_ended()
+    set_cell_number(None)

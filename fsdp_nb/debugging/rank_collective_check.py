@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import logging
 import sys
 import time
 import weakref
@@ -36,14 +37,18 @@ from typing import Any
 from ..engine.checkpoint_group import background_groups
 from ..engine.registry import Part, part
 from ..errors import CollectiveMismatchError
+from ..torch_compat import default_group, default_store
+from .rank_cell_places import cell_name, stopped_at
 
-__all__ = ["CHECKED", "CollectiveCheck", "arm", "cell_ended", "checked_call", "compared"]
+__all__ = ["CHECKED", "CollectiveCheck", "arm", "breakpoint_held", "cell_ended", "checked_call", "compared"]
 
 CHECKED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
            "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "barrier", "all_to_all",
            "all_to_all_single", "reduce", "gather", "scatter", "monitored_barrier")
-"""The ``torch.distributed`` functions checked (those this torch has)."""
+"""The ``torch.distributed`` functions checked (those this torch has), wrapped while a
+checked cell runs."""
 _PREFIX = "fsdp_nb/collectives"
+log = logging.getLogger("fsdp_nb")
 
 
 class CollectiveCheck(Part):
@@ -54,8 +59,10 @@ class CollectiveCheck(Part):
         """Seconds to wait for the other members' calls (None: the check is off)."""
         self.counts: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         """Process group -> collectives checked on it so far."""
-        self.posted: list[str] = []
-        """This rank's keys not yet removed from the store."""
+        self.posted: dict[str, list[str]] = {}
+        """Group name -> this rank's keys on it not yet removed from the store (a group's
+        keys are removed once every member is past them, which says nothing of another
+        group's)."""
         self.patched: dict[str, Any] = {}
         """Function name -> torch's own, while the wrappers are in place."""
         self.inside = False
@@ -65,7 +72,7 @@ class CollectiveCheck(Part):
 
     def reformed(self, world: Any) -> None:
         self.counts = weakref.WeakKeyDictionary()
-        self.posted = []
+        self.posted = {}
 
     def closed(self) -> None:
         _unpatch(self)
@@ -118,22 +125,22 @@ def _forget(check: CollectiveCheck) -> None:
     """Remove this rank's keys of the cells before."""
     if check.posted:
         store = _store()
-        for key in check.posted:
-            store.delete_key(key)
-    check.posted = []
+        for keys in check.posted.values():
+            for key in keys:
+                store.delete_key(key)
+    check.posted = {}
 
 
 _signature = functools.lru_cache(maxsize=64)(inspect.signature)
 
 
 def _group(kwargs: dict[str, Any], args: tuple[Any, ...], fn: Any) -> Any:
-    import torch.distributed as dist
 
     try:
         group = _signature(fn).bind_partial(*args, **kwargs).arguments.get("group")
     except TypeError:
         group = kwargs.get("group")
-    return group if group is not None else dist.distributed_c10d._get_default_group()
+    return group if group is not None else default_group()
 
 
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -150,8 +157,6 @@ def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
 
 def _place() -> str:
     """The innermost frame of a cell (``cell [12] line 4``), else of the user's file."""
-    from .rank_breakpoints import cell_name, stopped_at
-
     frame = sys._getframe(2)
     first = None
     while frame is not None:
@@ -224,7 +229,7 @@ def checked_call(op: str, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
     raise CollectiveMismatchError(mismatch)  # on every rank of the group; none issued the collective
 
 
-def _key(epoch: int, group: Any, seq: int, rank: int) -> str:
+def _key(epoch: int, group: Any, seq: int, rank: int | str) -> str:
     return f"{_PREFIX}/{epoch}/{group.group_name}/{seq}/{rank}"
 
 
@@ -238,24 +243,28 @@ def _post(check: CollectiveCheck, group: Any, call: dict[str, Any]) -> tuple[int
     key = _key(check.epoch, group, seq, me)
     _store().set(key, json.dumps({**call, "group": str(getattr(group, "group_desc", "") or group.group_name),
                                   "seq": seq}))
-    check.posted.append(key)
+    check.posted.setdefault(group.group_name, []).extend([key, _key(check.epoch, group, seq, "decided")])
     return seq, ranks
 
 
 def _store() -> Any:
-    import torch.distributed as dist
-
-    return dist.distributed_c10d._get_default_store()
+    return default_store()
 
 
 def _compare(check: CollectiveCheck, group: Any, call: dict[str, Any]) -> str | None:
     """Post this rank's ``call`` and wait for the group's; what differs, in words (None:
-    every member calls the same)."""
+    every member calls the same and none gave up waiting).
+
+    A member that waited past the limit and a member that saw every call agree through
+    one key set once (``compare_set``): the first to decide ("go" or "gave up") decides
+    for all, so a late rank never issues a collective the others gave up on. While a
+    member of the checked cell stands at a breakpoint, the limit does not run down."""
     import torch.distributed as dist
 
     seq, ranks = _post(check, group, call)
     store, me = _store(), dist.get_rank()
     keys = [_key(check.epoch, group, seq, r) for r in ranks]
+    decided = _key(check.epoch, group, seq, "decided")
     deadline = time.monotonic() + (check.limit or 0.0)
     while True:
         try:
@@ -264,18 +273,37 @@ def _compare(check: CollectiveCheck, group: Any, call: dict[str, Any]) -> str | 
         except (RuntimeError, dist.DistStoreError) as exc:  # not all there yet
             if "timeout" not in str(exc).lower() and "wait" not in str(exc).lower():
                 raise
-            if time.monotonic() >= deadline:
+            if store.add(_stopped_key(check.epoch), 0) > 0:  # a rank at a breakpoint: its turn will come
+                deadline = max(deadline, time.monotonic() + 1.0)
+            elif time.monotonic() >= deadline and store.compare_set(decided, "", "gave up") == b"gave up":
                 late = [r for r, k in zip(ranks, keys) if not store.check([k])]
                 return _lines(ranks, me, {r: None for r in late}, call, seq, f"within {check.limit:g} s")
     calls = {r: json.loads(v) for r, v in zip(ranks, store.multi_get(keys))}
     mine = compared(call)
     if any(compared(c) != mine for c in calls.values()):
         return _lines(ranks, me, calls, call, seq, "")
-    done = check.posted[:-1]  # every member wrote this count: all have read the ones before
-    check.posted = check.posted[-1:]
+    if store.compare_set(decided, "", "go") != b"go":  # a member gave up waiting for this rank
+        return _lines(ranks, me, calls, call, seq, "in time: another rank gave up waiting for it first")
+    mine_keys = check.posted[group.group_name]
+    done, check.posted[group.group_name] = mine_keys[:-2], mine_keys[-2:]  # every member is past the ones before
     for key in done:
         store.delete_key(key)
     return None
+
+
+def _stopped_key(epoch: int) -> str:
+    return f"{_PREFIX}/{epoch}/stopped"
+
+
+def breakpoint_held(delta: int) -> None:
+    """This rank stops at (+1) or leaves (-1) a breakpoint in a checked cell: the other
+    ranks' limit stands still while it is stopped (``_compare``)."""
+    check = part(CollectiveCheck)
+    if check.limit is not None:
+        try:
+            _store().add(_stopped_key(check.epoch), delta)
+        except (RuntimeError, ValueError) as exc:  # the store is gone (the group is being torn down)
+            log.warning("fsdp_nb: could not tell the checked collectives of a breakpoint: %s", exc)
 
 
 def _describe(c: dict[str, Any]) -> str:
@@ -311,8 +339,9 @@ def cell_ended() -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            default = dist.distributed_c10d._get_default_group()
+            default = default_group()
             for group in [default, *(g for g in list(check.counts.keys()) if g is not default)]:
                 _post(check, group, {"op": "finished", "shapes": [], "dtypes": [], "at": "the cell ended"})
     finally:
         check.limit = None
+        _unpatch(check)  # torch's own functions back until the next checked cell (torch.compile sees them)

@@ -24,5 +24,8 @@ class DebugState:
     reads: int = 0
     """Command lines pdb has asked for on this rank so far (an answer is complete once
     it asks for the next)."""
+    stops: int = 0
+    """Stops on this rank so far: more than before a ``c`` means it stopped again (a
+    breakpoint in a loop), however quickly."""
     output: str = ""
     """What pdb printed since the last poll (taken: each line is sent once)."""

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
+from ..debugging.breakpoints import parse_ranks
 from ..errors import hide_frame
 from ..runtime.checks import check_hang_after
 
@@ -204,7 +205,7 @@ def parse_px(line: str) -> PxArgs:
             elif flag == "--hang-after":
                 opts["hang_after"] = check_hang_after(float(value))
             elif flag == "--debug":
-                opts["debug"] = [int(r) for r in value.split(",")]
+                opts["debug"] = parse_ranks(value, 1 << 16)  # 0-3 or 1,3; checked against the session later
             elif flag == "--debug-commands":
                 opts["debug_commands"] = value
             else:

@@ -211,7 +211,10 @@ class Watching:
     turn of the gather loop; and up to ``answer_s`` more for a rank that missed the quick
     question). A question costs a rank about 0.1 ms under the GIL (counters,
     its user frame; the recorder's status once its main thread sat still between two
-    questions) and nothing per collective."""
+    questions) and nothing per collective.
+
+    With ``hang_after=None`` it still asks, for a rank stopped at a breakpoint (which it
+    hands to the debugger console), and shows no diagnosis."""
 
     tick: float = 0.2
     """Seconds between two questions to the ranks."""
@@ -228,6 +231,8 @@ class Watching:
         self.shown_at = 0.0
         self.paused = 0.0
         """Seconds the call spent with a rank at a breakpoint (no ``timeout=`` counts them)."""
+        self.resumed = float("-inf")
+        """When the last breakpoint's console closed (``time.monotonic``)."""
 
     def poll(self, running: list[int]) -> None:
         """Called on every turn of the gather loop; asks the ranks only when due."""
@@ -248,10 +253,13 @@ class Watching:
             finally:
                 self.watch.stopped = {}
                 self.paused += time.monotonic() - began
+                self.resumed = time.monotonic()
             self.notify(self.what, "running", running)
             self.next = time.monotonic() + self.tick
             return
-        if self.hang_after is None:
+        if self.hang_after is None or time.monotonic() - self.resumed < self.hang_after:
+            # no diagnosis, or not yet: the ranks that waited for a stopped rank have waited
+            # since before it stood, and are given hang_after from when it went on
             self.next = time.monotonic() + self.tick
             return
         report = self.watch.explain(states, running)

@@ -155,6 +155,7 @@ def test_options_are_read_or_refused_naming_what_is_allowed():
         check_collectives_option(0)
     args = parse_px("--debug 1,3 --check-collectives --debug-commands 'p x;; c'")
     assert (args.debug, args.check_collectives, args.debug_commands) == ([1, 3], True, "p x;; c")
+    assert parse_px("--debug 0-2,5").debug == [0, 1, 2, 5]
     assert parse_px("--no-check-collectives").check_collectives is False and parse_px("").check_collectives is None
 
 
