@@ -7,9 +7,8 @@ so fsdp_nb touches them only here, each behind a small function that says what i
 supported and the newest), so a rename fails CI in one place. Nothing here imports torch
 at import time: the notebook side imports this module without paying for torch.
 
-Supported: torch 2.11 (the oldest a GPU image here has) to the newest release, as ``pyproject.toml``
-says; where a torch has a public call for what an older one needs private names for
-(``reset_fsdp_iteration``), the function uses it when it is there."""
+Supported: torch 2.11 to the newest release (``pyproject.toml``); where a torch has a public
+call for what an older one needs private names for, the function uses it when it is there."""
 
 from __future__ import annotations
 
@@ -23,12 +22,12 @@ from typing import Any
 __all__ = [
     "DCP_METADATA_GLOBALS", "FLIGHT_RECORDER_ENV", "PICKLED_TENSOR", "TORCH_PRELOAD", "activation_checkpoint",
     "collective_call", "compute_local_shape_and_global_offset", "dcp_load_into", "dcp_metadata_path", "default_group",
-    "default_store",
-    "empty_state_dict_planner", "fake_process_group", "fake_tensor_mode", "flight_recorder", "fsdp_memory_tracker",
-    "fsdp_roots", "fsspec_reader", "fsspec_writer", "group_backend", "group_sequence_numbers", "kept_open_stager",
-    "local_tensor", "making_group", "mesh_group_names", "narrow_tensor_by_index", "non_persistent_buffers",
-    "parameter_initialiser", "process_groups", "repoint_fsdp_groups", "reset_fsdp_iteration", "resolve_process_group",
-    "set_element", "set_mesh_group_names", "tree_leaves", "tree_map_only", "weights_only_unpickler",
+    "default_store", "empty_state_dict_planner", "fake_process_group", "fake_tensor_mode", "flight_recorder",
+    "fsdp_memory_tracker", "fsdp_roots", "fsspec_reader", "fsspec_writer", "group_backend", "group_sequence_numbers",
+    "kept_open_stager", "local_tensor", "making_group", "mesh_group_names", "narrow_tensor_by_index",
+    "non_persistent_buffers", "parameter_initialiser", "process_groups", "repoint_fsdp_groups", "reset_fsdp_iteration",
+    "resolve_process_group", "set_element", "set_mesh_group_names", "tree_leaves", "tree_map_only",
+    "weights_only_unpickler",
 ]
 
 FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
@@ -58,8 +57,7 @@ def default_group() -> Any:
 
 
 def default_store() -> Any:
-    """The store the default group formed on (its TCP store), for small keys the ranks
-    share beside the group (raises when none is formed)."""
+    """The store the default group formed on, for keys the ranks share beside it."""
     from torch.distributed import distributed_c10d as c10d
 
     return c10d._get_default_store()
@@ -103,8 +101,7 @@ def mesh_group_names(mesh: Any) -> list[str]:
 
 
 def set_mesh_group_names(mesh: Any, names: list[str]) -> None:
-    """Point ``mesh``'s dimensions at the groups named ``names`` (after the group was
-    formed again), and its group cache at those groups."""
+    """Point ``mesh``'s dimensions, and its group cache, at the groups ``names`` (re-formed)."""
     mesh._dim_group_names = list(names)
     registry = getattr(mesh, "_pg_registry", None)
     if isinstance(registry, dict):
@@ -117,10 +114,9 @@ def set_mesh_group_names(mesh: Any, names: list[str]) -> None:
 
 
 def flight_recorder(collectives: bool) -> dict[str, Any] | None:
-    """torch's flight recorder, read: each group's status (``pg_status``) and
-    (``collectives``) the records of collectives not yet completed (``entries``); None
-    where this torch has no such dump or it does not record. Its JSON dump, not the
-    pickled one, so nothing is unpickled."""
+    """torch's flight recorder, read from its JSON dump (nothing is unpickled): each group's
+    status (``pg_status``) and (``collectives``) the records not yet completed (``entries``);
+    None where this torch has no such dump or it does not record."""
     import torch
 
     try:
@@ -131,9 +127,8 @@ def flight_recorder(collectives: bool) -> dict[str, Any] | None:
 
 
 def repoint_fsdp_groups(instances: Callable[..., list[Any]]) -> int:
-    """Point every live FSDP2 mesh info at the process groups its mesh now has (after the
-    groups were formed again); how many there were. ``instances(*classes)`` finds the live
-    objects of those classes (a heap scan)."""
+    """Point every live FSDP2 mesh info at its mesh's process groups now (after a re-form);
+    how many there were. ``instances(*classes)`` finds live objects of classes (a heap scan)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
 
     found = instances(FSDPMeshInfo, DDPMeshInfo)
@@ -164,15 +159,12 @@ def _param_groups(state: Any) -> list[Any]:
 
 
 def reset_fsdp_iteration(root: Any) -> None:
-    """Put FSDP2 root module ``root`` and every module under it back between iterations:
-    every parameter group sharded and idle, no pending all-gather or reduce-scatter, no
-    iteration under way; the gradients the failed iteration had not reduced are dropped.
-
-    Why: a step a failure cut short on some ranks leaves their units where it caught them,
-    and the next step's collectives would no longer match across ranks. Called after the
-    group was re-formed: what was pending belonged to the destroyed group and is dropped,
-    never waited on. torch 2.13+ has the public ``FSDPModule.reset_iter_state``; on older
-    ones the same fields are reset here."""
+    """Put FSDP2 root ``root`` and its modules back between iterations: every parameter
+    group sharded and idle, nothing pending, the failed iteration's unreduced gradients
+    dropped. A step a failure cut short leaves units where it caught them, and the next
+    step's collectives would not match across ranks. Called after the group was re-formed
+    (what was pending was the destroyed group's: dropped, never waited on). torch 2.13+
+    has the public ``FSDPModule.reset_iter_state``; on older ones these fields are reset."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     state = root._get_fsdp_state()
@@ -252,9 +244,8 @@ def collective_call(frame: Any) -> tuple[str, Any, list[Any]] | None:
 
 
 def local_tensor(t: Any) -> Any:
-    """The tensor this rank holds of DTensor ``t`` (a view of the shard, not a copy:
-    writing to it writes the shard); ``t`` itself when it is a plain tensor. DTensor's
-    public ``to_local``, outside autograd (a parameter's shard is written in place)."""
+    """This rank's view of DTensor ``t``'s shard (writing to it writes the shard), by the
+    public ``to_local`` outside autograd; ``t`` itself when it is a plain tensor."""
     to_local = getattr(t, "to_local", None)
     if to_local is None:
         return t

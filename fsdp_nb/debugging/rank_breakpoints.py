@@ -32,13 +32,14 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 from ..engine.registry import Part, part
 from ..engine.stacks import library_dirs
 from ..wire.decode import encode
-from .rank_cell_places import cell_name, stopped_at
+from .rank_cell_places import caller_frame, cell_name, stopped_at
 from .rank_collective_check import breakpoint_held
 from .wire_breakpoints import DebugState
 
@@ -106,6 +107,8 @@ class Breakpoints(Part):
         """The notebook let go (Ctrl-C) or went silent: no more stops this cell."""
         self.installed: tuple[Any, Any] | None = None
         """The hooks replaced by ``install`` (``sys.breakpointhook``, ``pdb.set_trace``)."""
+        self.on_stop: Callable[[], None] | None = None
+        """Called at each stop (``install``)."""
 
     def take(self) -> str:
         with self.lock:
@@ -233,19 +236,21 @@ def _stop(frame: FrameType | None, header: str | None = None) -> None:
     if header is not None:  # pdb.set_trace(header=...): shown above the stop
         with bp.lock:
             bp.out.append(header + "\n")
+    if bp.on_stop is not None:
+        bp.on_stop()
     _RankPdb(bp, frame).set_trace(frame)
 
 
 def _hook(*args: Any, **kwargs: Any) -> None:
     """``sys.breakpointhook`` on a rank: stop when the cell chose this rank."""
     if _rank() in part(Breakpoints).debug_ranks:
-        _stop(sys._getframe(1))
+        _stop(caller_frame(1))
 
 
 def _set_trace(*, header: str | None = None, **kwargs: Any) -> None:
     """``pdb.set_trace`` on a rank: as ``breakpoint()``."""
     if _rank() in part(Breakpoints).debug_ranks:
-        _stop(sys._getframe(1), header)
+        _stop(caller_frame(1), header)
 
 
 def breakpoint(ranks: int | list[int] | tuple[int, ...] | range | None = None) -> None:  # noqa: A001 - as the builtin
@@ -255,7 +260,7 @@ def breakpoint(ranks: int | list[int] | tuple[int, ...] | range | None = None) -
     Args:
         ranks: the ranks that stop (an int, a list, a range); the others go on.
     """
-    frame = sys._getframe(1)
+    frame = caller_frame(1)
     if part(Breakpoints).installed is None:
         pdb.Pdb().set_trace(frame)
         return
@@ -264,9 +269,12 @@ def breakpoint(ranks: int | list[int] | tuple[int, ...] | range | None = None) -
         _stop(frame)
 
 
-def install() -> None:
-    """Point ``breakpoint()`` and ``pdb.set_trace`` at this rank's debugger (once per engine)."""
+def install(on_stop: Callable[[], None] | None = None) -> None:
+    """Point ``breakpoint()`` and ``pdb.set_trace`` at this rank's debugger (once per
+    engine); ``on_stop`` is called at each stop, before pdb opens (the cell's end is then
+    listened for)."""
     bp = part(Breakpoints)
+    bp.on_stop = on_stop
     if bp.installed is not None:
         return
     bp.installed = (sys.breakpointhook, pdb.set_trace)

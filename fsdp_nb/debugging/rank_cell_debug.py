@@ -2,40 +2,56 @@
 (or ``sess.execute(code, debug=..., check_collectives=...)``) arm for one cell.
 
 Call order: ``install()`` once per engine (the hang watch starts it); ``arm(...)`` before
-each cell that asks for either, sent ahead of the cell in the engine's queue; IPython's
-``post_execute`` then calls ``cell_ended``, which ends both for that cell.
+each cell that asks for any, sent ahead of the cell in the engine's queue (a call of its
+own); the rank's step owner (``fsdp_nb.engine.step``) then tells the cell's end, which
+ends them all for that cell (``cell_ended``). A rank listens to the owner only from an
+armed cell or a stop to the cell's end: an engine that never debugs adds no listener.
 """
 
 from __future__ import annotations
 
 from ..engine.registry import Part, part
+from ..engine.step import StepListener, owner
 from . import rank_breakpoints, rank_collective_check
 from .rank_cell_places import set_cell_number
 
-__all__ = ["arm", "cell_ended", "install"]
+__all__ = ["CellDebug", "CellEnd", "arm", "cell_ended", "install"]
+
+
+class CellEnd(StepListener):
+    """Ends the debugging of the cell it was armed for, or stopped in, when that cell ends."""
+
+    order = 5
+    """Before the other listeners: a step cut short at a breakpoint leaves no trace behind."""
+
+    def __init__(self) -> None:
+        self.in_cell = False
+        """The armed cell has started (the call that armed it ends first, and is not it)."""
+
+    def cell_started(self) -> None:
+        self.in_cell = True
+
+    def cell_ended(self, failed: bool) -> None:
+        if self.in_cell:
+            cell_ended()
 
 
 class CellDebug(Part):
-    """Whether this engine's ``post_execute`` hook is registered."""
+    """This rank's listener for the end of a debugged cell."""
 
     def __init__(self) -> None:
-        self.hooked = False
+        self.end = CellEnd()
+
+
+def _listen(in_cell: bool) -> None:
+    end = part(CellDebug).end
+    end.in_cell = end.in_cell or in_cell
+    owner().listen(end)
 
 
 def install() -> None:
-    """Install the breakpoint hooks and the end-of-cell hook (once per engine)."""
-    rank_breakpoints.install()
-    cell = part(CellDebug)
-    if cell.hooked:
-        return
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
-    ip = get_ipython()
-    if ip is not None:
-        ip.events.register("post_execute", cell_ended)
-        cell.hooked = True
+    """Install the breakpoint hooks (once per engine); a stop listens for its cell's end."""
+    rank_breakpoints.install(on_stop=lambda: _listen(True))
 
 
 def arm(debug: list[int], check_limit: float | None, epoch: int, cell_number: int | None = None) -> None:
@@ -45,6 +61,8 @@ def arm(debug: list[int], check_limit: float | None, epoch: int, cell_number: in
     set_cell_number(cell_number)
     rank_breakpoints.arm(debug)
     rank_collective_check.arm(check_limit, epoch)
+    part(CellDebug).end.in_cell = False
+    _listen(False)
 
 
 def cell_ended() -> None:
@@ -52,3 +70,6 @@ def cell_ended() -> None:
     rank_breakpoints.cell_ended()
     rank_collective_check.cell_ended()
     set_cell_number(None)
+    end = part(CellDebug).end
+    end.in_cell = False
+    owner().unlisten(end)

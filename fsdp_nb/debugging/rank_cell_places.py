@@ -12,12 +12,13 @@ Read by the breakpoints (``rank_breakpoints``) and the collective check
 
 from __future__ import annotations
 
+import inspect
 import os
 from types import FrameType
 
 from ..engine.registry import Part, part
 
-__all__ = ["CellPlaces", "cell_name", "set_cell_number", "stopped_at"]
+__all__ = ["CellPlaces", "caller_frame", "cell_name", "set_cell_number", "stopped_at"]
 
 
 class CellPlaces(Part):
@@ -77,3 +78,11 @@ def stopped_at(frame: FrameType | None) -> str:
     if name is None:
         return f"{os.path.basename(filename)}:{line}"
     return f"{name} line {line}" if name.startswith("cell [") else f"line {line} of {name}"
+
+
+def caller_frame(depth: int) -> FrameType | None:
+    """The frame ``depth`` calls above the function calling this (0: that function's own)."""
+    frame = inspect.currentframe()
+    for _ in range(depth + 1):
+        frame = frame.f_back if frame is not None else None
+    return frame

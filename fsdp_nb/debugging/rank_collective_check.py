@@ -28,7 +28,6 @@ import functools
 import inspect
 import json
 import logging
-import sys
 import time
 import weakref
 from datetime import timedelta
@@ -38,7 +37,7 @@ from ..engine.checkpoint_group import background_groups
 from ..engine.registry import Part, part
 from ..errors import CollectiveMismatchError
 from ..torch_compat import default_group, default_store
-from .rank_cell_places import cell_name, stopped_at
+from .rank_cell_places import caller_frame, cell_name, stopped_at
 
 __all__ = ["CHECKED", "CollectiveCheck", "arm", "breakpoint_held", "cell_ended", "checked_call", "compared"]
 
@@ -131,7 +130,10 @@ def _forget(check: CollectiveCheck) -> None:
     check.posted = {}
 
 
-_signature = functools.lru_cache(maxsize=64)(inspect.signature)
+@functools.lru_cache(maxsize=64)
+def _signature(fn: Any) -> inspect.Signature:
+    """``inspect.signature(fn)``, read once per collective."""
+    return inspect.signature(fn)
 
 
 def _group(kwargs: dict[str, Any], args: tuple[Any, ...], fn: Any) -> Any:
@@ -157,7 +159,7 @@ def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
 
 def _place() -> str:
     """The innermost frame of a cell (``cell [12] line 4``), else of the user's file."""
-    frame = sys._getframe(2)
+    frame = caller_frame(2)
     first = None
     while frame is not None:
         name = frame.f_code.co_filename

@@ -49,6 +49,8 @@ make it) are no steps: inside :meth:`StepOwner.taking_state` nothing is told.
 
 Within each event the listeners are told in their :attr:`StepListener.order`:
 
+- 5, the end of a debugged cell (``debugging.rank_cell_debug``): its breakpoints and
+  collective check end before anything else hears of the cell's end;
 - 10, the async-save gate (``checkpoints.rank_async_saves``): a step or forward waits for
   the copy of a save still being taken, before anything changes a tensor it copies;
 - 20, the gradient scaler (``models.rank_grad_scaler``): it counts a skipped step by

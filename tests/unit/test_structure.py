@@ -60,7 +60,7 @@ MACHINERY = {"__init__", "cli", "context", "errors", "session", "torch_compat", 
              "frontends", "lifetime", "runtime", "wire"}
 """The shared machinery at the top: the front ends, the façade and its context, the
 errors, torch_compat, and the packages every feature uses (the architecture page)."""
-FEATURES = {"models", "checkpoints", "autosave", "memory", "steps", "hangs", "recovery"}
+FEATURES = {"models", "checkpoints", "autosave", "memory", "steps", "hangs", "debugging", "recovery"}
 """The feature folders, each holding a feature's notebook half, rank half (``rank_*``), the
 messages between them (``wire_*``) and its views."""
 

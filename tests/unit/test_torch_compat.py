@@ -28,6 +28,9 @@ def test_the_installed_torch_is_in_the_range_pyproject_declares():
 
 def test_groups_their_counts_and_backends(group):
     assert tc.default_group() is group and group in tc.process_groups()
+    store = tc.default_store()  # the store the group formed on: keys beside the group
+    store.set("fsdp_nb/test", "1")
+    assert store.get("fsdp_nb/test") == b"1" and store.delete_key("fsdp_nb/test")
     before = tc.group_sequence_numbers(group)
     assert list(before) == ["gloo"]
     dist.all_reduce(torch.ones(2))
