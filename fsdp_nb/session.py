@@ -268,8 +268,9 @@ class Session(SessionFacts, SessionCheckpoints, SessionAutosave, SessionRecovery
                          self._ctx.merge_output, ctx=self._ctx)
 
     def execute(self, code: str, *, ranks: Sequence[int] | None = None, output: str | None = "all",
-                timeout: float | None = None, hang_after: float | None = None, debug: Any = None,
-                check_collectives: bool | float | None = None, debug_commands: Any = None) -> None:
+                timeout: float | None = None, hang_after: float | None = None,
+                debug: int | Sequence[int] | None = None, check_collectives: bool | float | None = None,
+                debug_commands: str | Sequence[str] | None = None) -> None:
         """Run ``code`` on every rank (as ``%%px`` does); raise the failing ranks' errors.
 
         Use ``pull`` or ``run`` to get values back.
@@ -301,8 +302,8 @@ class Session(SessionFacts, SessionCheckpoints, SessionAutosave, SessionRecovery
 
     def _execute(self, code: str, timeout: float | None, *, ranks: Sequence[int] | None = None,
                  output: str | None = "all", silent: bool = False, hang_after: float | None = None,
-                 debug: Any = None, check_collectives: bool | float | None = None,
-                 debug_commands: Any = None) -> list[Any]:
+                 debug: int | Sequence[int] | None = None, check_collectives: bool | float | None = None,
+                 debug_commands: str | Sequence[str] | None = None) -> list[Any]:
         """``execute`` returning each rank's ExecuteReply (its ``Out`` value, unless
         ``silent``), for ``%%px``."""
         __tracebackhide__ = hide_frame  # left out of a rank error's traceback

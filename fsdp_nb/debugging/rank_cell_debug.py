@@ -42,6 +42,9 @@ class CellDebug(Part):
     def __init__(self) -> None:
         self.end = CellEnd()
 
+    def closed(self) -> None:
+        owner().unlisten(self.end)
+
 
 def _listen(in_cell: bool) -> None:
     end = part(CellDebug).end

@@ -193,7 +193,8 @@ def read_status(ctx: SessionContext, *, with_stacks: bool = True) -> SessionStat
     queued = _queued(c.client, c.engine_ids)
     states = ["dead" if r in dead else ("busy" if queued[r] > 0 else "idle")
               for r in range(len(c.engine_ids))]
-    stops = dict(getattr(ctx.dispatcher.watch, "stopped", None) or {})  # the debugger console is open
+    watch = ctx.dispatcher.watch
+    stops = dict(watch.stopped) if watch is not None else {}  # the debugger console is open
     busy = [r for r, s in enumerate(states) if s == "busy" and r not in stops]
     found = ctx.health.stacks(busy) if (with_stacks and busy) else {}
     devices = [info.device for info in ctx.ranks] or ["?"] * c.world_size
