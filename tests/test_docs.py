@@ -222,7 +222,12 @@ def test_a_rank_error_in_a_tutorial_shows_the_users_frames_not_fsdp_nbs():
     assert errors, "no tutorial shows a RankError"
     for out in errors:
         lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in out["traceback"]]
-        ours = [line for line in lines if re.search(r"^File fsdp_nb/", line, flags=re.M)]
+        # the last part is the error's message, each rank's own traceback in it: only the
+        # collective check's raise, where the rank's error is fsdp_nb's own, is ours there
+        ranks = re.findall(r"^File (fsdp_nb/\S+), in (\w+)", lines[-1], flags=re.M)
+        assert all(f.startswith("fsdp_nb/debugging/rank_collective_check.py:") and fn == "checked_call"
+                   for f, fn in ranks), ranks
+        ours = [line for line in lines[:-1] if re.search(r"^File fsdp_nb/", line, flags=re.M)]
         # the failure policy's raise after a recovery, or the dispatcher's when every rank failed
         assert len(ours) == 1 and ("failure_policy" in ours[0] or "Dispatcher._settle" in ours[0]), ours
         assert any("skipping hidden" in line for line in lines)
