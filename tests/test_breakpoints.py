@@ -152,6 +152,21 @@ def test_a_rank_late_past_the_checks_limit_is_named_and_never_issues_it_alone(se
     assert sess.all_reduce_check() == 1.0
 
 
+def test_the_checks_limit_does_not_run_out_while_a_rank_stands_at_a_breakpoint(sess, monkeypatch):
+    """A checked cell, rank 1 at its prompt 4 s, past the check's 3 s limit, then 1.6 s of
+    work before its all-reduce: rank 0, waiting in the check, gives the whole limit again
+    from when rank 1 went on, and the all-reduce runs."""
+    def slow_user(prompt=""):
+        time.sleep(4.0)  # the user reads the rank's state
+        return "c"
+
+    monkeypatch.setattr("builtins.input", slow_user)
+    sess.execute("import time, torch, torch.distributed as dist\nt = torch.ones(2)\nbreakpoint()\n"
+                 "if rank == 1:\n    time.sleep(1.6)\ndist.all_reduce(t)\nchecked_sum = t.tolist()",
+                 debug=[1], check_collectives=3.0)
+    assert sess.pull("checked_sum") == [[2.0, 2.0]] * 2
+
+
 def test_a_rank_that_hears_nothing_from_the_notebook_goes_on_and_says_so(sess, capsys):
     def hold(seconds):
         from fsdp_nb.debugging.rank_breakpoints import Breakpoints

@@ -19,11 +19,12 @@ Ctrl-C does; a rank not answering is named and left to its hold time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -169,6 +170,13 @@ def console(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[
         idle_s: seconds without a command before the stopped ranks are let go (the
             prompt stays until it is answered or the kernel interrupted).
     """
+    with _python_ctrl_c():
+        _drive(ask, stopped, world_size, read, show, script, idle_s)
+
+
+def _drive(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[str], str] | None,
+           show: Callable[[str], Any], script: Sequence[str], idle_s: float) -> None:
+    """:func:`console`'s loop."""
     everyone = list(range(world_size))
     lines = list(script)
     states = _collect(ask, sorted(stopped), ANSWER_S)
@@ -187,7 +195,7 @@ def console(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[
                 show(f"{prompt}{line}\n")
             else:
                 try:
-                    line = _read(read or input, prompt)
+                    line = (read or input)(prompt)
                 except (EOFError, NotImplementedError) as exc:  # a kernel that cannot ask (nbclient, papermill)
                     show(f"fsdp_nb: this kernel cannot read a debugger command ({type(exc).__name__}): every "
                          "stopped rank goes on. Give debug_commands= ending in 'c' to run breakpoints unattended.\n")
@@ -227,14 +235,16 @@ def console(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[
         holder.done.set()
 
 
-def _read(read: Callable[[str], str], prompt: str) -> str:
-    """``read(prompt)`` with Python's own Ctrl-C: the gather loop's handler only notes a
+@contextlib.contextmanager
+def _python_ctrl_c() -> Iterator[None]:
+    """Python's own Ctrl-C while the console runs: the gather loop's handler only notes a
     Ctrl-C for its next turn, and the kernel's input request ends only on KeyboardInterrupt."""
     if threading.current_thread() is not threading.main_thread():
-        return read(prompt)
+        yield
+        return
     held = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        return read(prompt)
+        yield
     finally:
         signal.signal(signal.SIGINT, held)
 

@@ -115,8 +115,9 @@ def _disarm(ctx: SessionContext, ranks: Sequence[int]) -> None:
     before the cell ran (a rank that armed and never ran it would stop, or check, the next
     cell). A rank that cannot be reached (dead) is left to the restart that replaces it."""
     d = ctx.plain_dispatcher
+    live = [r for r in ranks if r not in set(ctx.cluster.dead_ranks())]  # a dead rank's is gone with it
     try:
-        d.gather(d.apply("end the cell's debugging", _rank.cell_ended, ranks=list(ranks)), 30)
+        d.gather(d.apply("end the cell's debugging", _rank.cell_ended, ranks=live), 5)
     except Exception as exc:  # noqa: BLE001 - the call's own error is what the user needs; this one is said
         log.warning("fsdp_nb: the failed cell's debugging could not be ended on every rank: %s", exc)
 

@@ -115,6 +115,10 @@ class Breakpoints(Part):
             text, self.out = "".join(self.out), []
         return text
 
+    def reformed(self, world: Any) -> None:
+        """A new group: the cut-short cell's choice of ranks ends."""
+        self.debug_ranks, self.abandoned = frozenset(), False
+
     def closed(self) -> None:
         if self.installed is not None:
             sys.breakpointhook, pdb.set_trace = self.installed

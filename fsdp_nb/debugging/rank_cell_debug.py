@@ -10,6 +10,8 @@ armed cell or a stop to the cell's end: an engine that never debugs adds no list
 
 from __future__ import annotations
 
+import logging
+
 from ..engine.registry import Part, part
 from ..engine.step import StepListener, owner
 from . import rank_breakpoints, rank_collective_check
@@ -17,12 +19,15 @@ from .rank_cell_places import set_cell_number
 
 __all__ = ["CellDebug", "CellEnd", "arm", "cell_ended", "install"]
 
+log = logging.getLogger("fsdp_nb")
+
 
 class CellEnd(StepListener):
     """Ends the debugging of the cell it was armed for, or stopped in, when that cell ends."""
 
     order = 5
-    """Before the other listeners: a step cut short at a breakpoint leaves no trace behind."""
+    """Ahead of the other listeners' ``cell_ended`` (the owner's own "cell end" boundary
+    comes before every listener's)."""
 
     def __init__(self) -> None:
         self.in_cell = False
@@ -33,7 +38,10 @@ class CellEnd(StepListener):
 
     def cell_ended(self, failed: bool) -> None:
         if self.in_cell:
-            cell_ended()
+            try:
+                cell_ended()
+            except Exception as exc:  # noqa: BLE001 - the later listeners (autosave, the scaler) still hear the end
+                log.warning("fsdp_nb: ending the cell's debugging failed: %s", exc)
 
 
 class CellDebug(Part):
@@ -41,6 +49,12 @@ class CellDebug(Part):
 
     def __init__(self) -> None:
         self.end = CellEnd()
+
+    def reformed(self, world: object) -> None:
+        """A new group: the cell the re-form cut short is over (no IPython event says so)."""
+        self.end.in_cell = False
+        set_cell_number(None)
+        owner().unlisten(self.end)
 
     def closed(self) -> None:
         owner().unlisten(self.end)

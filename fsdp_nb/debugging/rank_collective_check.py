@@ -70,8 +70,11 @@ class CollectiveCheck(Part):
         """The notebook's number of the checked cell (keys of one cell never meet another's)."""
 
     def reformed(self, world: Any) -> None:
+        """A new group: nothing of the cell the re-form cut short stays armed."""
         self.counts = weakref.WeakKeyDictionary()
         self.posted = {}
+        self.limit = None
+        _unpatch(self)
 
     def closed(self) -> None:
         _unpatch(self)
@@ -117,6 +120,7 @@ def arm(limit: float | None, epoch: int = 0) -> None:
     _forget(check)
     check.limit, check.epoch, check.counts = limit, epoch, weakref.WeakKeyDictionary()
     if limit is not None:
+        check.posted[""] = [_stopped_key(epoch)]  # the cell's count of stopped ranks goes with its keys
         _patch(check)
 
 
@@ -260,7 +264,8 @@ def _compare(check: CollectiveCheck, group: Any, call: dict[str, Any]) -> str | 
     A member that waited past the limit and a member that saw every call agree through
     one key set once (``compare_set``): the first to decide ("go" or "gave up") decides
     for all, so a late rank never issues a collective the others gave up on. While a
-    member of the checked cell stands at a breakpoint, the limit does not run down."""
+    member of the checked cell stands at a breakpoint the limit does not run out: it
+    starts again, whole, once no member is stopped."""
     import torch.distributed as dist
 
     seq, ranks = _post(check, group, call)
@@ -276,7 +281,7 @@ def _compare(check: CollectiveCheck, group: Any, call: dict[str, Any]) -> str | 
             if "timeout" not in str(exc).lower() and "wait" not in str(exc).lower():
                 raise
             if store.add(_stopped_key(check.epoch), 0) > 0:  # a rank at a breakpoint: its turn will come
-                deadline = max(deadline, time.monotonic() + 1.0)
+                deadline = time.monotonic() + (check.limit or 0.0)  # the whole limit again once it goes on
             elif time.monotonic() >= deadline and store.compare_set(decided, "", "gave up") == b"gave up":
                 late = [r for r, k in zip(ranks, keys) if not store.check([k])]
                 return _lines(ranks, me, {r: None for r in late}, call, seq, f"within {check.limit:g} s")

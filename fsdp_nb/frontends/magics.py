@@ -189,6 +189,8 @@ def parse_px(line: str) -> PxArgs:
     """Read ``%%px``'s options; a ValueError naming the usage for anything else."""
     args = shlex.split(line)
     opts: dict[str, Any] = {}
+    if "--check-collectives" in args and "--no-check-collectives" in args:
+        raise ValueError(f"--check-collectives and --no-check-collectives together; usage: {_PX_USAGE}")
     for flag, on in (("--check-collectives", True), ("--no-check-collectives", False)):
         if flag in args:
             args.remove(flag)

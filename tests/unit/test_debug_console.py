@@ -157,6 +157,8 @@ def test_options_are_read_or_refused_naming_what_is_allowed():
     assert (args.debug, args.check_collectives, args.debug_commands) == ([1, 3], True, "p x;; c")
     assert parse_px("--debug 0-2,5").debug == [0, 1, 2, 5]
     assert parse_px("--no-check-collectives").check_collectives is False and parse_px("").check_collectives is None
+    with pytest.raises(ValueError, match="together"):
+        parse_px("--check-collectives --no-check-collectives")
 
 
 def test_the_status_shows_a_rank_at_a_breakpoint_as_stopped_until_it_runs_on():
