@@ -202,12 +202,12 @@ def _drive(ask: Ask, stopped: dict[int, str], world_size: int, read: Callable[[s
                     ask({r: _bp.RELEASE for r in everyone})
                     return
             holder.typed()
-            if line.strip() in _QUIT:
-                show("fsdp_nb: 'q' would end the rank's cell with BdbQuit while the other ranks wait in their "
-                     "collective: 'c' continues every stopped rank; interrupting the kernel ends the cell.\n")
-                continue
             targets, command = _route(line.strip(), current, waiting, world_size, show)
             if not targets:
+                continue
+            if command.split(" ")[0] in _QUIT:  # also as ``ranks 0-1 q``
+                show("fsdp_nb: 'q' would end a rank's cell with BdbQuit while the other ranks wait in their "
+                     "collective: 'c' continues every stopped rank; interrupting the kernel ends the cell.\n")
                 continue
             if command.startswith("rank ") or command == "rank":
                 current = targets[0]

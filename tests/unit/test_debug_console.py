@@ -109,8 +109,8 @@ def test_ctrl_c_at_the_prompt_releases_every_rank():
 
 def test_q_is_not_sent_and_a_kernel_that_cannot_ask_lets_every_rank_go():
     ranks = FakeRanks({1: "cell [3] line 4"}, {1: {}})
-    out, _ = _run(ranks, ["q", "c"])
-    assert "'q' would end the rank's cell" in out and (1, "q") not in ranks.sent and (1, "c") in ranks.sent
+    out, _ = _run(ranks, ["q", "ranks 1 q", "c"])
+    assert out.count("'q' would end a rank's cell") == 2 and (1, "q") not in ranks.sent and (1, "c") in ranks.sent
 
     ranks = FakeRanks({1: "cell [3] line 4"}, {1: {}})
     shown: list[str] = []
