@@ -105,9 +105,11 @@ def main() -> None:
         print(f"{kind:<36}{m['off']:>8.3f}{m['check']:>8.3f}{m['check'] - m['off']:>8.3f}{m['torch DETAIL']:>14.3f}")
     print(f"training step (session-cost loop): tokens/s per rank off {[round(x) for x in res['step']['off']]}, "
           f"check {[round(x) for x in res['step']['check']]}: check / off = {res['step_ratio']:.3f}")
-    out = HERE / "out"
-    out.mkdir(exist_ok=True)
-    (out / "collective_check.json").write_text(json.dumps(res, indent=1))
+    from fsdp_nb.engine.private_files import private_file, private_folder
+
+    out = private_folder(str(HERE / "out"))  # this user's, as everything fsdp_nb writes: 0700, the file 0600
+    with os.fdopen(private_file(os.path.join(out, "collective_check.json")), "w") as f:
+        f.write(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ breakpoints: a closed tab or a dead kernel leaves no rank stopped.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import pdb
@@ -37,7 +36,7 @@ from types import FrameType
 from typing import Any
 
 from ..engine.registry import Part, part
-from ..engine.stacks import library_dirs
+from ..engine.stacks import in_library
 from ..wire.decode import encode
 from .rank_cell_places import caller_frame, cell_name, stopped_at
 from .rank_collective_check import breakpoint_held
@@ -182,7 +181,7 @@ class _RankPdb(pdb.Pdb):
         was called in, wherever it is): IPython runs each statement of a cell as code of
         its own, so ``n`` at a statement's end goes on through IPython's frames to the next
         statement instead of stopping in them."""
-        if frame is not self.origin and _in_library(frame.f_code.co_filename):
+        if frame is not self.origin and in_library(frame.f_code.co_filename):
             return False
         return bool(super().stop_here(frame))
 
@@ -212,12 +211,6 @@ class _RankPdb(pdb.Pdb):
         finally:
             self.bp.where = None
             breakpoint_held(-1)
-
-
-@functools.lru_cache(maxsize=4096)
-def _in_library(filename: str) -> bool:
-    """Whether ``filename`` is the standard library's or an installed package's."""
-    return filename.startswith("<frozen") or os.path.realpath(filename).startswith(library_dirs())
 
 
 def _rank() -> int | None:

@@ -17,6 +17,7 @@ import os
 from types import FrameType
 
 from ..engine.registry import Part, part
+from ..engine.stacks import is_cell_file
 
 __all__ = ["CellPlaces", "caller_frame", "cell_name", "set_cell_number", "stopped_at"]
 
@@ -37,11 +38,6 @@ def set_cell_number(number: int | None) -> None:
     part(CellPlaces).cell_number = number
 
 
-def _is_cell(filename: str) -> bool:
-    """Whether ``filename`` is the code file IPython made for a cell."""
-    return "ipykernel_" in filename or filename.startswith(("<ipython-input", "<cell"))
-
-
 def cell_name(filename: str, frame: FrameType | None = None) -> str | None:
     """``cell [12]`` for a cell's code file (the notebook's number of it, when a cell that
     ran it was armed); without a number ``the running cell`` or ``an earlier cell``;
@@ -52,12 +48,12 @@ def cell_name(filename: str, frame: FrameType | None = None) -> str | None:
         frame: the frame stopped in; its outermost cell frame is the running cell, which
             gets the armed cell's number.
     """
-    if not _is_cell(filename):
+    if not is_cell_file(filename):
         return None
     places = part(CellPlaces)
     outer = None
     while frame is not None:
-        if _is_cell(frame.f_code.co_filename):
+        if is_cell_file(frame.f_code.co_filename):
             outer = frame.f_code.co_filename
         frame = frame.f_back  # type: ignore[assignment]
     if places.cell_number is not None and outer is not None:

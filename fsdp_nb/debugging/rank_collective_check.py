@@ -35,6 +35,7 @@ from typing import Any
 
 from ..engine.checkpoint_group import background_groups
 from ..engine.registry import Part, part
+from ..engine.stacks import in_library
 from ..errors import CollectiveMismatchError
 from ..torch_compat import default_group, default_store
 from .rank_cell_places import caller_frame, cell_name, stopped_at
@@ -169,7 +170,7 @@ def _place() -> str:
         name = frame.f_code.co_filename
         if cell_name(name) is not None:
             return stopped_at(frame)
-        if first is None and "site-packages" not in name and "/torch/" not in name and "fsdp_nb" not in name:
+        if first is None and not in_library(name):
             first = frame
         frame = frame.f_back  # type: ignore[assignment]
     return stopped_at(first) if first is not None else "outside user code"

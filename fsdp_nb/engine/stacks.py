@@ -12,7 +12,7 @@ import os
 import re
 import sysconfig
 
-__all__ = ["fold_stacks", "library_dirs"]
+__all__ = ["fold_stacks", "in_library", "is_cell_file", "library_dirs"]
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<fn>\S+)')
 
@@ -25,6 +25,21 @@ def library_dirs() -> tuple[str, ...]:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the fsdp_nb package
     return tuple({os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib")} | {here})
 
+
+
+@functools.lru_cache(maxsize=4096)
+def in_library(filename: str) -> bool:
+    """Whether code of ``filename`` is library code (``library_dirs``, a frozen module or
+    ``exec``'d text): what a rank's "where is the user" skips."""
+    if filename.startswith(("<frozen", "<string>")):
+        return True
+    return os.path.realpath(filename).startswith(library_dirs())
+
+
+def is_cell_file(filename: str) -> bool:
+    """Whether ``filename`` is the code IPython made of a cell (``/tmp/ipykernel_<pid>/<n>.py``,
+    ``<ipython-input-…>``)."""
+    return "ipykernel_" in filename or filename.startswith(("<ipython-input", "<cell"))
 
 
 def fold_stacks(dump: str, libs: tuple[str, ...] | None = None) -> str:

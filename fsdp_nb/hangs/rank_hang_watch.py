@@ -41,7 +41,6 @@ and the clock it reads.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -57,7 +56,7 @@ from ..engine.checkpoint_group import BACKGROUND, background_groups
 from ..engine.registry import Part, World, part
 from ..engine.retired_groups import RetiredGroups, retired
 from ..engine.signing import Link, ListenerState, Refused, start_listener
-from ..engine.stacks import library_dirs
+from ..engine.stacks import in_library, is_cell_file
 from ..torch_compat import (
     collective_call,
     default_group,
@@ -91,18 +90,11 @@ arrive and still be taken once (``signing.Link``): a rank whose main thread hold
 reads two queued questions in either order."""
 
 
-@functools.lru_cache(maxsize=4096)
-def _is_user(filename: str, libs: tuple[str, ...]) -> bool:
-    if filename.startswith("<frozen") or filename.startswith("<string>"):
-        return False
-    return not os.path.realpath(filename).startswith(libs)
-
-
 def _where(filename: str, line: int) -> str:
     """``cell line N`` for code from a cell (IPython names them ``/tmp/ipykernel_<pid>/<n>.py``
     or ``<ipython-input-…>``), else ``file.py:N``."""
     base = os.path.basename(filename)
-    if "ipykernel_" in filename or filename.startswith("<ipython-input") or filename.startswith("<cell"):
+    if is_cell_file(filename):
         return f"cell line {line}"
     return f"{base}:{line}"
 
@@ -118,10 +110,9 @@ def main_frame(frame: FrameType | None) -> UserFrame | None:
     none is."""
     import linecache
 
-    libs = library_dirs()
     while frame is not None:
         code = frame.f_code
-        if _is_user(code.co_filename, libs):
+        if not in_library(code.co_filename):
             line = frame.f_lineno or 0
             return UserFrame(function=code.co_name, where=_where(code.co_filename, line),
                              code=linecache.getline(code.co_filename, line).strip())
