@@ -358,7 +358,8 @@ def _run_blocks(page: Path, tmp_path: Path, cwd: Path | None = None) -> None:
         km.shutdown_kernel(now=True)
         left = _stop_left_sessions(tmp_path / "ipython")
     assert left == [], f"{page.name} left sessions running"
-    ours = sorted(p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor_"))
+    ours = sorted(p.name for p in (tmp_path / "tmp").iterdir()  # torch's compile cache and W&B's own temporaries
+                  if not p.name.startswith("torchinductor_") and not p.name.endswith(("wandb-artifacts", "wandb-media")))
     assert ours == [], f"{page.name} left temporary files"
 
 

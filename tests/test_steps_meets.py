@@ -232,14 +232,22 @@ def test_a_profile_across_a_restart_ends_and_says_so(own):
         _ = prof.trace
 
 
-def test_after_a_restart_every_ranks_window_starts_afresh_and_the_feeds_follow(own):
+def test_after_a_restart_every_ranks_window_starts_afresh_and_the_feeds_follow(own, tmp_path):
     """Bug 12: the survivor's window held steps from both sides of the restart, the new
     rank's only after it, and the view named the survivor a straggler. Bug 17b: the
-    memory feed followed a resize but not a restart: the new rank sent nothing."""
-    view = own.steps(window=30)
+    memory feed followed a resize but not a restart: the new rank sent nothing. The
+    numbers ``log_to`` writes go on from the steps before the restart (the ranks count
+    from 0 again)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path))
+    view = own.steps(window=30).log_to(writer)
     memory = own.memory(interval=0.2)
     try:
         own.run(_train, 6)
+        view.refresh()  # what the live feed had not sent yet: written before the rank dies
         own.cluster.signal([1], signal.SIGKILL)  # by the session's verified handle
         with pytest.raises(DeadRankError):
             own.all_reduce_check()
@@ -254,3 +262,7 @@ def test_after_a_restart_every_ranks_window_starts_afresh_and_the_feeds_follow(o
     finally:
         memory.close()
         view.stop()
+        writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [e.step for e in events.Scalars("rank1/step_ms")] == list(range(10))  # 6 before, 4 after

@@ -181,3 +181,89 @@ def test_resharding_after_forward_moves_communication_as_fsdp2_says(sess):
             view.stop()  # the feed, and the measurement on every rank
             forget_models(sess, "sv_wide", optimizers=("sv_wopt", "sv_wx"))
     assert comm["full"] > comm["grad_op"] * 1.1, comm
+
+
+def _wandb_history(run_dir):
+    """The rows a W&B offline run logged, read from its ``run-*.wandb`` file (LevelDB's log
+    format, which W&B writes: a 7-byte header, then 32 KiB blocks of records, each with a
+    7-byte header of checksum, length and kind; FULL and LAST end a record)."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data, pos, chunk, rows = path.read_bytes(), 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = chunk + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+            chunk = b""
+    return rows
+
+
+def test_log_to_writes_loss_step_time_and_throughput_to_tensorboard_and_wandb_while_the_cell_trains(
+        stepped, tmp_path):
+    """The cell trains until the test has read 4 steps' times and losses back from the
+    TensorBoard event file: they were written live. Then every step and loss is there once,
+    numbered in order, in TensorBoard's file and in a W&B offline run alike."""
+    wandb = pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    run = wandb.init(mode="offline", dir=str(tmp_path), project="fsdp_nb-test", settings=wandb.Settings(silent=True))
+    # a window that holds every step ending between two updates (0.2 s): none is missed
+    view = stepped.steps(window=500, interval=0.2).log_to(writer).log_to(run).log_to(writer)  # the same writer: once
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+
+    def written(tag):
+        events.Reload()
+        return events.Scalars(tag) if tag in events.Tags()["scalars"] else []
+
+    release = tmp_path / "release"
+    d = stepped.dispatcher
+    pending = d.execute(
+        "import os as _os, fsdp_nb\nsv_n = 0\n"
+        "def sv_released():\n"
+        f"    seen = torch.tensor([float(_os.path.exists({str(release)!r}))])\n"
+        "    dist.all_reduce(seen, op=dist.ReduceOp.MAX)\n"
+        "    return bool(seen.item())\n"
+        "while not sv_released():\n"
+        "    sv_loop(1)\n    fsdp_nb.log(loss=torch.tensor(float(sv_n)))\n    sv_n += 1")
+    try:
+        assert wait_until(lambda: len(written("rank1/step_ms")) >= 4 and len(written("loss")) >= 4, 60)
+    finally:
+        release.touch()
+        d.gather(pending, timeout=120)
+    stepped.execute("del sv_released")
+    (n, _) = stepped.pull("sv_n")
+    view.refresh()  # what the last live update missed
+    writer.close()
+    run.finish()
+
+    loss = written("loss")
+    assert [(e.step, e.value) for e in loss] == [(k, float(k)) for k in range(n)]  # each once, at its number
+    times = {r: written(f"rank{r}/step_ms") for r in (0, 1)}
+    assert [e.step for e in times[0]] == [e.step for e in times[1]] == list(range(n))
+    assert all(e.value > 0 for r in (0, 1) for e in times[r])
+    for r in (0, 1):  # the parts add up to the step
+        parts = [written(f"rank{r}/{p}_ms") for p in ("compute", "communication", "other")]
+        assert all(sum(p[i].value for p in parts) == pytest.approx(times[r][i].value, rel=1e-4) for i in range(n))
+    # 128 samples a step on each rank (sv_x's leading dimension), the ranks' rates summed
+    rate = written("throughput/samples_per_s")
+    assert [e.step for e in rate] == list(range(n))
+    assert all(e.value == pytest.approx(sum(128e3 / times[r][i].value for r in (0, 1)), rel=1e-4)
+               for i, e in enumerate(rate))
+
+    rows = _wandb_history(tmp_path)
+    assert [(r["fsdp_nb/logged"], r["loss"]) for r in rows if "loss" in r] == [(k, float(k)) for k in range(n)]
+    wb_times = [(r["fsdp_nb/step"], r["rank0/step_ms"]) for r in rows if "rank0/step_ms" in r]
+    assert wb_times == [(e.step, pytest.approx(e.value, rel=1e-6)) for e in times[0]]

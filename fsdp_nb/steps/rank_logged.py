@@ -21,7 +21,7 @@ from typing import Any
 from ..engine.registry import Part, World, part
 from ..engine.step import StepListener, owner
 
-__all__ = ["KEEP", "Logged", "clear", "count", "latest", "log"]
+__all__ = ["KEEP", "Logged", "clear", "count", "counted", "latest", "log"]
 
 KEEP = 200
 """Values kept per name on each rank (the newest)."""
@@ -40,6 +40,9 @@ class Logged(Part, StepListener):
         """Name -> its newest values, oldest first (a number, or a GPU tensor not read yet)."""
         self.count = 0
         """Calls of ``log`` that kept something."""
+        self.totals: dict[str, int] = {}
+        """Name -> values logged under it since the curves last started afresh (the newest
+        kept value is number ``total - 1``: a writer knows which it has not written)."""
         self.listening = False
         """It listens to the step owner from the first ``log`` on, on the training thread
         (a part makes no hook from whichever thread first asks for it)."""
@@ -93,15 +96,23 @@ def log(**scalars: Any) -> None:
             if q is None:
                 q = held.values[name] = collections.deque(maxlen=KEEP)
             q.append(value)
+            held.totals[name] = held.totals.get(name, 0) + 1
 
 
 def latest() -> dict[str, list[float]]:
     """Each logged name's kept values, oldest first, as numbers (a tensor is read once, the
     first time it is asked for, and kept as its number; one that is not finite stays
     ``nan`` or ``inf``, as the loop logged it)."""
+    return counted()[0]
+
+
+def counted() -> tuple[dict[str, list[float]], dict[str, int]]:
+    """``latest()`` and each name's count of values logged (``totals``), read together: the
+    last value of a name is number ``count - 1``."""
     held = part(Logged)
     with held.lock:
         kept = {name: list(q) for name, q in held.values.items()}
+        totals = dict(held.totals)
     read = {id(v): float(v.float().item()) for vs in kept.values() for v in vs if not isinstance(v, float)}
     if read:
         with held.lock:  # keep the numbers: the tensors are not read again
@@ -109,7 +120,7 @@ def latest() -> dict[str, list[float]]:
                 for i, v in enumerate(q):
                     if id(v) in read and not isinstance(v, float):
                         q[i] = read[id(v)]
-    return {name: [v if isinstance(v, float) else read[id(v)] for v in vs] for name, vs in kept.items()}
+    return {name: [v if isinstance(v, float) else read[id(v)] for v in vs] for name, vs in kept.items()}, totals
 
 
 def count() -> int:
@@ -122,3 +133,4 @@ def clear() -> None:
     held = part(Logged)
     with held.lock:
         held.values.clear()
+        held.totals.clear()

@@ -350,10 +350,12 @@ def live(rank: int, seq: int = 0) -> RankSteps:
     name = t.device_name if t is not None else "cpu"
     dev = list(zip(*t.device.read())) if t is not None else []
     dev = dev or [()] * 4
+    values, totals = logged.counted()
     return RankSteps(rank=rank, index=list(cols[0]), seconds=list(cols[1]), compute=list(cols[2]),
                      collective=list(cols[3]), other=list(cols[4]), samples=list(cols[5]), tokens=list(cols[6]),
                      parameters=t.parameters.get(model, 0) if t is not None and model is not None else 0,
-                     device="cpu" if name == "cpu" else "cuda", device_name=name, logged=logged.latest(), seq=seq,
+                     device="cpu" if name == "cpu" else "cuda", device_name=name, logged=values,
+                     logged_total=totals, seq=seq,
                      device_index=list(dev[0]), device_seconds=list(dev[1]), device_other=list(dev[2]),
                      device_model=list(dev[3]), epoch=timing.epoch)
 

@@ -27,20 +27,24 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import logging
 import statistics
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..display.rank_strip import COMPACT, StripCell, html_strip, levels, shade, text_strip
 from ..display.sparkline import sparkline_svg
 from ..display.tables import html_table, text_table
 from . import rank_step_timing as _est
+from .step_metrics import StepMetrics, flush_of, writer_for
 from .step_rates import StepRates, curves, step_rates
 from .wire_step_times import RankSteps
 
 if TYPE_CHECKING:
     from ..context import SessionContext
+
+log = logging.getLogger("fsdp_nb")
 
 __all__ = ["SLOWER", "RankParts", "StepsView", "Straggler", "check_window", "start_measuring", "stop_measuring"]
 
@@ -119,6 +123,28 @@ class StepsView:
         """What the ranks log with ``fsdp_nb.log``: each name's mean over the ranks, oldest first."""
         self.updated = 0
         """How many times the ranks' steps were applied (each refresh, each live update)."""
+        self.metrics: list[tuple[Any, StepMetrics]] = []
+        """(target, what was written to it) for each ``log_to`` target."""
+
+    def log_to(self, target: Any) -> StepsView:
+        """Write the ranks' steps and logged values to ``target`` as they arrive: at every
+        live update while a cell trains, and at each ``refresh()``. Per rank, each step's
+        ``rank{r}/step_ms``, ``compute_ms``, ``communication_ms`` and ``other_ms``; for the
+        whole run, ``throughput/samples_per_s`` (``tokens_per_s``, ``mfu`` where known) and
+        each name logged with ``fsdp_nb.log`` (its mean over the ranks). Steps are numbered
+        on from a restart or resize. Neither library is imported here: the target is used
+        as it is. Returns the view.
+
+        Args:
+            target: a TensorBoard ``torch.utils.tensorboard.SummaryWriter`` (``add_scalar``,
+                flushed after each write) or a Weights & Biases run (``wandb.init()``'s;
+                ``log``, with ``fsdp_nb/step`` and ``fsdp_nb/logged`` as the x-axes). The
+                same target twice is written once.
+        """
+        write = writer_for(target)  # a TypeError naming what is taken, before anything is written
+        if all(t is not target for t, _ in self.metrics):
+            self.metrics.append((target, StepMetrics(write, flush=flush_of(target))))
+        return self
 
     def refresh(self) -> StepsView:
         """Read every rank's last ``window`` steps and split them; returns the view."""
@@ -138,6 +164,13 @@ class StepsView:
         got = [g for g in got if g.epoch == newest]
         every = got
         got = [_on_device(g) for g in got]  # a GPU rank: its steps as the device ran them (CUDA events)
+        for target, metrics in list(self.metrics):
+            try:
+                metrics.take(got)
+            except Exception as err:  # noqa: BLE001 - the view goes on: a failing target stops only itself
+                log.warning("log_to: writing to %s failed (%s: %s); it is written to no more",
+                            type(target).__name__, type(err).__name__, err)
+                self.metrics = [m for m in self.metrics if m[0] is not target]
         got = [_last(g, self.window) for g in got if g.seconds]  # ranks with steps; each view its own window
         coll = {g.rank: _mean(g.collective) for g in got}
         comm = min(coll.values(), default=0.0)

@@ -105,6 +105,17 @@ class StepsWidget(StaticForm, W.VBox):
         self._redraw()
         return self
 
+    def log_to(self, target: Any) -> StepsWidget:
+        """Write the ranks' steps and logged values to a TensorBoard ``SummaryWriter`` or a
+        W&B run as they arrive, live while a cell trains (``StepsView.log_to``, which says
+        what is written); returns the widget.
+
+        Args:
+            target: a ``torch.utils.tensorboard.SummaryWriter`` or a W&B run.
+        """
+        self.view.log_to(target)
+        return self
+
     def to_text(self) -> str:
         """The view as text (``StepsView.to_text``)."""
         return self.view.to_text()
@@ -118,6 +129,8 @@ class StepsWidget(StaticForm, W.VBox):
         ends that too)."""
         self.feed.close()  # its thread joined first: no redraw after, and none missed before
         self.feed.remove_listener(self._on_samples)
+        for _, metrics in self.view.metrics:  # log_to's targets have all it wrote
+            metrics.flush()
         super().close()
 
     def stop(self) -> None:

@@ -38,6 +38,9 @@ class RankSteps:
     """The GPU's name (``torch.cuda.get_device_name()``), or ``"cpu"``."""
     logged: dict[str, list[float]] = field(default_factory=dict)
     """What ``fsdp_nb.log`` kept on this rank: each name's newest values, oldest first."""
+    logged_total: dict[str, int] = field(default_factory=dict)
+    """Each name's count of values logged in this epoch: the last of ``logged[name]`` is
+    value number ``logged_total[name] - 1`` (read with it; a writer skips what it wrote)."""
     seq: int = 0
     """Which of its sampler's messages this is (0: read through the task queue)."""
     device_index: list[int] = field(default_factory=list)

@@ -1,0 +1,196 @@
+"""The step view's numbers, written out as they arrive: TensorBoard or Weights & Biases.
+
+``view.log_to(target)`` (``StepsView.log_to``) adds a :class:`StepMetrics`; the view calls
+its ``take`` with each batch of the ranks' ``RankSteps`` it applies (the live feed's once a
+second while steps end, or a refresh's), and it writes what it has not written:
+
+- per step (the ranks' step numbers, carried past a restart or resize, which starts them
+  again at 0): ``rank{r}/step_ms``, ``rank{r}/compute_ms``, ``rank{r}/communication_ms``
+  and ``rank{r}/other_ms`` for each rank, and ``throughput/samples_per_s`` (and
+  ``throughput/tokens_per_s`` where the batches show tokens), summed over the ranks;
+  a step is written once every rank of the batch has passed it, so a rank whose message
+  is late loses nothing;
+- each name the loop logs with ``fsdp_nb.log``: its mean over the ranks, at the value's
+  own number (the k-th value logged under that name is written at k), once every rank
+  that logs it has logged it.
+
+A TensorBoard ``SummaryWriter`` gets ``add_scalar(tag, value, step)``. A W&B run, whose
+own step must only grow, gets ``log({...})`` with the step as a value of its own
+(``fsdp_nb/step``, ``fsdp_nb/logged``), declared as the x-axis of the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .step_rates import peak_flops
+from .wire_step_times import RankSteps
+
+__all__ = ["StepMetrics", "flush_of", "writer_for"]
+
+log = logging.getLogger("fsdp_nb")
+
+Write = Callable[[str, int, dict[str, float]], None]
+"""Writes ``values`` at ``step`` of the x-axis named by the first argument (``"step"``
+for the step times, ``"logged"`` for the logged values)."""
+
+
+def writer_for(target: Any) -> Write:
+    """A TensorBoard ``SummaryWriter`` (``add_scalar``) or a W&B run (``log``) as one write
+    function; a TypeError naming both for anything else.
+
+    Args:
+        target: where the numbers go.
+    """
+    add_scalar = getattr(target, "add_scalar", None)
+    if callable(add_scalar):
+        def to_tensorboard(axis: str, step: int, values: dict[str, float]) -> None:
+            for tag, value in values.items():
+                add_scalar(tag, value, step)
+
+        return to_tensorboard
+    log = getattr(target, "log", None)
+    if callable(log):
+        define = getattr(target, "define_metric", None)
+        if callable(define):  # each series against its own step, not W&B's call count
+            define("fsdp_nb/step")
+            define("fsdp_nb/logged")
+            define("rank*", step_metric="fsdp_nb/step")
+            define("throughput/*", step_metric="fsdp_nb/step")
+
+        def to_wandb(axis: str, step: int, values: dict[str, float]) -> None:
+            log({**values, f"fsdp_nb/{axis}": step})
+
+        return to_wandb
+    raise TypeError("log_to takes a TensorBoard SummaryWriter (it has add_scalar) or a W&B run (it has log), "
+                    f"got {type(target).__name__}")
+
+
+def flush_of(target: Any) -> Callable[[], None]:
+    """The target's ``flush`` (a ``SummaryWriter``'s writes its event file), or nothing to do.
+
+    Args:
+        target: where the numbers go.
+    """
+    flush = getattr(target, "flush", None)
+    return flush if callable(flush) else _nothing
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass
+class StepMetrics:
+    """What has been written of the ranks' steps and logged values (see the module)."""
+
+    write: Write
+    """Where they go (``writer_for``)."""
+    epoch: int = -1
+    """The formation of the group whose steps were written last."""
+    base: int = 0
+    """The written step number of this epoch's step 0."""
+    next_step: int = 0
+    """The first written step number not written yet."""
+    logged_base: dict[str, int] = field(default_factory=dict)
+    """Name -> the written number of this epoch's first logged value."""
+    next_logged: dict[str, int] = field(default_factory=dict)
+    """Name -> the first written value number not written yet."""
+    flush: Callable[[], None] = _nothing
+    """Called after each ``take`` that wrote (``flush_of``): the numbers show while the cell runs."""
+    missed: int = 0
+    """Steps that ended and left the ranks' window between two updates, never written
+    (logged once: ``sess.steps(window=...)`` larger keeps them)."""
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    """``take`` runs in the live feed's thread and in ``refresh()``: one at a time."""
+
+    def take(self, got: list[RankSteps]) -> int:
+        """Write what ``got`` holds that was not written yet; the number of writes.
+
+        Args:
+            got: each rank's last steps and logged values (GPU ranks' as their device ran
+                them, as the view splits them); a rank of an older epoch is left out.
+        """
+        got = [g for g in got if g is not None]
+        if not got:
+            return 0
+        with self.lock:
+            newest = max(g.epoch for g in got)
+            got = [g for g in got if g.epoch == newest]
+            if newest != self.epoch:  # a restart or resize: the ranks count from 0 again
+                self.epoch, self.base = newest, self.next_step
+                self.logged_base = dict(self.next_logged)
+            wrote = self._steps(got) + self._logged(got)
+            if wrote:
+                self.flush()
+            return wrote
+
+    def _steps(self, got: list[RankSteps]) -> int:
+        stepped = [g for g in got if g.index]
+        if not stepped:
+            return 0
+        upto = self.base + min(g.index[-1] for g in stepped)  # every rank has passed it
+        first = self.base + max(g.index[0] for g in stepped)  # the oldest step every rank still holds
+        if first > self.next_step:
+            if self.next_step > self.base:  # not this epoch's first write (which starts where the ranks are)
+                if not self.missed:
+                    log.warning("log_to: steps %d to %d ended between two updates and were not written; "
+                                "a larger sess.steps(window=...) keeps them", self.next_step, first - 1)
+                self.missed += first - self.next_step
+            self.next_step = first
+        peaks = {peak_flops(g.device_name) if g.device == "cuda" else None for g in stepped}
+        peak = peaks.pop() if len(peaks) == 1 else None
+        params = max(g.parameters for g in stepped)
+        rows: dict[int, dict[str, float]] = {}
+        for g in stepped:
+            for i, index in enumerate(g.index):
+                step = self.base + index
+                if not self.next_step <= step <= upto:
+                    continue
+                row = rows.setdefault(step, {})
+                row[f"rank{g.rank}/step_ms"] = g.seconds[i] * 1e3
+                row[f"rank{g.rank}/compute_ms"] = g.compute[i] * 1e3
+                row[f"rank{g.rank}/communication_ms"] = g.collective[i] * 1e3
+                row[f"rank{g.rank}/other_ms"] = g.other[i] * 1e3
+                for kind, counts in (("samples", g.samples), ("tokens", g.tokens)):
+                    if i < len(counts) and counts[i] and g.seconds[i] > 0:
+                        key = f"throughput/{kind}_per_s"
+                        row[key] = row.get(key, 0.0) + counts[i] / g.seconds[i]
+        for step in sorted(rows):
+            tokens = rows[step].get("throughput/tokens_per_s")
+            if tokens and peak and params:  # as step_rates counts it, for this one step
+                rows[step]["throughput/mfu"] = 6.0 * params * tokens / (peak * len(stepped))
+            self.write("step", step, rows[step])
+        if rows:
+            self.next_step = max(rows) + 1
+        return len(rows)
+
+    def _logged(self, got: list[RankSteps]) -> int:
+        names = sorted({n for g in got for n in g.logged})
+        rows: dict[int, dict[str, float]] = {}
+        for name in names:
+            having = [g for g in got if name in g.logged and g.logged_total.get(name)]
+            if not having:
+                continue
+            base = self.logged_base.get(name, 0)
+            upto = base + min(g.logged_total[name] for g in having) - 1  # every rank that logs it has
+            start = self.next_logged.get(name, base)
+            sums: dict[int, list[float]] = {}
+            for g in having:
+                values, total = g.logged[name], g.logged_total[name]
+                first = base + total - len(values)  # the number of the oldest value kept
+                for j, value in enumerate(values):
+                    number = first + j
+                    if start <= number <= upto:
+                        sums.setdefault(number, []).append(value)
+            for number, values in sums.items():
+                rows.setdefault(number, {})[name] = sum(values) / len(values)
+            if sums:
+                self.next_logged[name] = max(sums) + 1
+        for number in sorted(rows):
+            self.write("logged", number, rows[number])
+        return len(rows)

@@ -1,0 +1,121 @@
+"""The step view's numbers written to TensorBoard (read back from its event files) and to
+a W&B-like run, with no engines; ``tests/test_steps_view.py`` writes them from a real
+training cell."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_nb.steps.step_metrics import StepMetrics, writer_for
+from fsdp_nb.steps.wire_step_times import RankSteps
+
+
+def steps(rank: int, index: list[int], loss: list[float], total: int, epoch: int = 0) -> RankSteps:
+    n = len(index)
+    return RankSteps(rank=rank, index=index, seconds=[0.5] * n, compute=[0.2] * n, collective=[0.1] * n,
+                     other=[0.2] * n, device="cpu", samples=[8] * n, logged={"loss": loss},
+                     logged_total={"loss": total}, epoch=epoch)
+
+
+class Run:
+    """A W&B run's calls, kept."""
+
+    def __init__(self):
+        self.logged, self.defined = [], []
+
+    def log(self, values):
+        self.logged.append(values)
+
+    def define_metric(self, name, step_metric=None):
+        self.defined.append((name, step_metric))
+
+
+def test_each_step_and_logged_value_is_written_once_when_every_rank_has_it():
+    run = Run()
+    m = StepMetrics(writer_for(run))
+    # rank 1 is a step behind: step 2 waits for it
+    assert m.take([steps(0, [0, 1, 2], [3.0, 2.0, 1.0], 3), steps(1, [0, 1], [5.0, 4.0], 2)]) == 4
+    assert [v["fsdp_nb/step"] for v in run.logged if "fsdp_nb/step" in v] == [0, 1]
+    assert [(v["fsdp_nb/logged"], v["loss"]) for v in run.logged if "loss" in v] == [(0, 4.0), (1, 3.0)]
+    assert run.logged[0]["throughput/samples_per_s"] == 32.0 and run.logged[0]["rank1/step_ms"] == 500.0
+    run.logged.clear()
+    # the same batch again writes nothing; the newest step and value, once rank 1 has them
+    assert m.take([steps(0, [0, 1, 2], [3.0, 2.0, 1.0], 3), steps(1, [0, 1], [5.0, 4.0], 2)]) == 0
+    assert m.take([steps(0, [1, 2], [2.0, 1.0], 3), steps(1, [1, 2], [4.0, 3.0], 3)]) == 2
+    assert [(v.get("fsdp_nb/step"), v.get("fsdp_nb/logged"), v.get("loss")) for v in run.logged] == \
+        [(2, None, None), (None, 2, 2.0)]
+    assert ("rank*", "fsdp_nb/step") in run.defined
+
+
+def test_a_restart_goes_on_from_the_steps_written():
+    run = Run()
+    m = StepMetrics(writer_for(run))
+    m.take([steps(0, [0, 1], [2.0, 1.0], 2)])
+    run.logged.clear()
+    m.take([steps(0, [0], [0.5], 1, epoch=1)])  # a new group: the rank counts from 0 again
+    assert [(v.get("fsdp_nb/step"), v.get("fsdp_nb/logged")) for v in run.logged] == [(2, None), (None, 2)]
+
+
+def test_anything_else_is_refused_by_name():
+    with pytest.raises(TypeError, match="SummaryWriter .*or a W&B run"):
+        writer_for(object())
+
+
+def test_tensorboard_reads_back_what_was_written(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path))
+    m = StepMetrics(writer_for(writer))
+    m.take([steps(0, [0, 1], [2.0, 1.0], 2), steps(1, [0, 1], [4.0, 3.0], 2)])
+    writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(0, 3.0), (1, 2.0)]
+    assert [e.value for e in events.Scalars("rank0/step_ms")] == [500.0, 500.0]
+    assert [e.value for e in events.Scalars("throughput/samples_per_s")] == [32.0, 32.0]
+
+
+def test_steps_that_left_the_window_unwritten_are_counted_and_said_once(caplog):
+    run = Run()
+    m = StepMetrics(writer_for(run))
+    m.take([steps(0, [5, 6], [1.0, 1.0], 2)])  # the first write starts where the rank is: nothing missed
+    assert [v["fsdp_nb/step"] for v in run.logged if "fsdp_nb/step" in v] == [5, 6] and m.missed == 0
+    with caplog.at_level("WARNING", logger="fsdp_nb"):
+        m.take([steps(0, [10, 11], [1.0, 1.0], 4)])
+        m.take([steps(0, [14], [1.0], 5)])
+    assert m.missed == 3 + 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "log_to: steps 7 to 9 ended between two updates and were not written; "
+        "a larger sess.steps(window=...) keeps them"]
+
+
+def test_mfu_is_written_for_token_batches_on_a_known_gpu():
+    run = Run()
+    m = StepMetrics(writer_for(run))
+    g = [RankSteps(rank=r, index=[0], seconds=[0.5], compute=[0.5], collective=[0.0], other=[0.0], device="cuda",
+                   device_name="NVIDIA H100 80GB HBM3", samples=[4], tokens=[4096], parameters=10**9)
+         for r in (0, 1)]
+    m.take(g)
+    (row,) = run.logged
+    assert row["throughput/tokens_per_s"] == 2 * 4096 / 0.5
+    assert row["throughput/mfu"] == pytest.approx(6e9 * 2 * 4096 / 0.5 / (989e12 * 2))
+    m.take([steps(0, [1], [1.0], 2)])  # a CPU rank: no MFU
+    assert "throughput/mfu" not in run.logged[-1]
+
+
+def test_a_target_that_fails_is_dropped_with_a_warning_and_the_view_goes_on(caplog):
+    from fsdp_nb.steps.steps_view import StepsView
+
+    class Full:
+        def add_scalar(self, tag, value, step):
+            raise OSError("No space left on device")
+
+    view = StepsView(ctx=None, window=4).log_to(Full())
+    with caplog.at_level("WARNING", logger="fsdp_nb"):
+        view.apply([steps(0, [0, 1], [1.0, 1.0], 2)])
+    assert view.metrics == [] and view.updated == 1 and view.ranks[0].steps == 2
+    assert "writing to Full failed (OSError: No space left on device)" in caplog.text
+    with pytest.raises(TypeError, match="SummaryWriter"):
+        view.log_to("runs/")  # a folder is not a writer: refused before anything is written
