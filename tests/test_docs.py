@@ -67,6 +67,9 @@ EXPECTED = {
                      "rank 1 stopped at a breakpoint in cell [5] line 3", "(Pdb rank 1) p x", "tensor([0., 2., 4.])",
                      "  4  ->\tdist.all_reduce(y)", "[ranks 0-1] y = [0.0, 6.0, 12.0]",
                      "(Pdb rank 1) p step, round(loss.item(), 4)", "(2, 0."],
+    "08_performance": ["straggler: rank 1:", "in other (data loading, Python, the host)", "[(1, 'other')]",
+                       "exposed comm ms", "trace written: True", "'rank1/step_ms'", "'throughput/samples_per_s'",
+                       "23 steps of rank 1; its other part: 3"],
 }
 
 

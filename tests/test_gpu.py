@@ -287,10 +287,22 @@ def test_the_step_view_reads_the_devices_own_times(gsess: fsdp_nb.Session):
     model part), the device's name gives MFU; on CPU from host clocks, split in four."""
     gsess.wrap(Net, name="gsteps", auto_wrap={Block})
     x, y = _batch()
-    view = gsess.steps(window=4)
+    written: dict[tuple[str, int], float] = {}
+
+    class Writer:  # a SummaryWriter's call, kept: log_to writes what the view read
+        def add_scalar(self, tag, value, step):
+            written[tag, step] = value
+
+    view = gsess.steps(window=4).log_to(Writer())
     try:
         gsess.run(_train_on_ranks, "gsteps", x, y)
         view.refresh()
+        for r in range(gsess.world_size):  # each step's parts add up to it, as the device ran it on CUDA
+            steps = sorted(k for t, k in written if t == f"rank{r}/step_ms")
+            assert steps and all(sum(written[f"rank{r}/{p}_ms", k] for p in ("compute", "communication", "other"))
+                                 == pytest.approx(written[f"rank{r}/step_ms", k], rel=1e-6) for k in steps)
+            if _device(gsess) == "cuda":
+                assert {written[f"rank{r}/communication_ms", k] for k in steps} == {0.0}
         assert view.device == _device(gsess) and sorted(view.ranks) == list(range(gsess.world_size))
         for p in view.ranks.values():
             # the model part (on CPU split by a 10 ms sampler: three short steps may give compute no sample)

@@ -102,11 +102,34 @@ class StepMetrics:
     """Name -> the first written value number not written yet."""
     flush: Callable[[], None] = _nothing
     """Called after each ``take`` that wrote (``flush_of``): the numbers show while the cell runs."""
+    written: int = 0
+    """Steps written so far."""
     missed: int = 0
     """Steps that ended and left the ranks' window between two updates, never written
     (logged once: ``sess.steps(window=...)`` larger keeps them)."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     """``take`` runs in the live feed's thread and in ``refresh()``: one at a time."""
+
+    def start_after(self, seen: list[RankSteps]) -> None:
+        """Begin after what ``seen`` holds (what the view showed before ``log_to``): a
+        target given later gets the steps and values that come after, numbered as the
+        ranks count them, from the oldest its first update holds; steps every rank has
+        passed and values every rank logged are not written again.
+
+        Args:
+            seen: each rank's last steps as the view last applied them ([]: begin with
+                the first update).
+        """
+        seen = [g for g in seen if g is not None]
+        if not seen:
+            return
+        with self.lock:
+            self.epoch = max(g.epoch for g in seen)
+            seen = [g for g in seen if g.epoch == self.epoch]
+            stepped = [g for g in seen if g.index]
+            self.next_step = min(g.index[-1] for g in stepped) + 1 if stepped else 0
+            names = {n for g in seen for n in g.logged_total}
+            self.next_logged = {n: min(g.logged_total[n] for g in seen if n in g.logged_total) for n in names}
 
     def take(self, got: list[RankSteps]) -> int:
         """Write what ``got`` holds that was not written yet; the number of writes.
@@ -136,7 +159,7 @@ class StepMetrics:
         upto = self.base + min(g.index[-1] for g in stepped)  # every rank has passed it
         first = self.base + max(g.index[0] for g in stepped)  # the oldest step every rank still holds
         if first > self.next_step:
-            if self.next_step > self.base:  # not this epoch's first write (which starts where the ranks are)
+            if self.written and self.next_step > self.base:  # a first write begins where the ranks are
                 if not self.missed:
                     log.warning("log_to: steps %d to %d ended between two updates and were not written; "
                                 "a larger sess.steps(window=...) keeps them", self.next_step, first - 1)
@@ -167,6 +190,7 @@ class StepMetrics:
             self.write("step", step, rows[step])
         if rows:
             self.next_step = max(rows) + 1
+        self.written += len(rows)
         return len(rows)
 
     def _logged(self, got: list[RankSteps]) -> int:

@@ -123,7 +123,8 @@ class StepsView:
         """What the ranks log with ``fsdp_nb.log``: each name's mean over the ranks, oldest first."""
         self.updated = 0
         """How many times the ranks' steps were applied (each refresh, each live update)."""
-        self.metrics: list[tuple[Any, StepMetrics]] = []
+        self._seen: dict[int, RankSteps] = {}  # each rank's newest steps applied: where a new target begins
+        self._metrics: list[tuple[Any, StepMetrics]] = []
         """(target, what was written to it) for each ``log_to`` target."""
 
     def log_to(self, target: Any) -> StepsView:
@@ -132,8 +133,9 @@ class StepsView:
         ``rank{r}/step_ms``, ``compute_ms``, ``communication_ms`` and ``other_ms``; for the
         whole run, ``throughput/samples_per_s`` (``tokens_per_s``, ``mfu`` where known) and
         each name logged with ``fsdp_nb.log`` (its mean over the ranks). Steps are numbered
-        on from a restart or resize. Neither library is imported here: the target is used
-        as it is. Returns the view.
+        on from a restart or resize; a target given after steps were shown begins after
+        them. Neither library is imported here: the target is used as it is. Returns the
+        view.
 
         Args:
             target: a TensorBoard ``torch.utils.tensorboard.SummaryWriter`` (``add_scalar``,
@@ -142,9 +144,16 @@ class StepsView:
                 same target twice is written once.
         """
         write = writer_for(target)  # a TypeError naming what is taken, before anything is written
-        if all(t is not target for t, _ in self.metrics):
-            self.metrics.append((target, StepMetrics(write, flush=flush_of(target))))
+        if all(t is not target for t, _ in self._metrics):
+            metrics = StepMetrics(write, flush=flush_of(target))
+            metrics.start_after(list(self._seen.values()))
+            self._metrics.append((target, metrics))
         return self
+
+    def flush(self) -> None:
+        """Flush each ``log_to`` target that can (a ``SummaryWriter``'s event file)."""
+        for _, metrics in self._metrics:
+            metrics.flush()
 
     def refresh(self) -> StepsView:
         """Read every rank's last ``window`` steps and split them; returns the view."""
@@ -164,13 +173,17 @@ class StepsView:
         got = [g for g in got if g.epoch == newest]
         every = got
         got = [_on_device(g) for g in got]  # a GPU rank: its steps as the device ran them (CUDA events)
-        for target, metrics in list(self.metrics):
+        for g in got:  # a live update may carry one rank's older message beside another's new one
+            old = self._seen.get(g.rank)
+            if old is None or _newness(g) >= _newness(old):
+                self._seen[g.rank] = g
+        for target, metrics in list(self._metrics):
             try:
                 metrics.take(got)
             except Exception as err:  # noqa: BLE001 - the view goes on: a failing target stops only itself
                 log.warning("log_to: writing to %s failed (%s: %s); it is written to no more",
                             type(target).__name__, type(err).__name__, err)
-                self.metrics = [m for m in self.metrics if m[0] is not target]
+                self._metrics = [m for m in self._metrics if m[0] is not target]
         got = [_last(g, self.window) for g in got if g.seconds]  # ranks with steps; each view its own window
         coll = {g.rank: _mean(g.collective) for g in got}
         comm = min(coll.values(), default=0.0)
@@ -264,6 +277,11 @@ def _on_device(g: RankSteps) -> RankSteps:
                                compute=list(g.device_model), collective=[0.0] * n, other=list(g.device_other),
                                samples=[batch.get(i, (0, 0))[0] for i in g.device_index],
                                tokens=[batch.get(i, (0, 0))[1] for i in g.device_index])
+
+
+def _newness(g: RankSteps) -> tuple[int, int, int]:
+    """Orders one rank's messages: epoch, then its last step, then its logged values."""
+    return g.epoch, g.index[-1] if g.index else -1, sum(g.logged_total.values())
 
 
 def _last(g: RankSteps, n: int) -> RankSteps:

@@ -129,8 +129,7 @@ class StepsWidget(StaticForm, W.VBox):
         ends that too)."""
         self.feed.close()  # its thread joined first: no redraw after, and none missed before
         self.feed.remove_listener(self._on_samples)
-        for _, metrics in self.view.metrics:  # log_to's targets have all it wrote
-            metrics.flush()
+        self.view.flush()  # log_to's targets have all it wrote
         super().close()
 
     def stop(self) -> None:

@@ -115,7 +115,22 @@ def test_a_target_that_fails_is_dropped_with_a_warning_and_the_view_goes_on(capl
     view = StepsView(ctx=None, window=4).log_to(Full())
     with caplog.at_level("WARNING", logger="fsdp_nb"):
         view.apply([steps(0, [0, 1], [1.0, 1.0], 2)])
-    assert view.metrics == [] and view.updated == 1 and view.ranks[0].steps == 2
+    assert view._metrics == [] and view.updated == 1 and view.ranks[0].steps == 2
     assert "writing to Full failed (OSError: No space left on device)" in caplog.text
     with pytest.raises(TypeError, match="SummaryWriter"):
         view.log_to("runs/")  # a folder is not a writer: refused before anything is written
+
+
+def test_a_target_given_later_begins_after_what_the_view_had_shown():
+    run = Run()
+    m = StepMetrics(writer_for(run))
+    m.start_after([steps(0, [0, 1, 2], [3.0, 2.0, 1.0], 3), steps(1, [0, 1], [5.0, 4.0], 2)])
+    m.take([steps(0, [1, 2, 3], [2.0, 1.0, 0.5], 4), steps(1, [1, 2, 3], [4.0, 3.0, 2.5], 4)])
+    # rank 1 had passed step 1 and logged 2 values: step 2 on, value 2 on
+    assert [(v.get("fsdp_nb/step"), v.get("fsdp_nb/logged")) for v in run.logged] == [
+        (2, None), (3, None), (None, 2), (None, 3)]
+    later = Run()
+    m = StepMetrics(writer_for(later))
+    m.start_after([steps(0, [0, 1], [1.0, 1.0], 2)])
+    m.take([steps(0, [7, 8], [1.0, 1.0], 9)])  # steps 2-6 left the window before the first update
+    assert [v["fsdp_nb/step"] for v in later.logged if "fsdp_nb/step" in v] == [7, 8] and m.missed == 0
