@@ -12,7 +12,6 @@ call for what an older one needs private names for, the function uses it when it
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import sys
@@ -22,8 +21,8 @@ from typing import Any
 __all__ = [
     "DCP_METADATA_GLOBALS", "FLIGHT_RECORDER_ENV", "PICKLED_TENSOR", "TORCH_PRELOAD", "activation_checkpoint",
     "collective_call", "compute_local_shape_and_global_offset", "dcp_load_into", "dcp_metadata_path", "default_group",
-    "default_store", "empty_state_dict_planner", "fake_process_group", "fake_tensor_mode", "flight_recorder",
-    "fsdp_memory_tracker", "fsdp_roots", "fsspec_reader", "fsspec_writer", "group_backend", "group_sequence_numbers",
+    "default_store", "drop_unsynced_gradients", "empty_state_dict_planner", "flight_recorder",
+    "fsdp_roots", "fsspec_reader", "fsspec_writer", "group_backend", "group_sequence_numbers",
     "kept_open_stager", "local_tensor", "making_group", "mesh_group_names", "narrow_tensor_by_index",
     "non_persistent_buffers", "parameter_initialiser", "process_groups", "repoint_fsdp_groups", "reset_fsdp_iteration",
     "resolve_process_group", "set_element", "set_mesh_group_names", "tree_leaves", "tree_map_only",
@@ -158,6 +157,21 @@ def _param_groups(state: Any) -> list[Any]:
     return [] if group is None else [group]
 
 
+def drop_unsynced_gradients(module: Any) -> int:
+    """Drop the gradients the FSDP2 units under ``module`` hold unreduced (a backward under
+    ``set_requires_gradient_sync(False)``): not in ``.grad``, so ``zero_grad`` leaves them,
+    and the next synced backward would add them in. Returns how many tensors were dropped."""
+    from torch.distributed.fsdp import FSDPModule
+
+    params = [p for m in module.modules() if isinstance(m, FSDPModule)
+              for g in _param_groups(m._get_fsdp_state()) for p in g.fsdp_params]
+    held = [(p, "unsharded_accumulated_grad") for p in params if getattr(p, "unsharded_accumulated_grad", None) is not None]
+    held += [(p._unsharded_param, "grad") for p in params if getattr(getattr(p, "_unsharded_param", None), "grad", None) is not None]
+    for owner, name in held:
+        setattr(owner, name, None)
+    return len(held)
+
+
 def reset_fsdp_iteration(root: Any) -> None:
     """Put FSDP2 root ``root`` and its modules back between iterations: every parameter
     group sharded and idle, nothing pending, the failed iteration's unreduced gradients
@@ -172,6 +186,7 @@ def reset_fsdp_iteration(root: Any) -> None:
     for s in states:  # their work is the destroyed group's: waiting on it would raise
         for group in _param_groups(s):
             group._all_gather_result = None
+    drop_unsynced_gradients(root)  # a cut-short accumulation's: reset_iter_state keeps them
     if hasattr(root, "reset_iter_state"):
         root.reset_iter_state()
         return
@@ -398,53 +413,3 @@ def weights_only_unpickler() -> type:
     from torch._weights_only_unpickler import Unpickler
 
     return Unpickler
-
-
-# -- planning memory without allocating it --------------------------------------------
-
-
-def fake_process_group(rank: int, world_size: int) -> None:
-    """Make the default process group a fake one (``"fake"`` backend over torch's
-    ``FakeStore``): this process plays ``rank`` of ``world_size`` and collectives return
-    at once, moving no data. For a planner process of its own, never an engine."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-
-
-def fake_tensor_mode() -> Any:
-    """A ``FakeTensorMode``: tensors made in it have shapes, dtypes and devices, no storage."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-@functools.cache
-def _peak_tracker() -> type:
-    """``FSDPMemTracker`` telling a callback where each new peak fell (its own update of the
-    peak, ``_update_peak_stats``, runs after every allocation it counts); made once."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    class PeakTracker(FSDPMemTracker):
-        def __init__(self, model: Any, optimizer: Any, on_peak: Callable[[set[str], bool], None]) -> None:
-            super().__init__(model, optimizer)
-            self.on_peak = on_peak
-
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            before = dict(self._peak_mem)
-            super()._update_peak_stats(peak_state)
-            if self._peak_mem != before:
-                self.on_peak(set(self._mod_tracker.parents), bool(self._mod_tracker.is_bw))
-
-    return PeakTracker
-
-
-def fsdp_memory_tracker(model: Any, optimizer: Any, on_peak: Callable[[set[str], bool], None]) -> Any:
-    """torch's ``FSDPMemTracker`` over ``model`` and ``optimizer`` (a context manager):
-    bytes by category (``get_tracker_snapshot("peak")``, keyed by ``_FSDPRefType``) of
-    every tensor made inside it, fake or real. ``on_peak(modules, backward)`` is told,
-    each time the peak rises, the names of the modules running then (the tracker's
-    ``"Root.sub.unit"`` names) and whether it was in the backward."""
-    return _peak_tracker()(model, optimizer, on_peak)
-

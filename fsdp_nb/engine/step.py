@@ -38,7 +38,8 @@ What a listener hears (:class:`StepListener`), in the order a rank meets it:
    ``boundary(step, "step")`` (before it changes anything), ``step_began``, ``step_ended``;
 4. ``boundary(step, "cell end")`` when a cell that did not fail ends after a step, then
    ``cell_ended(failed)``. A cell that failed tells no boundary: the iteration did not end
-   cleanly, and a step it cut short is no step.
+   cleanly, and a step it cut short is no step (the gradients a watched FSDP2 model holds
+   unsynced of it, under ``set_requires_gradient_sync(False)``, are dropped).
 
 ``loaded(extra)`` says a load replaced the run's state (``extra``: its checkpoint's), and
 ``watched(module)`` that a model is watched from now on (a wrap built it). A step a
@@ -78,6 +79,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
+from ..torch_compat import drop_unsynced_gradients
 from .registry import Part, World, part
 
 __all__ = ["StepListener", "StepOwner", "owner", "taking_state", "waited"]
@@ -373,6 +375,10 @@ class StepOwner(Part):
     def cell_ended(self, failed: bool) -> None:
         """The cell or call ended (``failed``: it raised, Ctrl-C included)."""
         if failed:
+            if self.in_step:  # a step the failure cut short is no step: what FSDP2 holds unsynced of it goes
+                dropped = sum(drop_unsynced_gradients(m) for m in list(self.watched))
+                if dropped:
+                    log.debug("dropped %d unsynced gradients of a step the failed cell cut short", dropped)
             self.in_step = self.pending = False
         elif self.pending:
             self._boundary("cell end")

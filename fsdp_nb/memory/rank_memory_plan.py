@@ -34,7 +34,8 @@ from ..engine.step import StepListener, owner
 from ..models.rank_wrap import construct, get, mesh_of, shard
 from ..models.wire_mesh_plan import MeshPlan
 from ..models.wire_wrap_options import WrapOptions
-from ..torch_compat import fake_process_group, fake_tensor_mode, fsdp_memory_tracker, tree_map_only
+from ..torch_compat import tree_map_only
+from ..torch_compat_planning import fake_process_group, fake_tensor_mode, fsdp_memory_tracker
 from ..wire.decode import encode
 from .rank_memory_kinds import copy_bytes
 from .rank_memory_sample import peak_resident, reset_peak_resident

@@ -179,9 +179,8 @@ class StepMetrics:
                 row[f"rank{g.rank}/compute_ms"] = g.compute[i] * 1e3
                 row[f"rank{g.rank}/communication_ms"] = g.collective[i] * 1e3
                 row[f"rank{g.rank}/other_ms"] = g.other[i] * 1e3
-                for kind, counts in (("samples", g.samples), ("tokens", g.tokens)):
+                for key, counts in (("throughput/samples_per_s", g.samples), ("throughput/tokens_per_s", g.tokens)):
                     if i < len(counts) and counts[i] and g.seconds[i] > 0:
-                        key = f"throughput/{kind}_per_s"
                         row[key] = row.get(key, 0.0) + counts[i] / g.seconds[i]
         for step in sorted(rows):
             tokens = rows[step].get("throughput/tokens_per_s")

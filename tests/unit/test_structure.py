@@ -56,8 +56,8 @@ def test_no_import_cycle_among_the_modules_at_import_time():
     assert _cycles(graph) == []
 
 
-MACHINERY = {"__init__", "cli", "context", "errors", "session", "torch_compat", "display", "engine", "formats",
-             "frontends", "lifetime", "runtime", "wire"}
+MACHINERY = {"__init__", "cli", "context", "errors", "session", "torch_compat", "torch_compat_planning", "display",
+             "engine", "formats", "frontends", "lifetime", "runtime", "wire"}
 """The shared machinery at the top: the front ends, the façade and its context, the
 errors, torch_compat, and the packages every feature uses (the architecture page)."""
 FEATURES = {"models", "checkpoints", "autosave", "memory", "steps", "hangs", "debugging", "recovery"}
@@ -144,7 +144,7 @@ def test_the_facade_documents_every_parameter():
     assert missing == {}
 
 
-# -- torch's private names: only in torch_compat.py ---------------------------------------------
+# -- torch's private names: only in torch_compat*.py ------------------------------------------
 
 OTHER_LIBRARIES_PRIVATE = {
     "_no_split_modules": "transformers: the blocks a model asks FSDP to cut at (a documented convention)",
@@ -158,7 +158,7 @@ OTHER_LIBRARIES_PRIVATE = {
     "_current_frames": "Python: every thread's innermost frame (sys)",
 }
 """Private names of the other libraries fsdp_nb reads, each with whose it is: everything
-else private that the package names outside torch_compat.py is torch's, or a mistake."""
+else private that the package names outside torch_compat*.py is torch's, or a mistake."""
 
 
 def _private(name: str) -> bool:
@@ -212,7 +212,7 @@ def _torch_private_uses(path: Path, tree: ast.Module, ours: set[str]) -> list[st
 def test_torchs_private_names_appear_only_in_torch_compat():
     """A new torch breaks its private names first: they live in one module, which CI runs
     on both ends of the supported range. Read from the package's source (its syntax tree)."""
-    trees = {p: ast.parse(p.read_text()) for p in sorted(ROOT.rglob("*.py")) if p.name != "torch_compat.py"}
+    trees = {p: ast.parse(p.read_text()) for p in sorted(ROOT.rglob("*.py")) if not p.name.startswith("torch_compat")}
     ours = _defined_here(trees) - set(OTHER_LIBRARIES_PRIVATE)
     found = [use for p, tree in trees.items() for use in _torch_private_uses(p, tree, ours)]
     assert found == []
@@ -256,7 +256,7 @@ def test_no_class_of_the_package_overrides_a_private_method_of_torch():
     pickles.full_load_planner(True)
     pickles.load_planner(True)
     ours = {c for c in _subclasses(object) if str(vars(c).get("__module__", "")).startswith("fsdp_nb.")
-            and c.__module__ != "fsdp_nb.torch_compat"}
+            and not c.__module__.startswith("fsdp_nb.torch_compat")}
     found = []
     for cls in ours:
         for attr in (a for a in vars(cls) if _private(a) and a != "_abc_impl"):  # Python's, on every ABC

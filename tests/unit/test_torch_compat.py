@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_nb import torch_compat as tc
+from fsdp_nb import torch_compat_planning as tcp
 
 
 def test_the_installed_torch_is_in_the_range_pyproject_declares():
@@ -117,6 +118,33 @@ def test_an_fsdp_iteration_a_failure_cut_short_is_reset(group):
     assert all(isinstance(p.grad, DTensor) and p.grad.abs().sum() > 0 for p in net[2].parameters())
 
 
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float64], ids=["in .grad", "upcast"])
+def test_unsynced_gradients_are_dropped_where_zero_grad_does_not_reach(group, reduce_dtype):
+    """Under ``set_requires_gradient_sync(False)`` FSDP2 keeps each backward's gradients
+    unsharded in its units (in the unsharded parameter's ``.grad``, or upcast to a reduce
+    dtype apart), not in ``.grad``: ``zero_grad`` leaves them and the next synced backward
+    adds them in. After the drop, that backward gives a fresh model's gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    fully_shard(net[0], mesh=mesh, mp_policy=policy)
+    fully_shard(net, mesh=mesh, mp_policy=policy)
+    x = torch.ones(2, 4)
+    net(x).sum().backward()
+    clean = [p.grad.full_tensor().clone() for p in net.parameters()]
+    net.zero_grad()
+    net.set_requires_gradient_sync(False)
+    net(x).sum().backward()  # a micro-batch of a step a failure then cut short
+    net.zero_grad()
+    assert tc.drop_unsynced_gradients(net) == 4 and tc.drop_unsynced_gradients(net) == 0
+    net.set_requires_gradient_sync(True)
+    net(x).sum().backward()
+    assert all(torch.equal(p.grad.full_tensor(), c) for p, c in zip(net.parameters(), clean, strict=True))
+
+
 def test_activation_checkpoint_keeps_parameter_names():
     net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     names = [n for n, _ in net.named_parameters()]
@@ -162,7 +190,7 @@ def test_the_fsdp_memory_tracker_counts_by_category_and_reports_where_the_peak_r
     fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     seen = []
-    tracker = tc.fsdp_memory_tracker(model, opt, lambda active, backward: seen.append((active, backward)))
+    tracker = tcp.fsdp_memory_tracker(model, opt, lambda active, backward: seen.append((active, backward)))
     with tracker:
         model(torch.randn(32, 64)).sum().backward()
         opt.step()
@@ -174,7 +202,7 @@ def test_the_fsdp_memory_tracker_counts_by_category_and_reports_where_the_peak_r
     assert {getattr(k, "value", k): v for k, v in now.items()}["OptState"] == params  # one momentum buffer each
     assert by["Total"] == sum(v for k, v in by.items() if k != "Total") > params
     assert seen and any(backward for _, backward in seen) and all(isinstance(a, set) for a, _ in seen)
-    with tc.fake_tensor_mode():
+    with tcp.fake_tensor_mode():
         fake = torch.empty(1 << 40)  # a TiB that is never allocated
     assert fake.shape == (1 << 40,) and type(fake).__name__ == "FakeTensor"
 
@@ -262,8 +290,8 @@ def test_a_planner_plays_one_rank_of_a_fake_world():
     import subprocess
 
     # in a process of its own: the fake group becomes that process's default group
-    code = ("from fsdp_nb import torch_compat as tc; import torch.distributed as d; "
-            f"tc.{tc.fake_process_group.__name__}(3, 8); print(d.get_rank(), d.get_world_size(), d.get_backend())")
+    code = ("from fsdp_nb import torch_compat_planning as tcp; import torch.distributed as d; "
+            f"tcp.{tcp.fake_process_group.__name__}(3, 8); print(d.get_rank(), d.get_world_size(), d.get_backend())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["3", "8", "fake"]
     assert tc.FLIGHT_RECORDER_ENV == "TORCH_FR_BUFFER_SIZE"  # what 2.11 reads first (and warns of the old name)
@@ -279,9 +307,8 @@ def test_every_public_name_of_torch_compat_is_called_here():
 
     with open(__file__) as f:
         tree = ast.parse(f.read())
-    used = {n.attr for n in ast.walk(tree)
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "tc"}
-    assert sorted(set(tc.__all__) - used) == []
+    used = {(n.value.id, n.attr) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
+    assert sorted(({("tc", n) for n in tc.__all__} | {("tcp", n) for n in tcp.__all__}) - used) == []
 
 
 def test_a_pickled_tensor_names_only_what_the_loader_unpickler_allows():
