@@ -10,6 +10,7 @@ empty and no session running.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import json
@@ -333,16 +334,44 @@ RUNNABLE = [p for p in HOW_TO if _blocks(p)]
 
 @pytest.mark.parametrize("page", RUNNABLE, ids=[p.stem for p in RUNNABLE])
 def test_a_how_to_pages_code_runs_in_a_kernel(page, tmp_path):
-    _run_blocks(page, tmp_path)
+    if "s3://bucket/" not in page.read_text():
+        _run_blocks(page, tmp_path)
+        return
+    with _s3_on_loopback() as s3_env:  # the page's object storage: moto's S3 server, bucket "bucket"
+        _run_blocks(page, tmp_path, extra_env=s3_env)
 
 
-def _run_blocks(page: Path, tmp_path: Path, cwd: Path | None = None) -> None:
+@contextlib.contextmanager
+def _s3_on_loopback():
+    """Moto's S3 server on a free loopback port with a bucket named ``bucket``; the
+    variables that point boto (and s3fs through it) at it, in the kernel and its engines."""
+    import socket
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="testing",
+                     aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="bucket")
+        yield env
+    finally:
+        server.stop()
+
+
+def _run_blocks(page: Path, tmp_path: Path, cwd: Path | None = None, extra_env: dict[str, str] | None = None) -> None:
     """Run ``page``'s ```python blocks in order in one kernel (working in ``cwd``, by default
-    the kernels' temporary folder): each must succeed, no session may be left running,
-    and no file in the temporary folder."""
+    the kernels' temporary folder; ``extra_env`` added to its environment): each must
+    succeed, no session may be left running, and no file in the temporary folder."""
     from jupyter_client.manager import start_new_kernel
 
-    env = _env(tmp_path)
+    env = {**_env(tmp_path), **(extra_env or {})}
     if cwd is not None:
         cwd.mkdir()
     km, kc = start_new_kernel(kernel_name="python3", env=env, cwd=str(cwd or tmp_path / "tmp"))
