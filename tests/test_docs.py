@@ -566,6 +566,10 @@ STALE_CLAIMS = {
     r"torch>=2\.13": "pyproject says torch>=2.11",
     r"the CPU build the README's commands install": "pip resolves the build; PyPI's default on Linux is CUDA's",
     r"checkpoint browser \(save, load": "without model= the browser does not save or load",
+    # issue 59's read of the docs against the code
+    r"newest \w+ checkpoints beside this one": "keep_last=N keeps the newest N in the folder, the new one among them",
+    r"fsdp_nb\.WireError": "WireError is fsdp_nb.errors.WireError, and a rank's unreadable message is logged, not raised",
+    r"nothing to rebuild from": "restart(restore='latest', setup=...) rebuilds from the autosave on disk",
 }
 """Claims the code once contradicted (issue 48), each with why it is wrong: no page or
 file a user reads may make them again."""

@@ -67,7 +67,7 @@ class SessionCheckpoints:
             overwrite: replace a checkpoint already at ``path`` (else it is refused).
             async_save: return once the ranks hold a copy; write and commit in the
                 background (the next save, load or shutdown waits for it).
-            keep_last: keep only the newest this many checkpoints beside this one.
+            keep_last: keep the newest this many checkpoints in the folder, this one among them.
             progress: a bar of the bytes written (default: in a notebook, for more than
                 a few hundred MB).
             layout: whose trainer resumes from it: ``"fsdp_nb"``; ``"lightning"``, Lightning

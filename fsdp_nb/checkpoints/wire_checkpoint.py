@@ -56,7 +56,7 @@ class SaveSpec(_Target):
     async_save: bool
     """Stage, then write and commit in the background."""
     keep_last: int | None
-    """Keep the newest k checkpoints beside this one."""
+    """Keep the newest k checkpoints in the folder, this one among them."""
     token: str
     """Unique id of this save (its temporary sibling and its async job)."""
     meta: dict[str, Any]
