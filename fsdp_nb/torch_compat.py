@@ -158,15 +158,18 @@ def _param_groups(state: Any) -> list[Any]:
 
 
 def drop_unsynced_gradients(module: Any) -> int:
-    """Drop the gradients the FSDP2 units under ``module`` hold unreduced (a backward under
-    ``set_requires_gradient_sync(False)``): not in ``.grad``, so ``zero_grad`` leaves them,
-    and the next synced backward would add them in. Returns how many tensors were dropped."""
+    """Drop the gradients the FSDP2 units under ``module`` hold unreduced: a backward under
+    ``set_requires_gradient_sync(False)`` (unsharded, in the unsharded parameter's ``.grad``
+    or upcast apart) or, under HSDP, ``set_requires_all_reduce(False)`` (reduce-scattered,
+    not all-reduced). Not in ``.grad``: ``zero_grad`` leaves them, and the next synced
+    backward would add them in. Returns how many tensors were dropped."""
     from torch.distributed.fsdp import FSDPModule
 
-    params = [p for m in module.modules() if isinstance(m, FSDPModule)
-              for g in _param_groups(m._get_fsdp_state()) for p in g.fsdp_params]
+    groups = {id(g): g for m in module.modules() if isinstance(m, FSDPModule) for g in _param_groups(m._get_fsdp_state())}
+    params = [p for g in groups.values() for p in g.fsdp_params]
     held = [(p, "unsharded_accumulated_grad") for p in params if getattr(p, "unsharded_accumulated_grad", None) is not None]
     held += [(p._unsharded_param, "grad") for p in params if getattr(getattr(p, "_unsharded_param", None), "grad", None) is not None]
+    held += [(g, "_partial_reduce_output") for g in groups.values() if getattr(g, "_partial_reduce_output", None) is not None]
     for owner, name in held:
         setattr(owner, name, None)
     return len(held)

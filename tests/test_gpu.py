@@ -298,11 +298,11 @@ def test_the_step_view_reads_the_devices_own_times(gsess: fsdp_nb.Session):
         gsess.run(_train_on_ranks, "gsteps", x, y)
         view.refresh()
         for r in range(gsess.world_size):  # each step's parts add up to it, as the device ran it on CUDA
-            steps = sorted(k for t, k in written if t == f"rank{r}/step_ms")
-            assert steps and all(sum(written[f"rank{r}/{p}_ms", k] for p in ("compute", "communication", "other"))
-                                 == pytest.approx(written[f"rank{r}/step_ms", k], rel=1e-6) for k in steps)
+            steps = sorted(k for t, k in written if t == f"step_ms/rank{r}")
+            assert steps and all(sum(written[f"{p}_ms/rank{r}", k] for p in ("compute", "communication", "other"))
+                                 == pytest.approx(written[f"step_ms/rank{r}", k], rel=1e-6) for k in steps)
             if _device(gsess) == "cuda":
-                assert {written[f"rank{r}/communication_ms", k] for k in steps} == {0.0}
+                assert {written[f"communication_ms/rank{r}", k] for k in steps} == {0.0}
         assert view.device == _device(gsess) and sorted(view.ranks) == list(range(gsess.world_size))
         for p in view.ranks.values():
             # the model part (on CPU split by a 10 ms sampler: three short steps may give compute no sample)

@@ -265,4 +265,4 @@ def test_after_a_restart_every_ranks_window_starts_afresh_and_the_feeds_follow(o
         writer.close()
     events = EventAccumulator(str(tmp_path))
     events.Reload()
-    assert [e.step for e in events.Scalars("rank1/step_ms")] == list(range(10))  # 6 before, 4 after
+    assert [e.step for e in events.Scalars("step_ms/rank1")] == list(range(10))  # 6 before, 4 after

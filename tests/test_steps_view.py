@@ -215,6 +215,7 @@ def test_log_to_writes_loss_step_time_and_throughput_to_tensorboard_and_wandb_wh
     TensorBoard event file: they were written live. Then every step and loss is there once,
     numbered in order, in TensorBoard's file and in a W&B offline run alike."""
     wandb = pytest.importorskip("wandb")
+    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
@@ -239,7 +240,7 @@ def test_log_to_writes_loss_step_time_and_throughput_to_tensorboard_and_wandb_wh
         "while not sv_released():\n"
         "    sv_loop(1)\n    fsdp_nb.log(loss=torch.tensor(float(sv_n)))\n    sv_n += 1")
     try:
-        assert wait_until(lambda: len(written("rank1/step_ms")) >= 4 and len(written("loss")) >= 4, 60)
+        assert wait_until(lambda: len(written("step_ms/rank1")) >= 4 and len(written("loss")) >= 4, 60)
     finally:
         release.touch()
         d.gather(pending, timeout=120)
@@ -251,11 +252,11 @@ def test_log_to_writes_loss_step_time_and_throughput_to_tensorboard_and_wandb_wh
 
     loss = written("loss")
     assert [(e.step, e.value) for e in loss] == [(k, float(k)) for k in range(n)]  # each once, at its number
-    times = {r: written(f"rank{r}/step_ms") for r in (0, 1)}
+    times = {r: written(f"step_ms/rank{r}") for r in (0, 1)}
     assert [e.step for e in times[0]] == [e.step for e in times[1]] == list(range(n))
     assert all(e.value > 0 for r in (0, 1) for e in times[r])
     for r in (0, 1):  # the parts add up to the step
-        parts = [written(f"rank{r}/{p}_ms") for p in ("compute", "communication", "other")]
+        parts = [written(f"{p}_ms/rank{r}") for p in ("compute", "communication", "other")]
         assert all(sum(p[i].value for p in parts) == pytest.approx(times[r][i].value, rel=1e-4) for i in range(n))
     # 128 samples a step on each rank (sv_x's leading dimension), the ranks' rates summed
     rate = written("throughput/samples_per_s")
@@ -265,5 +266,5 @@ def test_log_to_writes_loss_step_time_and_throughput_to_tensorboard_and_wandb_wh
 
     rows = _wandb_history(tmp_path)
     assert [(r["fsdp_nb/logged"], r["loss"]) for r in rows if "loss" in r] == [(k, float(k)) for k in range(n)]
-    wb_times = [(r["fsdp_nb/step"], r["rank0/step_ms"]) for r in rows if "rank0/step_ms" in r]
+    wb_times = [(r["fsdp_nb/step"], r["step_ms/rank0"]) for r in rows if "step_ms/rank0" in r]
     assert wb_times == [(e.step, pytest.approx(e.value, rel=1e-6)) for e in times[0]]

@@ -376,9 +376,7 @@ class StepOwner(Part):
         """The cell or call ended (``failed``: it raised, Ctrl-C included)."""
         if failed:
             if self.in_step:  # a step the failure cut short is no step: what FSDP2 holds unsynced of it goes
-                dropped = sum(drop_unsynced_gradients(m) for m in list(self.watched))
-                if dropped:
-                    log.debug("dropped %d unsynced gradients of a step the failed cell cut short", dropped)
+                _drop_unsynced_of(list(self.watched))
             self.in_step = self.pending = False
         elif self.pending:
             self._boundary("cell end")
@@ -386,6 +384,18 @@ class StepOwner(Part):
         for x in list(self.listeners):
             x.cell_ended(failed)
         self._arm_once()
+
+
+def _drop_unsynced_of(watched: list[Any]) -> None:
+    """Drop what the watched FSDP2 models hold unsynced of a step a failed cell cut short
+    (``torch_compat.drop_unsynced_gradients``); a torch whose fields moved is said, not raised."""
+    try:
+        dropped = sum(drop_unsynced_gradients(m) for m in watched)
+    except Exception as exc:  # noqa: BLE001 - the cell's end must still reach every listener
+        log.warning("could not drop the unsynced gradients of a step the failed cell cut short: %s", exc)
+        return
+    if dropped:
+        log.info("dropped %d unsynced gradient tensors of a step the failed cell cut short", dropped)
 
 
 def owner() -> StepOwner:

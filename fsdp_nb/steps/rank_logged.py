@@ -41,16 +41,18 @@ class Logged(Part, StepListener):
         self.count = 0
         """Calls of ``log`` that kept something."""
         self.totals: dict[str, int] = {}
-        """Name -> values logged under it since the curves last started afresh (the newest
-        kept value is number ``total - 1``: a writer knows which it has not written)."""
+        """Name -> values logged under it since the group last formed (the newest kept value
+        is number ``total - 1``: a writer knows which it has not written; a load empties
+        the values, not the counts)."""
         self.listening = False
         """It listens to the step owner from the first ``log`` on, on the training thread
         (a part makes no hook from whichever thread first asks for it)."""
 
     def loaded(self, extra: dict[str, Any] | None) -> None:
         """A load replaced the run's state: the values logged before belong to another
-        timeline."""
-        clear()
+        timeline. Their counts go on (a writer numbers the values after them on)."""
+        with self.lock:
+            self.values.clear()
 
     def reformed(self, world: World) -> None:
         clear()

@@ -5,32 +5,38 @@ its ``take`` with each batch of the ranks' ``RankSteps`` it applies (the live fe
 second while steps end, or a refresh's), and it writes what it has not written:
 
 - per step (the ranks' step numbers, carried past a restart or resize, which starts them
-  again at 0): ``rank{r}/step_ms``, ``rank{r}/compute_ms``, ``rank{r}/communication_ms``
-  and ``rank{r}/other_ms`` for each rank, and ``throughput/samples_per_s`` (and
-  ``throughput/tokens_per_s`` where the batches show tokens), summed over the ranks;
-  a step is written once every rank of the batch has passed it, so a rank whose message
-  is late loses nothing;
+  again at 0): ``step_ms/rank{r}``, ``compute_ms/rank{r}``, ``communication_ms/rank{r}``
+  and ``other_ms/rank{r}`` for each rank (one chart a series, a line a rank), and
+  ``throughput/samples_per_s`` (``throughput/tokens_per_s`` where the batches show
+  tokens, ``throughput/mfu`` on GPUs of a known device), summed over the ranks; a step is
+  written once every rank of the world has passed it, so a rank whose message is late
+  loses nothing;
 - each name the loop logs with ``fsdp_nb.log``: its mean over the ranks, at the value's
   own number (the k-th value logged under that name is written at k), once every rank
   that logs it has logged it.
 
 A TensorBoard ``SummaryWriter`` gets ``add_scalar(tag, value, step)``. A W&B run, whose
 own step must only grow, gets ``log({...})`` with the step as a value of its own
-(``fsdp_nb/step``, ``fsdp_nb/logged``), declared as the x-axis of the others.
+(``fsdp_nb/step``, ``fsdp_nb/logged``), declared with ``define_metric`` as the x-axis of
+the others.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .step_rates import peak_flops
+from .step_rates import mfu, shared_peak
 from .wire_step_times import RankSteps
 
-__all__ = ["StepMetrics", "flush_of", "writer_for"]
+__all__ = ["STEP_SERIES", "StepMetrics", "flush_of", "writer_for"]
+
+STEP_SERIES = ("step_ms", "compute_ms", "communication_ms", "other_ms")
+"""The per-rank series, each tagged ``{series}/rank{r}``."""
 
 log = logging.getLogger("fsdp_nb")
 
@@ -40,12 +46,15 @@ for the step times, ``"logged"`` for the logged values)."""
 
 
 def writer_for(target: Any) -> Write:
-    """A TensorBoard ``SummaryWriter`` (``add_scalar``) or a W&B run (``log``) as one write
-    function; a TypeError naming both for anything else.
+    """A TensorBoard ``SummaryWriter`` (``add_scalar``) or a W&B run (``log`` and
+    ``define_metric``) as one write function; a TypeError naming both for anything else.
 
     Args:
         target: where the numbers go.
     """
+    if isinstance(target, logging.Logger):
+        raise TypeError("log_to takes a TensorBoard SummaryWriter or a W&B run, not a logging.Logger: "
+                        "the step view's numbers are series for a writer or a run to plot")
     add_scalar = getattr(target, "add_scalar", None)
     if callable(add_scalar):
         def to_tensorboard(axis: str, step: int, values: dict[str, float]) -> None:
@@ -53,21 +62,24 @@ def writer_for(target: Any) -> Write:
                 add_scalar(tag, value, step)
 
         return to_tensorboard
-    log = getattr(target, "log", None)
-    if callable(log):
-        define = getattr(target, "define_metric", None)
-        if callable(define):  # each series against its own step, not W&B's call count
-            define("fsdp_nb/step")
-            define("fsdp_nb/logged")
-            define("rank*", step_metric="fsdp_nb/step")
-            define("throughput/*", step_metric="fsdp_nb/step")
+    run_log, define = getattr(target, "log", None), getattr(target, "define_metric", None)
+    if callable(run_log) and callable(define):
+        define("fsdp_nb/step")  # each series against its own step, not W&B's count of log calls
+        define("fsdp_nb/logged")
+        for series in (*STEP_SERIES, "throughput"):
+            define(f"{series}/*", step_metric="fsdp_nb/step")
+        axes: set[str] = set()
 
         def to_wandb(axis: str, step: int, values: dict[str, float]) -> None:
-            log({**values, f"fsdp_nb/{axis}": step})
+            if axis == "logged":  # each logged name against its value's number
+                for name in sorted(values.keys() - axes):
+                    define(name, step_metric="fsdp_nb/logged")
+                    axes.add(name)
+            run_log({**values, f"fsdp_nb/{axis}": step})
 
         return to_wandb
-    raise TypeError("log_to takes a TensorBoard SummaryWriter (it has add_scalar) or a W&B run (it has log), "
-                    f"got {type(target).__name__}")
+    raise TypeError("log_to takes a TensorBoard SummaryWriter (it has add_scalar) or a W&B run (it has log and "
+                    f"define_metric), got {type(target).__name__}")
 
 
 def flush_of(target: Any) -> Callable[[], None]:
@@ -131,12 +143,14 @@ class StepMetrics:
             names = {n for g in seen for n in g.logged_total}
             self.next_logged = {n: min(g.logged_total[n] for g in seen if n in g.logged_total) for n in names}
 
-    def take(self, got: list[RankSteps]) -> int:
+    def take(self, got: list[RankSteps], world: int | None = None) -> int:
         """Write what ``got`` holds that was not written yet; the number of writes.
 
         Args:
             got: each rank's last steps and logged values (GPU ranks' as their device ran
                 them, as the view splits them); a rank of an older epoch is left out.
+            world: the ranks there are: nothing is written until each has sent (None:
+                those in ``got``).
         """
         got = [g for g in got if g is not None]
         if not got:
@@ -144,6 +158,8 @@ class StepMetrics:
         with self.lock:
             newest = max(g.epoch for g in got)
             got = [g for g in got if g.epoch == newest]
+            if world is not None and len({g.rank for g in got}) < world:
+                return 0  # a rank that has not sent in this epoch: its steps would be lost
             if newest != self.epoch:  # a restart or resize: the ranks count from 0 again
                 self.epoch, self.base = newest, self.next_step
                 self.logged_base = dict(self.next_logged)
@@ -154,7 +170,7 @@ class StepMetrics:
 
     def _steps(self, got: list[RankSteps]) -> int:
         stepped = [g for g in got if g.index]
-        if not stepped:
+        if len(stepped) < len(got):  # a rank with no step yet (a GPU's events not read): it has passed none
             return 0
         upto = self.base + min(g.index[-1] for g in stepped)  # every rank has passed it
         first = self.base + max(g.index[0] for g in stepped)  # the oldest step every rank still holds
@@ -165,9 +181,7 @@ class StepMetrics:
                                 "a larger sess.steps(window=...) keeps them", self.next_step, first - 1)
                 self.missed += first - self.next_step
             self.next_step = first
-        peaks = {peak_flops(g.device_name) if g.device == "cuda" else None for g in stepped}
-        peak = peaks.pop() if len(peaks) == 1 else None
-        params = max(g.parameters for g in stepped)
+        peak = shared_peak(stepped)
         rows: dict[int, dict[str, float]] = {}
         for g in stepped:
             for i, index in enumerate(g.index):
@@ -175,17 +189,15 @@ class StepMetrics:
                 if not self.next_step <= step <= upto:
                     continue
                 row = rows.setdefault(step, {})
-                row[f"rank{g.rank}/step_ms"] = g.seconds[i] * 1e3
-                row[f"rank{g.rank}/compute_ms"] = g.compute[i] * 1e3
-                row[f"rank{g.rank}/communication_ms"] = g.collective[i] * 1e3
-                row[f"rank{g.rank}/other_ms"] = g.other[i] * 1e3
+                for series, seconds in zip(STEP_SERIES, (g.seconds, g.compute, g.collective, g.other), strict=True):
+                    row[f"{series}/rank{g.rank}"] = seconds[i] * 1e3
                 for key, counts in (("throughput/samples_per_s", g.samples), ("throughput/tokens_per_s", g.tokens)):
                     if i < len(counts) and counts[i] and g.seconds[i] > 0:
                         row[key] = row.get(key, 0.0) + counts[i] / g.seconds[i]
         for step in sorted(rows):
-            tokens = rows[step].get("throughput/tokens_per_s")
-            if tokens and peak and params:  # as step_rates counts it, for this one step
-                rows[step]["throughput/mfu"] = 6.0 * params * tokens / (peak * len(stepped))
+            utilisation = mfu(stepped, rows[step].get("throughput/tokens_per_s"), peak)  # for this one step
+            if utilisation is not None:
+                rows[step]["throughput/mfu"] = utilisation
             self.write("step", step, rows[step])
         if rows:
             self.next_step = max(rows) + 1
@@ -210,8 +222,9 @@ class StepMetrics:
                     number = first + j
                     if start <= number <= upto:
                         sums.setdefault(number, []).append(value)
-            for number, values in sums.items():
-                rows.setdefault(number, {})[name] = sum(values) / len(values)
+            for number, values in sums.items():  # as the view's curves: what is not finite is left out
+                finite = [v for v in values if math.isfinite(v)]
+                rows.setdefault(number, {})[name] = sum(finite) / len(finite) if finite else math.nan
             if sums:
                 self.next_logged[name] = max(sums) + 1
         for number in sorted(rows):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .wire_step_times import RankSteps
 
-__all__ = ["PEAK_FLOPS", "StepRates", "curves", "peak_flops", "step_rates"]
+__all__ = ["PEAK_FLOPS", "StepRates", "curves", "mfu", "peak_flops", "shared_peak", "step_rates"]
 
 PEAK_FLOPS = (("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
               ("A100", 312e12), ("B200", 2250e12), ("L40S", 362e12), ("L40", 181e12), ("A10G", 125e12),
@@ -77,11 +77,30 @@ def step_rates(got: Sequence[RankSteps]) -> StepRates:
     per_rank = [(sum(g.samples), sum(g.tokens), sum(g.seconds), g) for g in got if g.samples]
     samples = sum(s / t for s, _, t, _ in per_rank if t > 0 and s) or None
     tokens = sum(k / t for _, k, t, _ in per_rank if t > 0 and k) or None
+    peak = shared_peak(got)
+    return StepRates(samples_per_s=samples, tokens_per_s=tokens, mfu=mfu(got, tokens, peak), peak=peak)
+
+
+def shared_peak(got: Sequence[RankSteps]) -> float | None:
+    """The ranks' one device's peak FLOPs per second (None: CPUs, unknown or mixed devices).
+
+    Args:
+        got: each rank's steps.
+    """
     peaks = {peak_flops(g.device_name) if g.device == "cuda" else None for g in got}
-    peak = peaks.pop() if len(peaks) == 1 else None
+    return peaks.pop() if len(peaks) == 1 else None
+
+
+def mfu(got: Sequence[RankSteps], tokens_per_s: float | None, peak: float | None) -> float | None:
+    """Model FLOPs utilisation, ``6 × parameters × tokens per second`` over the ranks' peak.
+
+    Args:
+        got: each rank's steps (their model's parameters, their count).
+        tokens_per_s: all ranks together.
+        peak: one rank's device's peak (``shared_peak``).
+    """
     params = max((g.parameters for g in got), default=0)
-    mfu = 6.0 * params * tokens / (peak * len(got)) if tokens and peak and params and got else None
-    return StepRates(samples_per_s=samples, tokens_per_s=tokens, mfu=mfu, peak=peak)
+    return 6.0 * params * tokens_per_s / (peak * len(got)) if tokens_per_s and peak and params and got else None
 
 
 def curves(got: Sequence[RankSteps]) -> dict[str, list[float]]:

@@ -29,6 +29,7 @@ import dataclasses
 import html
 import logging
 import statistics
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -123,14 +124,15 @@ class StepsView:
         """What the ranks log with ``fsdp_nb.log``: each name's mean over the ranks, oldest first."""
         self.updated = 0
         """How many times the ranks' steps were applied (each refresh, each live update)."""
-        self._seen: dict[int, RankSteps] = {}  # each rank's newest steps applied: where a new target begins
+        self._lock = threading.Lock()  # the live feed's thread applies, the notebook's refreshes and adds targets
+        self._seen: dict[int, RankSteps] = {}  # each rank's newest message: what the view shows, where a target begins
         self._metrics: list[tuple[Any, StepMetrics]] = []
         """(target, what was written to it) for each ``log_to`` target."""
 
     def log_to(self, target: Any) -> StepsView:
         """Write the ranks' steps and logged values to ``target`` as they arrive: at every
         live update while a cell trains, and at each ``refresh()``. Per rank, each step's
-        ``rank{r}/step_ms``, ``compute_ms``, ``communication_ms`` and ``other_ms``; for the
+        ``step_ms/rank{r}``, ``compute_ms/...``, ``communication_ms/...`` and ``other_ms/...``; for the
         whole run, ``throughput/samples_per_s`` (``tokens_per_s``, ``mfu`` where known) and
         each name logged with ``fsdp_nb.log`` (its mean over the ranks). Steps are numbered
         on from a restart or resize; a target given after steps were shown begins after
@@ -144,16 +146,34 @@ class StepsView:
                 same target twice is written once.
         """
         write = writer_for(target)  # a TypeError naming what is taken, before anything is written
-        if all(t is not target for t, _ in self._metrics):
-            metrics = StepMetrics(write, flush=flush_of(target))
-            metrics.start_after(list(self._seen.values()))
-            self._metrics.append((target, metrics))
+        with self._lock:
+            if all(t is not target for t, _ in self._metrics):
+                metrics = StepMetrics(write, flush=flush_of(target))
+                metrics.start_after([_on_device(g) for g in self._seen.values()])
+                self._metrics.append((target, metrics))
         return self
+
+    def reformed(self) -> None:
+        """The group formed again (the live feed starts afresh): the ranks' messages from
+        before are forgotten, so a rank that counts again from a lower epoch is shown."""
+        with self._lock:
+            self._seen.clear()
 
     def flush(self) -> None:
         """Flush each ``log_to`` target that can (a ``SummaryWriter``'s event file)."""
-        for _, metrics in self._metrics:
-            metrics.flush()
+        for target, metrics in list(self._metrics):
+            try:
+                metrics.flush()
+            except Exception as err:  # noqa: BLE001 - closing the view goes on: a failing target stops only itself
+                self._drop(target, err)
+
+    def _drop(self, target: Any, err: Exception) -> None:
+        with self._lock:
+            if all(t is not target for t, _ in self._metrics):
+                return  # the other thread dropped it and said so
+            self._metrics = [m for m in self._metrics if m[0] is not target]
+        log.warning("log_to: writing to %s failed (%s: %s); it is written to no more",
+                    type(target).__name__, type(err).__name__, err)
 
     def refresh(self) -> StepsView:
         """Read every rank's last ``window`` steps and split them; returns the view."""
@@ -169,21 +189,23 @@ class StepsView:
                 Only those of the newest epoch are taken: after a restart, resize or
                 recovery a rank that has not sent since is left out until it does.
         """
+        with self._lock:
+            for g in got:
+                old = self._seen.get(g.rank)
+                if old is None or _newness(g) >= _newness(old):
+                    self._seen[g.rank] = g
+            # each rank's newest message: a live update after a refresh may carry an older one
+            got = [self._seen[g.rank] for g in got]
         newest = max((g.epoch for g in got), default=0)
         got = [g for g in got if g.epoch == newest]
         every = got
         got = [_on_device(g) for g in got]  # a GPU rank: its steps as the device ran them (CUDA events)
-        for g in got:  # a live update may carry one rank's older message beside another's new one
-            old = self._seen.get(g.rank)
-            if old is None or _newness(g) >= _newness(old):
-                self._seen[g.rank] = g
+        world = self._ctx.world_size if self._ctx is not None else None
         for target, metrics in list(self._metrics):
             try:
-                metrics.take(got)
+                metrics.take(got, world)
             except Exception as err:  # noqa: BLE001 - the view goes on: a failing target stops only itself
-                log.warning("log_to: writing to %s failed (%s: %s); it is written to no more",
-                            type(target).__name__, type(err).__name__, err)
-                self._metrics = [m for m in self._metrics if m[0] is not target]
+                self._drop(target, err)
         got = [_last(g, self.window) for g in got if g.seconds]  # ranks with steps; each view its own window
         coll = {g.rank: _mean(g.collective) for g in got}
         comm = min(coll.values(), default=0.0)

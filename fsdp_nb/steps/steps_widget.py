@@ -151,6 +151,6 @@ def steps_widget(ctx: SessionContext, *, window: int = 20, interval: float = 1.0
     check_window(window)
     view = StepsView(ctx, window)
     start_measuring(ctx, window, view.token)
-    feed = StepsFeed(ctx, interval=interval, window=window, view=view.token)
+    feed = StepsFeed(ctx, interval=interval, window=window, view=view.token, reformed=view.reformed)
     feed.start()
     return StepsWidget(view, feed, ctx)

@@ -27,16 +27,27 @@ HOW_TO = sorted((DOCS / "how-to").glob("*.md"))
 _BLOCK = re.compile(r"^```(?:python|\{code-block\} python)\n(.*?)^```$", flags=re.S | re.M)
 
 
-def _session_attributes() -> set[str]:
-    """What a Session has: its classes' attributes and what their methods set on ``self``."""
-    names = set(dir(fsdp_nb.Session))
-    for cls in fsdp_nb.Session.__mro__:
-        if cls.__module__.startswith("fsdp_nb"):
-            names |= set(re.findall(r"self\.(\w+)\s*(?::[^=\n]+)?=", inspect.getsource(cls)))
+def attributes(cls: type) -> set[str]:
+    """What an object of ``cls`` has: its classes' attributes and what their methods set on
+    ``self`` (``self.x = ...``, ``self.x: T = ...``; not ``self.x == ...``)."""
+    names = set(dir(cls))
+    for c in cls.__mro__:
+        if c.__module__.startswith("fsdp_nb"):
+            names |= set(re.findall(r"self\.(\w+)\s*(?::[^=\n]+)?=(?!=)", inspect.getsource(c)))
     return names
 
 
-SESSION = _session_attributes()
+SESSION = attributes(fsdp_nb.Session)
+
+
+def returned(method: object) -> type | None:
+    """The fsdp_nb class a method's return annotation names (``"StepsWidget"``), or None."""
+    try:
+        ann = inspect.signature(method).return_annotation  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    cls = getattr(fsdp_nb, ann, None) if isinstance(ann, str) else ann
+    return cls if inspect.isclass(cls) and cls.__module__.startswith("fsdp_nb") else None
 
 
 def _keywords_problems(call: ast.Call, target: object, what: str) -> list[str]:
@@ -97,6 +108,35 @@ def _import_problems(node: ast.AST) -> list[str]:
     return []
 
 
+def _session_call(node: ast.AST, sessions: set[str]) -> type | None:
+    """What ``sess.method(...)`` returns, when ``node`` is such a call and says (one level)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
+            and node.func.value.id in sessions:
+        return returned(getattr(fsdp_nb.Session, node.func.attr, None))
+    return None
+
+
+def _typed(tree: ast.Module, sessions: set[str]) -> dict[str, type]:
+    """Names bound to what a session's method returns (``view = sess.steps()``)."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and (cls := _session_call(node.value, sessions)) is not None:
+            out |= {t.id: cls for t in node.targets if isinstance(t, ast.Name)}
+    return out
+
+
+def _returned_problems(node: ast.AST, sessions: set[str], typed: dict[str, type]) -> list[str]:
+    """``sess.steps(...).log_to`` and ``view.log_to`` (``view = sess.steps()``): the attribute
+    must be one the returned class has."""
+    if not isinstance(node, ast.Attribute):
+        return []
+    value = node.value
+    cls = typed.get(value.id) if isinstance(value, ast.Name) else _session_call(value, sessions)
+    if cls is None or node.attr in attributes(cls):
+        return []
+    return [f"a {cls.__name__} has no {node.attr}"]
+
+
 def _use_problems(node: ast.AST, sessions: set[str]) -> list[str]:
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
         if node.value.id == "fsdp_nb" and not hasattr(fsdp_nb, node.attr):
@@ -118,8 +158,9 @@ def problems(code: str) -> list[str]:
     if tree is None:
         return found
     sessions = _sessions(tree)
+    typed = _typed(tree, sessions)
     for node in ast.walk(tree):
-        found += _import_problems(node) + _use_problems(node, sessions)
+        found += _import_problems(node) + _use_problems(node, sessions) + _returned_problems(node, sessions, typed)
     return found
 
 
@@ -140,6 +181,8 @@ def test_the_check_finds_a_name_an_argument_or_a_module_that_is_gone():
     assert problems("%%px --debugg 1\nx = 1") and problems("x = (") == [
         "does not parse: '(' was never closed (<unknown>, line 1)"]
     assert problems("%%px --debug 1 --check-collectives\nbreakpoint()\nsess.steps(window=20).log_to(w)") == []
+    assert problems("sess.steps(window=20).log_tooo(w)") == ["a StepsWidget has no log_tooo"]
+    assert problems("v = sess.steps()\nv.log_to(w)\nv.refreshh()") == ["a StepsWidget has no refreshh"]
 
 
 def _takes(name: str) -> str:

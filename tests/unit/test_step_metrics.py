@@ -37,14 +37,14 @@ def test_each_step_and_logged_value_is_written_once_when_every_rank_has_it():
     assert m.take([steps(0, [0, 1, 2], [3.0, 2.0, 1.0], 3), steps(1, [0, 1], [5.0, 4.0], 2)]) == 4
     assert [v["fsdp_nb/step"] for v in run.logged if "fsdp_nb/step" in v] == [0, 1]
     assert [(v["fsdp_nb/logged"], v["loss"]) for v in run.logged if "loss" in v] == [(0, 4.0), (1, 3.0)]
-    assert run.logged[0]["throughput/samples_per_s"] == 32.0 and run.logged[0]["rank1/step_ms"] == 500.0
+    assert run.logged[0]["throughput/samples_per_s"] == 32.0 and run.logged[0]["step_ms/rank1"] == 500.0
     run.logged.clear()
     # the same batch again writes nothing; the newest step and value, once rank 1 has them
     assert m.take([steps(0, [0, 1, 2], [3.0, 2.0, 1.0], 3), steps(1, [0, 1], [5.0, 4.0], 2)]) == 0
     assert m.take([steps(0, [1, 2], [2.0, 1.0], 3), steps(1, [1, 2], [4.0, 3.0], 3)]) == 2
     assert [(v.get("fsdp_nb/step"), v.get("fsdp_nb/logged"), v.get("loss")) for v in run.logged] == \
         [(2, None, None), (None, 2, 2.0)]
-    assert ("rank*", "fsdp_nb/step") in run.defined
+    assert ("step_ms/*", "fsdp_nb/step") in run.defined and run.defined.count(("loss", "fsdp_nb/logged")) == 1
 
 
 def test_a_restart_goes_on_from_the_steps_written():
@@ -73,7 +73,7 @@ def test_tensorboard_reads_back_what_was_written(tmp_path):
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(0, 3.0), (1, 2.0)]
-    assert [e.value for e in events.Scalars("rank0/step_ms")] == [500.0, 500.0]
+    assert [e.value for e in events.Scalars("step_ms/rank0")] == [500.0, 500.0]
     assert [e.value for e in events.Scalars("throughput/samples_per_s")] == [32.0, 32.0]
 
 
@@ -134,3 +134,45 @@ def test_a_target_given_later_begins_after_what_the_view_had_shown():
     m.start_after([steps(0, [0, 1], [1.0, 1.0], 2)])
     m.take([steps(0, [7, 8], [1.0, 1.0], 9)])  # steps 2-6 left the window before the first update
     assert [v["fsdp_nb/step"] for v in later.logged if "fsdp_nb/step" in v] == [7, 8] and m.missed == 0
+
+
+def test_the_view_shows_each_ranks_newest_message_when_an_older_one_comes_after():
+    """A live update that the feed's thread hands over after a refresh may carry a message
+    older than the refresh's: the view does not go back to it."""
+    from fsdp_nb.steps.steps_view import StepsView
+
+    view = StepsView(ctx=None, window=50)
+    view.apply([steps(0, list(range(40)), [1.0] * 40, 40), steps(1, list(range(40)), [1.0] * 40, 40)])
+    view.apply([steps(0, list(range(20)), [1.0] * 20, 20), steps(1, list(range(41)), [1.0] * 41, 41)])
+    assert {r: p.steps for r, p in view.ranks.items()} == {0: 40, 1: 41}
+    view.apply([steps(0, [0], [1.0], 1, epoch=1)])  # a restart: the new epoch's steps, however few
+    assert {r: p.steps for r, p in view.ranks.items()} == {0: 1}
+
+
+def test_nothing_is_written_until_every_rank_of_the_world_has_sent_a_step():
+    """A rank absent from an update, or one whose window is still empty (a sampler's first
+    message, a GPU whose events are not read yet), has passed no step: writing the others'
+    would lose its numbers for good."""
+    run = Run()
+    m = StepMetrics(writer_for(run))
+    assert m.take([steps(0, [0, 1, 2], [1.0, 1.0, 1.0], 3)], world=2) == 0
+    # rank 1 has sent, with no step yet: no step is written; a name only rank 0 logs so far is
+    assert m.take([steps(0, [0, 1, 2], [1.0, 1.0, 1.0], 3), steps(1, [], [], 0)], world=2) == 3
+    assert [v for v in run.logged if "fsdp_nb/step" in v] == []
+    m.take([steps(0, [0, 1, 2], [1.0, 1.0, 1.0], 3), steps(1, [0, 1], [1.0, 1.0], 2)], world=2)
+    assert [v["fsdp_nb/step"] for v in run.logged if "fsdp_nb/step" in v] == [0, 1]
+    assert all("step_ms/rank1" in v for v in run.logged if "fsdp_nb/step" in v)
+
+
+def test_a_logger_or_a_log_method_alone_is_refused_by_name():
+    import logging
+
+    with pytest.raises(TypeError, match="not a logging.Logger"):
+        writer_for(logging.getLogger("fsdp_nb"))
+
+    class Logs:
+        def log(self, values):
+            pass
+
+    with pytest.raises(TypeError, match="define_metric"):
+        writer_for(Logs())

@@ -145,6 +145,28 @@ def test_unsynced_gradients_are_dropped_where_zero_grad_does_not_reach(group, re
     assert all(torch.equal(p.grad.full_tensor(), c) for p, c in zip(net.parameters(), clean, strict=True))
 
 
+def test_hsdps_partly_reduced_gradients_are_dropped_too(group):
+    """Under HSDP, ``set_requires_all_reduce(False)`` reduce-scatters each backward and keeps
+    the result apart (not in ``.grad``) for the next synced one to add in."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    fully_shard(net, mesh=mesh)
+    x = torch.ones(2, 4)
+    net(x).sum().backward()
+    clean = [p.grad.full_tensor().clone() for p in net.parameters()]
+    net.zero_grad()
+    net.set_requires_all_reduce(False)
+    net(x).sum().backward()
+    net.zero_grad()
+    assert tc.drop_unsynced_gradients(net) == 1  # the group's one partial reduction
+    net.set_requires_all_reduce(True)
+    net(x).sum().backward()
+    assert all(torch.equal(p.grad.full_tensor(), c) for p, c in zip(net.parameters(), clean, strict=True))
+
+
 def test_activation_checkpoint_keeps_parameter_names():
     net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     names = [n for n, _ in net.named_parameters()]
