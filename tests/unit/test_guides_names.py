@@ -118,7 +118,7 @@ def _session_call(node: ast.AST, sessions: set[str]) -> type | None:
 
 def _typed(tree: ast.Module, sessions: set[str]) -> dict[str, type]:
     """Names bound to what a session's method returns (``view = sess.steps()``)."""
-    out = {}
+    out: dict[str, type] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and (cls := _session_call(node.value, sessions)) is not None:
             out |= {t.id: cls for t in node.targets if isinstance(t, ast.Name)}
