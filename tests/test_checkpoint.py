@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
-from helpers import page_cache
+from helpers import forget_models, page_cache
 
 import fsdp_nb
 from fsdp_nb import CheckpointError, CorruptCheckpointError, inspect
@@ -798,7 +798,7 @@ def test_kill_engine_mid_save_keeps_previous(sess, session_factory, tmp_path):
     assert torch.equal(w, sess.pull("_w")[0])
     with pytest.raises(CheckpointError, match="incomplete"):
         sess.load(str(tmp_path / halves[0]), "big")
-    sess.execute("del big, big_opt")
+    forget_models(sess, "big", optimizers=("big_opt",))
 
 
 def _free_port() -> int:
