@@ -97,20 +97,27 @@ def test_the_parts_add_up_to_the_step_each_rank_measured(stepped):
         assert p.compute > 0 and p.communication > 0
 
 
-def test_the_view_is_fed_while_a_cell_trains_with_throughput_and_logged_curves(stepped, tmp_path):
-    """Nothing in the loop but ``fsdp_nb.log``: the widget moves on while the cell still
-    runs (the cell waits for a file the test writes only once the widget showed 4 steps)."""
-    view = stepped.steps(window=4, interval=0.2)
-    release = tmp_path / "release"
-    d = stepped.dispatcher
-    pending = d.execute(  # the ranks agree on when to stop (each looking alone may stop a step apart)
+def _train_until_released(stepped, release, logs: str):
+    """Start a cell that trains a step at a time, logging ``logs`` (``sv_n`` counts the
+    steps), until ``release`` exists; the pending call. The ranks agree on when to stop
+    (each looking alone may stop a step apart)."""
+    return stepped.dispatcher.execute(
         "import os as _os, fsdp_nb\nsv_n = 0\n"
         "def sv_released():\n"
         f"    seen = torch.tensor([float(_os.path.exists({str(release)!r}))])\n"
         "    dist.all_reduce(seen, op=dist.ReduceOp.MAX)\n"
         "    return bool(seen.item())\n"
         "while not sv_released():\n"
-        "    sv_loop(1)\n    fsdp_nb.log(loss=torch.tensor(float(sv_n)), lr=1e-3 * rank)\n    sv_n += 1")
+        f"    sv_loop(1)\n    fsdp_nb.log({logs})\n    sv_n += 1")
+
+
+def test_the_view_is_fed_while_a_cell_trains_with_throughput_and_logged_curves(stepped, tmp_path):
+    """Nothing in the loop but ``fsdp_nb.log``: the widget moves on while the cell still
+    runs (the cell waits for a file the test writes only once the widget showed 4 steps)."""
+    view = stepped.steps(window=4, interval=0.2)
+    release = tmp_path / "release"
+    d = stepped.dispatcher
+    pending = _train_until_released(stepped, release, "loss=torch.tensor(float(sv_n)), lr=1e-3 * rank")
     try:
         assert wait_until(lambda: all(p.steps == 4 for p in view.ranks.values()) and len(view.ranks) == 2, 60)
         assert wait_until(lambda: len(view.curves.get("loss", ())) >= 4, 30)
@@ -167,20 +174,28 @@ def test_resharding_after_forward_moves_communication_as_fsdp2_says(sess):
     """``sharding="full"`` reshards each unit after its forward, so the backward gathers
     it again: 12 collectives a step (4 all-gathers in the forward, 4 in the backward, 4
     reduce-scatters) against ``"grad_op"``'s 8 (``reshard_after_forward=False``): the
-    view's communication grows by about half (more than a tenth, on a noisy 2-core host)."""
-    comm = {}
-    for sharding in ("grad_op", "full"):
-        sess.wrap(Wide, name="sv_wide", auto_wrap={nn.Linear}, sharding=sharding)
-        sess.execute("sv_wopt = torch.optim.SGD(sv_wide.parameters(), lr=1e-3); sv_wx = torch.randn(2, 1024)")
-        view = sess.steps(window=20)
-        try:
-            sess.execute("for _ in range(25):\n"  # the first steps warm up: the window is the last 20
-                         "    sv_wide(sv_wx).sum().backward(); sv_wopt.step(); sv_wopt.zero_grad()")
-            comm[sharding] = view.refresh().ranks[0].communication
-        finally:
-            view.stop()  # the feed, and the measurement on every rank
-            forget_models(sess, "sv_wide", optimizers=("sv_wopt", "sv_wx"))
-    assert comm["full"] > comm["grad_op"] * 1.1, comm
+    view's communication grows by about half (more than a tenth). The two run in turn,
+    three rounds, and each keeps its least: another process busy on the 2 cores (a
+    parallel test run) slows a round, never speeds one."""
+    comm: dict[str, list[float]] = {"grad_op": [], "full": []}
+    for sharding in comm:
+        sess.wrap(Wide, name=f"sv_{sharding}", auto_wrap={nn.Linear}, sharding=sharding)
+    sess.execute("sv_wx = torch.randn(2, 1024)\n"
+                 "sv_wopts = {s: torch.optim.SGD(globals()[f'sv_{s}'].parameters(), lr=1e-3) for s in ('grad_op', 'full')}")
+    try:
+        for _ in range(3):
+            for sharding in comm:
+                view = sess.steps(window=20)
+                try:
+                    sess.execute(f"for _ in range(25):\n"  # the first steps warm up: the window is the last 20
+                                 f"    sv_{sharding}(sv_wx).sum().backward(); sv_wopts[{sharding!r}].step()\n"
+                                 f"    sv_wopts[{sharding!r}].zero_grad()")
+                    comm[sharding].append(view.refresh().ranks[0].communication)
+                finally:
+                    view.stop()  # the feed, and the measurement on every rank
+    finally:
+        forget_models(sess, "sv_grad_op", "sv_full", optimizers=("sv_wopts", "sv_wx"))
+    assert min(comm["full"]) > min(comm["grad_op"]) * 1.1, comm
 
 
 def _wandb_history(run_dir):
@@ -231,14 +246,7 @@ def test_log_to_writes_loss_step_time_and_throughput_to_tensorboard_and_wandb_wh
 
     release = tmp_path / "release"
     d = stepped.dispatcher
-    pending = d.execute(
-        "import os as _os, fsdp_nb\nsv_n = 0\n"
-        "def sv_released():\n"
-        f"    seen = torch.tensor([float(_os.path.exists({str(release)!r}))])\n"
-        "    dist.all_reduce(seen, op=dist.ReduceOp.MAX)\n"
-        "    return bool(seen.item())\n"
-        "while not sv_released():\n"
-        "    sv_loop(1)\n    fsdp_nb.log(loss=torch.tensor(float(sv_n)))\n    sv_n += 1")
+    pending = _train_until_released(stepped, release, "loss=torch.tensor(float(sv_n))")
     try:
         assert wait_until(lambda: len(written("step_ms/rank1")) >= 4 and len(written("loss")) >= 4, 60)
     finally:

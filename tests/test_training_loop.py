@@ -172,6 +172,48 @@ def test_gradient_accumulation_is_the_large_batch_step(profiled, no_sync):
         forget_models(sess, "acc")
 
 
+CUT_SHORT = """
+cut_x = torch.ones(2, 4)
+
+def cut_grads():
+    cut_net.set_requires_gradient_sync(True)
+    cut_net(cut_x).sum().backward()
+    grads = [p.grad.full_tensor().clone() for p in cut_net.parameters()]
+    cut_net.zero_grad()
+    return grads
+
+def cut_micro_batch():
+    cut_net.set_requires_gradient_sync(False)
+    cut_net(cut_x).sum().backward()
+"""
+
+
+def test_a_failed_cell_drops_the_unsynced_gradients_of_the_step_it_cut_short_and_no_other(sess):
+    """Micro-batches under ``set_requires_gradient_sync(False)`` leave their gradients in
+    FSDP2's units, out of ``zero_grad``'s reach. A cell that fails after one (no step view,
+    no autosave: the wrap alone) drops them; a cell that fails with no training forward
+    (a typo between two accumulating cells) leaves the accumulation whole."""
+    from fsdp_nb.errors import RankError
+
+    sess.wrap(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), name="cut_net", auto_wrap={nn.Linear})
+    try:
+        sess.execute(CUT_SHORT)
+        clean = sess.run(lambda: cut_grads())  # noqa: F821 - an engine global
+        with pytest.raises(RankError, match="a bad batch"):
+            sess.execute("cut_micro_batch()\nraise ValueError('a bad batch')")
+        assert all(torch.equal(a, b) for got, want in zip(sess.run(lambda: cut_grads()), clean, strict=True)  # noqa: F821
+                   for a, b in zip(got, want, strict=True))
+        sess.execute("cut_micro_batch()")
+        with pytest.raises(RankError, match="NameError"):
+            sess.execute("cut_typo")
+        doubled = sess.run(lambda: cut_grads())  # noqa: F821 - the kept micro-batch and this one
+        assert all(torch.allclose(a, 2 * b) for got, want in zip(doubled, clean, strict=True)
+                   for a, b in zip(got, want, strict=True))
+    finally:
+        sess.execute("del cut_x, cut_grads, cut_micro_batch", output=None)
+        forget_models(sess, "cut_net")
+
+
 # -- clipping across shards ----------------------------------------------------------------
 
 

@@ -10,8 +10,6 @@ import torch
 from helpers import forget_models
 from torch import nn
 
-from fsdp_nb.models.rank_wrap import forget_all
-
 STEPS = 3
 BATCH = 12  # divisible by 2, 3 and 4
 DIM = 6
@@ -402,8 +400,7 @@ def test_instance_wrap_keeps_no_copy_in_the_notebook(sess):
     assert grown < size / 10, f"the notebook holds {grown} more bytes after wrap (model: {size})"
     got = sm.state_dict()  # and the ranks got the weights
     assert all(torch.equal(got[k], v) for k, v in expected.items())
-    sess.run(forget_all, ("nocopy",))
-    del sess.context.wraps["nocopy"]
+    forget_models(sess, "nocopy")  # on the ranks and in the notebook: a later dashboard lists none
 
 
 # -- bad input: clear errors before any work, the session stays usable -----------------------

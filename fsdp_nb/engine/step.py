@@ -38,8 +38,10 @@ What a listener hears (:class:`StepListener`), in the order a rank meets it:
    ``boundary(step, "step")`` (before it changes anything), ``step_began``, ``step_ended``;
 4. ``boundary(step, "cell end")`` when a cell that did not fail ends after a step, then
    ``cell_ended(failed)``. A cell that failed tells no boundary: the iteration did not end
-   cleanly, and a step it cut short is no step (the gradients a watched FSDP2 model holds
-   unsynced of it, under ``set_requires_gradient_sync(False)``, are dropped).
+   cleanly, and a step it cut short is no step: if the cell made a training forward and
+   no optimizer step followed, the gradients a watched FSDP2 model holds unsynced of that
+   step (``set_requires_gradient_sync(False)``, earlier cells' micro-batches included) are
+   dropped. A watched model puts the owner's hooks in, so this holds with no listener.
 
 ``loaded(extra)`` says a load replaced the run's state (``extra``: its checkpoint's), and
 ``watched(module)`` that a model is watched from now on (a wrap built it). A step a
@@ -158,6 +160,8 @@ class StepOwner(Part):
         no forward between joins it; without one, it is a step of its own)."""
         self.taking = 0
         """How many saves or loads are taking or giving state now (nested)."""
+        self.trained_in_cell = False
+        """The cell (or call) running made a training forward: failing, it cut a step short."""
         self.stepped: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         """Optimizer -> its steps this owner saw (not those taken inside ``taking_state``)."""
         self.watched: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -196,6 +200,8 @@ class StepOwner(Part):
         self.watched.add(module)
         self.hooks.append(module.register_forward_pre_hook(
             torch.compiler.disable(self._watched_forward), prepend=True, with_kwargs=True))
+        if not self.installed:  # a wrapped model's steps are known, so a failed cell's cut-short one is dropped
+            self._install()
         if self.once is not None:  # the watched model's own hook finds its steps from now on
             self.once.remove()
             self.once = None
@@ -303,6 +309,7 @@ class StepOwner(Part):
         self._forward(module, args, kwargs)
 
     def _forward(self, module: Any, args: tuple, kwargs: dict) -> None:
+        self.trained_in_cell = True
         if self.pending:
             self._boundary("forward")
         if not self.in_step:
@@ -359,6 +366,7 @@ class StepOwner(Part):
 
     def cell_started(self) -> None:
         """A cell or a ``sess.run`` call starts (IPython's event, or the call server)."""
+        self.trained_in_cell = False
         for x in list(self.listeners):
             x.cell_started()
 
@@ -375,7 +383,7 @@ class StepOwner(Part):
     def cell_ended(self, failed: bool) -> None:
         """The cell or call ended (``failed``: it raised, Ctrl-C included)."""
         if failed:
-            if self.in_step:  # a step the failure cut short is no step: what FSDP2 holds unsynced of it goes
+            if self.in_step and self.trained_in_cell:  # a step this cell cut short: what FSDP2 holds unsynced of it goes
                 _drop_unsynced_of(list(self.watched))
             self.in_step = self.pending = False
         elif self.pending:
