@@ -199,29 +199,33 @@ def test_resharding_after_forward_moves_communication_as_fsdp2_says(sess):
 
 
 def _wandb_history(run_dir):
-    """The rows a W&B offline run logged, read from its ``run-*.wandb`` file (LevelDB's log
-    format, which W&B writes: a 7-byte header, then 32 KiB blocks of records, each with a
-    7-byte header of checksum, length and kind; FULL and LAST end a record)."""
+    """The rows a W&B offline run logged, and whether its exit record is written yet, read
+    from its ``run-*.wandb`` file (LevelDB's log format, which W&B writes: a 7-byte header,
+    then 32 KiB blocks of records, each with a 7-byte header of checksum, length and kind;
+    FULL and LAST end a record). A record not yet written whole ends the read."""
     import json
     import struct
 
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    data, pos, chunk, rows = path.read_bytes(), 7, b"", []
+    data, pos, chunk, rows, ended = path.read_bytes(), 7, b"", [], False
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):
+            break
         chunk, pos = chunk + data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind in (1, 4):
             record = pb.Record()
             record.ParseFromString(chunk)
             if record.WhichOneof("record_type") == "history":
                 rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+            ended |= record.WhichOneof("record_type") == "exit"
             chunk = b""
-    return rows
+    return rows, ended
 
 
 def test_log_to_writes_loss_step_time_and_throughput_to_tensorboard_and_wandb_while_the_cell_trains(
@@ -272,7 +276,9 @@ def test_log_to_writes_loss_step_time_and_throughput_to_tensorboard_and_wandb_wh
     assert all(e.value == pytest.approx(sum(128e3 / times[r][i].value for r in (0, 1)), rel=1e-4)
                for i, e in enumerate(rate))
 
-    rows = _wandb_history(tmp_path)
+    # W&B's own process writes the file: its exit record says the run is all there
+    assert wait_until(lambda: _wandb_history(tmp_path)[1], 60)
+    rows, _ = _wandb_history(tmp_path)
     assert [(r["fsdp_nb/logged"], r["loss"]) for r in rows if "loss" in r] == [(k, float(k)) for k in range(n)]
     wb_times = [(r["fsdp_nb/step"], r["step_ms/rank0"]) for r in rows if "step_ms/rank0" in r]
     assert wb_times == [(e.step, pytest.approx(e.value, rel=1e-6)) for e in times[0]]
