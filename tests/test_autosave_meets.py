@@ -12,7 +12,7 @@ import signal
 
 import pytest
 import torch
-from helpers import DropNet, forget_models, killable_session, mark_code, on_marker, run_out
+from helpers import DropNet, forget_models, killable_session, mark_code, on_marker, run_out, whole
 
 import fsdp_nb
 from fsdp_nb import CheckpointError
@@ -283,9 +283,15 @@ def test_autosave_names_its_last_committed_save_and_the_one_still_writing(sess, 
 # -- 1, 14 and 11: a killed or wedged engine, and the run goes on -----------------------
 
 @pytest.fixture(scope="module")
-def killable(session_factory):
+def killable_ranks(session_factory):
     """A 2-rank session of its own, for the tests that kill engines."""
     yield from killable_session(session_factory, 2, AM_LOOP)
+
+
+@pytest.fixture
+def killable(killable_ranks):
+    """The 2-rank session, whole (``helpers.whole``)."""
+    return whole(killable_ranks)
 
 
 def _remake_two():

@@ -20,6 +20,7 @@ from helpers import (
     mark_code,
     on_marker,
     run_out,
+    whole,
 )
 from test_autosave_meets import AM_LOOP
 
@@ -30,9 +31,15 @@ STEPS = 10
 
 
 @pytest.fixture(scope="module")
-def four(session_factory):
+def four_ranks(session_factory):
     """A 4-rank session of its own, for the tests that kill engines."""
     yield from killable_session(session_factory, 4, AM_LOOP)
+
+
+@pytest.fixture
+def four(four_ranks):
+    """The 4-rank session, whole (``helpers.whole``)."""
+    return whole(four_ranks)
 
 
 def _remake():
@@ -50,10 +57,10 @@ def _fresh(s):
 
 
 @pytest.fixture(scope="module")
-def never_stopped(four):
+def never_stopped(four_ranks):
     """Each rank's losses of ``STEPS`` steps of the run that never stopped."""
-    _fresh(four)
-    return run_out(four, f"rs_out = am_train({STEPS})")
+    _fresh(whole(four_ranks))
+    return run_out(four_ranks, f"rs_out = am_train({STEPS})")
 
 
 def _arm(s, root, model, **kw):
@@ -133,20 +140,28 @@ def test_a_rank_and_its_buddy_die_together_and_the_disk_autosave_serves_by_name(
 
 
 def test_a_kill_during_a_copy_leaves_the_generation_before_it(four, never_stopped, tmp_path):
-    """Rank 3's copy thread is held inside the copy of step 4 (a marker says so); rank 3 is
-    killed there. Step 4 is whole nowhere for rank 3, so every rank rolls back to step 3,
-    and the unchanged cell goes on from there bit for bit."""
+    """Rank 3's copy thread is held inside the copy of step 4 once every rank's copy
+    thread has begun step 4's, so each has sent and received step 3's whole (a marker per
+    rank says so); rank 3 is killed there. Step 4 is whole nowhere for rank 3, so every
+    rank rolls back to step 3, and the unchanged cell goes on from there bit for bit."""
     s = four
     model = _fresh(s)
     _arm(s, None, model)  # memory only
     marker = tmp_path / "in_copy"
+    began = [str(tmp_path / f"began-{r}") for r in range(4)]
     s.execute(
+        "import os\n"
         "import fsdp_nb.autosave.rank_memory_copies as _mc\n"
         "_mc_plain = _mc.transfer\n"
         "def _mc_held(group, sends, *a, **kw):\n"
-        "    if rank == 3 and sends and sends[0][1] is not None and sends[0][1].step == 4:\n"
-        "        " + mark_code(marker).strip() + "\n"
-        "        _am_time.sleep(60)\n"
+        "    if sends and sends[0][1] is not None and sends[0][1].step == 4:\n"
+        f"        open({began!r}[rank], 'w').close()\n"
+        "        if rank == 3:\n"
+        "            _until = _am_time.monotonic() + 60\n"
+        f"            while not all(map(os.path.exists, {began!r})) and _am_time.monotonic() < _until:\n"
+        "                _am_time.sleep(0.01)\n"
+        "            " + mark_code(marker).strip() + "\n"
+        "            _am_time.sleep(60)\n"
         "    return _mc_plain(group, sends, *a, **kw)\n"
         "_mc.transfer = _mc_held\n"
     )

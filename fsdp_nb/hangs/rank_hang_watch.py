@@ -151,17 +151,26 @@ def _in_flight(status: dict[str, Any], retired: set[str]) -> dict[str, int]:
     return out
 
 
-def _recorded(dump: dict[str, Any], flying: dict[str, int]) -> Collective | None:
-    """The oldest of the ``flying`` collectives that the recorder's ``dump`` has a record
-    of (None: none). One on the checkpoint group is left out: an async save's, in its
-    background thread, not one the main thread waits in (that one its frame shows)."""
-    entries = dump.get("entries") or []
+def _recorded(dump: dict[str, Any], flying: dict[str, int], after_ns: int = 0) -> Collective | None:
+    """The oldest of the ``flying`` collectives that the recorder's ``dump`` has a live
+    record of (None: none). One on the checkpoint group is left out: an async save's, in
+    its background thread, not one the main thread waits in (that one its frame shows).
+
+    A group's status alone does not say a collective is in flight: gloo's worker threads
+    each write the last completed number when theirs ends, so one that finishes first
+    can leave an older number there after a newer collective ended. The record itself is
+    marked ``retired`` when its collective ends, so only records not marked count, and
+    only those created at ``after_ns`` or later (Unix ns): an older one is of a group this
+    rank has left (``RetiredGroups.since_ns``), whose records of collectives cut short
+    are never marked and whose name a group formed again takes."""
+    entries = [e for e in dump.get("entries") or [] if not e.get("is_p2p") and not e.get("retired")
+               and int(e.get("time_created_ns") or 0) >= after_ns]
     groups = _group_names(dump.get("pg_config") or {})
     best: Collective | None = None
     for pg, enq in flying.items():
-        # the newest record of that sequence number: a group formed again (recovery) may
-        # be named anew in the status but not in the records, where older groups' remain
-        same = [e for e in entries if int(e.get("collective_seq_id", -1)) == enq and not e.get("is_p2p")]
+        # a group formed again (recovery) may be named anew in the status but not in the
+        # records, so a record of that number on another name is taken after its own
+        same = [e for e in entries if int(e.get("collective_seq_id", -1)) == enq]
         named = [e for e in same if str((e.get("process_group") or ("",))[0]) == str(pg)]
         if not (named or same):
             continue
@@ -326,7 +335,7 @@ class RankWatch(Part):
         if not flying:
             return None
         dump = self.recorder(True)
-        return None if dump is None else _recorded(dump, flying)
+        return None if dump is None else _recorded(dump, flying, self.retired.since_ns)
 
     def _from_frame(self, frame: FrameType | None) -> Collective | None:
         """This rank's collective from where its main thread waits in ``torch.distributed``
