@@ -18,6 +18,14 @@ its hooks, its sampling thread, and the live feed that sends each rank's last st
 the notebook once a second), beside the round with it off: its cost as a speed ratio
 (on / off), and the sampling and feed threads' shares of the wall time.
 
+Last, in this process and with no engines: what the step owner's hooks cost a step on
+their own. A model ``sess.wrap`` builds is watched by its rank's step owner (a forward
+pre-hook on the model, optimizer pre- and post-step hooks for every optimizer, and
+IPython's cell events), whether or not a feature listens. A one-layer model's forward,
+backward and SGD step (``--micro-steps`` of them, tens of microseconds each) run in
+blocks that alternate between an owner watching it and none; the difference of the
+medians, in microseconds a step, is what every wrapped model's step pays.
+
 Prints a table and writes benchmarks/out/session_cost.json.
 Run: PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/session_cost.py [--rounds 3 --steps 150]
 """
@@ -66,10 +74,46 @@ def _stop_view() -> None:
     step_timing.stop()
 
 
+def owner_hooks_cost(steps: int, blocks: int = 11) -> dict[str, float]:
+    """Seconds a step of a tiny model takes with a step owner watching it and without,
+    the medians of ``blocks`` alternating blocks of ``steps`` steps each (see the
+    module docstring)."""
+    import time
+
+    import torch
+
+    from fsdp_nb.engine.step import StepOwner
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 16)
+
+    def block() -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return (time.perf_counter() - t0) / steps
+
+    block()  # warm up
+    plain: list[float] = []
+    watched: list[float] = []
+    for _ in range(blocks):
+        plain.append(block())
+        owner = StepOwner()
+        owner.watch(model)  # as sess.wrap does on a rank: the model's pre-hook, the optimizer hooks
+        watched.append(block())
+        owner.closed()  # every hook out again
+    return {"plain_s": statistics.median(plain), "watched_s": statistics.median(watched)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--micro-steps", type=int, default=2000)
     a = p.parse_args()
 
     from session import torchrun
@@ -113,6 +157,11 @@ def main() -> None:
     for kind in kinds:
         shares = [statistics.mean(rank.get(kind, 0.0) / rank["wall_s"] for rank in rnd) for rnd in res["threads"]]
         print(f"{kind:<28}" + "".join(f"  {s:>24.2%}" for s in shares))
+    res["owner_hooks"] = hooks = owner_hooks_cost(a.micro_steps)
+    extra = hooks["watched_s"] - hooks["plain_s"]
+    step_s = int(SIZE[3]) * int(SIZE[4]) / statistics.median(res["session"])  # batch x seq tokens a step
+    print(f"a tiny model's step: {hooks['plain_s'] * 1e6:.1f} us plain, {hooks['watched_s'] * 1e6:.1f} us watched "
+          f"by a step owner: {extra * 1e6:+.1f} us a step, {extra / step_s:.3%} of the session's step above")
     out = HERE / "out"
     out.mkdir(exist_ok=True)
     (out / "session_cost.json").write_text(json.dumps(res, indent=1))

@@ -1,8 +1,9 @@
 """Every feature against every lifecycle event: the feature goes on with nothing lost, or
 it is refused by name before anything changes.
 
-Features: autosave, the user's async save, the fp16 gradient scaler, the live step view,
-a profile, the hang watch, the memory feed, merged output, run-state capture. Events: a
+Features: autosave, the user's async save, the fp16 gradient scaler, the live step view
+and the metrics it writes to TensorBoard (``log_to``), a profile, the hang watch, the
+memory feed, merged output, run-state capture. Events: a
 second optimizer, a failed cell, Ctrl-C, SIGKILL + restart, resize up, resize down, a
 kernel restart + attach.
 
@@ -35,8 +36,8 @@ from torch import nn
 import fsdp_nb
 from fsdp_nb.runtime.cluster import wait_until
 
-FEATURES = ("autosave", "async save", "fp16 scaler", "step view", "profile", "hang watch", "memory feed",
-            "merged output", "run state")
+FEATURES = ("autosave", "async save", "fp16 scaler", "step view", "metrics out", "profile", "hang watch",
+            "memory feed", "merged output", "run state")
 EVENTS = ("second optimizer", "failed cell", "ctrl-c", "sigkill + restart", "resize up", "resize down",
           "kernel restart + attach")
 
@@ -200,6 +201,33 @@ def fresh_window(s: fsdp_nb.Session, view: Any, n: int) -> None:
     assert sorted(counts) == list(range(n)) and len(set(counts.values())) == 1, counts
 
 
+def written(tb_dir: Any) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the TensorBoard event files under ``tb_dir``: tag -> (step, value)s."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def metrics_go_on(s: fsdp_nb.Session, scene: Scene, n: int) -> None:
+    """Three steps after the event reach TensorBoard through the view's ``log_to``: each of
+    the ``n`` ranks' times and the logged loss, numbered on from before the event, and no
+    step or value written twice in the whole run."""
+    before = written(scene.tb_dir)
+    train(s, 3)
+    scene.steps.view.refresh()
+    scene.writer.flush()
+    after = written(scene.tb_dir)
+    for tag in [f"step_ms/rank{r}" for r in range(n)] + ["loss"]:
+        steps = [k for k, _ in after.get(tag, [])]
+        assert steps == sorted(set(steps)), (tag, steps)  # in order, each once
+        new = steps[len(before.get(tag, [])):]
+        assert len(new) >= 3 and (not before.get(tag) or new[0] > before[tag][-1][0]), (tag, before.get(tag), new)
+    newest = {after[f"step_ms/rank{r}"][-1][0] for r in range(n)}
+    assert len(newest) == 1, newest  # every rank's newest step is the same step
+
+
 def profile_again(s: fsdp_nb.Session, n: int, opts: int) -> None:
     """A new profile of 2 steps: every rank's trace, each step holding every optimizer's step."""
     prof = s.profile(steps=2)
@@ -254,8 +282,12 @@ class Scene:
 
     def __init__(self, s: fsdp_nb.Session, tmp: Any, opts: tuple[str, ...] = ("mx_opt",)):
         self.s, self.tmp, self.opts = s, tmp, opts
+        from torch.utils.tensorboard import SummaryWriter
+
         self.memory = s.memory(interval=0.2)
-        self.steps = s.steps(interval=0.2)
+        self.tb_dir = tmp / "tb"
+        self.writer = SummaryWriter(str(self.tb_dir))
+        self.steps = s.steps(interval=0.2).log_to(self.writer)
 
     def goes_on(self, event: str, n: int, *, autosave: bool = True, scaler: bool = True) -> None:
         """The checks every feature passes after ``event`` on ``n`` ranks."""
@@ -266,6 +298,7 @@ class Scene:
         if scaler:
             check(event, "fp16 scaler", lambda: one_scale(s, n))
         check(event, "step view", lambda: fresh_window(s, self.steps, n))
+        check(event, "metrics out", lambda: metrics_go_on(s, self, n))
         check(event, "profile", lambda: profile_again(s, n, len(self.opts)))
         if autosave:
             check(event, "autosave", lambda: autosave_goes_on(s))
@@ -274,6 +307,7 @@ class Scene:
     def close(self) -> None:
         self.memory.close()
         self.steps.close()
+        self.writer.close()
 
 
 def async_committed(h: Any, before: dict[str, torch.Tensor], tmp: Any) -> None:
@@ -578,6 +612,19 @@ def kernel_attach(tmp_path_factory):
             assert sorted(counts) == list(range(n)) and len(set(counts.values())) == 1, counts
 
         check(event, "step view", a_new_view)
+
+        def new_metrics() -> None:  # the old kernel's writer is gone; a view of the new one writes
+            tb = str(tmp / "tb-attached")
+            k.run("from torch.utils.tensorboard import SummaryWriter\n"
+                  f"writer = SummaryWriter({tb!r})\nlogged = sess.steps(interval=0.2).log_to(writer)\n"
+                  "sess.execute('mx_train(3)')\nlogged.view.refresh()\nwriter.flush()")
+            got = written(tb)
+            steps = {r: [k for k, _ in got.get(f"step_ms/rank{r}", [])] for r in range(n)}
+            assert steps[0] == steps[1] and len(steps[0]) >= 3, steps
+            assert [k for k, _ in got.get("loss", [])] == list(range(len(got.get("loss", [])))), got.get("loss")
+            assert len(got.get("loss", [])) >= 3, got.get("loss")
+
+        check(event, "metrics out", new_metrics)
 
         def a_new_profile() -> None:  # the old kernel's capture is replaced, not left running
             k.run("prof = sess.profile(steps=2)\nsess.execute('mx_train(3)')")
