@@ -22,9 +22,11 @@ Last, in this process and with no engines: what the step owner's hooks cost a st
 their own. A model ``sess.wrap`` builds is watched by its rank's step owner (a forward
 pre-hook on the model, optimizer pre- and post-step hooks for every optimizer, and
 IPython's cell events), whether or not a feature listens. A one-layer model's forward,
-backward and SGD step (``--micro-steps`` of them, tens of microseconds each) run in
-blocks that alternate between an owner watching it and none; the difference of the
-medians, in microseconds a step, is what every wrapped model's step pays.
+backward and SGD step (``--micro-steps`` of them, about 0.1 ms each) run in blocks that
+alternate between an owner watching it and none, in ABBA order so that a drift falls on
+both; the difference of the medians, in microseconds a step, is what every wrapped
+model's step pays for the model's forward pre-hook and the optimizer hooks (this process
+runs no IPython, so the cell events are not among them: they run once a cell).
 
 Prints a table and writes benchmarks/out/session_cost.json.
 Run: PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/session_cost.py [--rounds 3 --steps 150]
@@ -97,15 +99,21 @@ def owner_hooks_cost(steps: int, blocks: int = 11) -> dict[str, float]:
             opt.zero_grad()
         return (time.perf_counter() - t0) / steps
 
+    def watched_block() -> float:
+        owner = StepOwner()
+        owner.watch(model)  # as sess.wrap does on a rank: the model's pre-hook, the optimizer hooks
+        try:
+            return block()
+        finally:
+            owner.closed()  # every hook out again
+
     block()  # warm up
     plain: list[float] = []
     watched: list[float] = []
-    for _ in range(blocks):
-        plain.append(block())
-        owner = StepOwner()
-        owner.watch(model)  # as sess.wrap does on a rank: the model's pre-hook, the optimizer hooks
-        watched.append(block())
-        owner.closed()  # every hook out again
+    for i in range(blocks):  # ABBA: plain, watched, watched, plain, ...
+        first, second = (block, watched_block) if i % 2 == 0 else (watched_block, block)
+        for run in (first, second):
+            (plain if run is block else watched).append(run())
     return {"plain_s": statistics.median(plain), "watched_s": statistics.median(watched)}
 
 

@@ -114,8 +114,9 @@ def set_mesh_group_names(mesh: Any, names: list[str]) -> None:
 
 def flight_recorder(collectives: bool) -> dict[str, Any] | None:
     """torch's flight recorder, read from its JSON dump (nothing is unpickled): each group's
-    status (``pg_status``) and (``collectives``) the records not yet completed (``entries``);
-    None where this torch has no such dump or it does not record."""
+    status (``pg_status``, keyed by the records' ``pg_id``) and (``collectives``) its records
+    (``entries``; asked for the active ones, but on gloo ended ones come too, each saying
+    ``retired``); None where this torch has no such dump or it does not record."""
     import torch
 
     try:

@@ -276,27 +276,32 @@ class FakeDispatcher:
 def killable_session(session_factory: Any, n: int, code: str) -> Iterator[Any]:
     """A module fixture's body: an ``n``-rank session of its own (for tests that kill
     engines: a short grace), ``code`` run on it, shut down when the module ends. Each
-    test takes it through :func:`whole`, so one that failed with a rank dead leaves the
-    next a whole session."""
+    test takes it through :func:`whole`, so a rank a test before left dead, or a world it
+    resized, is mended first."""
     s = session_factory(n, private=True, grace=1.0)
     s.execute(code)
     yield s
     s.shutdown()
 
 
-def whole(s: Any) -> Any:
-    """``s`` with every rank alive and the session usable: a test that failed after a kill
-    (a rank left dead, a restart left unfinished) is mended here by a plain restart, and
-    said in the log, so the tests after it fail only for what they test."""
+def whole(s: Any, n: int) -> Any:
+    """``s`` with ``n`` ranks, every one alive, and usable: what a test's kill or resize
+    left (a rank dead, a restart left unfinished, another world size) is mended here, by a
+    plain restart or a resize, and said in the log. What a test bound on the ranks stays:
+    each test arms what it uses."""
     import logging
 
     from fsdp_nb.errors import DeadRankError, SessionUnfinishedError
 
+    log = logging.getLogger("fsdp_nb")
     try:
         s.execute("pass")
     except (DeadRankError, SessionUnfinishedError) as exc:
-        logging.getLogger("fsdp_nb").warning("tests: a test before left the session broken (%s); restarting it", exc)
+        log.warning("tests: a test before left the session broken (%s); restarting it", exc)
         s.restart()
+    if s.world_size != n:
+        log.warning("tests: a test before left %d ranks; resizing to %d", s.world_size, n)
+        s.resize(n)
     return s
 
 

@@ -291,7 +291,7 @@ def killable_ranks(session_factory):
 @pytest.fixture
 def killable(killable_ranks):
     """The 2-rank session, whole (``helpers.whole``)."""
-    return whole(killable_ranks)
+    return whole(killable_ranks, 2)
 
 
 def _remake_two():

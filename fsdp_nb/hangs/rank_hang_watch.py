@@ -141,8 +141,9 @@ def _group_names(config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]
 
 
 def _in_flight(status: dict[str, Any], retired: set[str]) -> dict[str, int]:
-    """pg name -> the sequence number of its collective in flight, from the recorder's
-    groups' status, the groups this rank has left (``retired``) left out."""
+    """Status key (a record's ``pg_id``) -> the sequence number of its collective in
+    flight, from the recorder's groups' status, the groups this rank has left
+    (``retired``) left out."""
     out = {}
     for pg, st in (status.get("pg_status") or {}).items():
         enqueued = int(st.get("last_enqueued_collective", -1))
@@ -151,32 +152,29 @@ def _in_flight(status: dict[str, Any], retired: set[str]) -> dict[str, int]:
     return out
 
 
-def _recorded(dump: dict[str, Any], flying: dict[str, int], after_ns: int = 0) -> Collective | None:
+def _recorded(dump: dict[str, Any], flying: dict[str, int]) -> Collective | None:
     """The oldest of the ``flying`` collectives that the recorder's ``dump`` has a live
     record of (None: none). One on the checkpoint group is left out: an async save's, in
     its background thread, not one the main thread waits in (that one its frame shows).
 
-    A group's status alone does not say a collective is in flight: gloo's worker threads
-    each write the last completed number when theirs ends, so one that finishes first
-    can leave an older number there after a newer collective ended. The record itself is
-    marked ``retired`` when its collective ends, so only records not marked count, and
-    only those created at ``after_ns`` or later (Unix ns): an older one is of a group this
-    rank has left (``RetiredGroups.since_ns``), whose records of collectives cut short
-    are never marked and whose name a group formed again takes."""
-    entries = [e for e in dump.get("entries") or [] if not e.get("is_p2p") and not e.get("retired")
-               and int(e.get("time_created_ns") or 0) >= after_ns]
+    A record is matched to its group by ``pg_id``, the key of the groups' status (a count
+    of the groups this process made), not by its group name, which a group formed again
+    takes anew (``"0"`` again for the default group). And a group's status alone does not
+    say a collective is in flight: gloo's worker threads each write the last completed
+    number as theirs ends, so one that finishes after a newer collective can leave an
+    older number there. A record is marked ``retired`` when its collective ends, so only
+    records not marked count."""
+    live = [e for e in dump.get("entries") or [] if not e.get("is_p2p") and not e.get("retired")]
     groups = _group_names(dump.get("pg_config") or {})
     best: Collective | None = None
     for pg, enq in flying.items():
-        # a group formed again (recovery) may be named anew in the status but not in the
-        # records, so a record of that number on another name is taken after its own
-        same = [e for e in entries if int(e.get("collective_seq_id", -1)) == enq]
-        named = [e for e in same if str((e.get("process_group") or ("",))[0]) == str(pg)]
-        if not (named or same):
+        mine = [e for e in live if str(e.get("pg_id")) == str(pg) and int(e.get("collective_seq_id", -1)) == enq]
+        if not mine:
             continue
-        e = (named or same)[-1]
-        desc = str((tuple(e.get("process_group") or ()) + ("", ""))[1])
-        desc, ranks = groups.get(str(pg), (desc or str(pg), None))
+        e = mine[-1]
+        name, desc = (str(x) for x in (tuple(e.get("process_group") or ()) + ("", ""))[:2])
+        known, ranks = groups.get(name, ("", None))  # pg_config is keyed by the name, as the records are
+        desc = desc or known or str(pg)
         if desc in BACKGROUND:  # the recorder's own key for a group, not torch's group name
             continue
         since = int(e.get("time_created_ns") or 0) / 1e9
@@ -335,7 +333,7 @@ class RankWatch(Part):
         if not flying:
             return None
         dump = self.recorder(True)
-        return None if dump is None else _recorded(dump, flying, self.retired.since_ns)
+        return None if dump is None else _recorded(dump, flying)
 
     def _from_frame(self, frame: FrameType | None) -> Collective | None:
         """This rank's collective from where its main thread waits in ``torch.distributed``

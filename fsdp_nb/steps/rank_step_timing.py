@@ -345,6 +345,8 @@ def live(rank: int, seq: int = 0) -> RankSteps:
     timing = part(StepTiming)
     t = timing.window
     rows = list(t.steps) if t is not None else []
+    # read after the rows: a second optimizer's step joins the newest only while it is pending
+    open_step = rows[-1][0] if rows and owner().pending else -1
     cols = list(zip(*rows)) if rows else [()] * 7
     model = t.batch_model() if t is not None and t.batch_model is not None else None
     name = t.device_name if t is not None else "cpu"
@@ -357,22 +359,22 @@ def live(rank: int, seq: int = 0) -> RankSteps:
                      device="cpu" if name == "cpu" else "cuda", device_name=name, logged=values,
                      logged_total=totals, seq=seq,
                      device_index=list(dev[0]), device_seconds=list(dev[1]), device_other=list(dev[2]),
-                     device_model=list(dev[3]), epoch=timing.epoch)
+                     device_model=list(dev[3]), epoch=timing.epoch, open_step=open_step)
 
 
 class StepsReading(Reading):
     """What the step view's sampler publishes: this rank's last steps and logged scalars
     (``live``), only when a step ended, a scalar was logged or the window started afresh
-    since the last it sent."""
+    since the last it sent, or its newest step became final (``RankSteps.open_step``)."""
 
     name = "steps"
 
     def __init__(self) -> None:
-        self.sent: tuple[int, int, int] | None = None
-        """(epoch, steps, logged calls) when it last sent."""
+        self.sent: tuple[int, int, int, bool] | None = None
+        """(epoch, steps, logged calls, whether the newest step may still grow) when it last sent."""
 
     def read(self, rank: int, seq: int, process: Any) -> Any:
-        news = (part(StepTiming).epoch, count(), logged.count())
+        news = (part(StepTiming).epoch, count(), logged.count(), owner().pending)
         if news == self.sent:
             return None
         self.sent = news

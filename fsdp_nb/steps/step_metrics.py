@@ -172,10 +172,13 @@ class StepMetrics:
         stepped = [g for g in got if g.index]
         if len(stepped) < len(got):  # a rank with no step yet (a GPU's events not read): it has passed none
             return 0
-        upto = self.base + min(g.index[-1] for g in stepped)  # every rank has passed it
+        # every rank has passed it, and it is final there (a second optimizer's step may
+        # still join a rank's newest: ``open_step``)
+        upto = self.base + min(g.index[-1] if g.open_step < 0 else min(g.index[-1], g.open_step - 1)
+                               for g in stepped)
         first = self.base + max(g.index[0] for g in stepped)  # the oldest step every rank still holds
         if first > self.next_step:
-            if self.written and self.next_step > self.base:  # a first write begins where the ranks are
+            if self.written:  # a target's first write begins where the ranks are; after it, a gap is said
                 if not self.missed:
                     log.warning("log_to: steps %d to %d ended between two updates and were not written; "
                                 "a larger sess.steps(window=...) keeps them", self.next_step, first - 1)

@@ -301,9 +301,10 @@ def _on_device(g: RankSteps) -> RankSteps:
                                tokens=[batch.get(i, (0, 0))[1] for i in g.device_index])
 
 
-def _newness(g: RankSteps) -> tuple[int, int, int]:
-    """Orders one rank's messages: epoch, then its last step, then its logged values."""
-    return g.epoch, g.index[-1] if g.index else -1, sum(g.logged_total.values())
+def _newness(g: RankSteps) -> tuple[int, int, int, bool]:
+    """Orders one rank's messages: epoch, then its last step, then its logged values, then
+    whether that step is final (``open_step``)."""
+    return g.epoch, g.index[-1] if g.index else -1, sum(g.logged_total.values()), g.open_step < 0
 
 
 def _last(g: RankSteps, n: int) -> RankSteps:

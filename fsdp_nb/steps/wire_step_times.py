@@ -56,3 +56,7 @@ class RankSteps:
     """Which formation of the group these steps belong to (every rank agrees on it): a
     restart, resize or recovery starts every rank's window afresh under a new one, and a
     view never mixes two."""
+    open_step: int = -1
+    """The number of this rank's newest step while it may still grow (its iteration ended
+    at an optimizer step and no forward, evaluation or cell end has followed: a second
+    optimizer's step would join it), else -1. A writer leaves it for a later message."""

@@ -145,10 +145,10 @@ def test_a_left_groups_collective_in_flight_is_not_named_once_retired():
     """The flight recorder keeps a destroyed group's status; a collective cut short stays
     "in flight" there. Once the groups are retired (before a destroy), it is not named."""
     recorder = _Recorder({"pg_status": {"0": {"last_enqueued_collective": "13", "last_completed_collective": "12"}}},
-                         {"collective_seq_id": 13, "process_group": ["0", "default_pg"],
+                         {"collective_seq_id": 13, "pg_id": 0, "process_group": ["0", "default_pg"],
                           "profiling_name": "gloo:all_reduce", "time_created_ns": 1_000 * 10**9,
                           "input_sizes": [[144]], "input_dtypes": ["Float"]})
-    retired = RetiredGroups(recorder, clock_ns=lambda: 2_000 * 10**9)
+    retired = RetiredGroups(recorder)
     watch = _watch(recorder, main=True, retired=retired)
     found = watch.collective(now=True)
     assert found is not None and (found.op, found.seq, found.shapes, found.dtypes) == (
@@ -157,31 +157,33 @@ def test_a_left_groups_collective_in_flight_is_not_named_once_retired():
     assert watch.collective(now=True) is None and retired.keys == {"0"}
     # a group formed after it, under a new key, is read as before
     recorder.status["pg_status"]["1"] = {"last_enqueued_collective": "2", "last_completed_collective": "1"}
-    recorder.record.update(collective_seq_id=2, process_group=["1", "default_pg"], input_sizes=[[1]],
-                           time_created_ns=3_000 * 10**9)
+    recorder.record.update(collective_seq_id=2, pg_id=1, process_group=["0", "default_pg"], input_sizes=[[1]])
     assert watch.collective(now=True).seq == 2
 
 
 def test_a_collective_whose_record_is_retired_or_of_a_group_left_is_not_named():
     """gloo's worker threads each write a group's last completed number as theirs ends: a
     later one finishing first leaves the status saying an ended collective is in flight.
-    Its record says it ended (``retired``); and a group formed again takes its old name in
-    the records, where the old group's record of a collective cut short is never retired."""
-    record = {"collective_seq_id": 7, "process_group": ["0", "default_pg"], "profiling_name": "gloo:all_reduce",
-              "time_created_ns": 5_000 * 10**9, "input_sizes": [[1]], "input_dtypes": ["Float"], "retired": True}
+    Its record says it ended (``retired``). And a group formed again takes its old name in
+    the records (``"0"`` again), where the old group's record of a collective cut short is
+    never retired: records go with the status by ``pg_id``, a key never reused."""
+    old = {"collective_seq_id": 7, "pg_id": 0, "process_group": ["0", "default_pg"],
+           "profiling_name": "gloo:all_gather", "time_created_ns": 5_000 * 10**9, "input_sizes": [[36]],
+           "input_dtypes": ["Float"], "retired": True}
     recorder = _Recorder({"pg_status": {"0": {"last_enqueued_collective": "7", "last_completed_collective": "6"}}},
-                         record)
-    retired = RetiredGroups(recorder, clock_ns=lambda: 6_000 * 10**9)
+                         old)
+    retired = RetiredGroups(recorder)
     watch = _watch(recorder, main=True, retired=retired)
     assert watch.collective(now=True) is None  # the status is stale: the record ended
-    record["retired"] = False
-    assert watch.collective(now=True).seq == 7  # a live record: in flight
-    retired.retire()  # the groups re-formed after it: the new default group is "1" in the status
+    old["retired"] = False
+    assert watch.collective(now=True).op == "all_gather"  # a live record: in flight
+    retired.retire()  # cut short there; the groups form again: the new default group is "1" in the status
     recorder.status["pg_status"]["1"] = {"last_enqueued_collective": "7", "last_completed_collective": "6"}
     assert watch.collective(now=True) is None  # the old group's #7, never retired, is not the new one's
-    record["time_created_ns"] = 6_500 * 10**9  # the new group's own #7, recorded under the old name
+    new = {**old, "pg_id": 1, "profiling_name": "gloo:all_reduce", "input_sizes": [[1]]}
+    recorder.record = new  # the new group's own #7, under the old name
     found = watch.collective(now=True)
-    assert found is not None and (found.op, found.seq) == ("all_reduce", 7)
+    assert found is not None and (found.op, found.seq, found.shapes) == ("all_reduce", 7, ((1,),))
 
 
 def test_stacks_are_folded_to_the_users_frames():
@@ -258,7 +260,7 @@ def test_the_recorder_is_read_only_once_the_main_thread_has_settled(group):
     collectives on a one-rank gloo group move the counts; the main thread's frame is the
     watch's to read, handed to it."""
     recorder = _Recorder({"pg_status": {"0": {"last_enqueued_collective": "7", "last_completed_collective": "6"}}},
-                         {"collective_seq_id": 7, "process_group": ["0", "default_pg"],
+                         {"collective_seq_id": 7, "pg_id": 0, "process_group": ["0", "default_pg"],
                           "profiling_name": "gloo:all_gather", "time_created_ns": 1_000 * 10**9,
                           "input_sizes": [[8]], "input_dtypes": ["Float"]})
     here = SimpleNamespace(f_code=_code("train", __file__), f_lasti=40, f_back=None)

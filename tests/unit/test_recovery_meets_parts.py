@@ -179,7 +179,8 @@ def test_a_commit_ahead_on_the_checkpoint_group_is_no_hang_and_no_group_out_of_s
 def test_the_recorder_leaves_out_a_collective_in_flight_on_the_checkpoint_group():
     def dump(desc):
         return {"pg_config": {"9": {"desc": desc, "ranks": "[0, 1]"}},
-                "entries": [{"collective_seq_id": 3, "process_group": ["9", desc], "profiling_name": "gloo:all_gather",
+                "entries": [{"collective_seq_id": 3, "pg_id": 9, "process_group": ["9", desc],
+                             "profiling_name": "gloo:all_gather",
                              "time_created_ns": int(NOW * 1e9), "input_sizes": [[1]], "input_dtypes": ["Long"]}]}
 
     assert _recorded(dump("checkpoint"), {"9": 3}) is None  # an async save's commit, in its thread

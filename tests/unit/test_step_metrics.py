@@ -4,6 +4,8 @@ training cell."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fsdp_nb.steps.step_metrics import StepMetrics, writer_for
@@ -89,6 +91,34 @@ def test_steps_that_left_the_window_unwritten_are_counted_and_said_once(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "log_to: steps 7 to 9 ended between two updates and were not written; "
         "a larger sess.steps(window=...) keeps them"]
+
+
+def test_steps_a_restarts_first_update_missed_are_said_too(caplog):
+    """After a restart the ranks count from 0 again; an update that first comes after the
+    window lost the new epoch's first steps says so (the numbers go on from before)."""
+    run = Run()
+    m = StepMetrics(writer_for(run))
+    m.take([steps(0, [0, 1], [1.0, 1.0], 2)])
+    with caplog.at_level("WARNING", logger="fsdp_nb"):
+        m.take([steps(0, [3, 4], [1.0, 1.0], 2, epoch=1)])
+    assert [v["fsdp_nb/step"] for v in run.logged if "fsdp_nb/step" in v] == [0, 1, 5, 6] and m.missed == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "log_to: steps 2 to 4 ended between two updates and were not written; "
+        "a larger sess.steps(window=...) keeps them"]
+
+
+def test_a_step_a_second_optimizer_may_still_join_waits_for_a_later_message():
+    """A rank's newest step is written only once it is final: two optimizers step in one
+    iteration, and a message read between them would have written the step short."""
+    run = Run()
+    m = StepMetrics(writer_for(run))
+    early = [dataclasses.replace(steps(r, [0, 1], [1.0, 1.0], 2), open_step=1) for r in (0, 1)]
+    m.take(early)
+    assert [v["fsdp_nb/step"] for v in run.logged if "fsdp_nb/step" in v] == [0]
+    joined = [dataclasses.replace(steps(r, [0, 1], [1.0, 1.0], 2), seconds=[0.5, 0.7]) for r in (0, 1)]
+    m.take(joined)  # the boundary passed: step 1 is final, with the second optimizer's time in it
+    rows = [v for v in run.logged if "fsdp_nb/step" in v]
+    assert [v["fsdp_nb/step"] for v in rows] == [0, 1] and rows[1]["step_ms/rank0"] == pytest.approx(700.0)
 
 
 def test_mfu_is_written_for_token_batches_on_a_known_gpu():

@@ -5,6 +5,7 @@ One process, a one-rank gloo group, no engines."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import re
@@ -54,6 +55,43 @@ def test_a_mesh_names_its_groups_and_can_be_pointed_at_others(group):
 def test_the_flight_recorder_dump_is_json(group):
     dump = tc.flight_recorder(collectives=True)
     assert dump is not None and "version" in dump and "pg_status" in dump, sorted(dump)
+
+
+RECORDED = """
+import json, os, sys, time, torch, torch.distributed as dist
+from fsdp_nb import torch_compat as tc
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+for _ in range(2):  # the group formed twice, as a recovery does: the second takes the first's name
+    t0 = time.time_ns()
+    dist.all_reduce(torch.ones(1))
+    dist.barrier()
+    dump = tc.flight_recorder(collectives=True)
+    print(json.dumps({"t0": t0, "t1": time.time_ns(), "status": sorted(dump["pg_status"]),
+                      "entries": dump["entries"]}))
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1] + "2", 1), rank=0, world_size=1)
+dist.destroy_process_group()
+"""
+
+
+def test_the_flight_recorders_records_say_their_group_and_when_they_ended(tmp_path):
+    """What the hang watch reads of a record (``rank_hang_watch._recorded``), as this torch
+    writes it: ``pg_id``, the key of the groups' status, which a group formed again does
+    not reuse though its name is reused; ``retired`` once the collective ended; when it
+    was made, in Unix ns. Run in a process of its own with the recorder on."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", RECORDED, str(tmp_path / "store")], check=True, text=True,
+                         capture_output=True, env={**os.environ, "TORCH_FR_BUFFER_SIZE": "100"}, timeout=120)
+    first, second = (json.loads(line) for line in out.stdout.splitlines())
+    for run in (first, second):
+        ops = [e for e in run["entries"] if e["profiling_name"].endswith("all_reduce")]
+        assert ops and all(e["retired"] is True for e in ops), ops  # ended, and said so
+        assert run["t0"] <= ops[-1]["time_created_ns"] <= run["t1"], (run["t0"], ops[-1], run["t1"])
+    new = [e for e in second["entries"] if e["time_created_ns"] >= second["t0"]]
+    assert {e["process_group"][0] for e in new} == {"0"}  # the new default group, named as the old
+    assert {str(e["pg_id"]) for e in new} == {second["status"][-1]} != {first["status"][-1]}  # keyed anew
 
 
 def test_fsdp_mesh_infos_local_tensors_and_shapes(group):
