@@ -175,8 +175,9 @@ def test_resharding_after_forward_moves_communication_as_fsdp2_says(sess):
     it again: 12 collectives a step (4 all-gathers in the forward, 4 in the backward, 4
     reduce-scatters) against ``"grad_op"``'s 8 (``reshard_after_forward=False``): the
     view's communication grows by about half (more than a tenth). The two run in turn,
-    three rounds, and each keeps its least: another process busy on the 2 cores (a
-    parallel test run) slows a round, never speeds one."""
+    three rounds; each round's ratio pairs two runs seconds apart, and the median round
+    counts: another process busy on the 2 cores (a parallel test run) upsets a round, not
+    the median."""
     comm: dict[str, list[float]] = {"grad_op": [], "full": []}
     for sharding in comm:
         sess.wrap(Wide, name=f"sv_{sharding}", auto_wrap={nn.Linear}, sharding=sharding)
@@ -195,7 +196,8 @@ def test_resharding_after_forward_moves_communication_as_fsdp2_says(sess):
                     view.stop()  # the feed, and the measurement on every rank
     finally:
         forget_models(sess, "sv_grad_op", "sv_full", optimizers=("sv_wopts", "sv_wx"))
-    assert min(comm["full"]) > min(comm["grad_op"]) * 1.1, comm
+    ratios = sorted(f / g for f, g in zip(comm["full"], comm["grad_op"], strict=True))
+    assert ratios[len(ratios) // 2] > 1.1, (ratios, comm)
 
 
 def _wandb_history(run_dir):

@@ -279,13 +279,17 @@ class StepTiming(Part):
         w.active.set()  # the sampler sees it stopped now
 
     def reformed(self, world: World) -> None:
-        """Every rank agrees on the views measuring and a new epoch; every window starts afresh."""
+        """Every rank agrees on the views measuring and a new epoch; every window starts
+        afresh, and so do the logged values' counts (``rank_logged``, told after this part:
+        cleared here first). The epoch moves last: a message that carries the new epoch
+        (``live`` reads it first) carries only the new epoch's steps and counts."""
         views, epoch = self._agree()
-        self.epoch = epoch + 1
         for view, keep in views.items():
             self.start(keep, view)
         if self.window is not None:
             self.window.afresh()
+        logged.clear()
+        self.epoch = epoch + 1
 
     def _agree(self) -> tuple[dict[str, int], int]:
         """The views and the highest epoch of every rank (one gather on the checkpoint group)."""
@@ -343,6 +347,7 @@ def live(rank: int, seq: int = 0) -> RankSteps:
         seq: the message's number within its sampler (0: read through the task queue).
     """
     timing = part(StepTiming)
+    epoch = timing.epoch  # first: the steps and counts read after it are of this epoch or a later one
     t = timing.window
     rows = list(t.steps) if t is not None else []
     # read after the rows: a second optimizer's step joins the newest only while it is pending
@@ -359,7 +364,7 @@ def live(rank: int, seq: int = 0) -> RankSteps:
                      device="cpu" if name == "cpu" else "cuda", device_name=name, logged=values,
                      logged_total=totals, seq=seq,
                      device_index=list(dev[0]), device_seconds=list(dev[1]), device_other=list(dev[2]),
-                     device_model=list(dev[3]), epoch=timing.epoch, open_step=open_step)
+                     device_model=list(dev[3]), epoch=epoch, open_step=open_step)
 
 
 class StepsReading(Reading):
