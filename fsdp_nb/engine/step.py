@@ -162,6 +162,10 @@ class StepOwner(Part):
         """How many saves or loads are taking or giving state now (nested)."""
         self.trained_in_cell = False
         """The cell (or call) running made a training forward: failing, it cut a step short."""
+        self.changes = 0
+        """Counts each change of the step's state (a step ended or joined, a boundary, a
+        cell's end, a load, a new group), bumped before the change: a reader on another
+        thread that sees it unchanged around its reads read one state (``rank_step_timing``)."""
         self.stepped: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         """Optimizer -> its steps this owner saw (not those taken inside ``taking_state``)."""
         self.watched: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -232,12 +236,14 @@ class StepOwner(Part):
 
     def loaded(self, extra: dict[str, Any] | None) -> None:
         """A load replaced the run's state: an iteration under way or ending is gone."""
+        self.changes += 1
         self.in_step = self.pending = False
         for x in list(self.listeners):
             x.loaded(extra)
 
     def reformed(self, world: World) -> None:
         """A new group: a step it cut short is no step, and no boundary is owed."""
+        self.changes += 1
         self.in_step = self.pending = False
         self._arm_once()
 
@@ -321,6 +327,7 @@ class StepOwner(Part):
             x.forward(module, args, kwargs)
 
     def _boundary(self, at: str) -> None:
+        self.changes += 1
         self.pending = False
         for x in list(self.listeners):
             x.boundary(self.steps - 1, at)
@@ -347,6 +354,7 @@ class StepOwner(Part):
             self._ended(optimizer)
 
     def _ended(self, optimizer: Any) -> None:
+        self.changes += 1
         if self.pending and not self.in_step:
             if self.forwarded:  # no training forward since the last step, which had one: same iteration
                 for x in list(self.listeners):
@@ -383,6 +391,7 @@ class StepOwner(Part):
 
     def cell_ended(self, failed: bool) -> None:
         """The cell or call ended (``failed``: it raised, Ctrl-C included)."""
+        self.changes += 1
         if failed:
             if self.in_step and self.trained_in_cell:  # a step this cell cut short: what FSDP2 holds unsynced of it goes
                 _drop_unsynced_of(list(self.watched))

@@ -284,12 +284,14 @@ class StepTiming(Part):
         cleared here first). The epoch moves last: a message that carries the new epoch
         (``live`` reads it first) carries only the new epoch's steps and counts."""
         views, epoch = self._agree()
-        for view, keep in views.items():
-            self.start(keep, view)
-        if self.window is not None:
-            self.window.afresh()
-        logged.clear()
-        self.epoch = epoch + 1
+        try:
+            for view, keep in views.items():
+                self.start(keep, view)
+            if self.window is not None:
+                self.window.afresh()
+            logged.clear()
+        finally:  # every rank moves on to the agreed epoch, whatever failed here
+            self.epoch = epoch + 1
 
     def _agree(self) -> tuple[dict[str, int], int]:
         """The views and the highest epoch of every rank (one gather on the checkpoint group)."""
@@ -349,14 +351,11 @@ def live(rank: int, seq: int = 0) -> RankSteps:
     timing = part(StepTiming)
     epoch = timing.epoch  # first: the steps and counts read after it are of this epoch or a later one
     t = timing.window
-    rows = list(t.steps) if t is not None else []
-    # read after the rows: a second optimizer's step joins the newest only while it is pending
-    open_step = rows[-1][0] if rows and owner().pending else -1
+    rows, dev_rows, open_step = _steps_now(t)
     cols = list(zip(*rows)) if rows else [()] * 7
     model = t.batch_model() if t is not None and t.batch_model is not None else None
     name = t.device_name if t is not None else "cpu"
-    dev = list(zip(*t.device.read())) if t is not None else []
-    dev = dev or [()] * 4
+    dev = list(zip(*dev_rows)) or [()] * 4
     values, totals = logged.counted()
     return RankSteps(rank=rank, index=list(cols[0]), seconds=list(cols[1]), compute=list(cols[2]),
                      collective=list(cols[3]), other=list(cols[4]), samples=list(cols[5]), tokens=list(cols[6]),
@@ -367,6 +366,24 @@ def live(rank: int, seq: int = 0) -> RankSteps:
                      device_model=list(dev[3]), epoch=epoch, open_step=open_step)
 
 
+def _steps_now(t: _Window | None, tries: int = 3) -> tuple[list[tuple], list[tuple], int]:
+    """The window's host and device rows and its open step (``RankSteps.open_step``), read
+    as one state: the training thread changes them while this thread reads, so the step
+    owner's count of changes must be the same before and after. Where it never is (a
+    fast loop), the newest step is taken as open: a writer waits for a later message."""
+    if t is None:
+        return [], [], -1
+    o = owner()
+    for _ in range(tries):
+        before = o.changes
+        rows, dev = list(t.steps), list(t.device.read())
+        # a step that ended with no forward seen cannot be joined: the next step is its own
+        growing = o.pending and o.forwarded
+        if o.changes == before:
+            return rows, dev, rows[-1][0] if rows and growing else -1
+    return rows, dev, rows[-1][0] if rows else -1
+
+
 class StepsReading(Reading):
     """What the step view's sampler publishes: this rank's last steps and logged scalars
     (``live``), only when a step ended, a scalar was logged or the window started afresh
@@ -375,11 +392,14 @@ class StepsReading(Reading):
     name = "steps"
 
     def __init__(self) -> None:
-        self.sent: tuple[int, int, int, bool] | None = None
-        """(epoch, steps, logged calls, whether the newest step may still grow) when it last sent."""
+        self.sent: tuple[Any, ...] | None = None
+        """(epoch, steps, logged calls, whether the newest step may still grow, the newest
+        step the device passed) when it last sent."""
 
     def read(self, rank: int, seq: int, process: Any) -> Any:
-        news = (part(StepTiming).epoch, count(), logged.count(), owner().pending)
+        t = part(StepTiming).window
+        device = t.device.read()[-1:] if t is not None else []  # a GPU's step the device passed since
+        news = (part(StepTiming).epoch, count(), logged.count(), owner().pending, tuple(device[0][:1]) if device else ())
         if news == self.sent:
             return None
         self.sent = news

@@ -206,3 +206,37 @@ def test_a_logger_or_a_log_method_alone_is_refused_by_name():
 
     with pytest.raises(TypeError, match="define_metric"):
         writer_for(Logs())
+
+
+class _Window:
+    """A step view's window whose rows the training thread changes while they are read."""
+
+    def __init__(self, owner, changes_while_read: int):
+        self.owner, self.left = owner, changes_while_read
+        self.rows = [(0, 0.5, 0.2, 0.1, 0.2, 8, 0), (1, 0.5, 0.2, 0.1, 0.2, 8, 0)]
+        self.device = type("NoDevice", (), {"read": staticmethod(lambda: [])})()
+
+    @property
+    def steps(self):
+        if self.left:  # a step joined or a boundary came as this thread read
+            self.left -= 1
+            self.owner.changes += 1
+        return self.rows
+
+
+def test_a_window_is_read_as_one_state_and_its_newest_step_open_while_it_may_grow():
+    from fsdp_nb.engine.step import StepOwner
+    from fsdp_nb.steps import rank_step_timing
+
+    owner = StepOwner()
+    owner.pending, owner.forwarded = True, True  # the newest step ended at an optimizer step
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rank_step_timing, "owner", lambda: owner)
+        rows, _, open_step = rank_step_timing._steps_now(_Window(owner, 1))  # read again once
+        assert [r[0] for r in rows] == [0, 1] and open_step == 1
+        owner.pending = False  # its boundary came: final
+        assert rank_step_timing._steps_now(_Window(owner, 0))[2] == -1
+        # a loop that changes it at every read: the newest is taken as open, never as final
+        assert rank_step_timing._steps_now(_Window(owner, 99))[2] == 1
+        owner.pending, owner.forwarded = True, False  # a step with no forward: the next is its own
+        assert rank_step_timing._steps_now(_Window(owner, 0))[2] == -1

@@ -69,7 +69,8 @@ for _ in range(2):  # the group formed twice, as a recovery does: the second tak
     print(json.dumps({"t0": t0, "t1": time.time_ns(), "status": sorted(dump["pg_status"]),
                       "entries": dump["entries"]}))
     dist.destroy_process_group()
-    dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1] + "2", 1), rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1] + str(len(dump["pg_status"])), 1), rank=0,
+                            world_size=1)
 dist.destroy_process_group()
 """
 
@@ -91,7 +92,8 @@ def test_the_flight_recorders_records_say_their_group_and_when_they_ended(tmp_pa
         assert run["t0"] <= ops[-1]["time_created_ns"] <= run["t1"], (run["t0"], ops[-1], run["t1"])
     new = [e for e in second["entries"] if e["time_created_ns"] >= second["t0"]]
     assert {e["process_group"][0] for e in new} == {"0"}  # the new default group, named as the old
-    assert {str(e["pg_id"]) for e in new} == {second["status"][-1]} != {first["status"][-1]}  # keyed anew
+    newest = [max(run["status"], key=int) for run in (first, second)]
+    assert {str(e["pg_id"]) for e in new} == {newest[1]} != {newest[0]}  # keyed anew
 
 
 def test_fsdp_mesh_infos_local_tensors_and_shapes(group):
