@@ -65,7 +65,13 @@ for _ in range(2):  # the group formed twice, as a recovery does: the second tak
     t0 = time.time_ns()
     dist.all_reduce(torch.ones(1))
     dist.barrier()
-    dump = tc.flight_recorder(collectives=True)
+    until = time.monotonic() + 10  # gloo's worker marks a record retired just after the caller returns
+    while True:
+        dump = tc.flight_recorder(collectives=True)
+        ended = [e["retired"] for e in dump["entries"] if e["profiling_name"].endswith("all_reduce")]
+        if all(ended) or time.monotonic() > until:
+            break
+        time.sleep(0.01)
     print(json.dumps({"t0": t0, "t1": time.time_ns(), "status": sorted(dump["pg_status"]),
                       "entries": dump["entries"]}))
     dist.destroy_process_group()
