@@ -168,12 +168,21 @@ def drop_unsynced_gradients(module: Any) -> int:
 
     groups = {id(g): g for m in module.modules() if isinstance(m, FSDPModule) for g in _param_groups(m._get_fsdp_state())}
     params = [p for g in groups.values() for p in g.fsdp_params]
-    held = [(p, "unsharded_accumulated_grad") for p in params if getattr(p, "unsharded_accumulated_grad", None) is not None]
-    held += [(p._unsharded_param, "grad") for p in params if getattr(getattr(p, "_unsharded_param", None), "grad", None) is not None]
-    held += [(g, "_partial_reduce_output") for g in groups.values() if getattr(g, "_partial_reduce_output", None) is not None]
+    # before torch 2.15 an upcast gradient is an attribute of its own; from 2.15 the name is a
+    # read-only view of the unsharded parameter's ``.grad`` (the leaf accumulates in its
+    # grad dtype), which the second list takes
+    held = [(p, "unsharded_accumulated_grad") for p in params if _plain_attribute(p, "unsharded_accumulated_grad")]
+    held += [(p._unsharded_param, "grad") for p in params if getattr(p, "_unsharded_param", None) is not None]
+    held += [(g, "_partial_reduce_output") for g in groups.values()]
+    held = [(owner, name) for owner, name in held if getattr(owner, name, None) is not None]
     for owner, name in held:
         setattr(owner, name, None)
     return len(held)
+
+
+def _plain_attribute(owner: Any, name: str) -> bool:
+    """Whether ``owner.name`` is an attribute a caller may set, not a property of its class."""
+    return not isinstance(getattr(type(owner), name, None), property)
 
 
 def reset_fsdp_iteration(root: Any) -> None:
