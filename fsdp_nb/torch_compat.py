@@ -160,29 +160,31 @@ def _param_groups(state: Any) -> list[Any]:
 
 def drop_unsynced_gradients(module: Any) -> int:
     """Drop the gradients the FSDP2 units under ``module`` hold unreduced: a backward under
-    ``set_requires_gradient_sync(False)`` (unsharded, in the unsharded parameter's ``.grad``
-    or upcast apart) or, under HSDP, ``set_requires_all_reduce(False)`` (reduce-scattered,
+    ``set_requires_gradient_sync(False)`` (unsharded, in the unsharded parameter's ``.grad``,
+    or before torch 2.15 upcast apart) or, under HSDP, ``set_requires_all_reduce(False)`` (reduce-scattered,
     not all-reduced). Not in ``.grad``: ``zero_grad`` leaves them, and the next synced
     backward would add them in. Returns how many tensors were dropped."""
     from torch.distributed.fsdp import FSDPModule
 
     groups = {id(g): g for m in module.modules() if isinstance(m, FSDPModule) for g in _param_groups(m._get_fsdp_state())}
     params = [p for g in groups.values() for p in g.fsdp_params]
-    # before torch 2.15 an upcast gradient is an attribute of its own; from 2.15 the name is a
-    # read-only view of the unsharded parameter's ``.grad`` (the leaf accumulates in its
-    # grad dtype), which the second list takes
-    held = [(p, "unsharded_accumulated_grad") for p in params if _plain_attribute(p, "unsharded_accumulated_grad")]
-    held += [(p._unsharded_param, "grad") for p in params if getattr(p, "_unsharded_param", None) is not None]
+    # the leaf's ``.grad`` first: before torch 2.15 an upcast gradient is a tensor of its own in
+    # ``unsharded_accumulated_grad``; from 2.15 that name is a read-only property returning the
+    # leaf's ``.grad`` (the leaf accumulates in its grad dtype), taken once, by identity. A
+    # read-only name that held a tensor of its own would fail loudly, not be skipped.
+    held = [(p._unsharded_param, "grad") for p in params if getattr(p, "_unsharded_param", None) is not None]
+    held += [(p, "unsharded_accumulated_grad") for p in params]
     held += [(g, "_partial_reduce_output") for g in groups.values()]
-    held = [(owner, name) for owner, name in held if getattr(owner, name, None) is not None]
+    dropped: dict[int, Any] = {}
     for owner, name in held:
-        setattr(owner, name, None)
-    return len(held)
-
-
-def _plain_attribute(owner: Any, name: str) -> bool:
-    """Whether ``owner.name`` is an attribute a caller may set, not a property of its class."""
-    return not isinstance(getattr(type(owner), name, None), property)
+        tensor = getattr(owner, name, None)
+        if tensor is not None and id(tensor) not in dropped:
+            dropped[id(tensor)] = tensor  # kept alive to the end, so no id is reused
+            setattr(owner, name, None)
+    for group in groups.values():
+        if getattr(group, "_post_backward_pending", False):  # torch 2.15: the no-sync backward's reduction, now void
+            group._post_backward_pending = False
+    return len(dropped)
 
 
 def reset_fsdp_iteration(root: Any) -> None:

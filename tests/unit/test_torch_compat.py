@@ -167,8 +167,8 @@ def test_an_fsdp_iteration_a_failure_cut_short_is_reset(group):
 @pytest.mark.parametrize("reduce_dtype", [None, torch.float64], ids=["in .grad", "upcast"])
 def test_unsynced_gradients_are_dropped_where_zero_grad_does_not_reach(group, reduce_dtype):
     """Under ``set_requires_gradient_sync(False)`` FSDP2 keeps each backward's gradients
-    unsharded in its units (in the unsharded parameter's ``.grad``, or upcast to a reduce
-    dtype apart), not in ``.grad``: ``zero_grad`` leaves them and the next synced backward
+    unsharded in its units (in the unsharded parameter's ``.grad``, upcast there to a reduce
+    dtype from torch 2.15, apart before), not in ``.grad``: ``zero_grad`` leaves them and the next synced backward
     adds them in. After the drop, that backward gives a fresh model's gradients."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -186,6 +186,8 @@ def test_unsynced_gradients_are_dropped_where_zero_grad_does_not_reach(group, re
     net(x).sum().backward()  # a micro-batch of a step a failure then cut short
     net.zero_grad()
     assert tc.drop_unsynced_gradients(net) == 4 and tc.drop_unsynced_gradients(net) == 0
+    groups = [g for m in (net, net[0]) for g in tc._param_groups(m._get_fsdp_state())]
+    assert not any(getattr(g, "_post_backward_pending", False) for g in groups)  # torch 2.15 marks the void reduction
     net.set_requires_gradient_sync(True)
     net(x).sum().backward()
     assert all(torch.equal(p.grad.full_tensor(), c) for p, c in zip(net.parameters(), clean, strict=True))
