@@ -163,7 +163,8 @@ def drop_unsynced_gradients(module: Any) -> int:
     ``set_requires_gradient_sync(False)`` (unsharded, in the unsharded parameter's ``.grad``,
     or before torch 2.15 upcast apart) or, under HSDP, ``set_requires_all_reduce(False)`` (reduce-scattered,
     not all-reduced). Not in ``.grad``: ``zero_grad`` leaves them, and the next synced
-    backward would add them in. Returns how many tensors were dropped."""
+    backward would add them in. On torch 2.15 the group's pending no-sync reduction
+    (``_post_backward_pending``) goes too. Returns how many tensors were dropped."""
     from torch.distributed.fsdp import FSDPModule
 
     groups = {id(g): g for m in module.modules() if isinstance(m, FSDPModule) for g in _param_groups(m._get_fsdp_state())}
@@ -190,7 +191,7 @@ def drop_unsynced_gradients(module: Any) -> int:
 def reset_fsdp_iteration(root: Any) -> None:
     """Put FSDP2 root ``root`` and its modules back between iterations: every parameter
     group sharded and idle, nothing pending, the failed iteration's unreduced gradients
-    dropped. A step a failure cut short leaves units where it caught them, and the next
+    dropped; ``.grad`` is kept on every torch (2.15's own reset clears it), as in plain torch. A step a failure cut short leaves units where it caught them, and the next
     step's collectives would not match across ranks. Called after the group was re-formed
     (what was pending was the destroyed group's: dropped, never waited on). torch 2.13+
     has the public ``FSDPModule.reset_iter_state``; on older ones these fields are reset."""
@@ -201,9 +202,12 @@ def reset_fsdp_iteration(root: Any) -> None:
     for s in states:  # their work is the destroyed group's: waiting on it would raise
         for group in _param_groups(s):
             group._all_gather_result = None
-    drop_unsynced_gradients(root)  # a cut-short accumulation's: reset_iter_state keeps them
+    drop_unsynced_gradients(root)  # a cut-short accumulation's: reset_iter_state keeps them before 2.15
     if hasattr(root, "reset_iter_state"):
+        grads = [(p.sharded_param, p.sharded_param.grad) for s in states for g in _param_groups(s) for p in g.fsdp_params]
         root.reset_iter_state()
+        for param, grad in grads:  # torch 2.15's reset clears .grad too: kept, as on 2.11 and 2.13
+            param.grad = grad
         return
     comm = state._comm_ctx
     comm.all_gather_state = None

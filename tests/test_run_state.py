@@ -126,7 +126,8 @@ def test_bad_state_names_are_refused_before_any_work(sess, run_model, tmp_path):
 def test_fp16_trains_with_the_scaler_a_16_mixed_wrap_gives(sess):
     """A loss small enough that its fp16 gradients underflow: without scaling no weight
     moves; with the rank's ``scaler`` the loss falls as it does in bf16 (whose range is
-    fp32's)."""
+    fp32's). A cell that fails on one rank inside the scaler's step drops that step on
+    every rank."""
     sess.execute(RUN_LOOP)
     after = {}
     try:
@@ -152,7 +153,17 @@ def test_fp16_trains_with_the_scaler_a_16_mixed_wrap_gives(sess):
         assert state[0] == state[1]
         assert [s["skipped"] for s in state] == [before[0]["skipped"] + 1] * 2
         assert state[0]["scale"] == before[0]["scale"] / 2
+        # rank 1 fails after the unscale (whose found_inf all-reduce is its last collective)
+        # and before the step, while rank 0 ends the cell: the scaler's step is dropped on
+        # both, or rank 0 alone would refuse the next unscale ("already been called")
+        sess.execute("rs_scale = 1.0\nrs_step = 'scaler.scale(rs_model(torch.ones(2, 8)).float().sum()).backward()\\n"
+                     "scaler.unscale_(rs_opt)'")
+        with pytest.raises(fsdp_nb.RankError, match="after the unscale") as err:
+            sess.execute("exec(rs_step)\nif rank == 1:\n    raise ValueError('after the unscale')")
+        assert err.value.first.rank == 1
+        sess.execute("exec(rs_step)\nscaler.step(rs_opt)\nscaler.update()\nrs_opt.zero_grad()", timeout=60)
     finally:
+        sess.execute("globals().pop('rs_step', None)", output=None)
         forget_models(sess, "rs_model", optimizers=("rs_opt", "rs_sched", "rs_loader", "scaler"))
 
 

@@ -192,7 +192,10 @@ def test_a_failed_cell_drops_the_unsynced_gradients_of_the_step_it_cut_short_and
     """Micro-batches under ``set_requires_gradient_sync(False)`` leave their gradients in
     FSDP2's units, out of ``zero_grad``'s reach. A cell that fails after one (no step view,
     no autosave: the wrap alone) drops them; a cell that fails with no training forward
-    (a typo between two accumulating cells) leaves the accumulation whole."""
+    (a typo between two accumulating cells) leaves the accumulation whole. A cell that
+    fails on one rank after its last collective drops them on the rank where it ended too,
+    and ranks that took different numbers of optimizer steps in it are named; a call that
+    is no cell failing on one rank leaves them."""
     from fsdp_nb.errors import RankError
 
     sess.wrap(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), name="cut_net", auto_wrap={nn.Linear})
@@ -209,8 +212,32 @@ def test_a_failed_cell_drops_the_unsynced_gradients_of_the_step_it_cut_short_and
         doubled = sess.run(lambda: cut_grads())  # noqa: F821 - the kept micro-batch and this one
         assert all(torch.allclose(a, 2 * b) for got, want in zip(doubled, clean, strict=True)
                    for a, b in zip(got, want, strict=True))
+        # failing on rank 1 alone after its last collective: rank 0 ended the cell inside the
+        # step, and drops its micro-batch too when the notebook says the cell failed
+        with pytest.raises(RankError, match="a bad batch on rank 1") as err:
+            sess.execute("cut_micro_batch()\nif rank == 1:\n    raise ValueError('a bad batch on rank 1')")
+        assert err.value.first.rank == 1 and not err.value.collateral
+        assert not any("different numbers" in n for n in getattr(err.value, "__notes__", []))
+        assert all(torch.equal(a, b) for got, want in zip(sess.run(lambda: cut_grads()), clean, strict=True)  # noqa: F821
+                   for a, b in zip(got, want, strict=True))
+        # a call that is no cell (as a save or a wrap) failing on one rank leaves an accumulation whole
+        sess.execute("cut_micro_batch()")
+        d = sess.dispatcher
+        with pytest.raises(RankError, match="ZeroDivisionError"):
+            d.gather(d.apply("a call that is no cell", eval, args=("1 / (__import__('torch').distributed.get_rank() - 1)",)))
+        doubled = sess.run(lambda: cut_grads())  # noqa: F821
+        assert all(torch.allclose(a, 2 * b) for got, want in zip(doubled, clean, strict=True)
+                   for a, b in zip(got, want, strict=True))
+        # rank 0 steps its optimizer, rank 1 fails before it: the error says so
+        sess.execute("cut_opt = torch.optim.SGD(cut_net.parameters(), lr=0.1)")
+        with pytest.raises(RankError, match="not finite on rank 1") as err:
+            sess.execute("cut_net(cut_x).sum().backward()\nif rank == 1:\n    raise ValueError('not finite on rank 1')\n"
+                         "cut_opt.step()")
+        assert any("different numbers of optimizer steps in this call (rank 0: 1, rank 1: 0)" in n
+                   for n in err.value.__notes__)
     finally:
-        sess.execute("del cut_x, cut_grads, cut_micro_batch", output=None)
+        sess.execute("[globals().pop(n, None) for n in ('cut_x', 'cut_grads', 'cut_micro_batch', 'cut_opt')]",
+                     output=None)
         forget_models(sess, "cut_net")
 
 

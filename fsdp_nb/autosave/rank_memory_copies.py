@@ -37,8 +37,9 @@ from typing import Any
 
 from ..checkpoints.rank_run_state import restore as restore_objects
 from ..engine.checkpoint_group import copy_group, gathered, rank_and_world
+from ..engine.gates import waited
 from ..engine.registry import Part, World, part
-from ..engine.step import StepListener, owner, taking_state, waited
+from ..engine.step import StepListener, owner, taking_state
 from ..formats.packed_state import Leaf, fill, leaf_bytes, split
 from ..formats.run_state import decode, encode
 from ..memory.rank_memory_kinds import copy_bytes, note_copies

@@ -28,8 +28,9 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.gates import waited
 from ..engine.registry import Part, World, part
-from ..engine.step import StepListener, owner, waited
+from ..engine.step import StepListener, owner
 from ..formats.helper_threads import lower_priority
 from ..torch_compat import kept_open_stager
 from .wire_checkpoint import Outcome, SaveProgress

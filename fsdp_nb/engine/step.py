@@ -42,6 +42,9 @@ What a listener hears (:class:`StepListener`), in the order a rank meets it:
    no optimizer step followed, the gradients a watched FSDP2 model holds unsynced of that
    step (``set_requires_gradient_sync(False)``, earlier cells' micro-batches included) are
    dropped. A watched model puts the owner's hooks in, so this holds with no listener.
+   Once every rank answered a cell that failed on some, the notebook asks each
+   (:meth:`StepOwner.cell_failed`) and, where it cut a step short on any, tells every
+   rank to drop it (:meth:`StepOwner.drop_cut_short`; listeners hear ``cut_short()``).
 
 ``loaded(extra)`` says a load replaced the run's state (``extra``: its checkpoint's), and
 ``watched(module)`` that a model is watched from now on (a wrap built it). A step a
@@ -79,12 +82,13 @@ import logging
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace  # an undo held with torch's hook handles (``remove()``)
 from typing import Any, ClassVar
 
 from ..torch_compat import drop_unsynced_gradients
 from .registry import Part, World, part
 
-__all__ = ["StepListener", "StepOwner", "owner", "taking_state", "waited"]
+__all__ = ["StepListener", "StepOwner", "cell_failed", "drop_cut_short", "owner", "taking_state"]
 
 log = logging.getLogger("fsdp_nb")
 
@@ -126,19 +130,16 @@ class StepListener:
     def cell_ended(self, failed: bool) -> None:
         """The cell (or call) ended; ``failed``: it raised (an error, Ctrl-C)."""
 
+    def cut_short(self) -> None:
+        """The last cell failed on another rank inside a step, after this rank ended it (or
+        failed before its training forward): that step is no step here either."""
+
     def loaded(self, extra: dict[str, Any] | None) -> None:
         """A load replaced the run's state; ``extra``: its checkpoint's (``step`` among them)."""
 
     def watched(self, module: Any) -> None:
         """``module`` is watched from now on: a model ``sess.wrap`` just built, or one a save
         holds (what a rank holds changed)."""
-
-
-class _Unregister:
-    """A callable undo, held with torch's hook handles (``remove()``)."""
-
-    def __init__(self, undo: Any) -> None:
-        self.remove = undo
 
 
 class StepOwner(Part):
@@ -162,6 +163,12 @@ class StepOwner(Part):
         """How many saves or loads are taking or giving state now (nested)."""
         self.trained_in_cell = False
         """The cell (or call) running made a training forward: failing, it cut a step short."""
+        self.optimizer_calls = 0
+        """Optimizer steps this rank took since the owner was made, every optimizer's."""
+        self.cell_from = 0
+        """:attr:`optimizer_calls` as the last cell started (or the group formed, or a load ended)."""
+        self.ended_in_step = False
+        """The last cell ended here (failing or not) inside a step it trained in (``cell_failed``)."""
         self.changes = 0
         """Counts each change of the step's state (a step ended or joined, a boundary, a
         cell's end, a load, a new group), bumped before the change: a reader on another
@@ -174,10 +181,10 @@ class StepOwner(Part):
         self.installed = False
 
     def __reduce__(self) -> tuple[Any, tuple]:
-        """Pickled, the owner is "this rank's owner" (:func:`owner`), by reference: its hooks
-        sit in torch's global hook dicts, which the step wrapper torch puts on an
-        optimizer's class reads, so cloudpickling an optimizer class defined in a notebook
-        (a resize's recipe) reaches it, and its weak references cannot be pickled."""
+        """Pickled, the owner is "this rank's owner" (:func:`owner`), by reference: its hooks sit
+        in torch's global hook dicts, which the step wrapper torch puts on an optimizer's class
+        reads, so cloudpickling a notebook's optimizer class (a resize's recipe) reaches it,
+        and its weak references cannot be pickled."""
         return owner, ()
 
     # -- who listens -----------------------------------------------------------------
@@ -215,10 +222,6 @@ class StepOwner(Part):
 
     # -- what the features ask --------------------------------------------------------
 
-    def watches(self, module: Any) -> bool:
-        """Whether ``module`` is watched (a wrapped model, or one a save holds)."""
-        return module in self.watched
-
     @contextmanager
     def taking_state(self) -> Iterator[None]:
         """Inside, an optimizer step or a forward is no training step's: a save or load
@@ -237,14 +240,16 @@ class StepOwner(Part):
     def loaded(self, extra: dict[str, Any] | None) -> None:
         """A load replaced the run's state: an iteration under way or ending is gone."""
         self.changes += 1
-        self.in_step = self.pending = False
+        self.in_step, self.pending, self.ended_in_step = False, False, False
+        self.cell_from = self.optimizer_calls
         for x in list(self.listeners):
             x.loaded(extra)
 
     def reformed(self, world: World) -> None:
         """A new group: a step it cut short is no step, and no boundary is owed."""
         self.changes += 1
-        self.in_step = self.pending = False
+        self.in_step, self.pending, self.ended_in_step = False, False, False
+        self.cell_from = self.optimizer_calls
         self._arm_once()
 
     def closed(self) -> None:
@@ -268,16 +273,13 @@ class StepOwner(Part):
         self.installed = True
         self.hooks.append(register_optimizer_step_pre_hook(torch.compiler.disable(self._stepping)))
         self.hooks.append(register_optimizer_step_post_hook(torch.compiler.disable(self._stepped)))
-        try:
-            from IPython import get_ipython
+        from IPython import get_ipython  # ipyparallel's engines are IPython kernels
 
-            ip = get_ipython()
-        except ImportError:  # pragma: no cover - engines always have IPython
-            ip = None
+        ip = get_ipython()
         if ip is not None:
             for event, fn in (("pre_execute", self.cell_started), ("post_execute", self._post_execute)):
                 ip.events.register(event, fn)
-                self.hooks.append(_Unregister(lambda event=event, fn=fn: ip.events.unregister(event, fn)))
+                self.hooks.append(SimpleNamespace(remove=lambda event=event, fn=fn: ip.events.unregister(event, fn)))
         self._arm_once()
 
     def _arm_once(self) -> None:
@@ -344,6 +346,7 @@ class StepOwner(Part):
         if self.taking:
             return
         self.stepped[optimizer] = self.stepped.get(optimizer, 0) + 1
+        self.optimizer_calls += 1
         self._ended(optimizer)
 
     def skipped(self, optimizer: Any) -> None:
@@ -375,45 +378,54 @@ class StepOwner(Part):
 
     def cell_started(self) -> None:
         """A cell or a ``sess.run`` call starts (IPython's event, or the call server)."""
-        self.trained_in_cell = False
+        self.trained_in_cell, self.ended_in_step, self.cell_from = False, False, self.optimizer_calls
         for x in list(self.listeners):
             x.cell_started()
 
     def _post_execute(self) -> None:
-        try:
-            from IPython import get_ipython
+        from IPython import get_ipython
 
-            ip = get_ipython()
-            failed = ip is not None and not ip.last_execution_succeeded
-        except ImportError:  # pragma: no cover - engines always have IPython
-            failed = False
-        self.cell_ended(failed)
+        ip = get_ipython()
+        self.cell_ended(ip is not None and not ip.last_execution_succeeded)
 
     def cell_ended(self, failed: bool) -> None:
         """The cell or call ended (``failed``: it raised, Ctrl-C included)."""
         self.changes += 1
-        if failed:
-            if self.in_step and self.trained_in_cell:  # a step this cell cut short: what FSDP2 holds unsynced of it goes
-                _drop_unsynced_of(list(self.watched))
-            self.in_step = self.pending = False
-        elif self.pending:
+        self.ended_in_step = cut_short = self.in_step and self.trained_in_cell
+        if failed and cut_short:  # a step this cell cut short: what FSDP2 holds unsynced of it goes
+            _drop_unsynced_of(list(self.watched))
+        elif not failed and self.pending:
             self._boundary("cell end")
-        self.in_step = False
+        self.in_step = self.pending = False  # a failed cell owes no boundary
         for x in list(self.listeners):
             x.cell_ended(failed)
         self._arm_once()
+
+    def cell_failed(self) -> tuple[int, bool]:
+        """What the notebook asks once every rank answered a cell that failed on some: the
+        optimizer steps this rank took in it, and whether it ended here (failing or not)
+        inside a step it trained in. Changes nothing."""
+        return self.optimizer_calls - self.cell_from, self.ended_in_step
+
+    def drop_cut_short(self) -> None:
+        """The failed cell cut a step short on some rank: it is no step on this one either
+        (where the cell ended, or failed before its training forward). What FSDP2 holds
+        unsynced goes, and the listeners hear ``cut_short``."""
+        self.changes += 1
+        self.ended_in_step = False
+        _drop_unsynced_of(list(self.watched))
+        for x in list(self.listeners):
+            x.cut_short()
 
 
 def _drop_unsynced_of(watched: list[Any]) -> None:
     """Drop what the watched FSDP2 models hold unsynced of a step a failed cell cut short
     (``torch_compat.drop_unsynced_gradients``); a torch whose fields moved is said, not raised."""
     try:
-        dropped = sum(drop_unsynced_gradients(m) for m in watched)
+        if dropped := sum(drop_unsynced_gradients(m) for m in watched):
+            log.info("dropped %d unsynced gradient tensors of a step the failed cell cut short", dropped)
     except Exception as exc:  # noqa: BLE001 - the cell's end must still reach every listener
         log.warning("could not drop the unsynced gradients of a step the failed cell cut short: %s", exc)
-        return
-    if dropped:
-        log.info("dropped %d unsynced gradient tensors of a step the failed cell cut short", dropped)
 
 
 def owner() -> StepOwner:
@@ -421,19 +433,16 @@ def owner() -> StepOwner:
     return part(StepOwner)
 
 
+def cell_failed() -> tuple[int, bool]:
+    """``owner().cell_failed()``: the notebook's question after a cell failed on some rank."""
+    return owner().cell_failed()
+
+
+def drop_cut_short() -> None:
+    """``owner().drop_cut_short()``: the notebook's call when that cell cut a step short."""
+    owner().drop_cut_short()
+
+
 def taking_state() -> Any:
     """``owner().taking_state()``: optimizer steps inside are no training steps."""
     return owner().taking_state()
-
-
-def waited(f: Any) -> float:
-    """Block until the future ``f`` (None: none) is done; the seconds that took (0 when it
-    was): a gate's wait, which the feature that holds the gate counts as training's."""
-    if f is None or f.done():
-        return 0.0
-    from concurrent.futures import wait as wait_futures
-    from time import perf_counter
-
-    t0 = perf_counter()
-    wait_futures([f])
-    return perf_counter() - t0

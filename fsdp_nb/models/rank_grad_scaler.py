@@ -125,14 +125,19 @@ class CountingScaler(ShardedGradScaler):
 
 
 class ScalerSteps(StepListener):
-    """What the scaler hears from the rank's step owner: that a cell failed."""
+    """What the scaler hears from the rank's step owner: that a cell failed, or cut a step short."""
 
     order = 20
 
     def cell_ended(self, failed: bool) -> None:
         """A failed cell drops the scaler's step it cut short (:meth:`CountingScaler.forget_step`)."""
+        if failed:
+            self.cut_short()
+
+    def cut_short(self) -> None:
+        """The cell cut a step short, here or on another rank: the scaler's step is dropped."""
         scaler = current()
-        if failed and scaler is not None and scaler.forget_step():
+        if scaler is not None and scaler.forget_step():
             log.info("fsdp_nb: the cell failed inside a step of the gradient scaler: that step is dropped, "
                      "the next one starts afresh")
 

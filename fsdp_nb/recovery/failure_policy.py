@@ -36,6 +36,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..engine import health as _health
+from ..engine import step as _step
 from ..engine.stacks import fold_stacks
 from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError, add_note, hide_frame
 from ..hangs.hang_report import HangReport, out_of_step
@@ -97,19 +98,49 @@ class RecoveringPolicy(FailurePolicy):
         return explain(self.ctx, failures)
 
     def on_failure(self, pending: Pending, failures: list[RankFailure]) -> list[str]:
-        """Every rank returned, but a failure may have left a group out of step (a rank
-        issued a collective the others never joined): then the group is re-formed, or
-        its next collective would be paired with that one."""
+        """Every rank returned. Where the call ended on some ranks, a step it left open there
+        is dropped too, and ranks that took different numbers of optimizer steps in it are named
+        (``_cut_short``). A failure may also have left a group out of step (a rank issued a
+        collective the others never joined): then the group is re-formed, or its next
+        collective would be paired with that one."""
         __tracebackhide__ = hide_frame  # left out of a rank error's traceback
+        notes = self._cut_short(pending)
         try:
             lines = out_of_step(self.ctx.health.watch.states(list(range(self.ctx.world_size))))
         except Exception as exc:  # noqa: BLE001 - the failure itself must still reach the user
             log.warning("fsdp_nb: could not ask the ranks which collectives they issued: %s", exc)
-            return []
+            return notes
         if not lines:
-            return []
+            return notes
         note = self._recover(pending, [], interrupt=False, cause="collectives out of step")
-        return ["The failure left the group out of step: " + "; ".join(lines) + ".\n" + note]
+        return [*notes, "The failure left the group out of step: " + "; ".join(lines) + ".\n" + note]
+
+    def _cut_short(self, pending: Pending) -> list[str]:
+        """A cell that failed on some ranks only (one raised after its last collective, the
+        others ended it): every rank is asked (``engine.step.cell_failed``), and where any
+        ended or failed inside a step it trained in, every rank drops that step
+        (``drop_cut_short``): the next synced backward would otherwise add its unsynced
+        gradients in on some ranks only. A note when the ranks took different numbers of
+        optimizer steps in it: their shards of the model are then from different steps,
+        which nothing can mend but a load. Not for other calls (a save, a wrap): they are
+        no cells, and the ranks' last cell is not theirs to judge."""
+        if not pending.cell:
+            return []
+        ranks = sorted(pending.results)
+        d = self.ctx.plain_dispatcher
+        try:
+            answers = d.gather(d.apply("ask the ranks about the failed cell", _step.cell_failed, ranks=ranks), 30)
+            if any(cut for _, cut in answers):
+                d.gather(d.apply("drop the step the failed cell cut short", _step.drop_cut_short, ranks=ranks), 30)
+        except Exception as exc:  # noqa: BLE001 - the failure itself must still reach the user
+            log.warning("fsdp_nb: could not end the failed cell's step on every rank: %s", exc)
+            return []
+        if len({n for n, _ in answers}) < 2:
+            return []
+        counts = ", ".join(f"rank {r}: {n}" for r, (n, _) in zip(ranks, answers, strict=True))
+        return [f"The ranks took different numbers of optimizer steps in this call ({counts}), so their "
+                "shards of the model are from different steps now: load a checkpoint (sess.load) "
+                "before training on."]
 
     def on_interrupt(self, pending: Pending, running: list[int]) -> None:
         __tracebackhide__ = hide_frame  # left out of a rank error's traceback

@@ -169,7 +169,7 @@ class Dispatcher:
             with CtrlC() as ctrl_c:
                 direct = channel.send(fn, rank_args, ranks, cell=cell)
             if direct is not None:  # None: too large for the direct sockets
-                return Pending(what, dict(direct), interrupted=ctrl_c.hit, waiter=channel.wait)
+                return Pending(what, dict(direct), interrupted=ctrl_c.hit, cell=cell, waiter=channel.wait)
         results: dict[int, Any] = {}
         # every rank gets the call; a Ctrl-C meanwhile waits for gather
         with CtrlC() as ctrl_c, self._sending(what, ranks):
@@ -201,7 +201,7 @@ class Dispatcher:
             results = per_rank(ranks, ar)
         shown = None if echoed is None else tuple(echoed)
         return Pending("execute", dict(results), interrupted=ctrl_c.hit, echoed=shown, merged=merged,
-                       waiter=self._client_wait)
+                       cell=True, waiter=self._client_wait)
 
     @contextmanager
     def _sending(self, what: str, ranks: Sequence[int]) -> Iterator[None]:

@@ -67,6 +67,9 @@ class Pending:
     """Ranks whose output is streamed to the notebook (None: every rank)."""
     merged: bool = True
     """Lines the ranks print alike are shown once, naming the ranks (False: each rank's own)."""
+    cell: bool = False
+    """The ranks run it as a cell (``execute``, or ``sess.run`` over the direct channel): their
+    step owners mark its start and end (``engine.step``)."""
     waiter: Callable[[list[Any], float], Any] = field(kw_only=True)
     """Waits up to some seconds for some of ``results``: ``client.wait``, or the direct
     call channel's."""

@@ -170,7 +170,7 @@ class _Window(StepListener):
     def forward(self, module: Any, args: tuple, kwargs: dict) -> None:
         batch = self.batch_model() if self.batch_model is not None and self.taken else None
         steps = owner()
-        if batch is None or (steps.watches(module) and not steps.watches(batch)):  # a wrapped model takes over
+        if batch is None or (module in steps.watched and batch not in steps.watched):  # a wrapped model takes over
             self.batch_model, self.samples, self.tokens, batch = weakref.ref(module), 0, 0, module
             self.taken = True
             if module not in self.parameters:

@@ -43,6 +43,9 @@ class Heard(StepListener):
     def watched(self, module: Any) -> None:
         self.events.append("watched")
 
+    def cut_short(self) -> None:
+        self.events.append("cut short")
+
 
 def _owner(*listeners: StepListener) -> tuple[StepOwner, nn.Module]:
     steps = StepOwner()
@@ -158,3 +161,45 @@ def test_taking_state_hides_a_saves_own_steps_and_a_closed_owner_starts_again():
     assert not steps.listeners and not steps.hooks and not len(steps.watched) and not steps.installed
     _step(model, opt)
     assert heard.events == ["watched"]
+
+
+def test_the_notebook_learns_what_the_last_cell_did_and_a_step_it_cut_short_is_dropped(monkeypatch):
+    """After a cell failed on some rank, ``cell_failed`` says how many optimizer steps the
+    last cell took here (a group formed again, or a load, counts from there) and whether
+    it ended inside a step it trained in, failing or not; it changes nothing.
+    ``drop_cut_short`` then drops that step here and tells the listeners."""
+    from fsdp_nb.engine import step as step_module
+
+    drops: list[int] = []
+    monkeypatch.setattr(step_module, "_drop_unsynced_of", lambda watched: drops.append(len(watched)))
+    heard = Heard()
+    steps, model = _owner(heard)
+    try:
+        opt, second = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+        steps.cell_started()
+        _step(model, opt)
+        _step(model, opt, second)  # one iteration, two optimizer steps: a rank that took one differs
+        steps.cell_ended(False)
+        assert steps.cell_failed() == (3, False) and steps.cell_failed() == (3, False) and drops == []
+        steps.cell_started()
+        _step(model)  # a micro-batch, no optimizer step: the cell ends inside the step
+        steps.cell_ended(False)
+        assert steps.cell_failed() == (0, True) and drops == []
+        steps.drop_cut_short()
+        assert drops == [1] and heard.events[-1] == "cut short" and steps.cell_failed() == (0, False)
+        steps.cell_started()
+        _step(model)
+        steps.cell_ended(True)  # failed inside the step: dropped here at once, and said
+        assert drops == [1, 1] and steps.cell_failed() == (0, True)
+        steps.cell_started()
+        steps.cell_ended(True)  # a typo: no training forward, nothing cut short
+        assert steps.cell_failed() == (0, False)
+        steps.cell_started()
+        _step(model, opt)
+        steps.reformed(World(0, 1))  # the group formed again: counts start there
+        assert steps.cell_failed() == (0, False)
+        _step(model, opt)
+        steps.loaded({"step": 5})
+        assert steps.cell_failed() == (0, False) and drops == [1, 1]
+    finally:
+        steps.closed()

@@ -129,7 +129,8 @@ def test_fsdp_mesh_infos_local_tensors_and_shapes(group):
 
 def test_an_fsdp_iteration_a_failure_cut_short_is_reset(group):
     """A forward that raised half-way leaves its unit unsharded (plain parameters) and an
-    iteration under way; the reset shards every unit again, and the next step runs."""
+    iteration under way; the reset shards every unit again, keeps ``.grad`` as plain torch
+    does (torch 2.15's own reset clears it), and the next step runs."""
     import gc
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -157,8 +158,11 @@ def test_an_fsdp_iteration_a_failure_cut_short_is_reset(group):
 
     roots = [r for r in tc.fsdp_roots(instances) if any(r is m for m in net.modules())]
     assert len(roots) == 1 and roots[0] is net
+    before = {n: p.grad.clone() for n, p in net.named_parameters() if isinstance(p, DTensor)}  # the first backward's
+    assert len(before) == 4  # net[0]'s and net[2]'s; net[1] was left unsharded
     tc.reset_fsdp_iteration(roots[0])
     assert all(isinstance(p, DTensor) for p in net.parameters())
+    assert all(torch.equal(net.get_parameter(n).grad, g) for n, g in before.items())  # .grad stays, on every torch
     net.zero_grad()
     net(torch.ones(2, 4)).sum().backward()
     assert all(isinstance(p.grad, DTensor) and p.grad.abs().sum() > 0 for p in net[2].parameters())
