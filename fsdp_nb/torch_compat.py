@@ -191,7 +191,8 @@ def drop_unsynced_gradients(module: Any) -> int:
 def reset_fsdp_iteration(root: Any) -> None:
     """Put FSDP2 root ``root`` and its modules back between iterations: every parameter
     group sharded and idle, nothing pending, the failed iteration's unreduced gradients
-    dropped; ``.grad`` is kept on every torch (2.15's own reset clears it), as in plain torch. A step a failure cut short leaves units where it caught them, and the next
+    dropped; ``.grad`` is kept, as in plain torch, on every torch (2.15's own reset clears
+    it). A step a failure cut short leaves units where it caught them, and the next
     step's collectives would not match across ranks. Called after the group was re-formed
     (what was pending was the destroyed group's: dropped, never waited on). torch 2.13+
     has the public ``FSDPModule.reset_iter_state``; on older ones these fields are reset."""
@@ -204,10 +205,13 @@ def reset_fsdp_iteration(root: Any) -> None:
             group._all_gather_result = None
     drop_unsynced_gradients(root)  # a cut-short accumulation's: reset_iter_state keeps them before 2.15
     if hasattr(root, "reset_iter_state"):
-        grads = [(p.sharded_param, p.sharded_param.grad) for s in states for g in _param_groups(s) for p in g.fsdp_params]
-        root.reset_iter_state()
-        for param, grad in grads:  # torch 2.15's reset clears .grad too: kept, as on 2.11 and 2.13
-            param.grad = grad
+        grads = [(p.sharded_param, p.sharded_param.grad)
+                 for s in states for g in _param_groups(s) for p in g.fsdp_params]
+        try:
+            root.reset_iter_state()
+        finally:  # torch 2.15's reset clears .grad too: kept, as on 2.11 and 2.13
+            for param, grad in grads:
+                param.grad = grad
         return
     comm = state._comm_ctx
     comm.all_gather_state = None

@@ -127,7 +127,7 @@ def test_fp16_trains_with_the_scaler_a_16_mixed_wrap_gives(sess):
     """A loss small enough that its fp16 gradients underflow: without scaling no weight
     moves; with the rank's ``scaler`` the loss falls as it does in bf16 (whose range is
     fp32's). A cell that fails on one rank inside the scaler's step drops that step on
-    every rank."""
+    every rank; a typo cell after ``unscale_`` leaves it."""
     sess.execute(RUN_LOOP)
     after = {}
     try:
@@ -162,8 +162,16 @@ def test_fp16_trains_with_the_scaler_a_16_mixed_wrap_gives(sess):
             sess.execute("exec(rs_step)\nif rank == 1:\n    raise ValueError('after the unscale')")
         assert err.value.first.rank == 1
         sess.execute("exec(rs_step)\nscaler.step(rs_opt)\nscaler.update()\nrs_opt.zero_grad()", timeout=60)
+        # a typo after unscale_ cuts no step short: the scaler's step goes on, and its step
+        # leaves the gradients unscaled once (a dropped step would unscale them again)
+        sess.execute("exec(rs_step)\nrs_g = [p.grad.to_local().clone() for p in rs_model.parameters()]")
+        with pytest.raises(fsdp_nb.RankError, match="NameError"):
+            sess.execute("rs_typo")
+        assert run_out(sess, "scaler.step(rs_opt)\n"
+                       "rs_out = all(torch.equal(p.grad.to_local(), g) for p, g in zip(rs_model.parameters(), rs_g))\n"
+                       "scaler.update()\nrs_opt.zero_grad()") == [True, True]
     finally:
-        sess.execute("globals().pop('rs_step', None)", output=None)
+        sess.execute("[globals().pop(n, None) for n in ('rs_step', 'rs_g')]", output=None)
         forget_models(sess, "rs_model", optimizers=("rs_opt", "rs_sched", "rs_loader", "scaler"))
 
 

@@ -220,6 +220,17 @@ def test_a_failed_cell_drops_the_unsynced_gradients_of_the_step_it_cut_short_and
         assert not any("different numbers" in n for n in getattr(err.value, "__notes__", []))
         assert all(torch.equal(a, b) for got, want in zip(sess.run(lambda: cut_grads()), clean, strict=True)  # noqa: F821
                    for a, b in zip(got, want, strict=True))
+        # the same through sess.run, which the ranks run as a cell: over the direct sockets,
+        # and through ipyparallel (a call too large for them)
+        for direct in (True, False):
+            sess.dispatcher.channel.enabled = direct
+            try:
+                with pytest.raises(RankError, match="ZeroDivisionError"):
+                    sess.run(lambda: (cut_micro_batch(), 1 / (torch.distributed.get_rank() - 1)))  # noqa: F821
+            finally:
+                sess.dispatcher.channel.enabled = True
+            assert all(torch.equal(a, b) for got, want in zip(sess.run(lambda: cut_grads()), clean, strict=True)  # noqa: F821
+                       for a, b in zip(got, want, strict=True))
         # a call that is no cell (as a save or a wrap) failing on one rank leaves an accumulation whole
         sess.execute("cut_micro_batch()")
         d = sess.dispatcher
@@ -235,6 +246,13 @@ def test_a_failed_cell_drops_the_unsynced_gradients_of_the_step_it_cut_short_and
                          "cut_opt.step()")
         assert any("different numbers of optimizer steps in this call (rank 0: 1, rank 1: 0)" in n
                    for n in err.value.__notes__)
+        # the same in a loop: rank 0 steps, then waits in the next forward for rank 1, which
+        # raised; the recovery frees it, and says so too
+        with pytest.raises(RankError, match="not finite on rank 1") as err:
+            sess.execute("for _ in range(2):\n    cut_net(cut_x).sum().backward()\n"
+                         "    if rank == 1:\n        raise ValueError('not finite on rank 1')\n    cut_opt.step()")
+        assert err.value.collateral == [0]
+        assert any("(rank 0: 1, rank 1: 0)" in n for n in err.value.__notes__)
     finally:
         sess.execute("[globals().pop(n, None) for n in ('cut_x', 'cut_grads', 'cut_micro_batch', 'cut_opt')]",
                      output=None)

@@ -47,7 +47,7 @@ from .signing import HEADER_BYTES, Link, Refused, engine_key, new_nonce
 from .step import owner
 
 __all__ = [
-    "ERROR", "MAX_REQUEST_BYTES", "OK", "STDERR", "STDOUT", "after_reply", "dropped", "head",
+    "ERROR", "MAX_REQUEST_BYTES", "OK", "STDERR", "STDOUT", "after_reply", "as_cell", "dropped", "head",
     "read_head", "serve",
 ]
 
@@ -184,17 +184,7 @@ class _Server:
             signal.signal(signal.SIGINT, interrupts.guarded)
             sys.stdout, sys.stderr = out, err
             fn, args, cell = _request(cloudpickle.loads(payload))
-            if cell:
-                _tell(lambda: owner().cell_started())
-            try:
-                result = _invoke(fn, args)
-            except BaseException:
-                if cell:
-                    _tell(lambda: owner().cell_ended(True))
-                raise
-            if cell:
-                _tell(lambda: owner().cell_ended(False))
-            status, body = OK, _dumps(result)
+            status, body = OK, _dumps(as_cell(fn, *args) if cell else _invoke(fn, args))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the notebook
             sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
             tb = "".join(traceback.format_exception(type(exc), exc, _below_server(exc.__traceback__)))
@@ -217,6 +207,21 @@ def _request(loaded: Any) -> tuple[Any, tuple, bool]:
     return loaded
 
 
+def as_cell(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` run as the user's cell: the rank's step owner hears it start and end
+    (failed, where it raised), as IPython tells it around a ``%%px`` cell. The server runs
+    a ``sess.run`` request so; the notebook wraps in it a ``sess.run`` it sends through
+    ipyparallel instead (too large for the socket, or no socket)."""
+    _tell(lambda: owner().cell_started())
+    try:
+        result = _invoke(fn, args)
+    except BaseException:
+        _tell(lambda: owner().cell_ended(True))
+        raise
+    _tell(lambda: owner().cell_ended(False))
+    return result
+
+
 def _tell(event: Any) -> None:
     """Tell the rank's features that a user's call started or ended. A feature that fails
     there is reported on the call's stderr and logged, as IPython reports a failing
@@ -234,13 +239,13 @@ def _invoke(fn: Any, args: tuple) -> Any:
     return fn(*args)
 
 
-interrupts.own(_Server._on_request, _Server._answer)
+interrupts.own(_Server._on_request, _Server._answer, as_cell)
 interrupts.calls(_invoke)
 
 
 def _below_server(tb: Any) -> Any:
     """The traceback from the call down: the server's own frames left out."""
-    own = (_Server._on_request.__code__, _Server._answer.__code__, _invoke.__code__)
+    own = (_Server._on_request.__code__, _Server._answer.__code__, as_cell.__code__, _invoke.__code__)
     while tb is not None and tb.tb_frame.f_code in own and tb.tb_next is not None:
         tb = tb.tb_next
     return tb

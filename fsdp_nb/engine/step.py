@@ -41,7 +41,8 @@ What a listener hears (:class:`StepListener`), in the order a rank meets it:
    cleanly, and a step it cut short is no step: if the cell made a training forward and
    no optimizer step followed, the gradients a watched FSDP2 model holds unsynced of that
    step (``set_requires_gradient_sync(False)``, earlier cells' micro-batches included) are
-   dropped. A watched model puts the owner's hooks in, so this holds with no listener.
+   dropped and the listeners hear ``cut_short()`` first. A watched model puts the owner's
+   hooks in, so the drop holds with no listener.
    Once every rank answered a cell that failed on some, the notebook asks each
    (:meth:`StepOwner.cell_failed`) and, where it cut a step short on any, tells every
    rank to drop it (:meth:`StepOwner.drop_cut_short`; listeners hear ``cut_short()``).
@@ -83,63 +84,15 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace  # an undo held with torch's hook handles (``remove()``)
-from typing import Any, ClassVar
+from typing import Any
 
 from ..torch_compat import drop_unsynced_gradients
 from .registry import Part, World, part
+from .step_listener import StepListener
 
 __all__ = ["StepListener", "StepOwner", "cell_failed", "drop_cut_short", "owner", "taking_state"]
 
 log = logging.getLogger("fsdp_nb")
-
-
-class StepListener:
-    """What a feature hears from its rank's step (every method does nothing here)."""
-
-    order: ClassVar[int] = 50
-    """Where it is told among the listeners (lower first; the owner's docstring lists them)."""
-
-    def cell_started(self) -> None:
-        """A cell (or a ``sess.run`` call) starts on this rank."""
-
-    def step_began(self, step: int) -> None:
-        """Iteration ``step``'s first training forward is about to run."""
-
-    def forward(self, module: Any, args: tuple, kwargs: dict) -> None:
-        """A training forward of a watched ``module`` (or the step's first forward of an
-        unwatched one) is about to run, with these arguments."""
-
-    def eval_forward(self, module: Any) -> None:
-        """A forward with grad disabled is about to run: no training step."""
-
-    def optimizer_stepping(self, optimizer: Any) -> None:
-        """``optimizer.step`` is about to change its parameters."""
-
-    def step_ended(self, step: int, optimizer: Any) -> None:
-        """Iteration ``step``'s first optimizer step ran (``optimizer``)."""
-
-    def step_joined(self, step: int, optimizer: Any) -> None:
-        """Another optimizer stepped in iteration ``step``, after the first."""
-
-    def boundary(self, step: int, at: str) -> None:
-        """Iteration ``step`` is over, the loop's own updates done: ``at`` the next
-        training forward (``"forward"``), an eval forward (``"eval"``), the end of a cell
-        that did not fail (``"cell end"``), or the next optimizer step of a loop whose
-        forwards the owner does not see (``"step"``)."""
-
-    def cell_ended(self, failed: bool) -> None:
-        """The cell (or call) ended; ``failed``: it raised (an error, Ctrl-C)."""
-
-    def cut_short(self) -> None:
-        """The last cell failed on another rank inside a step, after this rank ended it (or
-        failed before its training forward): that step is no step here either."""
-
-    def loaded(self, extra: dict[str, Any] | None) -> None:
-        """A load replaced the run's state; ``extra``: its checkpoint's (``step`` among them)."""
-
-    def watched(self, module: Any) -> None:
-        """``module`` is watched from now on: a model ``sess.wrap`` just built, or one a save
-        holds (what a rank holds changed)."""
 
 
 class StepOwner(Part):
@@ -166,9 +119,11 @@ class StepOwner(Part):
         self.optimizer_calls = 0
         """Optimizer steps this rank took since the owner was made, every optimizer's."""
         self.cell_from = 0
-        """:attr:`optimizer_calls` as the last cell started (or the group formed, or a load ended)."""
+        """:attr:`optimizer_calls` as the last cell started (or a rank joined, or a load ended)."""
         self.ended_in_step = False
         """The last cell ended here (failing or not) inside a step it trained in (``cell_failed``)."""
+        self.failed_cell = False
+        """The last cell failed on this rank (an error, Ctrl-C)."""
         self.changes = 0
         """Counts each change of the step's state (a step ended or joined, a boundary, a
         cell's end, a load, a new group), bumped before the change: a reader on another
@@ -246,10 +201,13 @@ class StepOwner(Part):
             x.loaded(extra)
 
     def reformed(self, world: World) -> None:
-        """A new group: a step it cut short is no step, and no boundary is owed."""
+        """A new group: a step it cut short is no step, and no boundary is owed. The last
+        cell's count of optimizer steps goes on (a recovery's note compares the ranks'),
+        unless a rank joined, whose count starts at 0."""
         self.changes += 1
         self.in_step, self.pending, self.ended_in_step = False, False, False
-        self.cell_from = self.optimizer_calls
+        if world.joined:
+            self.cell_from = self.optimizer_calls
         self._arm_once()
 
     def closed(self) -> None:
@@ -378,7 +336,8 @@ class StepOwner(Part):
 
     def cell_started(self) -> None:
         """A cell or a ``sess.run`` call starts (IPython's event, or the call server)."""
-        self.trained_in_cell, self.ended_in_step, self.cell_from = False, False, self.optimizer_calls
+        self.trained_in_cell, self.ended_in_step, self.failed_cell = False, False, False
+        self.cell_from = self.optimizer_calls
         for x in list(self.listeners):
             x.cell_started()
 
@@ -392,8 +351,9 @@ class StepOwner(Part):
         """The cell or call ended (``failed``: it raised, Ctrl-C included)."""
         self.changes += 1
         self.ended_in_step = cut_short = self.in_step and self.trained_in_cell
+        self.failed_cell = failed
         if failed and cut_short:  # a step this cell cut short: what FSDP2 holds unsynced of it goes
-            _drop_unsynced_of(list(self.watched))
+            self._cut()
         elif not failed and self.pending:
             self._boundary("cell end")
         self.in_step = self.pending = False  # a failed cell owes no boundary
@@ -401,31 +361,32 @@ class StepOwner(Part):
             x.cell_ended(failed)
         self._arm_once()
 
-    def cell_failed(self) -> tuple[int, bool]:
+    def cell_failed(self) -> tuple[int, bool, bool]:
         """What the notebook asks once every rank answered a cell that failed on some: the
-        optimizer steps this rank took in it, and whether it ended here (failing or not)
-        inside a step it trained in. Changes nothing."""
-        return self.optimizer_calls - self.cell_from, self.ended_in_step
+        optimizer steps this rank took in it, whether it ended here (failing or not) inside
+        a step it trained in, and whether it failed here (where no rank says so, the call
+        never ran as a cell and these are an older cell's). Changes nothing."""
+        return self.optimizer_calls - self.cell_from, self.ended_in_step, self.failed_cell
 
     def drop_cut_short(self) -> None:
         """The failed cell cut a step short on some rank: it is no step on this one either
         (where the cell ended, or failed before its training forward). What FSDP2 holds
-        unsynced goes, and the listeners hear ``cut_short``."""
+        unsynced goes, and the listeners hear ``cut_short`` (again, where it failed here)."""
         self.changes += 1
         self.ended_in_step = False
-        _drop_unsynced_of(list(self.watched))
+        self._cut()
+
+    def _cut(self) -> None:
+        """A step cut short is no step: what the watched FSDP2 models hold unsynced of it goes
+        (``torch_compat.drop_unsynced_gradients``; a torch whose fields moved is said, not
+        raised), and the listeners hear ``cut_short`` (before ``cell_ended`` on a failed cell)."""
+        try:
+            if dropped := sum(drop_unsynced_gradients(m) for m in list(self.watched)):
+                log.info("dropped %d unsynced gradient tensors of a step a failed cell cut short", dropped)
+        except Exception as exc:  # noqa: BLE001 - the cell's end must still reach every listener
+            log.warning("could not drop the unsynced gradients of a step a failed cell cut short: %s", exc)
         for x in list(self.listeners):
             x.cut_short()
-
-
-def _drop_unsynced_of(watched: list[Any]) -> None:
-    """Drop what the watched FSDP2 models hold unsynced of a step a failed cell cut short
-    (``torch_compat.drop_unsynced_gradients``); a torch whose fields moved is said, not raised."""
-    try:
-        if dropped := sum(drop_unsynced_gradients(m) for m in watched):
-            log.info("dropped %d unsynced gradient tensors of a step the failed cell cut short", dropped)
-    except Exception as exc:  # noqa: BLE001 - the cell's end must still reach every listener
-        log.warning("could not drop the unsynced gradients of a step the failed cell cut short: %s", exc)
 
 
 def owner() -> StepOwner:
@@ -433,7 +394,7 @@ def owner() -> StepOwner:
     return part(StepOwner)
 
 
-def cell_failed() -> tuple[int, bool]:
+def cell_failed() -> tuple[int, bool, bool]:
     """``owner().cell_failed()``: the notebook's question after a cell failed on some rank."""
     return owner().cell_failed()
 

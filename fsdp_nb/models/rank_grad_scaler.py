@@ -20,9 +20,12 @@ scalers alike through the session's life:
 - a step the scaler skipped is one the step owner did not see run: the scaler asks the
   owner how many steps the optimizer took (``owner().optimizer_steps``), before and after,
   and puts no hook of its own on the optimizer;
-- a cell that fails (an error, Ctrl-C) and a group formed again drop a step the scaler
-  had begun and not updated (:meth:`CountingScaler.forget_step`): a step cut short is no
-  step, and torch's scaler would refuse the next ``unscale_`` or ``step``;
+- a failed cell (an error, Ctrl-C) that cut a step short (``StepListener.cut_short``: on
+  any rank, it made a training forward and no optimizer step followed) and a group formed
+  again drop a step the scaler had begun and not updated
+  (:meth:`CountingScaler.forget_step`): a step cut short is no step, and torch's scaler
+  would refuse the next ``unscale_`` or ``step``; a failed cell that cut no step short
+  leaves it, so the step goes on without unscaling its gradients twice;
 - when the group forms again (``restart``, ``resize``, a recovery), every rank ends with
   the same scaler state (:meth:`GradScaling.reformed`): the ranks that stayed keep the
   run's (the lowest such rank's, agreed over the checkpoint group), a rank that joined
@@ -125,17 +128,15 @@ class CountingScaler(ShardedGradScaler):
 
 
 class ScalerSteps(StepListener):
-    """What the scaler hears from the rank's step owner: that a cell failed, or cut a step short."""
+    """What the scaler hears from the rank's step owner: that a failed cell cut a step short."""
 
     order = 20
 
-    def cell_ended(self, failed: bool) -> None:
-        """A failed cell drops the scaler's step it cut short (:meth:`CountingScaler.forget_step`)."""
-        if failed:
-            self.cut_short()
-
     def cut_short(self) -> None:
-        """The cell cut a step short, here or on another rank: the scaler's step is dropped."""
+        """A failed cell cut a step short, here or on another rank: the scaler's step begun in
+        it is dropped (:meth:`CountingScaler.forget_step`). A failed cell that made no
+        training forward (a typo after ``unscale_``) leaves it: ``step`` then goes on from
+        the unscaled gradients, where a dropped step would unscale them again."""
         scaler = current()
         if scaler is not None and scaler.forget_step():
             log.info("fsdp_nb: the cell failed inside a step of the gradient scaler: that step is dropped, "

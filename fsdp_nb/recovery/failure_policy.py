@@ -92,6 +92,8 @@ class RecoveringPolicy(FailurePolicy):
         if report.lines:
             add_note(err, "While the other ranks waited:" + "".join(f"\n  {line}" for line in report.lines))
         add_note(err, note)
+        for line in self._steps_note(pending):
+            add_note(err, line)
         raise err
 
     def summarize(self, failures: list[RankFailure]) -> list[str]:
@@ -115,32 +117,51 @@ class RecoveringPolicy(FailurePolicy):
         note = self._recover(pending, [], interrupt=False, cause="collectives out of step")
         return [*notes, "The failure left the group out of step: " + "; ".join(lines) + ".\n" + note]
 
+    # a cell that failed on some ranks ----------------------------------------------
+
     def _cut_short(self, pending: Pending) -> list[str]:
         """A cell that failed on some ranks only (one raised after its last collective, the
-        others ended it): every rank is asked (``engine.step.cell_failed``), and where any
-        ended or failed inside a step it trained in, every rank drops that step
-        (``drop_cut_short``): the next synced backward would otherwise add its unsynced
-        gradients in on some ranks only. A note when the ranks took different numbers of
-        optimizer steps in it: their shards of the model are then from different steps,
-        which nothing can mend but a load. Not for other calls (a save, a wrap): they are
-        no cells, and the ranks' last cell is not theirs to judge."""
-        if not pending.cell:
+        others ended it): where it cut a step short on any rank (``engine.step.cell_failed``),
+        every rank drops that step (``drop_cut_short``), or the next synced backward would
+        add its unsynced gradients in on some ranks only; and :meth:`_steps_note`."""
+        asked = self._ask(pending)
+        if asked is None:
             return []
+        ranks, answers = asked
+        if any(cut for _, cut, _ in answers):
+            d = self.ctx.plain_dispatcher
+            try:
+                d.gather(d.apply("drop the step the failed cell cut short", _step.drop_cut_short, ranks=ranks), 30)
+            except Exception as exc:  # noqa: BLE001 - the failure itself must still reach the user
+                log.warning("fsdp_nb: could not drop the step the failed cell cut short on every rank: %s", exc)
+        return _uneven(ranks, answers)
+
+    def _steps_note(self, pending: Pending) -> list[str]:
+        """After a recovery (whose re-form dropped every cut-short step already): a note when
+        the ranks took different numbers of optimizer steps in the cell (a rank stopped
+        before its ``optimizer.step()`` while another had taken it, Ctrl-C landing at two
+        places): their shards of the model are then from different steps, which nothing
+        but a load mends. A recovery that replaced a rank starts every count again."""
+        if self.ctx.state != "ready":
+            return []
+        asked = self._ask(pending)
+        return [] if asked is None else _uneven(*asked)
+
+    def _ask(self, pending: Pending) -> tuple[list[int], list[tuple[int, bool, bool]]] | None:
+        """The call's ranks and what the cell did on each (``engine.step.cell_failed``).
+        None for a call that is no cell (a save, a wrap: the ranks' last cell is not
+        theirs to judge), one that ran as none (no rank says its cell failed: the request
+        never reached a cell), or ranks that could not answer."""
+        if not pending.cell:
+            return None
         ranks = sorted(pending.results)
         d = self.ctx.plain_dispatcher
         try:
             answers = d.gather(d.apply("ask the ranks about the failed cell", _step.cell_failed, ranks=ranks), 30)
-            if any(cut for _, cut in answers):
-                d.gather(d.apply("drop the step the failed cell cut short", _step.drop_cut_short, ranks=ranks), 30)
         except Exception as exc:  # noqa: BLE001 - the failure itself must still reach the user
-            log.warning("fsdp_nb: could not end the failed cell's step on every rank: %s", exc)
-            return []
-        if len({n for n, _ in answers}) < 2:
-            return []
-        counts = ", ".join(f"rank {r}: {n}" for r, (n, _) in zip(ranks, answers, strict=True))
-        return [f"The ranks took different numbers of optimizer steps in this call ({counts}), so their "
-                "shards of the model are from different steps now: load a checkpoint (sess.load) "
-                "before training on."]
+            log.warning("fsdp_nb: could not ask the ranks what the failed cell did: %s", exc)
+            return None
+        return (ranks, answers) if any(failed for _, _, failed in answers) else None
 
     def on_interrupt(self, pending: Pending, running: list[int]) -> None:
         __tracebackhide__ = hide_frame  # left out of a rank error's traceback
@@ -149,7 +170,8 @@ class RecoveringPolicy(FailurePolicy):
         report = self._explain(running)
         note = self._recover(pending, running, interrupt=True, cause="Ctrl-C")
         lines = "".join(f"\n  {line}" for line in report.lines)
-        print(f"fsdp_nb: interrupted {pending.what}{':' if lines else ''}{lines}\n{note}", flush=True)
+        steps = "".join(f"\n{line}" for line in self._steps_note(pending))
+        print(f"fsdp_nb: interrupted {pending.what}{':' if lines else ''}{lines}\n{note}{steps}", flush=True)
 
     def on_dead(self, pending: Pending, dead: list[int]) -> None:
         __tracebackhide__ = hide_frame  # left out of a rank error's traceback
@@ -186,6 +208,8 @@ class RecoveringPolicy(FailurePolicy):
         err = RankTimeoutError(pending.what, timeout, running, diagnosis=report.lines,
                                stacks={r: fold_stacks(s) for r, s in found.items()})
         add_note(err, note)
+        for line in self._steps_note(pending):
+            add_note(err, line)
         raise err
 
     # the diagnosis -----------------------------------------------------------------
@@ -316,3 +340,13 @@ class RecoveringPolicy(FailurePolicy):
             if now - start > self.wedge_timeout:
                 return still
             pending.wait_for(still, 0.05)
+
+
+def _uneven(ranks: list[int], answers: list[tuple[int, bool, bool]]) -> list[str]:
+    """The note for ranks that took different numbers of optimizer steps in a cell."""
+    if len({n for n, _, _ in answers}) < 2:
+        return []
+    counts = ", ".join(f"rank {r}: {n}" for r, (n, _, _) in zip(ranks, answers, strict=True))
+    return [f"The ranks took different numbers of optimizer steps in this call ({counts}), so their "
+            "shards of the model are from different steps now: load a checkpoint (sess.load) "
+            "before training on."]

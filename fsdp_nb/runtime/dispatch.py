@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..engine.call_channel import as_cell
 from ..errors import DeadRankError, RankError, RankFailure, RankTimeoutError, add_note, hide_frame
 from .call_channel import CallChannel
 from .cluster import EngineCluster
@@ -157,7 +158,7 @@ class Dispatcher:
         ``fast``: over the direct call channel when every rank has one (a call that
         publishes no progress data: that travels through ipyparallel only). ``cell``: the
         call is the user's own (``sess.run``), which the ranks treat as a cell
-        (``CallChannel.send``).
+        (``CallChannel.send``; through ipyparallel, ``engine.call_channel.as_cell``).
         """
         ranks = list(range(self.cluster.world_size)) if ranks is None else list(ranks)
         if self.lifecycle is not None:
@@ -170,6 +171,8 @@ class Dispatcher:
                 direct = channel.send(fn, rank_args, ranks, cell=cell)
             if direct is not None:  # None: too large for the direct sockets
                 return Pending(what, dict(direct), interrupted=ctrl_c.hit, cell=cell, waiter=channel.wait)
+        if cell:  # the ranks run it as a cell on this path too
+            fn, args, rank_args = as_cell, (fn, *args), [(fn, *a) for a in rank_args]
         results: dict[int, Any] = {}
         # every rank gets the call; a Ctrl-C meanwhile waits for gather
         with CtrlC() as ctrl_c, self._sending(what, ranks):
@@ -178,7 +181,7 @@ class Dispatcher:
             else:
                 for r, a in zip(ranks, rank_args):
                     results[r] = RankResult(self.cluster.rank_view(r).apply_async(fn, *a), 0)
-        return Pending(what, results, interrupted=ctrl_c.hit, waiter=self._client_wait)
+        return Pending(what, results, interrupted=ctrl_c.hit, cell=cell, waiter=self._client_wait)
 
     def _client_wait(self, results: list[RankResult], timeout: float) -> None:
         self.cluster.client.wait([r.future for r in results], timeout=timeout)

@@ -114,10 +114,13 @@ def test_a_rank_that_stayed_drops_a_step_cut_short_and_points_at_the_new_group(m
 def test_a_failed_cell_drops_the_step_it_cut_short(ns, group):
     scaler = ns[gs.SCALER] = gs.CountingScaler(device="cpu")
     opt = _unscaled(scaler)
-    part(gs.GradScaling).steps.cell_ended(False)  # a cell that ended well leaves a step to its loop
+    steps = part(gs.GradScaling).steps
+    steps.cell_ended(False)  # a cell that ended well leaves a step to its loop
     with pytest.raises(RuntimeError, match="already been called"):
         scaler.unscale_(opt)
-    part(gs.GradScaling).steps.cell_ended(True)
+    steps.cell_ended(True)  # a failed cell that cut no step short (a typo) leaves it too
+    assert scaler.begun
+    steps.cut_short()  # one that did (here, or on another rank)
     assert not scaler.begun and scaler.get_scale() == 65536.0
     scaler.unscale_(opt)
     scaler.step(opt)

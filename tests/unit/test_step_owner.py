@@ -165,13 +165,14 @@ def test_taking_state_hides_a_saves_own_steps_and_a_closed_owner_starts_again():
 
 def test_the_notebook_learns_what_the_last_cell_did_and_a_step_it_cut_short_is_dropped(monkeypatch):
     """After a cell failed on some rank, ``cell_failed`` says how many optimizer steps the
-    last cell took here (a group formed again, or a load, counts from there) and whether
-    it ended inside a step it trained in, failing or not; it changes nothing.
-    ``drop_cut_short`` then drops that step here and tells the listeners."""
+    last cell took here (a load, or a group formed with a new rank, counts from there),
+    whether it ended inside a step it trained in, failing or not, and whether it failed
+    here; it changes nothing. ``drop_cut_short`` then drops that step and tells the
+    listeners."""
     from fsdp_nb.engine import step as step_module
 
     drops: list[int] = []
-    monkeypatch.setattr(step_module, "_drop_unsynced_of", lambda watched: drops.append(len(watched)))
+    monkeypatch.setattr(step_module, "drop_unsynced_gradients", lambda module: drops.append(1) or 0)
     heard = Heard()
     steps, model = _owner(heard)
     try:
@@ -180,26 +181,30 @@ def test_the_notebook_learns_what_the_last_cell_did_and_a_step_it_cut_short_is_d
         _step(model, opt)
         _step(model, opt, second)  # one iteration, two optimizer steps: a rank that took one differs
         steps.cell_ended(False)
-        assert steps.cell_failed() == (3, False) and steps.cell_failed() == (3, False) and drops == []
+        assert steps.cell_failed() == (3, False, False) == steps.cell_failed() and drops == []
         steps.cell_started()
         _step(model)  # a micro-batch, no optimizer step: the cell ends inside the step
         steps.cell_ended(False)
-        assert steps.cell_failed() == (0, True) and drops == []
+        assert steps.cell_failed() == (0, True, False) and drops == []
         steps.drop_cut_short()
-        assert drops == [1] and heard.events[-1] == "cut short" and steps.cell_failed() == (0, False)
+        assert drops == [1] and heard.events[-1] == "cut short" and steps.cell_failed() == (0, False, False)
         steps.cell_started()
         _step(model)
-        steps.cell_ended(True)  # failed inside the step: dropped here at once, and said
-        assert drops == [1, 1] and steps.cell_failed() == (0, True)
+        steps.cell_ended(True)  # failed inside the step: dropped here at once, the listeners told first
+        assert drops == [1, 1] and steps.cell_failed() == (0, True, True)
+        assert heard.events[-2:] == ["cut short", "failed"]
         steps.cell_started()
         steps.cell_ended(True)  # a typo: no training forward, nothing cut short
-        assert steps.cell_failed() == (0, False)
+        assert steps.cell_failed() == (0, False, True) and heard.events[-2:] == ["cell", "failed"]
         steps.cell_started()
         _step(model, opt)
-        steps.reformed(World(0, 1))  # the group formed again: counts start there
-        assert steps.cell_failed() == (0, False)
+        steps.cell_ended(True)
+        steps.reformed(World(0, 2))  # a recovery's new group: the count goes on, for its note
+        assert steps.cell_failed() == (1, False, True)
+        steps.reformed(World(0, 2, joined=(1,)))  # a rank joined, whose count is 0: every count starts again
+        assert steps.cell_failed() == (0, False, True)
         _step(model, opt)
         steps.loaded({"step": 5})
-        assert steps.cell_failed() == (0, False) and drops == [1, 1]
+        assert steps.cell_failed() == (0, False, True) and drops == [1, 1]
     finally:
         steps.closed()
