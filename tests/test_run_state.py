@@ -127,7 +127,8 @@ def test_fp16_trains_with_the_scaler_a_16_mixed_wrap_gives(sess):
     """A loss small enough that its fp16 gradients underflow: without scaling no weight
     moves; with the rank's ``scaler`` the loss falls as it does in bf16 (whose range is
     fp32's). A cell that fails on one rank inside the scaler's step drops that step on
-    every rank; a typo cell after ``unscale_`` leaves it."""
+    every rank; a typo cell after ``unscale_`` leaves it, and one after ``step`` runs the
+    update."""
     sess.execute(RUN_LOOP)
     after = {}
     try:
@@ -170,6 +171,11 @@ def test_fp16_trains_with_the_scaler_a_16_mixed_wrap_gives(sess):
         assert run_out(sess, "scaler.step(rs_opt)\n"
                        "rs_out = all(torch.equal(p.grad.to_local(), g) for p, g in zip(rs_model.parameters(), rs_g))\n"
                        "scaler.update()\nrs_opt.zero_grad()") == [True, True]
+        # a typo between scaler.step and scaler.update: the update runs, the next step too
+        sess.execute("exec(rs_step)\nscaler.step(rs_opt)\nrs_opt.zero_grad()")
+        with pytest.raises(fsdp_nb.RankError, match="NameError"):
+            sess.execute("rs_typo")
+        sess.execute("exec(rs_step)\nscaler.step(rs_opt)\nscaler.update()\nrs_opt.zero_grad()", timeout=60)
     finally:
         sess.execute("[globals().pop(n, None) for n in ('rs_step', 'rs_g')]", output=None)
         forget_models(sess, "rs_model", optimizers=("rs_opt", "rs_sched", "rs_loader", "scaler"))

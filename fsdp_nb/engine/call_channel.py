@@ -212,6 +212,7 @@ def as_cell(fn: Any, *args: Any) -> Any:
     (failed, where it raised), as IPython tells it around a ``%%px`` cell. The server runs
     a ``sess.run`` request so; the notebook wraps in it a ``sess.run`` it sends through
     ipyparallel instead (too large for the socket, or no socket)."""
+    __tracebackhide__ = True  # left out of the traceback IPython shows
     _tell(lambda: owner().cell_started())
     try:
         result = _invoke(fn, args)
@@ -236,6 +237,7 @@ def _tell(event: Any) -> None:
 def _invoke(fn: Any, args: tuple) -> Any:
     """The call, in a frame of its own: a SIGINT while ``fn`` runs (a builtin such as
     ``time.sleep`` has no frame) lands here, not in ``_on_request``'s bookkeeping."""
+    __tracebackhide__ = True  # left out of the traceback IPython shows (``as_cell``)
     return fn(*args)
 
 

@@ -25,7 +25,8 @@ scalers alike through the session's life:
   again drop a step the scaler had begun and not updated
   (:meth:`CountingScaler.forget_step`): a step cut short is no step, and torch's scaler
   would refuse the next ``unscale_`` or ``step``; a failed cell that cut no step short
-  leaves it, so the step goes on without unscaling its gradients twice;
+  leaves it, so the step goes on without unscaling its gradients twice, and one that
+  failed between ``step`` and ``update`` runs the update;
 - when the group forms again (``restart``, ``resize``, a recovery), every rank ends with
   the same scaler state (:meth:`GradScaling.reformed`): the ranks that stayed keep the
   run's (the lowest such rank's, agreed over the checkpoint group), a rank that joined
@@ -78,12 +79,15 @@ class CountingScaler(ShardedGradScaler):
         self.begun = False
         """A step began (gradients unscaled, an optimizer stepped) and ``update`` has not
         ended it yet."""
+        self.stepped = False
+        """``step`` ran (the optimizer's step taken or skipped) and ``update`` has not yet."""
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """``ShardedGradScaler.step``, counting a step it skips in ``skipped``."""
         steps = _owner()
         before = steps.optimizer_steps(optimizer)
         out = super().step(optimizer, *args, **kwargs)
+        self.stepped = True
         if self.is_enabled() and steps.optimizer_steps(optimizer) == before:
             self.skipped += 1
             steps.skipped(optimizer)  # the iteration ended all the same: the owner tells the features
@@ -104,7 +108,7 @@ class CountingScaler(ShardedGradScaler):
     def update(self, new_scale: Any = None) -> None:
         """``ShardedGradScaler.update``: the step ends (``new_scale``: torch's, a scale to set)."""
         super().update(new_scale)
-        self.begun = False
+        self.begun = self.stepped = False
 
     def forget_step(self) -> bool:
         """Drop what this scaler holds of a step begun and not updated (each optimizer's
@@ -128,9 +132,18 @@ class CountingScaler(ShardedGradScaler):
 
 
 class ScalerSteps(StepListener):
-    """What the scaler hears from the rank's step owner: that a failed cell cut a step short."""
+    """What the scaler hears from the rank's step owner: a failed cell, a step cut short."""
 
     order = 20
+
+    def cell_ended(self, failed: bool) -> None:
+        """A cell that failed after ``scaler.step`` and before ``scaler.update()`` (a typo
+        between them): the update runs, as the loop's would have (its inf check was agreed
+        across the ranks at ``unscale_``: no collective), so the next step starts afresh."""
+        scaler = current()
+        if failed and scaler is not None and scaler.stepped:
+            scaler.update()
+            log.info("fsdp_nb: the cell failed between scaler.step and scaler.update: the update ran")
 
     def cut_short(self) -> None:
         """A failed cell cut a step short, here or on another rank: the scaler's step begun in

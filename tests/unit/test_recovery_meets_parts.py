@@ -118,14 +118,17 @@ def test_a_failed_cell_drops_the_step_it_cut_short(ns, group):
     steps.cell_ended(False)  # a cell that ended well leaves a step to its loop
     with pytest.raises(RuntimeError, match="already been called"):
         scaler.unscale_(opt)
-    steps.cell_ended(True)  # a failed cell that cut no step short (a typo) leaves it too
-    assert scaler.begun
+    steps.cell_ended(True)  # a failed cell that cut no step short (a typo after unscale_) leaves it too
+    assert scaler.begun and not scaler.stepped
     steps.cut_short()  # one that did (here, or on another rank)
     assert not scaler.begun and scaler.get_scale() == 65536.0
     scaler.unscale_(opt)
     scaler.step(opt)
+    steps.cell_ended(True)  # a typo between step and update: the update runs
+    assert not scaler.begun and not scaler.stepped and scaler.skipped == 0
+    scaler.unscale_(opt)
+    scaler.step(opt)
     scaler.update()
-    assert scaler.skipped == 0
 
 
 def test_a_wrap_makes_one_scaler_and_leaves_another_name_alone(ns, caplog):
