@@ -372,7 +372,6 @@ class StepOwner(Part):
         """The failed cell cut a step short on some rank: it is no step on this one either
         (where the cell ended, or failed before its training forward). What FSDP2 holds
         unsynced goes, and the listeners hear ``cut_short`` (again, where it failed here)."""
-        self.changes += 1
         self.ended_in_step = False
         self._cut()
 

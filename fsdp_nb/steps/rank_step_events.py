@@ -85,6 +85,14 @@ class DeviceSteps:
             index, since, start, _ = self.rows[-1]                # next step's other holds it then
             self.rows[-1] = (index, since, start, end)
 
+    def newest_passed(self) -> int | None:
+        """The newest kept step whose end the device has passed (None: none, or a CPU rank):
+        one event query a step, no times read, for a sampler that asks whether to read."""
+        for index, _, _, end in reversed(list(self.rows)):
+            if end.query():
+                return index
+        return None
+
     def read(self) -> list[tuple[int, float, float, float]]:
         """(step number, step, other, model) in seconds for each kept step the device has
         passed, with its beginning (the step before's end, or its cell's start); oldest

@@ -380,8 +380,10 @@ def _steps_now(t: _Window | None, tries: int = 3) -> tuple[list[tuple], list[tup
         # a step that ended with no forward seen cannot be joined: the next step is its own
         growing = o.pending and o.forwarded
         if o.changes == before:
-            return rows, dev, rows[-1][0] if rows and growing else -1
-    return rows, dev, rows[-1][0] if rows else -1
+            break
+    else:
+        growing = True  # never one state: the newest step is taken as open
+    return rows, dev, rows[-1][0] if rows and growing else -1
 
 
 class StepsReading(Reading):
@@ -398,8 +400,8 @@ class StepsReading(Reading):
 
     def read(self, rank: int, seq: int, process: Any) -> Any:
         t = part(StepTiming).window
-        device = t.device.read()[-1:] if t is not None else []  # a GPU's step the device passed since
-        news = (part(StepTiming).epoch, count(), logged.count(), owner().pending, tuple(device[0][:1]) if device else ())
+        device = t.device.newest_passed() if t is not None else None  # a GPU's step the device passed since
+        news = (part(StepTiming).epoch, count(), logged.count(), owner().pending, device)
         if news == self.sent:
             return None
         self.sent = news

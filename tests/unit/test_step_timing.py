@@ -106,11 +106,15 @@ def test_a_gpu_ranks_steps_are_read_from_its_events_never_waiting_for_the_device
     for i in (1, 2, 3):
         dev.forward()
         dev.stepped(i)
+    assert dev.newest_passed() == 3
     made[-1].done = False  # the device has not reached step 3's end yet: it is left out, not waited for
+    assert dev.newest_passed() == 2
     got = dev.read()
     assert [g[0] for g in got] == [1, 2]
     assert got[0][1:] == pytest.approx((0.10, 0.02, 0.08)) and got[1][1:] == pytest.approx((0.11, 0.03, 0.08))
-    assert DeviceSteps(keep=5, event=lambda: None).read() == []  # a CPU rank records nothing
+    cpu = DeviceSteps(keep=5, event=lambda: None)
+    cpu.stepped(0)
+    assert cpu.read() == [] and cpu.newest_passed() is None  # a CPU rank records nothing
 
 
 def test_a_gpu_ranks_first_step_in_a_cell_counts_from_the_cells_start():
